@@ -1,0 +1,23 @@
+"""meshplan.ir: the typed operator IR, the cluster vocabulary and the plan contract.
+
+This floor imports nothing else of meshplan.
+"""
+
+from .cluster import Cluster, DeviceGroup, GpuSpec, GroupLink, LinkKind, LinkTier, RankInfo
+from .graph import DTYPE_BYTES, Block, Graph, ModelInfo, Op, OpKind, Param, TensorMeta, Unit
+from .parallel import (
+    MeshAxis,
+    Parallel,
+    Prediction,
+    RankMemory,
+    Recompute,
+    Schedule,
+    StagePlacement,
+)
+
+__all__ = [
+    "DTYPE_BYTES", "Block", "Cluster", "DeviceGroup", "GpuSpec", "Graph", "GroupLink",
+    "LinkKind", "LinkTier", "MeshAxis", "ModelInfo", "Op", "OpKind", "Param", "Parallel",
+    "Prediction", "RankInfo", "RankMemory", "Recompute", "Schedule", "StagePlacement",
+    "TensorMeta", "Unit",
+]

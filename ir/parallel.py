@@ -1,0 +1,174 @@
+"""The parallel-configuration vocabulary shared by the planner, the cost model and the runtime.
+
+- `Parallel`: the knobs of a configuration (degrees, micro-batching, recomputation, ZeRO).
+  Any field may be None, meaning "let the planner choose"; `estimate` needs them all (it fills
+  the obvious ones, e.g. `dp = world / (tp*pp*cp)`).
+- `StagePlacement`: which units a pipeline stage runs and on which device groups its
+  data-parallel replicas live (uneven DP shares across GPU types are expressed here).
+- `Prediction`: what the cost model says about a placed configuration, with breakdowns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+
+
+class MeshAxis(enum.StrEnum):
+    """Mesh axes, outermost first in the device mesh: pp, dp, cp, ep, tp."""
+
+    PP = "pp"
+    DP = "dp"
+    CP = "cp"
+    EP = "ep"
+    TP = "tp"
+
+
+class Recompute(enum.StrEnum):
+    NONE = "none"
+    SELECTIVE = "selective"  # recompute attention internals (Korthikanti et al.)
+    FULL = "full"  # keep only each layer's input
+
+
+class Schedule(enum.StrEnum):
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved_1f1b"
+    ZERO_BUBBLE = "zero_bubble"
+
+
+@dataclass(frozen=True, slots=True)
+class Parallel:
+    """A (possibly partial) parallel configuration. None = free for the planner to choose.
+
+    `global_batch` and `micro_batch` count sequences. `dp * micro_batch * num_microbatches ==
+    global_batch` where num_microbatches is derived. `zero` is the ZeRO stage (0 = plain DDP,
+    1 = sharded optimizer states, 2 = + gradients, 3 = FSDP / + parameters).
+    """
+
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    cp: int | None = None
+    ep: int | None = None
+    micro_batch: int | None = None
+    global_batch: int | None = None
+    recompute: Recompute | None = None
+    zero: int | None = None
+    schedule: Schedule | None = None
+    sequence_parallel: bool | None = None
+
+    def __post_init__(self) -> None:
+        for f in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "global_batch"):
+            v = getattr(self, f)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"Parallel.{f} must be a positive integer, got {v!r}")
+        if self.zero is not None and self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"Parallel.zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        if self.recompute is not None:
+            try:
+                object.__setattr__(self, "recompute", Recompute(self.recompute))
+            except ValueError:
+                choices = ", ".join(r.value for r in Recompute)
+                raise ValueError(
+                    f"Parallel.recompute must be one of {choices}, got {self.recompute!r}"
+                ) from None
+        if self.schedule is not None:
+            try:
+                object.__setattr__(self, "schedule", Schedule(self.schedule))
+            except ValueError:
+                choices = ", ".join(s.value for s in Schedule)
+                raise ValueError(
+                    f"Parallel.schedule must be one of {choices}, got {self.schedule!r}"
+                ) from None
+
+    @property
+    def is_complete(self) -> bool:
+        return all(getattr(self, f.name) is not None for f in dataclasses.fields(self))
+
+    @property
+    def model_parallel(self) -> int:
+        """GPUs in one data-parallel replica: tp * pp * cp (EP reuses DP ranks)."""
+        return (self.tp or 1) * (self.pp or 1) * (self.cp or 1)
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per pipeline per step (needs dp, micro_batch, global_batch)."""
+        assert self.dp and self.micro_batch and self.global_batch
+        return self.global_batch // (self.dp * self.micro_batch)
+
+    def pinned(self) -> dict[str, object]:
+        """The fields the user fixed."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) is not None
+        }
+
+    def __str__(self) -> str:
+        parts = [f"{k}={v}" for k, v in self.pinned().items()]
+        return "Parallel(" + ", ".join(parts) + ")"
+
+
+@dataclass(frozen=True, slots=True)
+class StagePlacement:
+    """Pipeline stage `index` runs units [first_unit, last_unit) on `replicas` data-parallel
+    replicas, spread over device groups as (group name, replica count) pairs. Each replica is
+    tp * cp GPUs of one group (TP and CP stay inside a group)."""
+
+    index: int
+    first_unit: int
+    last_unit: int
+    replicas: tuple[tuple[str, int], ...]
+
+    def __post_init__(self) -> None:
+        if self.last_unit <= self.first_unit:
+            raise ValueError(f"stage {self.index}: empty unit range")
+        if not self.replicas or any(n < 1 for _, n in self.replicas):
+            raise ValueError(f"stage {self.index}: replicas must be positive counts")
+
+    @property
+    def num_units(self) -> int:
+        return self.last_unit - self.first_unit
+
+    @property
+    def dp(self) -> int:
+        return sum(n for _, n in self.replicas)
+
+
+@dataclass(frozen=True, slots=True)
+class RankMemory:
+    """Peak memory of the ranks of one (stage, group) pair, with its breakdown by kind."""
+
+    stage: int
+    group: str
+    peak_bytes: int
+    capacity_bytes: int
+    breakdown: tuple[tuple[str, int], ...]  # (kind, bytes): params, grads, optimizer, ...
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.capacity_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """The cost model's verdict on one placed configuration.
+
+    `breakdown` splits the step time into named parts (seconds) that add up to
+    `step_time_s`; `memory` lists peak memory per (stage, group).
+    """
+
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float
+    model_flops_per_step: float
+    peak_memory_bytes: int
+    fits: bool
+    breakdown: tuple[tuple[str, float], ...]
+    memory: tuple[RankMemory, ...]
+    notes: tuple[str, ...] = ()
+
+    def breakdown_dict(self) -> dict[str, float]:
+        return dict(self.breakdown)

@@ -1,0 +1,1 @@
+"""meshplan.models: the built-in model zoo."""
