@@ -1,3 +1,28 @@
-"""meshplan: auto-parallelization planner for heterogeneous GPU clusters."""
+"""meshplan: auto-parallelization planner for training on heterogeneous GPU clusters.
+
+The public API:
+
+- `meshplan.trace(model, *example_inputs)` -> `Graph` (the operator IR)
+- `meshplan.plan(model, example_inputs, cluster, global_batch=..., parallel=...)` -> `Plan`
+- `meshplan.estimate(model, example_inputs, cluster, parallel=...)` -> `Prediction`
+- `meshplan.Cluster.load(path)`, `meshplan.Cluster.preset(name, gpus=N)`
+- `meshplan.Parallel(dp=, tp=, pp=, cp=, ep=, micro_batch=, global_batch=, recompute=, zero=)`
+- `meshplan.Plan.from_json(path)`, `plan.to_json(path)`, `plan.explain()`
+- `meshplan.models.get(name)`, `meshplan.models.transformer(...)`
+"""
+
+from meshplan import models
+from meshplan.ir import Cluster, Graph, Parallel, Prediction, Recompute, Schedule
+from meshplan.ir.plan import Plan, PlanError
+from meshplan.ir.trace import TraceError, trace
+
+from .api import estimate, estimate_plan, load_model, plan
+from .solver import InfeasibleError
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "Cluster", "Graph", "InfeasibleError", "Parallel", "Plan", "PlanError", "Prediction",
+    "Recompute", "Schedule", "TraceError", "estimate", "estimate_plan", "load_model", "models",
+    "plan", "trace",
+]

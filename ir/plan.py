@@ -1,0 +1,534 @@
+"""The execution plan: the contract between the planner and the runtime (plan JSON v1).
+
+A `Plan` says how one model trains on one cluster: the parallel degrees, which units each
+pipeline stage runs and on which device groups, which global rank plays which mesh
+coordinates, the schedule, recomputation, ZeRO stage, quantization and compression decisions
+(all off in v1 unless stated), and what the cost model predicts for it.
+
+JSON form (keys sorted, 2-space indent, trailing newline; identical inputs give identical
+bytes, so the solver's wall time is deliberately not recorded):
+
+    {
+      "version": "meshplan.plan/v1",
+      "meshplan_version": "0.1.0",
+      "model": {"name", "fingerprint", "num_params", "units": [unit names], "seq_len", ...},
+      "cluster": {"name", "fingerprint", "world_size", "spec": <cluster as Cluster.load reads>},
+      "degrees": {"dp", "tp", "pp", "cp", "ep"},
+      "mesh": {"axes": ["pp", "dp", "cp", "tp"], "shape": [...]},
+      "ranks": [[rank, node, local_rank, group, pp, dp, cp, tp] or [rank, node, local, group] idle],
+      "stages": [{"index", "first_unit", "last_unit", "units": [first, last name], "replicas"}],
+      "schedule", "micro_batch", "global_batch", "num_microbatches", "recompute", "zero",
+      "sequence_parallel", "placements", "quantization", "compression",
+      "predicted": {"step_time_s", "tokens_per_s", "mfu", "peak_memory_bytes", "fits",
+                    "breakdown": {...}, "memory": [...]},
+      "solver": {"status", "gap", "candidates", "objective"}
+    }
+
+Loading (`Plan.from_json`) validates against a JSON schema and rejects an unknown version, a
+corrupt file, or (when a cluster is given) a cluster mismatch, each with a one-line
+`PlanError`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .cluster import Cluster
+from .parallel import Parallel, Prediction, RankMemory, Recompute, Schedule, StagePlacement
+
+PLAN_VERSION = "meshplan.plan/v1"
+MESH_AXES = ("pp", "dp", "cp", "tp")
+
+
+class PlanError(ValueError):
+    """A plan that cannot be loaded or does not match the model or cluster (one-line message)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankAssignment:
+    """Global rank -> machine position and mesh coordinates (None coords: rank is idle)."""
+
+    rank: int
+    node: int
+    local_rank: int
+    group: str
+    coords: tuple[int, int, int, int] | None  # (pp, dp, cp, tp)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRef:
+    name: str
+    fingerprint: str
+    num_params: int
+    units: tuple[str, ...]
+    seq_len: int
+    dtype: str = "bfloat16"
+
+
+@dataclass(frozen=True, slots=True)
+class SolverInfo:
+    status: str  # "optimal", "feasible", "fixed" (estimate of a user-given configuration)
+    gap: float  # relative gap between the plan's objective and the solver's proven bound
+    candidates: int  # configurations priced
+    objective: str = "throughput"
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A complete, placed, predicted parallel configuration."""
+
+    model: ModelRef
+    cluster: Cluster
+    parallel: Parallel
+    stages: tuple[StagePlacement, ...]
+    ranks: tuple[RankAssignment, ...]
+    predicted: Prediction
+    solver: SolverInfo
+    placements: tuple[tuple[str, str], ...] = ()  # (block/op, placement string) pairs
+    version: str = PLAN_VERSION
+
+    def __post_init__(self) -> None:
+        if not self.parallel.is_complete:
+            missing = [k for k in _PARALLEL_KEYS if getattr(self.parallel, k) is None]
+            raise PlanError(f"plan: parallel configuration incomplete, missing {missing}")
+        if len(self.stages) != self.parallel.pp:
+            raise PlanError(f"plan: {len(self.stages)} stages but pp={self.parallel.pp}")
+
+    # -- derived ------------------------------------------------------------------------------
+    @property
+    def mesh_shape(self) -> tuple[int, int, int, int]:
+        p = self.parallel
+        return (p.pp or 1, p.dp or 1, p.cp or 1, p.tp or 1)
+
+    @property
+    def world_size(self) -> int:
+        """GPUs the plan uses (may be fewer than the cluster has)."""
+        return sum(1 for r in self.ranks if r.coords is not None)
+
+    # -- JSON ---------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        p, pr = self.parallel, self.predicted
+        return {
+            "version": self.version,
+            "meshplan_version": _meshplan_version(),
+            "model": {
+                "name": self.model.name,
+                "fingerprint": self.model.fingerprint,
+                "num_params": self.model.num_params,
+                "units": list(self.model.units),
+                "seq_len": self.model.seq_len,
+                "dtype": self.model.dtype,
+            },
+            "cluster": {
+                "name": self.cluster.name,
+                "fingerprint": self.cluster.fingerprint(),
+                "world_size": self.cluster.world_size,
+                "spec": self.cluster.to_dict(),
+            },
+            "degrees": {"dp": p.dp, "tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep},
+            "mesh": {"axes": list(MESH_AXES), "shape": list(self.mesh_shape)},
+            "ranks": [
+                [r.rank, r.node, r.local_rank, r.group, *r.coords]
+                if r.coords is not None
+                else [r.rank, r.node, r.local_rank, r.group]
+                for r in self.ranks
+            ],
+            "stages": [
+                {
+                    "index": s.index,
+                    "first_unit": s.first_unit,
+                    "last_unit": s.last_unit,
+                    "units": [self.model.units[s.first_unit], self.model.units[s.last_unit - 1]],
+                    "replicas": [{"group": g, "count": n} for g, n in s.replicas],
+                }
+                for s in self.stages
+            ],
+            "schedule": str(p.schedule),
+            "micro_batch": p.micro_batch,
+            "global_batch": p.global_batch,
+            "num_microbatches": p.num_microbatches,
+            "recompute": str(p.recompute),
+            "zero": p.zero,
+            "sequence_parallel": p.sequence_parallel,
+            "placements": {k: v for k, v in self.placements},
+            # v1 records the decisions explicitly even while they are always off.
+            "quantization": {"activations": "none", "gradients": "none"},
+            "compression": {"collectives": "none"},
+            "predicted": {
+                "step_time_s": pr.step_time_s,
+                "tokens_per_s": pr.tokens_per_s,
+                "mfu": pr.mfu,
+                "model_flops_per_step": pr.model_flops_per_step,
+                "peak_memory_bytes": pr.peak_memory_bytes,
+                "fits": pr.fits,
+                "breakdown": {k: v for k, v in pr.breakdown},
+                "memory": [
+                    {
+                        "stage": m.stage,
+                        "group": m.group,
+                        "peak_bytes": m.peak_bytes,
+                        "capacity_bytes": m.capacity_bytes,
+                        "breakdown": {k: v for k, v in m.breakdown},
+                    }
+                    for m in pr.memory
+                ],
+                "notes": list(pr.notes),
+            },
+            "solver": {
+                "status": self.solver.status,
+                "gap": self.solver.gap,
+                "candidates": self.solver.candidates,
+                "objective": self.solver.objective,
+            },
+        }
+
+    def to_json(self, path: str | os.PathLike | None = None) -> str:
+        """The plan as canonical JSON text; with `path`, also written there atomically."""
+        text = json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+        if path is not None:
+            _atomic_write(Path(path), text)
+        return text
+
+    @classmethod
+    def from_json(cls, source: str | os.PathLike, cluster: Cluster | None = None) -> Plan:
+        """Load a plan from a path or a JSON string; validates it (see module docstring)."""
+        where = "plan"
+        text: str
+        if isinstance(source, os.PathLike) or (
+            isinstance(source, str) and not source.lstrip().startswith("{")
+        ):
+            path = Path(source)
+            where = str(path)
+            try:
+                text = path.read_text()
+            except OSError as e:
+                raise PlanError(f"{where}: cannot read plan file ({e.strerror})") from None
+        else:
+            text = str(source)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(
+                f"{where}: not valid JSON (line {e.lineno}: {e.msg}); the file is corrupt, "
+                "re-run `meshplan plan -o ...`"
+            ) from None
+        return plan_from_dict(data, where=where, cluster=cluster)
+
+    # -- human view ---------------------------------------------------------------------------
+    def explain(self) -> str:
+        """A readable account: mesh, stages, per-rank memory, step time and its breakdown."""
+        p, pr = self.parallel, self.predicted
+        gib = 1024**3
+        lines = [
+            f"Plan for {self.model.name} ({self.model.num_params / 1e9:.2f}B params) on "
+            f"{self.cluster.name} ({self.world_size} of {self.cluster.world_size} GPUs)",
+            f"  degrees: dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp} ep={p.ep}; "
+            f"mesh {dict(zip(MESH_AXES, self.mesh_shape))}",
+            f"  batch: global {p.global_batch} = dp {p.dp} x micro-batch {p.micro_batch} x "
+            f"{p.num_microbatches} micro-batches; schedule {p.schedule}; recompute "
+            f"{p.recompute}; ZeRO-{p.zero}; sequence parallel {'on' if p.sequence_parallel else 'off'}",
+            "  stages:",
+        ]
+        for s in self.stages:
+            where = ", ".join(f"{n}x {g}" for g, n in s.replicas)
+            lines.append(
+                f"    stage {s.index}: units {s.first_unit}..{s.last_unit - 1} "
+                f"({self.model.units[s.first_unit]} .. {self.model.units[s.last_unit - 1]}), "
+                f"{s.dp} replica(s) on {where}"
+            )
+        lines.append("  memory per rank (peak / capacity):")
+        for m in pr.memory:
+            parts = ", ".join(f"{k} {v / gib:.1f}" for k, v in m.breakdown if v)
+            lines.append(
+                f"    stage {m.stage} on {m.group}: {m.peak_bytes / gib:.1f} / "
+                f"{m.capacity_bytes / gib:.1f} GiB ({parts})"
+            )
+        lines.append(
+            f"  predicted: step {pr.step_time_s:.3f} s, {pr.tokens_per_s:,.0f} tokens/s, "
+            f"MFU {pr.mfu * 100:.1f}%, fits={'yes' if pr.fits else 'NO'}"
+        )
+        total = pr.step_time_s or 1.0
+        for k, v in pr.breakdown:
+            lines.append(f"    {k:<18} {v:9.4f} s  {100 * v / total:5.1f}%")
+        for note in pr.notes:
+            lines.append(f"  note: {note}")
+        lines.append(
+            f"  solver: {self.solver.status}, gap {self.solver.gap * 100:.2f}%, "
+            f"{self.solver.candidates} configurations priced"
+        )
+        return "\n".join(lines)
+
+
+_PARALLEL_KEYS = (
+    "dp", "tp", "pp", "cp", "ep", "micro_batch", "global_batch", "recompute", "zero",
+    "schedule", "sequence_parallel",
+)
+
+
+def _meshplan_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("meshplan")
+    except Exception:  # not installed (e.g. running from a source tree)
+        return "0.0.0"
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    """Write via a temporary file in the same folder and rename, so readers never see half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+# -- rank assignment ----------------------------------------------------------------------------
+
+
+def assign_ranks(
+    cluster: Cluster, parallel: Parallel, stages: tuple[StagePlacement, ...]
+) -> tuple[RankAssignment, ...]:
+    """Give every GPU its mesh coordinates (pp, dp, cp, tp).
+
+    Each group's GPUs are handed out in rank order: stage by stage, replica by replica, a
+    replica taking tp*cp consecutive GPUs (so TP groups stay inside a node whenever tp
+    divides gpus_per_node). DP indices are numbered across groups in stage-placement order.
+    GPUs left over are idle (coords None).
+    """
+    tp, cp = parallel.tp or 1, parallel.cp or 1
+    per_replica = tp * cp
+    free: dict[str, list] = {g.name: [] for g in cluster.groups}
+    for r in cluster.ranks():
+        free[r.group].append(r)
+    cursor = {g: 0 for g in free}
+    coords: dict[int, tuple[int, int, int, int]] = {}
+    for stage in stages:
+        dp_index = 0
+        for group, count in stage.replicas:
+            if group not in free:
+                raise PlanError(f"plan: stage {stage.index} names unknown device group {group!r}")
+            for _ in range(count):
+                start = cursor[group]
+                block = free[group][start : start + per_replica]
+                if len(block) < per_replica:
+                    raise PlanError(
+                        f"plan: stage {stage.index} needs more GPUs of group {group!r} than the "
+                        f"cluster has ({len(free[group])})"
+                    )
+                cursor[group] += per_replica
+                for i, info in enumerate(block):
+                    coords[info.rank] = (stage.index, dp_index, i // tp, i % tp)
+                dp_index += 1
+    return tuple(
+        RankAssignment(r.rank, r.node, r.local_rank, r.group, coords.get(r.rank))
+        for r in cluster.ranks()
+    )
+
+
+# -- loading ----------------------------------------------------------------------------------
+
+_POS_INT = {"type": "integer", "minimum": 1}
+PLAN_SCHEMA: dict = {
+    "type": "object",
+    "required": [
+        "version", "model", "cluster", "degrees", "mesh", "ranks", "stages", "schedule",
+        "micro_batch", "global_batch", "recompute", "zero", "sequence_parallel", "predicted",
+        "solver",
+    ],
+    "properties": {
+        "version": {"type": "string"},
+        "model": {
+            "type": "object",
+            "required": ["name", "fingerprint", "num_params", "units", "seq_len"],
+            "properties": {
+                "name": {"type": "string"},
+                "fingerprint": {"type": "string"},
+                "num_params": {"type": "integer", "minimum": 0},
+                "units": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+                "seq_len": _POS_INT,
+                "dtype": {"type": "string"},
+            },
+        },
+        "cluster": {
+            "type": "object",
+            "required": ["name", "fingerprint", "world_size", "spec"],
+            "properties": {"world_size": _POS_INT, "spec": {"type": "object"}},
+        },
+        "degrees": {
+            "type": "object",
+            "required": ["dp", "tp", "pp", "cp", "ep"],
+            "properties": {k: _POS_INT for k in ("dp", "tp", "pp", "cp", "ep")},
+        },
+        "mesh": {
+            "type": "object",
+            "required": ["axes", "shape"],
+            "properties": {
+                "axes": {"type": "array", "items": {"type": "string"}},
+                "shape": {"type": "array", "items": _POS_INT},
+            },
+        },
+        "ranks": {
+            "type": "array",
+            "items": {"type": "array", "minItems": 4, "maxItems": 8},
+        },
+        "stages": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "required": ["index", "first_unit", "last_unit", "replicas"],
+                "properties": {
+                    "index": {"type": "integer", "minimum": 0},
+                    "first_unit": {"type": "integer", "minimum": 0},
+                    "last_unit": _POS_INT,
+                    "replicas": {
+                        "type": "array",
+                        "minItems": 1,
+                        "items": {
+                            "type": "object",
+                            "required": ["group", "count"],
+                            "properties": {"group": {"type": "string"}, "count": _POS_INT},
+                        },
+                    },
+                },
+            },
+        },
+        "schedule": {"enum": [s.value for s in Schedule]},
+        "micro_batch": _POS_INT,
+        "global_batch": _POS_INT,
+        "recompute": {"enum": [r.value for r in Recompute]},
+        "zero": {"enum": [0, 1, 2, 3]},
+        "sequence_parallel": {"type": "boolean"},
+        "predicted": {
+            "type": "object",
+            "required": [
+                "step_time_s", "tokens_per_s", "mfu", "peak_memory_bytes", "fits", "breakdown",
+                "memory",
+            ],
+        },
+        "solver": {"type": "object", "required": ["status", "gap", "candidates"]},
+    },
+}
+
+
+def _schema_error(data: dict, where: str) -> str | None:
+    import jsonschema
+
+    validator = jsonschema.Draft202012Validator(PLAN_SCHEMA)
+    errors = sorted(validator.iter_errors(data), key=lambda e: list(e.absolute_path))
+    if not errors:
+        return None
+    e = errors[0]
+    field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e.absolute_path)
+    return f"{where}: field {field.lstrip('.') or '(top level)'}: {e.message}"
+
+
+def plan_from_dict(data: object, *, where: str = "plan", cluster: Cluster | None = None) -> Plan:
+    """Rebuild a Plan from its JSON dict, validating version, schema and cluster."""
+    if not isinstance(data, dict):
+        raise PlanError(f"{where}: a plan is a JSON object, got {type(data).__name__}")
+    version = data.get("version")
+    if version != PLAN_VERSION:
+        raise PlanError(
+            f"{where}: unsupported plan version {version!r} (this meshplan reads "
+            f"{PLAN_VERSION}); re-run `meshplan plan` to regenerate it"
+        )
+    problem = _schema_error(data, where)
+    if problem:
+        raise PlanError(problem)
+    from .cluster_io import cluster_from_dict  # local: cluster_io pulls in yaml
+
+    try:
+        plan_cluster = cluster_from_dict(data["cluster"]["spec"], where=f"{where}: cluster.spec")
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    if plan_cluster.fingerprint() != data["cluster"]["fingerprint"]:
+        raise PlanError(
+            f"{where}: cluster.spec does not match its fingerprint (the file was edited or is "
+            "corrupt); re-run `meshplan plan`"
+        )
+    if cluster is not None and cluster.fingerprint() != plan_cluster.fingerprint():
+        raise PlanError(
+            f"{where}: plan was made for cluster {plan_cluster.name!r} "
+            f"({plan_cluster.world_size} GPUs, fingerprint {plan_cluster.fingerprint()}) but "
+            f"this cluster is {cluster.name!r} ({cluster.world_size} GPUs, fingerprint "
+            f"{cluster.fingerprint()}); re-plan for this cluster"
+        )
+    d, m = data["degrees"], data["model"]
+    parallel = Parallel(
+        dp=d["dp"], tp=d["tp"], pp=d["pp"], cp=d["cp"], ep=d["ep"],
+        micro_batch=data["micro_batch"], global_batch=data["global_batch"],
+        recompute=Recompute(data["recompute"]), zero=data["zero"],
+        schedule=Schedule(data["schedule"]), sequence_parallel=data["sequence_parallel"],
+    )
+    try:
+        stages = tuple(
+            StagePlacement(
+                s["index"], s["first_unit"], s["last_unit"],
+                tuple((r["group"], r["count"]) for r in s["replicas"]),
+            )
+            for s in data["stages"]
+        )
+    except ValueError as e:
+        raise PlanError(f"{where}: stages: {e}") from None
+    units = tuple(m["units"])
+    if stages[-1].last_unit > len(units):
+        raise PlanError(f"{where}: stages reach unit {stages[-1].last_unit} of {len(units)}")
+    ranks = []
+    for row in data["ranks"]:
+        coords = tuple(row[4:8]) if len(row) == 8 else None
+        ranks.append(RankAssignment(row[0], row[1], row[2], row[3], coords))  # type: ignore[arg-type]
+    if len(ranks) != plan_cluster.world_size:
+        raise PlanError(
+            f"{where}: ranks lists {len(ranks)} GPUs but the cluster has "
+            f"{plan_cluster.world_size}"
+        )
+    pr = data["predicted"]
+    prediction = Prediction(
+        step_time_s=float(pr["step_time_s"]),
+        tokens_per_s=float(pr["tokens_per_s"]),
+        mfu=float(pr["mfu"]),
+        model_flops_per_step=float(pr.get("model_flops_per_step", 0.0)),
+        peak_memory_bytes=int(pr["peak_memory_bytes"]),
+        fits=bool(pr["fits"]),
+        breakdown=tuple((k, float(v)) for k, v in pr["breakdown"].items()),
+        memory=tuple(
+            RankMemory(
+                mm["stage"], mm["group"], int(mm["peak_bytes"]), int(mm["capacity_bytes"]),
+                tuple((k, int(v)) for k, v in mm.get("breakdown", {}).items()),
+            )
+            for mm in pr["memory"]
+        ),
+        notes=tuple(pr.get("notes", ())),
+    )
+    s = data["solver"]
+    try:
+        return Plan(
+            model=ModelRef(
+                m["name"], m["fingerprint"], m["num_params"], units, m["seq_len"],
+                m.get("dtype", "bfloat16"),
+            ),
+            cluster=plan_cluster,
+            parallel=parallel,
+            stages=stages,
+            ranks=tuple(ranks),
+            predicted=prediction,
+            solver=SolverInfo(s["status"], float(s["gap"]), int(s["candidates"]),
+                              s.get("objective", "throughput")),
+            placements=tuple(sorted(data.get("placements", {}).items())),
+            version=version,
+        )
+    except PlanError as e:
+        raise PlanError(f"{where}: {str(e).removeprefix('plan: ')}") from None

@@ -1,0 +1,262 @@
+"""The Python API: `plan`, `estimate` and the helpers they share.
+
+    import meshplan
+    model, inputs = meshplan.models.get("llama3-70b", seq_len=8192)
+    cluster = meshplan.Cluster.preset("dgx-h100", gpus=256)
+    plan = meshplan.plan(model, inputs, cluster, global_batch=512)
+    print(plan.explain())
+    plan.to_json("plan.json")
+
+    est = meshplan.estimate(model, inputs, cluster,
+                            parallel=meshplan.Parallel(tp=8, pp=4, micro_batch=1, global_batch=512))
+    est.step_time_s, est.mfu, est.peak_memory_bytes, est.fits
+
+`model` may also be an already traced `meshplan.ir.Graph` (tracing is the slow part; trace
+once, then plan many clusters).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from meshplan.cost_model import predict
+from meshplan.ir import Cluster, Graph, Parallel, Prediction, Recompute, Schedule
+from meshplan.ir.plan import ModelRef, Plan, SolverInfo, assign_ranks
+from meshplan.ir.trace import trace
+from meshplan.passes.partition import even_stages, place_stages
+
+from .solver import solve
+
+# Tokens per optimizer step when the user gives no global batch: about 2M tokens, the order
+# of GPT-3's and Llama's pre-training batches (Brown et al. 2020 Table 2.1: 0.5M-3.2M tokens;
+# Llama 3 Herd paper Sec. 3.4: 4M-16M). Rounded down to a power of two of sequences.
+DEFAULT_TOKENS_PER_STEP = 2**21
+
+Progress = Callable[[str], None] | None
+
+
+class ModelLoadError(ValueError):
+    """A `path/to/file.py:factory` model spec that cannot be loaded (one-line message)."""
+
+
+def default_global_batch(seq_len: int) -> int:
+    """Sequences per step for ~DEFAULT_TOKENS_PER_STEP tokens, a power of two, at least 1."""
+    target = max(1, DEFAULT_TOKENS_PER_STEP // max(1, seq_len))
+    return 1 << (target.bit_length() - 1)
+
+
+def as_graph(
+    model: torch.nn.Module | Graph,
+    example_inputs: tuple | torch.Tensor | None = (),
+    *,
+    name: str | None = None,
+    progress: Progress = None,
+) -> Graph:
+    """Trace `model` unless it already is a Graph."""
+    if isinstance(model, Graph):
+        return model
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    return trace(model, *(example_inputs or ()), name=name, progress=progress)
+
+
+def _model_ref(graph: Graph) -> ModelRef:
+    dtype = graph.params[0].dtype if graph.params else "bfloat16"
+    return ModelRef(
+        name=graph.name,
+        fingerprint=graph.fingerprint(),
+        num_params=graph.num_params(),
+        units=tuple(u.name for u in graph.units),
+        seq_len=graph.info.seq_len or 1,
+        dtype=dtype,
+    )
+
+
+def complete_parallel(graph: Graph, cluster: Cluster, parallel: Parallel) -> Parallel:
+    """Fill the fields a hand-written configuration left out with the obvious choice.
+
+    tp, pp, cp, ep default to 1; dp to every GPU left (world / (tp*pp*cp)); micro_batch to 1;
+    global_batch to the default; recompute none; ZeRO 0; 1F1B; sequence parallel when tp > 1.
+    """
+    p = parallel
+    tp, pp, cp, ep = p.tp or 1, p.pp or 1, p.cp or 1, p.ep or 1
+    dp = p.dp or max(1, cluster.world_size // (tp * pp * cp))
+    micro_batch = p.micro_batch or 1
+    global_batch = p.global_batch or max(
+        dp * micro_batch, default_global_batch(graph.info.seq_len or 1)
+    )
+    return Parallel(
+        dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, micro_batch=micro_batch, global_batch=global_batch,
+        recompute=p.recompute or Recompute.NONE,
+        zero=p.zero if p.zero is not None else 0,
+        schedule=p.schedule or Schedule.ONE_F_ONE_B,
+        sequence_parallel=p.sequence_parallel if p.sequence_parallel is not None else tp > 1,
+    )
+
+
+def check_config(graph: Graph, cluster: Cluster, p: Parallel) -> None:
+    """One-line ValueError for a configuration that cannot run on this model and cluster."""
+    used = p.dp * p.tp * p.pp * p.cp  # type: ignore[operator]
+    if used > cluster.world_size:
+        raise ValueError(
+            f"dp*tp*pp*cp = {p.dp}*{p.tp}*{p.pp}*{p.cp} = {used} GPUs but cluster "
+            f"{cluster.name} has {cluster.world_size}"
+        )
+    if p.global_batch % (p.dp * p.micro_batch):  # type: ignore[operator]
+        raise ValueError(
+            f"global_batch {p.global_batch} is not divisible by dp*micro_batch = "
+            f"{p.dp}*{p.micro_batch}; pick a global batch that is"
+        )
+    info = graph.info
+    for what, n in (("heads", info.heads), ("kv_heads", info.kv_heads)):
+        if n and n % p.tp:  # type: ignore[operator]
+            raise ValueError(f"tp={p.tp} does not divide the model's {what} ({n})")
+    if info.experts and info.experts % p.ep:  # type: ignore[operator]
+        raise ValueError(f"ep={p.ep} does not divide the model's experts ({info.experts})")
+    if p.ep > 1 and not info.experts:  # type: ignore[operator]
+        raise ValueError(f"ep={p.ep} but the model has no experts")
+    if info.seq_len and info.seq_len % p.cp:  # type: ignore[operator]
+        raise ValueError(f"cp={p.cp} does not divide the sequence length ({info.seq_len})")
+
+
+def estimate(
+    model: torch.nn.Module | Graph,
+    example_inputs: tuple | torch.Tensor | None = (),
+    cluster: Cluster | None = None,
+    parallel: Parallel | None = None,
+    *,
+    progress: Progress = None,
+) -> Prediction:
+    """Predicted step time, tokens/s, MFU, peak memory per rank and `fits` of a hand-chosen
+    configuration (missing fields filled as in `complete_parallel`)."""
+    return estimate_plan(model, example_inputs, cluster, parallel, progress=progress).predicted
+
+
+def estimate_plan(
+    model: torch.nn.Module | Graph,
+    example_inputs: tuple | torch.Tensor | None = (),
+    cluster: Cluster | None = None,
+    parallel: Parallel | None = None,
+    *,
+    progress: Progress = None,
+) -> Plan:
+    """Like `estimate`, but returns the whole fixed Plan (for `explain()` and JSON)."""
+    cluster = cluster or Cluster.preset("default")
+    graph = as_graph(model, example_inputs, progress=progress)
+    p = complete_parallel(graph, cluster, parallel or Parallel())
+    check_config(graph, cluster, p)
+    stages = place_stages(cluster, p, even_stages(graph, p.pp))  # type: ignore[arg-type]
+    prediction = predict(graph, cluster, p, stages)
+    return Plan(
+        model=_model_ref(graph),
+        cluster=cluster,
+        parallel=p,
+        stages=stages,
+        ranks=assign_ranks(cluster, p, stages),
+        predicted=prediction,
+        solver=SolverInfo(status="fixed", gap=0.0, candidates=1),
+    )
+
+
+def plan(
+    model: torch.nn.Module | Graph,
+    example_inputs: tuple | torch.Tensor | None = (),
+    cluster: Cluster | None = None,
+    *,
+    global_batch: int | None = None,
+    parallel: Parallel | None = None,
+    time_limit_s: float = 10.0,
+    progress: Progress = None,
+) -> Plan:
+    """The fastest plan for `model` on `cluster` that fits in memory.
+
+    `parallel` pins any subset of the choices (e.g. `Parallel(tp=8)`); the solver fills the
+    rest. `global_batch` (sequences per optimizer step) may also be given inside `parallel`.
+    Raises `InfeasibleError` with the binding constraint when no plan fits.
+    """
+    cluster = cluster or Cluster.preset("default")
+    graph = as_graph(model, example_inputs, progress=progress)
+    pinned = parallel or Parallel()
+    if global_batch is not None and pinned.global_batch not in (None, global_batch):
+        raise ValueError(
+            f"global_batch={global_batch} conflicts with parallel.global_batch="
+            f"{pinned.global_batch}"
+        )
+    gb = global_batch or pinned.global_batch or default_global_batch(graph.info.seq_len or 1)
+    pinned = dataclasses.replace(pinned, global_batch=gb)
+    if progress:
+        progress(f"solving for {cluster.world_size} GPUs")
+    result = solve(graph, cluster, pinned, global_batch=gb, time_limit_s=time_limit_s,
+                   progress=progress)
+    return Plan(
+        model=_model_ref(graph),
+        cluster=cluster,
+        parallel=result.parallel,
+        stages=result.stages,
+        ranks=assign_ranks(cluster, result.parallel, result.stages),
+        predicted=result.prediction,
+        solver=SolverInfo(status=result.status, gap=result.gap, candidates=result.candidates),
+    )
+
+
+# -- user models ----------------------------------------------------------------------------
+
+
+def load_model(
+    spec: str, *, seq_len: int | None = None, micro_batch: int = 1
+) -> tuple[torch.nn.Module, tuple]:
+    """A preset name (`llama3-8b`) or `path/to/file.py:factory`.
+
+    The factory is called with `seq_len=` and `micro_batch=` if it accepts them and must return
+    `(model, example_inputs)`; build the model under `torch.device("meta")` for big configs.
+    """
+    from meshplan import models
+
+    if ":" not in spec or spec.lower() in models.PRESETS:
+        return models.get(spec, seq_len=seq_len, micro_batch=micro_batch)
+    path_text, _, factory_name = spec.rpartition(":")
+    path = Path(path_text)
+    if not path.is_file():
+        raise ModelLoadError(f"model file {path_text!r} not found (expected path/to/file.py:factory)")
+    module_name = f"meshplan_user_model_{abs(hash(str(path.resolve())))}"
+    try:
+        module_spec = importlib.util.spec_from_file_location(module_name, path)
+        assert module_spec and module_spec.loader
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[module_name] = module
+        module_spec.loader.exec_module(module)
+    except Exception as e:  # the user's file failed to import: say where, not a traceback
+        raise ModelLoadError(f"{path}: failed to import ({type(e).__name__}: {e})") from None
+    factory = getattr(module, factory_name, None)
+    if not callable(factory):
+        raise ModelLoadError(f"{path}: no callable {factory_name!r} in the file")
+    kwargs: dict[str, int] = {}
+    params = inspect.signature(factory).parameters
+    if seq_len is not None and "seq_len" in params:
+        kwargs["seq_len"] = seq_len
+    if "micro_batch" in params:
+        kwargs["micro_batch"] = micro_batch
+    try:
+        result = factory(**kwargs)
+    except Exception as e:
+        raise ModelLoadError(f"{path}:{factory_name}() raised {type(e).__name__}: {e}") from None
+    if (
+        not isinstance(result, tuple)
+        or len(result) != 2
+        or not isinstance(result[0], torch.nn.Module)
+    ):
+        raise ModelLoadError(
+            f"{path}:{factory_name}() must return (model, example_inputs), got "
+            f"{type(result).__name__}"
+        )
+    model, inputs = result
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    return model, tuple(inputs)

@@ -1,0 +1,294 @@
+"""The `meshplan` command line.
+
+    meshplan plan                         # default model on the default cluster
+    meshplan plan --model llama3-70b --cluster dgx-h100 --gpus 256 --global-batch 512 -o plan.json
+    meshplan estimate --model llama3-8b --cluster dgx-h100 --gpus 64 --tp 2 --pp 1 --zero 1
+    meshplan validate plan.json
+    meshplan models
+    meshplan clusters
+
+A user mistake (unknown model, bad cluster field, a configuration that does not divide, a
+model that fits nowhere) prints one line starting with `error:` on stderr and exits with
+status 2; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, TypeVar
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(
+    name="meshplan",
+    help="Auto-parallelization planner for training on heterogeneous GPU clusters.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+F = TypeVar("F", bound=Callable[..., object])
+EXIT_USER_ERROR = 2
+
+
+def user_errors(fn: F) -> F:
+    """Turn user mistakes (ValueError and friends) into one line and exit status 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: object, **kwargs: object) -> object:
+        try:
+            return fn(*args, **kwargs)
+        except (ValueError, FileNotFoundError, KeyError) as e:
+            message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            if isinstance(e, KeyError):
+                message = f"unknown name {message}"
+            err.print(f"[bold red]error:[/] {message}", soft_wrap=True)
+            raise typer.Exit(EXIT_USER_ERROR) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+@contextmanager
+def status(message: str):
+    """A spinner with a live message while tracing or solving (silent when not a terminal)."""
+    if not err.is_terminal:
+        yield lambda text: None
+        return
+    with err.status(message) as s:
+        yield lambda text: s.update(f"{message}: {text}")
+
+
+# -- shared option types -----------------------------------------------------------------------
+ModelOpt = Annotated[
+    str | None,
+    typer.Option("--model", "-m", help="Preset name (see `meshplan models`) or path/to/file.py:factory."),
+]
+ClusterOpt = Annotated[
+    str | None,
+    typer.Option("--cluster", "-c", help="Preset or GPU type (see `meshplan clusters`), or a YAML/JSON file."),
+]
+GpusOpt = Annotated[int | None, typer.Option("--gpus", help="Total GPUs for a preset cluster.")]
+SeqOpt = Annotated[int | None, typer.Option("--seq-len", help="Sequence length (tokens).")]
+BatchOpt = Annotated[
+    int | None, typer.Option("--global-batch", help="Sequences per optimizer step.")
+]
+IntOpt = Annotated[int | None, typer.Option()]
+
+
+def _load(model: str | None, cluster: str | None, gpus: int | None, seq_len: int | None,
+          micro_batch: int = 1):
+    from meshplan.ir import Cluster
+    from meshplan.models import DEFAULT_MODEL
+
+    from .api import load_model
+
+    name = model or DEFAULT_MODEL
+    cluster_spec = cluster or "default"
+    if Path(cluster_spec).suffix.lower() in (".yaml", ".yml", ".json"):
+        if gpus is not None:
+            raise ValueError("--gpus applies to preset clusters; a cluster file sets its own counts")
+        c = Cluster.load(cluster_spec)
+    else:
+        c = Cluster.preset(cluster_spec, gpus=gpus)
+    m, inputs = load_model(name, seq_len=seq_len, micro_batch=micro_batch)
+    return name, m, inputs, c
+
+
+def _trace(name: str, model, inputs):
+    from meshplan.ir import trace
+
+    with status(f"tracing {name}") as update:
+        graph = trace(model, *inputs, name=name, progress=update)
+    return graph
+
+
+def _pins(dp, tp, pp, cp, ep, micro_batch, global_batch, recompute, zero):
+    from meshplan.ir import Parallel
+
+    return Parallel(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, micro_batch=micro_batch,
+                    global_batch=global_batch, recompute=recompute, zero=zero)
+
+
+def _print_plan(plan, as_json: bool) -> None:
+    if as_json:
+        sys.stdout.write(plan.to_json())
+        return
+    p, pr = plan.parallel, plan.predicted
+    gib = 1024**3
+    out.print(f"[bold]{plan.model.name}[/] ({plan.model.num_params / 1e9:.2f}B params) on "
+              f"[bold]{plan.cluster.name}[/] ({plan.world_size} of {plan.cluster.world_size} GPUs)")
+    t = Table(title="parallel configuration", show_header=True)
+    for col in ("dp", "tp", "pp", "cp", "ep", "micro-batch", "micro-batches", "global batch",
+                "recompute", "ZeRO", "schedule", "SP"):
+        t.add_column(col, justify="right")
+    t.add_row(*map(str, (p.dp, p.tp, p.pp, p.cp, p.ep, p.micro_batch, p.num_microbatches,
+                         p.global_batch, p.recompute, p.zero, p.schedule,
+                         "on" if p.sequence_parallel else "off")))
+    out.print(t)
+    s = Table(title="pipeline stages and memory per rank")
+    for col in ("stage", "units", "replicas", "group", "peak GiB", "capacity GiB", "fits"):
+        s.add_column(col, justify="right")
+    mem = {(m.stage, m.group): m for m in pr.memory}
+    for st in plan.stages:
+        units = f"{plan.model.units[st.first_unit]} .. {plan.model.units[st.last_unit - 1]}"
+        for g, n in st.replicas:
+            m = mem.get((st.index, g))
+            s.add_row(str(st.index), units, str(n), g,
+                      f"{m.peak_bytes / gib:.1f}" if m else "?",
+                      f"{m.capacity_bytes / gib:.1f}" if m else "?",
+                      ("yes" if m.fits else "[red]NO[/]") if m else "?")
+    out.print(s)
+    b = Table(title="predicted step time")
+    b.add_column("part")
+    b.add_column("seconds", justify="right")
+    b.add_column("share", justify="right")
+    for k, v in pr.breakdown:
+        b.add_row(k, f"{v:.4f}", f"{100 * v / (pr.step_time_s or 1):.1f}%")
+    b.add_row("[bold]step[/]", f"[bold]{pr.step_time_s:.4f}[/]", "100%")
+    out.print(b)
+    out.print(f"tokens/s {pr.tokens_per_s:,.0f}   MFU {pr.mfu * 100:.1f}%   peak memory "
+              f"{pr.peak_memory_bytes / gib:.1f} GiB   fits: {'yes' if pr.fits else 'NO'}")
+    for note in pr.notes:
+        out.print(f"note: {note}")
+    out.print(f"solver: {plan.solver.status}, gap {plan.solver.gap * 100:.2f}%, "
+              f"{plan.solver.candidates} configurations priced")
+
+
+@app.command()
+@user_errors
+def plan(
+    model: ModelOpt = None,
+    cluster: ClusterOpt = None,
+    gpus: GpusOpt = None,
+    global_batch: BatchOpt = None,
+    seq_len: SeqOpt = None,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write plan JSON here.")] = None,
+    dp: IntOpt = None, tp: IntOpt = None, pp: IntOpt = None, cp: IntOpt = None,
+    ep: IntOpt = None,
+    micro_batch: Annotated[int | None, typer.Option("--micro-batch")] = None,
+    recompute: Annotated[str | None, typer.Option(help="none, selective or full")] = None,
+    zero: Annotated[int | None, typer.Option(help="ZeRO stage 0-3")] = None,
+    time_limit: Annotated[float, typer.Option("--time-limit", help="Solver seconds.")] = 10.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print plan JSON.")] = False,
+) -> None:
+    """Find the fastest plan that fits (default: the default model on the default cluster).
+
+    --dp/--tp/--pp/... pin those choices; the solver fills the rest.
+    """
+    from .api import plan as make_plan
+
+    name, m, inputs, c = _load(model, cluster, gpus, seq_len)
+    graph = _trace(name, m, inputs)
+    pins = _pins(dp, tp, pp, cp, ep, micro_batch, global_batch, recompute, zero)
+    with status("solving") as update:
+        result = make_plan(graph, cluster=c, parallel=pins, time_limit_s=time_limit,
+                           progress=update)
+    _print_plan(result, as_json)
+    if output:
+        result.to_json(output)
+        (err if as_json else out).print(f"wrote {output}")
+
+
+@app.command()
+@user_errors
+def estimate(
+    model: ModelOpt = None,
+    cluster: ClusterOpt = None,
+    gpus: GpusOpt = None,
+    global_batch: BatchOpt = None,
+    seq_len: SeqOpt = None,
+    dp: IntOpt = None, tp: IntOpt = None, pp: IntOpt = None, cp: IntOpt = None,
+    ep: IntOpt = None,
+    micro_batch: Annotated[int | None, typer.Option("--micro-batch")] = None,
+    recompute: Annotated[str | None, typer.Option(help="none, selective or full")] = None,
+    zero: Annotated[int | None, typer.Option(help="ZeRO stage 0-3")] = None,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write plan JSON here.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print plan JSON.")] = False,
+) -> None:
+    """Predict step time, throughput, MFU and memory of a configuration you choose."""
+    from .api import estimate_plan
+
+    name, m, inputs, c = _load(model, cluster, gpus, seq_len)
+    graph = _trace(name, m, inputs)
+    pins = _pins(dp, tp, pp, cp, ep, micro_batch, global_batch, recompute, zero)
+    result = estimate_plan(graph, cluster=c, parallel=pins)
+    _print_plan(result, as_json)
+    if not result.predicted.fits:
+        worst = max(result.predicted.memory, key=lambda r: r.peak_bytes - r.capacity_bytes)
+        err.print(f"[yellow]warning:[/] does not fit: stage {worst.stage} on {worst.group} needs "
+                  f"{worst.peak_bytes / 1e9:.1f} GB, capacity {worst.capacity_bytes / 1e9:.1f} GB")
+    if output:
+        result.to_json(output)
+
+
+@app.command()
+@user_errors
+def validate(
+    plan_file: Annotated[Path, typer.Argument(help="Plan JSON to check.")],
+    cluster: ClusterOpt = None,
+    gpus: GpusOpt = None,
+) -> None:
+    """Check a plan file: version, schema, and (with --cluster) that it matches the cluster."""
+    from meshplan.ir import Cluster
+    from meshplan.ir.plan import Plan
+
+    c = None
+    if cluster:
+        c = (Cluster.load(cluster) if Path(cluster).suffix.lower() in (".yaml", ".yml", ".json")
+             else Cluster.preset(cluster, gpus=gpus))
+    p = Plan.from_json(plan_file, cluster=c)
+    out.print(f"{plan_file}: valid {p.version} plan for {p.model.name} on {p.cluster.name} "
+              f"({p.world_size} GPUs, dp={p.parallel.dp} tp={p.parallel.tp} pp={p.parallel.pp})")
+
+
+@app.command()
+def models() -> None:
+    """List the built-in model presets."""
+    from meshplan.models import PRESETS
+
+    t = Table(title="model presets (meshplan plan --model NAME)")
+    for col in ("name", "params", "layers", "hidden", "heads/kv", "seq", "description"):
+        t.add_column(col)
+    for name, (cfg, desc) in PRESETS.items():
+        t.add_row(name, f"{cfg.num_params() / 1e9:.2f}B", str(cfg.layers), str(cfg.hidden),
+                  f"{cfg.heads}/{cfg.num_kv_heads}", str(cfg.seq_len), desc)
+    out.print(t)
+
+
+@app.command()
+def clusters() -> None:
+    """List the cluster presets and the GPU types they can be built from."""
+    from meshplan.ir.cluster_io import list_presets
+    from meshplan.ir.hardware import gpu_spec, known_gpus
+
+    t = Table(title="cluster presets (meshplan plan --cluster NAME [--gpus N])")
+    t.add_column("name")
+    t.add_column("description")
+    for name, desc in list_presets():
+        t.add_row(name, desc)
+    out.print(t)
+    g = Table(title="GPU types (--cluster TYPE builds 8-GPU nodes of it)")
+    for col in ("type", "bf16 TFLOP/s", "memory GiB", "HBM TB/s"):
+        g.add_column(col)
+    for name in known_gpus():
+        spec = gpu_spec(name)
+        g.add_row(name, f"{spec.peak('bfloat16') / 1e12:.0f}", f"{spec.memory_bytes / 2**30:.0f}",
+                  f"{spec.hbm_bandwidth / 1e12:.2f}")
+    out.print(g)
+
+
+def main() -> None:
+    """Entry point of the `meshplan` script."""
+    app(prog_name="meshplan")
+
+
+if __name__ == "__main__":
+    main()
