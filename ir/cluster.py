@@ -224,7 +224,15 @@ class Cluster:
 
         def plain(obj: object) -> object:
             if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-                return {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+                out = {}
+                for f in dataclasses.fields(obj):
+                    value = getattr(obj, f.name)
+                    # float fields given as ints (bandwidth=50e9 vs 50_000_000_000) must
+                    # serialise, and so fingerprint, identically.
+                    if f.type in ("float", "float | None") and isinstance(value, int):
+                        value = float(value)
+                    out[f.name] = plain(value)
+                return out
             if isinstance(obj, enum.Enum):
                 return obj.value
             if isinstance(obj, (tuple, list)):

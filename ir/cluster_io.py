@@ -1,0 +1,1050 @@
+"""Reading and writing cluster files, and the built-in cluster presets.
+
+A cluster file is YAML (`.yaml`, `.yml`) or JSON (`.json`); the extension decides. Example:
+
+```yaml
+name: my-cluster                 # optional; defaults to the file name without extension
+links:                           # optional; built-in tiers can be referenced without this
+  - {name: ib-fabric, kind: infiniband, bandwidth: 400Gbps, latency: 5us, efficiency: 0.8}
+groups:                          # one entry per set of identical nodes
+  - name: h100
+    gpu: H100                    # a GPU type from the spec table (any alias, any case)
+    nodes: 4
+    gpus_per_node: 8
+    intra_link: nvlink4          # optional for known GPU types (their NVLink / PCIe tier)
+    inter_link: ib-fabric  # required when nodes > 1
+    nics_per_node: 8             # optional, default 1
+    site: dc1                    # optional, default site0
+    price_per_gpu_hour: 2.5      # optional, $/GPU-hour, used by `meshplan whatif`
+  - name: a100-big
+    gpu: {base: A100-40GB, name: A100-40GB-custom, memory_bytes: 40GiB}   # override fields
+    nodes: 2
+    gpus_per_node: 8
+    inter_link: ib-hdr
+    site: dc2
+group_links:                     # needed between groups at different sites
+  - {a: dc1, b: dc2, link: wan-100g}
+```
+
+Fields, units and defaults:
+
+- `links[]`: `name`, `kind` (nvlink, pcie, infiniband, roce, ethernet, wan, loopback),
+  `bandwidth` (one direction: per GPU for intra-node tiers, per NIC for inter-node tiers, the
+  whole link for group links), optional `latency` and `efficiency` (defaults by kind from
+  `meshplan.ir.hardware.DEFAULT_LATENCY` / `DEFAULT_EFFICIENCY`). A tier defined here shadows a
+  built-in one of the same name.
+- Built-in tiers (`meshplan.ir.hardware.known_links()`): nvlink2-5, xgmi-mi250x,
+  xgmi-mi300x, pcie4, pcie5, ib-edr, ib-hdr, ib-ndr, ib-xdr, roce-200g, roce-400g, 100gbe,
+  25gbe, wan-10g, wan-100g, loopback.
+- `groups[].gpu`: a GPU type name, or a mapping with the `GpuSpec` fields (`name`, `base`,
+  `peak_flops` {dtype: FLOP/s}, `memory_bytes`, `hbm_bandwidth`, `sms`, `nvlink_bandwidth`,
+  `source`). With `base` (or a `name` that is a known type) the mapping overrides that spec;
+  `peak_flops`, when given, replaces the whole table. Without one, `peak_flops`,
+  `memory_bytes` and `hbm_bandwidth` are required. Give a changed spec a new name.
+- `group_links[]`: `a` and `b` are two group names or two site names; `link` a tier. A pair of
+  groups at different sites must be connected by one. Groups at one site without an entry
+  talk over the slower of their inter-node links.
+- Bandwidth: "400Gbps" / "400Gb/s" (bits), "50GB/s" / "12.5 GB/s" (bytes; also MB/s, TB/s,
+  GiB/s), or a bare number of bytes/s. Latency: "5us", "2ms", "100ns", "1s" or a number of
+  seconds. Memory: "80GiB", "80GB" (= 80e9: GB is decimal; the spec table uses GiB), or a
+  number of bytes. FLOP/s: "989TFLOP/s", "989 TFLOPS" or a number. Bare numbers may be
+  written "50e9" (PyYAML reads that as a string; it is parsed like any quantity).
+
+Errors raise `ClusterError`, one line: `<file>: <field path>: <what is wrong and what to do>`.
+
+The layout `Cluster.to_dict()` produces is also accepted (a GPU as a full spec mapping,
+`peak_flops` as [dtype, value] pairs), so JSON written from it loads back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import re
+import tempfile
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import jsonschema.exceptions
+import yaml
+
+from .cluster import Cluster, DeviceGroup, GpuSpec, GroupLink, LinkKind, LinkTier
+from .graph import DTYPE_BYTES
+from .hardware import (
+    DEFAULT_EFFICIENCY,
+    DEFAULT_LATENCY,
+    LINK_TIERS,
+    UnknownGpuError,
+    canonical_gpu_name,
+    default_intra_link,
+    gpu_spec,
+    known_gpus,
+    known_links,
+)
+
+__all__ = [
+    "CLUSTER_SCHEMA",
+    "EXAMPLE_PRICE_PER_GPU_HOUR",
+    "ClusterError",
+    "cluster_from_dict",
+    "cluster_to_file_dict",
+    "dump_cluster",
+    "list_presets",
+    "load_cluster",
+    "parse_bandwidth",
+    "parse_flops",
+    "parse_latency",
+    "parse_memory",
+    "preset_cluster",
+    "resolve_cluster",
+]
+
+_EXTENSIONS = (".yaml", ".yml", ".json")
+
+
+class ClusterError(ValueError):
+    """A cluster file, preset or field that cannot be used.
+
+    The message is one line: `<file>: <field path>: <reason>`; `source` (the file, or None for
+    presets) and `field` (a path like `groups[1].gpus_per_node`, or None) are kept as attributes
+    for callers that want to point at the problem themselves.
+    """
+
+    def __init__(self, reason: str, *, source: str | None = None, field: str | None = None):
+        self.reason = reason
+        self.source = source
+        self.field = field
+        parts = [p for p in (source, field) if p] + [reason]
+        super().__init__(": ".join(parts))
+
+
+# --------------------------------------------------------------------------------------------
+# Units
+# --------------------------------------------------------------------------------------------
+
+_NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+_QUANTITY = re.compile(rf"^\s*({_NUMBER})\s*([A-Za-zµμ/]*)\s*$")
+
+# Scales as exact decimals so "12.5 GB/s" or "3us" give the correctly rounded float (and the
+# same float the hardware tables compute), which keeps dump/load round trips exact.
+_BIT = Decimal(1) / Decimal(8)
+_SI = {
+    "k": Decimal("1e3"),
+    "K": Decimal("1e3"),
+    "M": Decimal("1e6"),
+    "G": Decimal("1e9"),
+    "T": Decimal("1e12"),
+}
+_BANDWIDTH_UNITS: dict[str, Decimal] = {
+    "": Decimal(1),
+    "B/s": Decimal(1),
+    "Bps": Decimal(1),
+    **{f"{p}B/s": scale for p, scale in _SI.items()},
+    **{f"{p}Bps": scale for p, scale in _SI.items()},
+    **{f"{p}iB/s": Decimal(2) ** e for p, e in (("K", 10), ("M", 20), ("G", 30), ("T", 40))},
+    "bps": _BIT,
+    "b/s": _BIT,
+    **{f"{p}{bits}": scale * _BIT for p, scale in _SI.items() for bits in ("bps", "b/s", "bit/s")},
+}
+_LATENCY_UNITS: dict[str, Decimal] = {
+    "": Decimal(1),
+    "s": Decimal(1),
+    "ms": Decimal("1e-3"),
+    "us": Decimal("1e-6"),
+    "µs": Decimal("1e-6"),  # micro sign
+    "μs": Decimal("1e-6"),  # Greek mu
+    "ns": Decimal("1e-9"),
+}
+_MEMORY_UNITS: dict[str, Decimal] = {
+    "": Decimal(1),
+    "B": Decimal(1),
+    "KB": Decimal("1e3"),
+    "kB": Decimal("1e3"),
+    "MB": Decimal("1e6"),
+    "GB": Decimal("1e9"),
+    "TB": Decimal("1e12"),
+    "KiB": Decimal(2) ** 10,
+    "MiB": Decimal(2) ** 20,
+    "GiB": Decimal(2) ** 30,
+    "TiB": Decimal(2) ** 40,
+}
+# FLOP/s units are matched case-insensitively ("TFLOPS", "TFLOP/s", "tflops").
+_FLOPS_UNITS: dict[str, Decimal] = {
+    f"{p}{suffix}": Decimal(s)
+    for p, s in (("", "1"), ("g", "1e9"), ("t", "1e12"), ("p", "1e15"))
+    for suffix in ("flop/s", "flops")
+}
+_FLOPS_UNITS[""] = Decimal(1)
+
+
+def _parse_quantity(
+    value: object, units: Mapping[str, Decimal], what: str, *, fold_case: bool = False
+) -> Decimal:
+    """`value` (a number, or a string with one of `units`) as an exact Decimal in base units."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        exact = Decimal(repr(value)) if isinstance(value, float) else Decimal(value)
+        return _finite(exact, value, what)
+    if isinstance(value, str):
+        match = _QUANTITY.match(value)
+        if match:
+            unit = match.group(2).lower() if fold_case else match.group(2)
+            if unit in units:
+                try:
+                    return Decimal(match.group(1)) * units[unit]
+                except InvalidOperation:  # pragma: no cover - the regex admits valid numbers
+                    pass
+    raise ValueError(f"must be {what}, got {value!r}")
+
+
+def _finite(value: Decimal, original: object, what: str) -> Decimal:
+    if not value.is_finite():  # YAML's .inf / .nan are floats too
+        raise ValueError(f"must be {what}, got {original!r}")
+    return value
+
+
+_BANDWIDTH_WHAT = "a bandwidth like '400Gbps', '50GB/s' or a number of bytes/s"
+_LATENCY_WHAT = "a latency like '5us', '2ms' or a number of seconds"
+_MEMORY_WHAT = "a memory size like '80GiB', '96GB' or a number of bytes"
+_FLOPS_WHAT = "a rate like '989TFLOP/s' or a number of FLOP/s"
+
+
+def parse_bandwidth(value: object) -> float:
+    """Bytes per second from "400Gbps" (bits), "50GB/s", "12.5 GB/s", "1GiB/s" or a number
+    of bytes/s. Must be positive; raises ValueError saying what is accepted."""
+    out = float(_parse_quantity(value, _BANDWIDTH_UNITS, _BANDWIDTH_WHAT))
+    if not out > 0:
+        raise ValueError(f"must be a positive bandwidth, got {value!r}")
+    return out
+
+
+def parse_latency(value: object) -> float:
+    """Seconds from "5us", "2ms", "100ns", "1s" or a number of seconds. Must be >= 0."""
+    out = float(_parse_quantity(value, _LATENCY_UNITS, _LATENCY_WHAT))
+    if out < 0:
+        raise ValueError(f"must be a non-negative latency, got {value!r}")
+    return out
+
+
+def parse_memory(value: object) -> int:
+    """Bytes from "80GiB", "96GB" (decimal: 96e9), "512MiB" or a number of bytes. Must be a
+    positive whole number of bytes."""
+    out = _parse_quantity(value, _MEMORY_UNITS, _MEMORY_WHAT)
+    if out <= 0 or out != out.to_integral_value():
+        raise ValueError(f"must be a positive whole number of bytes, got {value!r}")
+    return int(out)
+
+
+def parse_flops(value: object) -> float:
+    """FLOP/s from "989TFLOP/s", "989 TFLOPS", "2.25PFLOP/s" or a number. Must be positive."""
+    out = float(_parse_quantity(value, _FLOPS_UNITS, _FLOPS_WHAT, fold_case=True))
+    if not out > 0:
+        raise ValueError(f"must be a positive FLOP/s rate, got {value!r}")
+    return out
+
+
+def _human(value: float, parse: Callable[[str], float], units: Sequence[tuple[str, Decimal]]):
+    """The shortest "<number><unit>" string that parses back to exactly `value`, else the
+    number itself (dumped files stay readable without losing a bit)."""
+    best: str | None = None
+    for unit, scale in units:
+        digits = format((Decimal(repr(float(value))) / scale).normalize(), "f")
+        if len(digits) > 12:
+            continue
+        text = f"{digits}{unit}"
+        try:
+            if parse(text) == value and (best is None or len(text) < len(best)):
+                best = text
+        except ValueError:
+            continue
+    return best if best is not None else value
+
+
+_NETWORK_KINDS = (LinkKind.INFINIBAND, LinkKind.ROCE, LinkKind.ETHERNET, LinkKind.WAN)
+
+
+def _human_bandwidth(value: float, kind: LinkKind | None = None):
+    # Networks are sold in bits per second, GPU links and memory in bytes per second.
+    if kind in _NETWORK_KINDS:
+        units = [("Gbps", _BANDWIDTH_UNITS["Gbps"]), ("Mbps", _BANDWIDTH_UNITS["Mbps"])]
+    else:
+        units = [("GB/s", _BANDWIDTH_UNITS["GB/s"]), ("MB/s", _BANDWIDTH_UNITS["MB/s"])]
+    return _human(value, parse_bandwidth, units)
+
+
+def _human_latency(value: float):
+    units = [(u, _LATENCY_UNITS[u]) for u in ("s", "ms", "us", "ns")]
+    return _human(value, parse_latency, units) if value > 0 else value
+
+
+def _human_memory(value: int):
+    units = [(u, _MEMORY_UNITS[u]) for u in ("GiB", "MiB", "GB", "MB")]
+    return _human(value, lambda s: float(parse_memory(s)), units)
+
+
+def _human_flops(value: float):
+    return _human(value, parse_flops, [("TFLOP/s", Decimal("1e12"))])
+
+
+# --------------------------------------------------------------------------------------------
+# Schema
+# --------------------------------------------------------------------------------------------
+# Each leaf's "description" is the phrase error messages use: "must be <description>, got X".
+# Quantities are number-or-string here and parsed (with their own messages) afterwards.
+
+
+def _quantity(what: str) -> dict:
+    return {"type": ["number", "string"], "description": what}
+
+
+_NAME = {"type": "string", "minLength": 1, "description": "a non-empty string"}
+_POSITIVE_INT = {"type": "integer", "minimum": 1, "description": "a positive integer"}
+
+_GPU_SCHEMA: dict = {
+    # A string (type name) or a mapping of GpuSpec fields; object keywords apply to mappings.
+    "type": ["string", "object"],
+    "minLength": 1,
+    "description": "a GPU type name (e.g. H100) or a mapping of GPU spec fields",
+    "properties": {
+        "name": _NAME,
+        "base": _NAME,
+        "peak_flops": {
+            "type": ["object", "array"],
+            "minProperties": 1,
+            "minItems": 1,
+            "description": "a mapping of dtype to FLOP/s, e.g. {bfloat16: 989TFLOP/s}",
+            "additionalProperties": _quantity(_FLOPS_WHAT),
+            "items": {
+                "type": "array",
+                "minItems": 2,
+                "maxItems": 2,
+                "prefixItems": [
+                    {"type": "string", "description": "a dtype name"},
+                    _quantity(_FLOPS_WHAT),
+                ],
+                "description": "a [dtype, FLOP/s] pair",
+            },
+        },
+        "memory_bytes": _quantity(_MEMORY_WHAT),
+        "hbm_bandwidth": _quantity(_BANDWIDTH_WHAT),
+        "sms": {"type": "integer", "minimum": 0, "description": "a non-negative integer"},
+        "nvlink_bandwidth": _quantity(_BANDWIDTH_WHAT + " (0 for none)"),
+        "source": {"type": "string", "description": "a string"},
+    },
+    "additionalProperties": False,
+}
+
+_LINK_SCHEMA: dict = {
+    "type": "object",
+    "description": "a mapping with name, kind and bandwidth",
+    "required": ["name", "kind", "bandwidth"],
+    "properties": {
+        "name": _NAME,
+        "kind": {"enum": [k.value for k in LinkKind]},
+        "bandwidth": _quantity(_BANDWIDTH_WHAT),
+        "latency": _quantity(_LATENCY_WHAT),
+        "efficiency": {
+            "type": "number",
+            "exclusiveMinimum": 0,
+            "maximum": 1,
+            "description": "a fraction in (0, 1]",
+        },
+    },
+    "additionalProperties": False,
+}
+
+_GROUP_SCHEMA: dict = {
+    "type": "object",
+    "description": "a mapping with name, gpu, nodes and gpus_per_node",
+    "required": ["name", "gpu", "nodes", "gpus_per_node"],
+    "properties": {
+        "name": _NAME,
+        "gpu": _GPU_SCHEMA,
+        "nodes": _POSITIVE_INT,
+        "gpus_per_node": _POSITIVE_INT,
+        "intra_link": _NAME,
+        # "" is what Cluster.to_dict() writes for a single-node group.
+        "inter_link": {"type": "string", "description": "a link tier name"},
+        "nics_per_node": _POSITIVE_INT,
+        "site": _NAME,
+        "price_per_gpu_hour": {
+            "type": ["number", "null"],
+            "minimum": 0,
+            "description": "a non-negative price in $ per GPU-hour",
+        },
+    },
+    "additionalProperties": False,
+}
+
+_GROUP_LINK_SCHEMA: dict = {
+    "type": "object",
+    "description": "a mapping with a, b and link",
+    "required": ["a", "b", "link"],
+    "properties": {"a": _NAME, "b": _NAME, "link": _NAME},
+    "additionalProperties": False,
+}
+
+CLUSTER_SCHEMA: dict = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": "meshplan cluster",
+    "type": "object",
+    "description": "a mapping with at least a 'groups' list",
+    "required": ["groups"],
+    "properties": {
+        "name": _NAME,
+        "links": {"type": "array", "items": _LINK_SCHEMA, "description": "a list of links"},
+        "groups": {
+            "type": "array",
+            "minItems": 1,
+            "items": _GROUP_SCHEMA,
+            "description": "a non-empty list of device groups",
+        },
+        "group_links": {
+            "type": "array",
+            "items": _GROUP_LINK_SCHEMA,
+            "description": "a list of group links",
+        },
+    },
+    "additionalProperties": False,
+}
+
+_VALIDATOR = jsonschema.Draft202012Validator(CLUSTER_SCHEMA)
+
+
+def _path(parts: Iterable[object]) -> str:
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or "(top level)"
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _schema_error(err: jsonschema.exceptions.ValidationError) -> tuple[str, str]:
+    """(field path, reason) for the first schema violation, phrased for a person."""
+    where = list(err.absolute_path)
+    kind, schema, instance = err.validator, err.schema, err.instance
+    if kind == "required":
+        missing = [k for k in err.validator_value if k not in instance]
+        return _path(where), f"missing required field {missing[0]!r}"
+    if kind == "additionalProperties":
+        allowed = list(schema.get("properties", {}))
+        extra = min(k for k in instance if k not in allowed)
+        close = difflib.get_close_matches(str(extra), allowed, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        return _path([*where, extra]), f"unknown field; {hint}allowed: {', '.join(allowed)}"
+    if kind == "enum":
+        choices = ", ".join(str(c) for c in err.validator_value)
+        return _path(where), f"must be one of {choices}, got {_short(instance)}"
+    if "description" in schema:
+        return _path(where), f"must be {schema['description']}, got {_short(instance)}"
+    return _path(where), err.message  # pragma: no cover - every leaf has a description
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+
+def load_cluster(path: str | os.PathLike[str]) -> Cluster:
+    """Read and validate a cluster file (YAML or JSON, by extension).
+
+    Raises `ClusterError` with a one-line message naming the file, the field and the fix.
+    """
+    source = str(path)
+    file = Path(path)
+    if file.suffix.lower() not in _EXTENSIONS:
+        raise ClusterError(
+            f"unknown extension {file.suffix or '(none)'!r}; cluster files end in "
+            f"{', '.join(_EXTENSIONS)}",
+            source=source,
+        )
+    try:
+        text = file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ClusterError(
+            "no such file; give a YAML/JSON cluster file or a preset name "
+            f"({', '.join(name for name, _ in _PRESETS.items())})",
+            source=source,
+        ) from None
+    except OSError as e:
+        raise ClusterError(f"cannot read: {e.strerror or e}", source=source) from None
+    try:
+        data = json.loads(text) if file.suffix.lower() == ".json" else yaml.safe_load(text)
+    except (yaml.YAMLError, json.JSONDecodeError) as e:
+        reason = " ".join(str(e).split())  # one line, whatever the parser printed
+        raise ClusterError(
+            f"not valid {file.suffix[1:].upper()}: {reason}", source=source
+        ) from None
+    return cluster_from_dict(data, source=source, default_name=file.stem)
+
+
+def cluster_from_dict(
+    data: object, *, source: str = "<dict>", default_name: str = "cluster"
+) -> Cluster:
+    """Validate and build a cluster from the parsed contents of a cluster file.
+
+    `source` names the origin in error messages; `default_name` is used when the data has no
+    `name`.
+    """
+    errors = list(_VALIDATOR.iter_errors(data))
+    error = jsonschema.exceptions.best_match(errors)
+    if error is not None and error.validator == "required":
+        # A misspelt field shows up as "missing X" and "unknown Y" at once; the unknown field
+        # (with its did-you-mean) is the more useful report.
+        error = next(
+            (
+                e
+                for e in errors
+                if e.validator == "additionalProperties" and e.absolute_path == error.absolute_path
+            ),
+            error,
+        )
+    if error is not None:
+        where, reason = _schema_error(error)
+        raise ClusterError(reason, source=source, field=where)
+    assert isinstance(data, dict)
+
+    def fail(where: str, reason: str) -> ClusterError:
+        return ClusterError(reason, source=source, field=where)
+
+    # Links defined in the file, in file order.
+    defined: dict[str, LinkTier] = {}
+    for i, raw in enumerate(data.get("links", [])):
+        at = f"links[{i}]"
+        if raw["name"] in defined:
+            raise fail(f"{at}.name", f"duplicate link name {raw['name']!r}")
+        kind = LinkKind(raw["kind"])
+        bandwidth = _field(raw, "bandwidth", parse_bandwidth, at, fail)
+        latency = (
+            _field(raw, "latency", parse_latency, at, fail)
+            if "latency" in raw
+            else DEFAULT_LATENCY[kind]
+        )
+        efficiency = float(raw.get("efficiency", DEFAULT_EFFICIENCY[kind]))
+        defined[raw["name"]] = LinkTier(raw["name"], kind, bandwidth, latency, efficiency)
+
+    used: dict[str, LinkTier] = dict(defined)
+
+    def resolve_link(name: str, where: str) -> str:
+        """The tier's name as the cluster will hold it, adding a built-in tier on first use."""
+        if name in used:
+            return name
+        builtin = LINK_TIERS.get(name.lower())
+        if builtin is None:
+            options = [*defined, *known_links()]
+            close = difflib.get_close_matches(name, options, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise fail(
+                where,
+                f"unknown link {name!r}{hint}; define it under 'links' or use a built-in tier: "
+                f"{', '.join(known_links())}",
+            )
+        used.setdefault(builtin.name, builtin)
+        return builtin.name
+
+    groups: list[DeviceGroup] = []
+    for i, raw in enumerate(data["groups"]):
+        at = f"groups[{i}]"
+        if any(g.name == raw["name"] for g in groups):
+            raise fail(f"{at}.name", f"duplicate group name {raw['name']!r}")
+        gpu, table_type = _resolve_gpu(raw["gpu"], f"{at}.gpu", fail)
+        if "intra_link" in raw:
+            intra = resolve_link(raw["intra_link"], f"{at}.intra_link")
+        else:
+            if table_type is None:
+                raise fail(
+                    f"{at}.intra_link",
+                    f"required for the custom GPU {gpu.name!r} (e.g. nvlink4, pcie4)",
+                )
+            intra = resolve_link(default_intra_link(table_type), f"{at}.intra_link")
+        inter = raw.get("inter_link", "")
+        if inter:
+            inter = resolve_link(inter, f"{at}.inter_link")
+        elif raw["nodes"] > 1:
+            raise fail(
+                f"{at}.inter_link",
+                f"required when nodes > 1 (got nodes: {raw['nodes']}); name the network "
+                "between nodes, e.g. ib-ndr, roce-400g or 100gbe",
+            )
+        price = raw.get("price_per_gpu_hour")
+        groups.append(
+            DeviceGroup(
+                name=raw["name"],
+                gpu=gpu,
+                nodes=int(raw["nodes"]),
+                gpus_per_node=int(raw["gpus_per_node"]),
+                intra_link=intra,
+                inter_link=inter,
+                nics_per_node=int(raw.get("nics_per_node", 1)),
+                site=raw.get("site", "site0"),
+                price_per_gpu_hour=None if price is None else float(price),
+            )
+        )
+
+    group_names = {g.name for g in groups}
+    sites = {g.site for g in groups}
+    group_links: list[GroupLink] = []
+    for i, raw in enumerate(data.get("group_links", [])):
+        at = f"group_links[{i}]"
+        a, b = raw["a"], raw["b"]
+        for end in ("a", "b"):
+            if raw[end] not in group_names | sites:
+                raise fail(
+                    f"{at}.{end}",
+                    f"{raw[end]!r} is neither a group ({', '.join(sorted(group_names))}) "
+                    f"nor a site ({', '.join(sorted(sites))})",
+                )
+        # Cluster.link_between_groups matches a pair of group names or a pair of site names.
+        both_groups = a in group_names and b in group_names and a != b
+        both_sites = a in sites and b in sites
+        if not (both_groups or both_sites):
+            raise fail(at, f"a and b must be two different groups or two sites, got {a!r}, {b!r}")
+        group_links.append(GroupLink(a, b, resolve_link(raw["link"], f"{at}.link")))
+
+    _check_sites_connected(groups, group_links, fail)
+
+    try:
+        return Cluster(
+            name=data.get("name", default_name),
+            groups=tuple(groups),
+            links=tuple(used.values()),
+            group_links=tuple(group_links),
+        )
+    except ValueError as e:  # pragma: no cover - the checks above run first
+        raise fail("(cluster)", str(e)) from None
+
+
+def _field(raw: Mapping, key: str, parse: Callable[[object], Any], at: str, fail) -> Any:
+    try:
+        return parse(raw[key])
+    except ValueError as e:
+        raise fail(f"{at}.{key}", str(e)) from None
+
+
+def _resolve_gpu(value: object, at: str, fail) -> tuple[GpuSpec, str | None]:
+    """A GpuSpec from a type name or a mapping of spec fields (overriding a base spec), and the
+    canonical name of the table type it derives from (None for a wholly custom GPU)."""
+    if isinstance(value, str):
+        try:
+            return gpu_spec(value), gpu_spec(value).name
+        except UnknownGpuError as e:
+            raise fail(at, f"{e}; or give a mapping with the spec fields") from None
+    assert isinstance(value, dict)
+    base: GpuSpec | None = None
+    if "base" in value:
+        try:
+            base = gpu_spec(value["base"])
+        except UnknownGpuError as e:
+            raise fail(f"{at}.base", str(e)) from None
+    elif "name" in value and canonical_gpu_name(value["name"]) is not None:
+        base = gpu_spec(value["name"])
+    if base is None:
+        missing = [
+            k for k in ("name", "peak_flops", "memory_bytes", "hbm_bandwidth") if k not in value
+        ]
+        if missing:
+            raise fail(
+                at,
+                f"a GPU type not in the spec table needs {', '.join(missing)}; or set "
+                f"'base' to one of: {', '.join(known_gpus())}",
+            )
+    fields: dict[str, Any] = (
+        {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+        if base is not None
+        else {"sms": 0, "nvlink_bandwidth": 0.0, "source": ""}
+    )
+    # The name a spec is filed under: explicit when given with `base`, else canonical.
+    if "name" in value and (base is None or "base" in value):
+        fields["name"] = value["name"]
+    overridden = []
+    if "peak_flops" in value:
+        raw = value["peak_flops"]
+        pairs = list(raw.items()) if isinstance(raw, dict) else [tuple(p) for p in raw]
+        table = []
+        for j, (dtype, flops) in enumerate(pairs):
+            key = f"{at}.peak_flops.{dtype}" if isinstance(raw, dict) else f"{at}.peak_flops[{j}]"
+            if dtype not in DTYPE_BYTES:
+                raise fail(
+                    key,
+                    f"unknown dtype {dtype!r}; use torch dtype names such as "
+                    "bfloat16, float16, float32, float8_e4m3fn",
+                )
+            try:
+                table.append((dtype, parse_flops(flops)))
+            except ValueError as e:
+                raise fail(key, str(e)) from None
+        fields["peak_flops"] = tuple(table)
+        overridden.append("peak_flops")
+    for key, parse in (("memory_bytes", parse_memory), ("hbm_bandwidth", parse_bandwidth)):
+        if key in value:
+            fields[key] = _field(value, key, parse, at, fail)
+            overridden.append(key)
+    if "nvlink_bandwidth" in value:
+        raw_bw = value["nvlink_bandwidth"]
+        # 0 means "no NVLink" and is allowed here, unlike for a link tier.
+        fields["nvlink_bandwidth"] = (
+            0.0
+            if raw_bw in (0, "0")
+            else _field(value, "nvlink_bandwidth", parse_bandwidth, at, fail)
+        )
+        overridden.append("nvlink_bandwidth")
+    if "sms" in value:
+        fields["sms"] = int(value["sms"])
+        overridden.append("sms")
+    if "source" in value:
+        fields["source"] = value["source"]
+    elif base is not None and overridden:
+        fields["source"] = f"{base.source}; overridden: {', '.join(overridden)}"
+    try:
+        return GpuSpec(**fields), (base.name if base else None)
+    except ValueError as e:
+        raise fail(at, str(e)) from None
+
+
+def _check_sites_connected(
+    groups: Sequence[DeviceGroup], group_links: Sequence[GroupLink], fail
+) -> None:
+    """Every pair of groups at different sites needs a group link (by group or site)."""
+    for i, ga in enumerate(groups):
+        for gb in groups[i + 1 :]:
+            if ga.site == gb.site:
+                continue
+            pairs = ({ga.name, gb.name}, {ga.site, gb.site})
+            if not any({gl.a, gl.b} in pairs for gl in group_links):
+                raise fail(
+                    "group_links",
+                    f"groups {ga.name!r} (site {ga.site}) and {gb.name!r} (site {gb.site}) are "
+                    f"at different sites but nothing connects them; add "
+                    f"{{a: {ga.site}, b: {gb.site}, link: wan-100g}} (or another tier)",
+                )
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------
+
+
+def cluster_to_file_dict(cluster: Cluster) -> dict:
+    """The cluster in cluster-file layout with human units; `load_cluster` of it is equal.
+
+    GPUs identical to the spec table are written by name, others as full spec mappings; every
+    link tier is written out, so calibrated numbers survive even where a built-in name is used.
+    """
+    links = [
+        {
+            "name": t.name,
+            "kind": t.kind.value,
+            "bandwidth": _human_bandwidth(t.bandwidth, t.kind),
+            "latency": _human_latency(t.latency),
+            "efficiency": t.efficiency,
+        }
+        for t in cluster.links
+    ]
+    groups = []
+    for g in cluster.groups:
+        entry: dict[str, Any] = {
+            "name": g.name,
+            "gpu": _gpu_entry(g.gpu),
+            "nodes": g.nodes,
+            "gpus_per_node": g.gpus_per_node,
+            "intra_link": g.intra_link,
+        }
+        if g.inter_link:
+            entry["inter_link"] = g.inter_link
+        entry["nics_per_node"] = g.nics_per_node
+        entry["site"] = g.site
+        if g.price_per_gpu_hour is not None:
+            entry["price_per_gpu_hour"] = g.price_per_gpu_hour
+        groups.append(entry)
+    out: dict[str, Any] = {"name": cluster.name, "links": links, "groups": groups}
+    if cluster.group_links:
+        out["group_links"] = [{"a": gl.a, "b": gl.b, "link": gl.link} for gl in cluster.group_links]
+    return out
+
+
+def _gpu_entry(spec: GpuSpec) -> str | dict:
+    known = canonical_gpu_name(spec.name)
+    if known is not None and gpu_spec(known) == spec:
+        return spec.name
+    entry: dict[str, Any] = {"name": spec.name}
+    if known is not None:
+        # A changed spec filed under a table name: `base` keeps the loader from treating the
+        # name as "this table entry" and lets the explicit name through unchanged.
+        entry["base"] = known
+    entry["peak_flops"] = {dtype: _human_flops(v) for dtype, v in spec.peak_flops}
+    entry["memory_bytes"] = _human_memory(spec.memory_bytes)
+    entry["hbm_bandwidth"] = _human_bandwidth(spec.hbm_bandwidth)
+    entry["sms"] = spec.sms
+    entry["nvlink_bandwidth"] = (
+        _human_bandwidth(spec.nvlink_bandwidth) if spec.nvlink_bandwidth else 0
+    )
+    entry["source"] = spec.source
+    return entry
+
+
+def dump_cluster(cluster: Cluster, path: str | os.PathLike[str]) -> None:
+    """Write `cluster` as YAML (or JSON for a `.json` path) that `load_cluster` reads back
+    equal. The write is atomic: a reader never sees a half-written file."""
+    file = Path(path)
+    suffix = file.suffix.lower()
+    if suffix not in _EXTENSIONS:
+        raise ClusterError(
+            f"unknown extension {file.suffix or '(none)'!r}; use {', '.join(_EXTENSIONS)}",
+            source=str(path),
+        )
+    data = cluster_to_file_dict(cluster)
+    if suffix == ".json":
+        text = json.dumps(data, indent=2) + "\n"
+    else:
+        # Links and group links one per line (flow style), groups as blocks: short to scan.
+        text = f"# meshplan cluster: {cluster.summary()}\n"
+        text += yaml.safe_dump({"name": data["name"]}, sort_keys=False)
+        for key in ("links", "groups", "group_links"):
+            if key in data:
+                flow = None if key != "groups" else False
+                text += yaml.safe_dump(
+                    {key: data[key]}, sort_keys=False, default_flow_style=flow, width=120
+                )
+    fd, tmp = tempfile.mkstemp(dir=file.parent or ".", prefix=f".{file.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(text)
+        os.replace(tmp, file)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# --------------------------------------------------------------------------------------------
+# Presets
+# --------------------------------------------------------------------------------------------
+
+# Indicative on-demand prices in $ per GPU-hour: EXAMPLES in the range public GPU clouds
+# listed in 2024-25, not quotes. They only make `meshplan whatif` cost columns concrete; put
+# your own in a cluster file.
+EXAMPLE_PRICE_PER_GPU_HOUR: dict[str, float] = {
+    "H100": 3.00,
+    "H100-PCIe": 2.50,
+    "H200": 3.80,
+    "B200": 5.50,
+    "A100-80GB": 1.80,
+    "A100-40GB": 1.30,
+    "A100-PCIe": 1.60,
+    "V100": 0.80,
+    "L40S": 1.00,
+    "RTX4090": 0.40,
+    "A10": 0.75,
+    "MI250X": 1.20,
+    "MI300X": 2.50,
+}
+
+# The network between 8-GPU nodes of each type: (tier, NICs per node). Typical builds, not the
+# only ones; a cluster file describes yours.
+_NODE_NETWORK: dict[str, tuple[str, int]] = {
+    "H100": ("ib-ndr", 8),  # DGX H100: 8 x 400 Gb/s (hardware.md)
+    "H200": ("ib-ndr", 8),  # DGX H200: 8 x 400 Gb/s ConnectX-7, as DGX H100
+    "B200": ("ib-ndr", 8),  # DGX B200 datasheet: 8 x 400 Gb/s ConnectX-7
+    "A100-80GB": ("ib-hdr", 8),  # DGX A100: 8 x 200 Gb/s (hardware.md)
+    "A100-40GB": ("ib-hdr", 8),  # DGX A100 (320 GB model): same network
+    "V100": ("ib-edr", 4),  # DGX-1 with V100: 4 x 100 Gb/s EDR
+    "MI300X": ("roce-400g", 8),  # typical MI300X platforms: one 400 GbE NIC per GPU
+    "MI250X": ("roce-200g", 4),  # Frontier-like node: 4 MI250X (8 dies), 4 x 200 Gb/s NICs
+    "H100-PCIe": ("roce-200g", 4),  # PCIe servers: commonly one 200 Gb/s NIC per 2 GPUs
+    "A100-PCIe": ("roce-200g", 4),
+    "L40S": ("roce-200g", 4),
+    "RTX4090": ("100gbe", 1),  # consumer-GPU boxes: one 100 GbE port
+    "A10": ("100gbe", 1),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class _Preset:
+    description: str
+    build: Callable[[int | None], Cluster]
+
+
+def _fail_preset(name: str, reason: str) -> ClusterError:
+    return ClusterError(reason, field=f"preset {name}")
+
+
+def _nodes(preset: str, gpus: int, per_node: int = 8) -> tuple[int, int]:
+    """(nodes, gpus_per_node) for `gpus` GPUs in nodes of `per_node`: whole nodes, or one
+    partial node when fewer than `per_node`."""
+    if gpus <= per_node:
+        return 1, gpus
+    if gpus % per_node:
+        raise _fail_preset(
+            preset,
+            f"gpus must be a multiple of {per_node} (whole nodes) or at most {per_node} "
+            f"(one partial node), got {gpus}",
+        )
+    return gpus // per_node, per_node
+
+
+def _group(preset: str, name: str, gpu: str, gpus: int, site: str = "site0") -> DeviceGroup:
+    spec = gpu_spec(gpu)
+    nodes, per_node = _nodes(preset, gpus)
+    inter, nics = _NODE_NETWORK[spec.name]
+    return DeviceGroup(
+        name=name,
+        gpu=spec,
+        nodes=nodes,
+        gpus_per_node=per_node,
+        intra_link=default_intra_link(spec.name),
+        inter_link=inter,
+        nics_per_node=nics,
+        site=site,
+        price_per_gpu_hour=EXAMPLE_PRICE_PER_GPU_HOUR.get(spec.name),
+    )
+
+
+def _cluster(
+    name: str, groups: Sequence[DeviceGroup], group_links: Sequence[GroupLink] = ()
+) -> Cluster:
+    """A cluster holding the built-in tiers its groups and group links name, in first use."""
+    names: list[str] = []
+    for g in groups:
+        names += [g.intra_link] + ([g.inter_link] if g.inter_link else [])
+    names += [gl.link for gl in group_links]
+    links = tuple(LINK_TIERS[n] for n in dict.fromkeys(names))
+    world = sum(g.num_gpus for g in groups)
+    return Cluster(f"{name}-{world}", tuple(groups), links, tuple(group_links))
+
+
+def _homogeneous(
+    preset: str, gpu: str, default: int, group: str | None = None
+) -> Callable[[int | None], Cluster]:
+    def build(gpus: int | None) -> Cluster:
+        n = default if gpus is None else gpus
+        return _cluster(preset, [_group(preset, group or gpu_spec(gpu).name.lower(), gpu, n)])
+
+    return build
+
+
+def _even_split(preset: str, gpus: int) -> int:
+    if gpus % 2:
+        raise _fail_preset(preset, f"gpus must be even (half in each group), got {gpus}")
+    return gpus // 2
+
+
+def _mixed(gpus: int | None) -> Cluster:
+    half = _even_split("mixed-h100-a100", 32 if gpus is None else gpus)
+    # One site, one IB fabric: the groups meet over the slower (HDR) NICs of the A100 nodes.
+    return _cluster(
+        "mixed-h100-a100",
+        [
+            _group("mixed-h100-a100", "h100", "H100", half),
+            _group("mixed-h100-a100", "a100", "A100-80GB", half),
+        ],
+    )
+
+
+def _two_sites(gpus: int | None) -> Cluster:
+    half = _even_split("two-sites", 32 if gpus is None else gpus)
+    return _cluster(
+        "two-sites",
+        [
+            _group("two-sites", "h100-dc1", "H100", half, site="dc1"),
+            _group("two-sites", "h100-dc2", "H100", half, site="dc2"),
+        ],
+        [GroupLink("dc1", "dc2", "wan-100g")],
+    )
+
+
+def _cpu(gpus: int | None) -> Cluster:
+    n = 4 if gpus is None else gpus
+    group = DeviceGroup(
+        name="cpu",
+        gpu=gpu_spec("CPU"),
+        nodes=1,
+        gpus_per_node=n,
+        intra_link="loopback",
+        inter_link="",
+    )
+    return _cluster("cpu", [group])
+
+
+_PRESETS: dict[str, _Preset] = {
+    "default": _Preset(
+        "the shipped default for `meshplan plan`: 4 DGX H100 nodes, 32 x H100 SXM, NVLink4, "
+        "8 x 400 Gb/s IB NDR per node",
+        _homogeneous("dgx-h100", "H100", 32),
+    ),
+    "dgx-h100": _Preset(
+        "DGX H100 nodes: 8 x H100 SXM, NVLink4, 8 x 400 Gb/s IB NDR per node (default 8 GPUs)",
+        _homogeneous("dgx-h100", "H100", 8),
+    ),
+    "dgx-a100": _Preset(
+        "DGX A100 nodes: 8 x A100 80GB SXM, NVLink3, 8 x 200 Gb/s IB HDR per node (default 8 GPUs)",
+        _homogeneous("dgx-a100", "A100-80GB", 8, group="a100"),
+    ),
+    "mixed-h100-a100": _Preset(
+        "half DGX H100, half DGX A100 nodes at one site on one IB fabric (default 32 GPUs)",
+        _mixed,
+    ),
+    "rtx4090-ethernet": _Preset(
+        "nodes of 8 x RTX 4090 on PCIe4, one 100 GbE port per node (default 16 GPUs)",
+        _homogeneous("rtx4090-ethernet", "RTX4090", 16),
+    ),
+    "two-sites": _Preset(
+        "two DGX H100 groups at two sites joined by a 100 Gb/s WAN (default 32 GPUs, "
+        "half per site)",
+        _two_sites,
+    ),
+    "cpu": _Preset(
+        "one host with N CPU 'devices' over loopback, for local gloo runs (default 4)",
+        _cpu,
+    ),
+}
+
+
+def _preset_key(name: str) -> str:
+    return name.strip().lower().replace("_", "-")
+
+
+def list_presets() -> list[tuple[str, str]]:
+    """(name, description) of the named presets. Any GPU type of the spec table
+    (`meshplan.ir.hardware.known_gpus()`) is a preset too: 8-GPU nodes of that type."""
+    return [(name, p.description) for name, p in _PRESETS.items()]
+
+
+def preset_cluster(name: str, gpus: int | None = None) -> Cluster:
+    """Build preset `name` with `gpus` GPUs in total (None: the preset's default).
+
+    `name` is a named preset (see `list_presets`) or any GPU type of the spec table, which
+    gives 8-GPU nodes of that type. Raises `ClusterError` for an unknown name or a GPU count
+    the preset cannot make.
+    """
+    if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1):
+        raise _fail_preset(name, f"gpus must be a positive integer, got {gpus!r}")
+    preset = _PRESETS.get(_preset_key(name))
+    if preset is not None:
+        return preset.build(gpus)
+    gpu = canonical_gpu_name(name)
+    if gpu is not None:
+        return _homogeneous(gpu.lower(), gpu, 8)(gpus)
+    raise ClusterError(
+        f"unknown cluster preset {name!r}; presets: {', '.join(_PRESETS)}; "
+        f"or a GPU type: {', '.join(g for g in known_gpus() if g != 'CPU')}"
+    )
+
+
+def resolve_cluster(spec: str, gpus: int | None = None) -> Cluster:
+    """A cluster from a command-line style argument: a path to a cluster file (it has a
+    .yaml/.yml/.json extension or exists) or else a preset name."""
+    if spec.lower().endswith(_EXTENSIONS) or os.path.exists(spec):
+        if gpus is not None:
+            raise ClusterError(
+                "a GPU count applies to presets only; edit the file instead", source=spec
+            )
+        return load_cluster(spec)
+    return preset_cluster(spec, gpus)

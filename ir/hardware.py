@@ -1,0 +1,434 @@
+"""The hardware tables: accelerator specs (`GpuSpec`) and link tiers (`LinkTier`).
+
+Every number below cites where it comes from. `shared/reference/hardware.md` collects the vendor
+datasheet rows the project relies on; figures that are not in it cite the vendor document
+directly. Link latencies and efficiencies are *default assumptions* (typical values, cited where
+a public source exists) that `meshplan calibrate` is meant to replace with measurements.
+
+Conventions (the same as `meshplan.ir.cluster`):
+
+- FLOP/s are **dense** peaks. Datasheets often print "with sparsity" figures, twice the dense
+  ones; those are halved here. `peak_flops` keys are torch dtype names: "bfloat16",
+  "float16", "float32", "float8_e4m3fn". "float32" is the TF32 tensor-core dense rate where
+  the part has TF32 (that is what `torch.backends.cuda.matmul.allow_tf32` training uses), the
+  FP32 matrix rate on AMD parts, and the CUDA-core FP32 rate on V100 (no TF32); each entry
+  says which.
+- Bandwidths are bytes/s in **one direction**. NVLink / Infinity Fabric datasheet figures are
+  aggregate bidirectional per GPU, so they are halved here.
+- `memory_bytes` is the datasheet capacity read as **GiB** ("80 GB" -> 80 * 2**30 bytes).
+  NVIDIA and AMD HBM parts expose within about 1-2% of that to software (an "80GB" H100
+  reports roughly 79.6 GiB); GDDR parts with ECC enabled lose a few percent more. What the
+  CUDA context, NCCL buffers and allocator fragmentation take is *not* subtracted here: that
+  reserve belongs to the memory model, which can then apply one rule to every device.
+- Names: each spec has one canonical name (`known_gpus()`); `gpu_spec` also accepts aliases,
+  compared ignoring case, spaces, hyphens and underscores ("h100", "H100-SXM", "H100 SXM5").
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from types import MappingProxyType
+
+from .cluster import GpuSpec, LinkKind, LinkTier
+
+# Units, so that the tables below read like the datasheets they copy.
+TERA = 1e12
+GB = 1e9  # decimal gigabyte (bandwidths are decimal in every datasheet); float like parsed values
+GiB = 2**30  # binary gibibyte (memory capacities, see the module docstring)
+GBIT = 1e9 / 8  # one gigabit per second in bytes per second
+
+
+class UnknownGpuError(ValueError):
+    """A GPU name that is neither a canonical name nor an alias in the spec table."""
+
+
+class UnknownLinkError(ValueError):
+    """A link tier name that is not in the built-in tier table."""
+
+
+# --------------------------------------------------------------------------------------------
+# Accelerators
+# --------------------------------------------------------------------------------------------
+
+_HW_MD = "shared/reference/hardware.md"
+
+_SPECS: tuple[GpuSpec, ...] = (
+    GpuSpec(
+        name="H100",
+        peak_flops=(
+            ("bfloat16", 989 * TERA),  # hardware.md, H100 SXM5 dense
+            ("float16", 989 * TERA),  # hardware.md
+            ("float32", 494.5 * TERA),  # TF32 dense: datasheet 989 with sparsity / 2
+            ("float8_e4m3fn", 1979 * TERA),  # hardware.md
+        ),
+        memory_bytes=80 * GiB,  # hardware.md: 80 GB HBM3
+        hbm_bandwidth=3350 * GB,  # hardware.md: 3,350 GB/s
+        sms=132,  # hardware.md
+        nvlink_bandwidth=450 * GB,  # hardware.md: NVLink4 900 GB/s bidirectional / 2
+        source=f"NVIDIA H100 Tensor Core GPU datasheet (SXM5); {_HW_MD}",
+    ),
+    GpuSpec(
+        name="H100-PCIe",
+        peak_flops=(
+            ("bfloat16", 756 * TERA),  # hardware.md: H100 PCIe 756 BF16
+            ("float16", 756 * TERA),  # same tensor-core rate as BF16 (datasheet)
+            ("float32", 378 * TERA),  # TF32 dense: datasheet 756 with sparsity / 2
+            ("float8_e4m3fn", 1513 * TERA),  # datasheet 3,026 with sparsity / 2
+        ),
+        memory_bytes=80 * GiB,  # datasheet: 80 GB HBM2e
+        hbm_bandwidth=2000 * GB,  # hardware.md: 2.0 TB/s
+        sms=114,  # hardware.md
+        # The optional 2-GPU NVLink bridge is ignored: PCIe servers are modelled over PCIe.
+        nvlink_bandwidth=0.0,
+        source=f"NVIDIA H100 Tensor Core GPU datasheet (PCIe); {_HW_MD}",
+    ),
+    GpuSpec(
+        name="H200",
+        peak_flops=(
+            ("bfloat16", 989 * TERA),  # hardware.md: same compute as H100 SXM
+            ("float16", 989 * TERA),  # hardware.md
+            ("float32", 494.5 * TERA),  # TF32 dense, as H100 SXM
+            ("float8_e4m3fn", 1979 * TERA),  # hardware.md
+        ),
+        memory_bytes=141 * GiB,  # hardware.md: 141 GB HBM3e
+        hbm_bandwidth=4800 * GB,  # hardware.md: 4,800 GB/s
+        sms=132,  # NVIDIA H200 datasheet: same GH100 configuration as H100 SXM
+        nvlink_bandwidth=450 * GB,  # hardware.md: NVLink4 900 GB/s bidirectional / 2
+        source=f"NVIDIA H200 Tensor Core GPU datasheet (SXM); {_HW_MD}",
+    ),
+    GpuSpec(
+        name="B200",
+        peak_flops=(
+            ("bfloat16", 2250 * TERA),  # hardware.md, HGX B200 dense
+            ("float16", 2250 * TERA),  # hardware.md
+            # TF32 dense: HGX B200 datasheet 18 PFLOPS with sparsity for 8 GPUs -> /8 /2.
+            ("float32", 1125 * TERA),
+            ("float8_e4m3fn", 4500 * TERA),  # hardware.md
+        ),
+        # hardware.md gives 180-192 GB; HGX B200 ships 1,440 GB for 8 GPUs = 180 GB each.
+        memory_bytes=180 * GiB,
+        hbm_bandwidth=8000 * GB,  # hardware.md: 8,000 GB/s
+        sms=148,  # NVIDIA Blackwell architecture whitepaper: 148 SMs per B200 (two dies)
+        nvlink_bandwidth=900 * GB,  # hardware.md: NVLink5 1,800 GB/s bidirectional / 2
+        source=f"NVIDIA HGX B200 datasheet; {_HW_MD}",
+    ),
+    GpuSpec(
+        name="A100-80GB",
+        peak_flops=(
+            ("bfloat16", 312 * TERA),  # hardware.md, A100 SXM4
+            ("float16", 312 * TERA),  # hardware.md
+            ("float32", 156 * TERA),  # hardware.md: TF32 156 (dense)
+        ),
+        memory_bytes=80 * GiB,  # hardware.md: 80 GB HBM2e
+        hbm_bandwidth=2039 * GB,  # hardware.md: 2,039 GB/s
+        sms=108,  # NVIDIA A100 Tensor Core GPU architecture whitepaper: 108 SMs
+        nvlink_bandwidth=300 * GB,  # hardware.md: NVLink3 600 GB/s bidirectional / 2
+        source=f"NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB); {_HW_MD}",
+    ),
+    GpuSpec(
+        name="A100-40GB",
+        peak_flops=(
+            ("bfloat16", 312 * TERA),  # hardware.md
+            ("float16", 312 * TERA),  # hardware.md
+            ("float32", 156 * TERA),  # hardware.md: TF32 156 (dense)
+        ),
+        memory_bytes=40 * GiB,  # hardware.md: 40 GB HBM2
+        hbm_bandwidth=1555 * GB,  # hardware.md: 1,555 GB/s
+        sms=108,  # A100 architecture whitepaper
+        nvlink_bandwidth=300 * GB,  # hardware.md: NVLink3 600 GB/s bidirectional / 2
+        source=f"NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB); {_HW_MD}",
+    ),
+    GpuSpec(
+        name="A100-PCIe",
+        peak_flops=(
+            ("bfloat16", 312 * TERA),  # A100 datasheet: same tensor-core rate on PCIe
+            ("float16", 312 * TERA),
+            ("float32", 156 * TERA),  # TF32 dense
+        ),
+        memory_bytes=80 * GiB,  # datasheet: A100 80GB PCIe
+        hbm_bandwidth=1935 * GB,  # hardware.md: PCIe 80GB 1,935 GB/s
+        sms=108,  # A100 architecture whitepaper
+        nvlink_bandwidth=0.0,  # the optional 2-GPU NVLink bridge is ignored (PCIe server)
+        source=f"NVIDIA A100 Tensor Core GPU datasheet (PCIe 80GB); {_HW_MD}",
+    ),
+    GpuSpec(
+        name="V100",
+        peak_flops=(
+            # No BF16 hardware: GpuSpec.peak falls back to this FP16 figure for bfloat16,
+            # which overstates bf16 on V100; plan V100 runs in float16.
+            ("float16", 125 * TERA),  # hardware.md: V100 SXM2 125
+            ("float32", 15.7 * TERA),  # CUDA-core FP32 (no TF32): V100 datasheet, SXM2
+        ),
+        memory_bytes=32 * GiB,  # hardware.md: 16/32 GB; the 32 GB part
+        hbm_bandwidth=900 * GB,  # hardware.md: 900 GB/s
+        sms=80,  # NVIDIA Tesla V100 GPU architecture whitepaper: 80 SMs
+        nvlink_bandwidth=150 * GB,  # hardware.md: NVLink2 300 GB/s bidirectional / 2
+        source=f"NVIDIA Tesla V100 datasheet (SXM2 32GB); {_HW_MD}",
+    ),
+    GpuSpec(
+        name="L40S",
+        peak_flops=(
+            ("bfloat16", 362 * TERA),  # hardware.md (datasheet 733 with sparsity)
+            ("float16", 362 * TERA),  # hardware.md
+            ("float32", 183 * TERA),  # TF32 dense: datasheet 366 with sparsity / 2
+            ("float8_e4m3fn", 733 * TERA),  # hardware.md
+        ),
+        memory_bytes=48 * GiB,  # hardware.md: 48 GB GDDR6 (ECC on costs a few percent)
+        hbm_bandwidth=864 * GB,  # hardware.md: 864 GB/s
+        sms=142,  # NVIDIA L40S datasheet / Ada architecture whitepaper: 142 SMs
+        nvlink_bandwidth=0.0,  # hardware.md: no NVLink, PCIe4 x16
+        source=f"NVIDIA L40S datasheet; {_HW_MD}",
+    ),
+    GpuSpec(
+        name="RTX4090",
+        peak_flops=(
+            ("bfloat16", 165.2 * TERA),  # hardware.md: with FP32 accumulate (training)
+            ("float16", 165.2 * TERA),  # hardware.md: FP32 accumulate
+            ("float32", 82.6 * TERA),  # TF32 dense: NVIDIA Ada (AD102) whitepaper
+            ("float8_e4m3fn", 330.3 * TERA),  # hardware.md
+        ),
+        memory_bytes=24 * GiB,  # hardware.md: 24 GB GDDR6X
+        hbm_bandwidth=1008 * GB,  # hardware.md: 1,008 GB/s
+        sms=128,  # hardware.md
+        nvlink_bandwidth=0.0,  # hardware.md: no NVLink
+        source=f"NVIDIA Ada GPU architecture whitepaper (GeForce RTX 4090); {_HW_MD}",
+    ),
+    GpuSpec(
+        name="A10",
+        peak_flops=(
+            ("bfloat16", 125 * TERA),  # hardware.md
+            ("float16", 125 * TERA),  # hardware.md
+            ("float32", 62.5 * TERA),  # TF32 dense: A10 datasheet 125 with sparsity / 2
+        ),
+        memory_bytes=24 * GiB,  # hardware.md: 24 GB GDDR6
+        hbm_bandwidth=600 * GB,  # hardware.md: 600 GB/s
+        sms=72,  # NVIDIA A10 datasheet / GA102 whitepaper: 72 SMs
+        nvlink_bandwidth=0.0,  # hardware.md: PCIe4 only
+        source=f"NVIDIA A10 Tensor Core GPU datasheet; {_HW_MD}",
+    ),
+    GpuSpec(
+        # One graphics compute die (GCD): ROCm shows each MI250X as two GPUs.
+        name="MI250X",
+        peak_flops=(
+            ("bfloat16", 191.5 * TERA),  # hardware.md: 383 per package / 2 dies
+            ("float16", 191.5 * TERA),  # hardware.md
+            ("float32", 47.85 * TERA),  # FP32 matrix: AMD MI250X datasheet 95.7 / 2 dies
+        ),
+        memory_bytes=64 * GiB,  # hardware.md: 128 GB per package, 64 GB per die
+        hbm_bandwidth=1600 * GB,  # hardware.md: 1.6 TB/s per die
+        sms=110,  # AMD CDNA2 whitepaper: 220 CUs per MI250X, 110 per die
+        # hardware.md: Infinity Fabric 800 GB/s aggregate per package; split over two dies and
+        # two directions. An approximation: die-to-die bandwidth inside a node varies by pair.
+        nvlink_bandwidth=200 * GB,
+        source=f"AMD Instinct MI250X datasheet, one GCD; {_HW_MD}",
+    ),
+    GpuSpec(
+        name="MI300X",
+        peak_flops=(
+            ("bfloat16", 1307 * TERA),  # hardware.md
+            ("float16", 1307 * TERA),  # hardware.md
+            ("float32", 653.7 * TERA),  # TF32 dense: AMD MI300X datasheet
+            ("float8_e4m3fn", 2615 * TERA),  # hardware.md (2,615)
+        ),
+        memory_bytes=192 * GiB,  # hardware.md: 192 GB HBM3
+        hbm_bandwidth=5300 * GB,  # hardware.md: 5,300 GB/s
+        sms=304,  # AMD CDNA3 whitepaper: 304 CUs
+        # hardware.md: Infinity Fabric 896 GB/s aggregate bidirectional / 2. This is the sum over
+        # the 7 peer links of an 8-GPU platform; one peer pair gets 1/7 of it.
+        nvlink_bandwidth=448 * GB,
+        source=f"AMD Instinct MI300X datasheet; {_HW_MD}",
+    ),
+    GpuSpec(
+        # A generic host CPU seen as one "device" for local gloo runs (tests, debugging). These
+        # are modest PLACEHOLDERS, not a datasheet: profiling (`meshplan calibrate`) should
+        # replace them for any timing that matters.
+        name="CPU",
+        peak_flops=(("float32", 1 * TERA),),  # placeholder: a few AVX-512 cores' worth
+        memory_bytes=16 * GiB,  # placeholder: host RAM one process may use
+        hbm_bandwidth=20 * GB,  # placeholder: a share of a DDR4/DDR5 socket's bandwidth
+        sms=8,  # placeholder: cores per device
+        nvlink_bandwidth=0.0,
+        source="placeholder numbers for a host CPU device; calibrate before trusting timings",
+    ),
+)
+
+GPU_SPECS: MappingProxyType[str, GpuSpec] = MappingProxyType({s.name: s for s in _SPECS})
+
+# Aliases by canonical name. Lookup normalises case and drops every non-alphanumeric
+# character, so "H100 SXM5", "h100-sxm5" and "H100_SXM5" are one alias.
+_ALIASES: dict[str, tuple[str, ...]] = {
+    "H100": ("H100-SXM", "H100-SXM5", "H100-80GB", "H100-SXM5-80GB"),
+    "H100-PCIe": ("H100-PCIe-80GB",),
+    "H200": ("H200-SXM", "H200-141GB"),
+    "B200": ("HGX-B200", "B200-SXM"),
+    "A100-80GB": ("A100", "A100-SXM", "A100-SXM4", "A100-SXM4-80GB", "A100-80GB-SXM"),
+    "A100-40GB": ("A100-SXM4-40GB", "A100-40GB-SXM"),
+    "A100-PCIe": ("A100-PCIe-80GB", "A100-80GB-PCIe"),
+    "V100": ("V100-SXM2", "V100-32GB", "V100-SXM2-32GB", "Tesla-V100"),
+    "L40S": (),
+    "RTX4090": ("GeForce-RTX-4090", "4090"),
+    "A10": ("A10-24GB",),
+    "MI250X": ("MI250X-GCD", "Instinct-MI250X"),
+    "MI300X": ("Instinct-MI300X",),
+    "CPU": ("host-cpu", "gloo-cpu"),
+}
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[^0-9a-z]", "", name.lower())
+
+
+_LOOKUP: dict[str, str] = {}
+for _canonical, _aliases in _ALIASES.items():
+    for _alias in (_canonical, *_aliases):
+        assert _LOOKUP.get(_norm(_alias), _canonical) == _canonical, f"ambiguous alias {_alias}"
+        _LOOKUP[_norm(_alias)] = _canonical
+assert set(_ALIASES) == set(GPU_SPECS), "every spec needs an alias entry and vice versa"
+
+
+def known_gpus() -> list[str]:
+    """Canonical names of every GPU type in the spec table, in table order."""
+    return list(GPU_SPECS)
+
+
+def gpu_spec(name: str) -> GpuSpec:
+    """The spec of GPU type `name` (canonical name or alias, any case).
+
+    Raises `UnknownGpuError` with a one-line message listing the known types.
+    """
+    canonical = _LOOKUP.get(_norm(name))
+    if canonical is None:
+        close = difflib.get_close_matches(_norm(name), list(_LOOKUP), n=1)
+        hint = f" (did you mean {_LOOKUP[close[0]]!r}?)" if close else ""
+        raise UnknownGpuError(
+            f"unknown GPU type {name!r}{hint}; known types: {', '.join(known_gpus())}"
+        )
+    return GPU_SPECS[canonical]
+
+
+def canonical_gpu_name(name: str) -> str | None:
+    """The canonical name for `name` if it is a known GPU type or alias, else None."""
+    return _LOOKUP.get(_norm(name))
+
+
+# --------------------------------------------------------------------------------------------
+# Link tiers
+# --------------------------------------------------------------------------------------------
+#
+# Latency is the per-hop alpha of the alpha-beta model. NCCL's own tuning model
+# (NVIDIA/nccl src/graph/tuning.cc, `hwLat`, ring algorithm) charges per hop 0.47 us (LL
+# protocol) to 3.4 us (Simple) on NVLink, 1.0-5.7 us on PCIe and 2.7-9.6 us on the network;
+# the defaults below sit in those ranges. TCP (NCCL socket transport, gloo) and WAN values are
+# typical magnitudes. All of them are to be calibrated. (Written as literals, not 5 * 1e-6,
+# so that they equal what the cluster-file parser makes of "5us".)
+#
+# Efficiency is NCCL bus bandwidth over line rate on large messages. These are DEFAULT
+# ASSUMPTIONS to be replaced by `meshplan calibrate` (nccl-tests style measurements): large-
+# message busbw typically lands at 75-90% of line rate on NVLink and InfiniBand, lower through
+# host bridges and TCP stacks.
+
+DEFAULT_LATENCY: MappingProxyType[LinkKind, float] = MappingProxyType(
+    {
+        LinkKind.NVLINK: 2e-6,  # between NCCL hwLat LL 0.47 and Simple 3.4 us
+        LinkKind.PCIE: 3e-6,  # between NCCL hwLat LL 1.0 and Simple 5.7 us
+        LinkKind.INFINIBAND: 5e-6,  # between NCCL hwLat NET LL 2.7 and Simple 9.6 us
+        LinkKind.ROCE: 6e-6,  # RDMA over Ethernet: IB-like plus switch hops, typical
+        LinkKind.ETHERNET: 20e-6,  # NCCL socket transport over TCP, typical
+        LinkKind.WAN: 1e-3,  # ~200 km of fiber one way (5 us/km); set yours per link
+        LinkKind.LOOPBACK: 20e-6,  # gloo over TCP loopback, typical; placeholder
+    }
+)
+
+DEFAULT_EFFICIENCY: MappingProxyType[LinkKind, float] = MappingProxyType(
+    {
+        LinkKind.NVLINK: 0.8,  # assumption, calibrate
+        LinkKind.PCIE: 0.7,  # assumption: PCIe packet overhead, often routed via the host
+        LinkKind.INFINIBAND: 0.85,  # assumption, calibrate
+        LinkKind.ROCE: 0.8,  # assumption, calibrate
+        LinkKind.ETHERNET: 0.7,  # assumption: TCP socket transport
+        LinkKind.WAN: 0.5,  # assumption: shared long-haul TCP paths rarely fill the pipe
+        LinkKind.LOOPBACK: 1.0,  # placeholder: memory copies, calibrate
+    }
+)
+
+
+def _tier(name: str, kind: LinkKind, bandwidth: float) -> LinkTier:
+    return LinkTier(name, kind, bandwidth, DEFAULT_LATENCY[kind], DEFAULT_EFFICIENCY[kind])
+
+
+_TIERS: tuple[LinkTier, ...] = (
+    # GPU-to-GPU fabrics: per GPU, one direction (aggregate bidirectional / 2).
+    _tier("nvlink2", LinkKind.NVLINK, 150 * GB),  # hardware.md: V100 NVLink2 300 GB/s
+    _tier("nvlink3", LinkKind.NVLINK, 300 * GB),  # hardware.md: A100 NVLink3 600 GB/s
+    _tier("nvlink4", LinkKind.NVLINK, 450 * GB),  # hardware.md: H100/H200 NVLink4 900 GB/s
+    _tier("nvlink5", LinkKind.NVLINK, 900 * GB),  # hardware.md: B200 NVLink5 1,800 GB/s
+    # AMD Infinity Fabric (xGMI). LinkKind has no AMD member; NVLINK stands for "GPU fabric".
+    _tier("xgmi-mi250x", LinkKind.NVLINK, 200 * GB),  # hardware.md 800 GB/s per package / 4
+    _tier("xgmi-mi300x", LinkKind.NVLINK, 448 * GB),  # hardware.md: 896 GB/s / 2
+    # PCIe x16, per GPU, one direction.
+    _tier("pcie4", LinkKind.PCIE, 32 * GB),  # hardware.md: PCIe4 x16 64 GB/s bidirectional
+    _tier("pcie5", LinkKind.PCIE, 64 * GB),  # PCI-SIG: Gen5 doubles Gen4's 32 GT/s lane rate
+    # Inter-node, per NIC port, one direction.
+    _tier("ib-edr", LinkKind.INFINIBAND, 100 * GBIT),  # IBTA: EDR 4x = 100 Gb/s
+    _tier("ib-hdr", LinkKind.INFINIBAND, 200 * GBIT),  # hardware.md: HDR 200 Gb/s = 25 GB/s
+    _tier("ib-ndr", LinkKind.INFINIBAND, 400 * GBIT),  # hardware.md: NDR 400 Gb/s = 50 GB/s
+    _tier("ib-xdr", LinkKind.INFINIBAND, 800 * GBIT),  # hardware.md: XDR 800 Gb/s
+    _tier("roce-200g", LinkKind.ROCE, 200 * GBIT),  # IEEE 802.3 200GbE
+    _tier("roce-400g", LinkKind.ROCE, 400 * GBIT),  # hardware.md: RoCE 400 GbE
+    _tier("100gbe", LinkKind.ETHERNET, 100 * GBIT),  # hardware.md: 100 GbE = 12.5 GB/s
+    _tier("25gbe", LinkKind.ETHERNET, 25 * GBIT),  # IEEE 802.3by 25GbE
+    # Between sites: the whole link's bandwidth (shared by every flow crossing it).
+    _tier("wan-10g", LinkKind.WAN, 10 * GBIT),  # a 10 Gb/s leased line
+    _tier("wan-100g", LinkKind.WAN, 100 * GBIT),  # a 100 Gb/s leased line / DCI
+    # Processes on one host (gloo). Placeholder bandwidth: a memcpy-bound TCP loopback path.
+    _tier("loopback", LinkKind.LOOPBACK, 5 * GB),
+)
+
+LINK_TIERS: MappingProxyType[str, LinkTier] = MappingProxyType({t.name: t for t in _TIERS})
+
+
+def known_links() -> list[str]:
+    """Names of the built-in link tiers, in table order."""
+    return list(LINK_TIERS)
+
+
+def link_tier(name: str) -> LinkTier:
+    """The built-in link tier `name` (case-insensitive).
+
+    Raises `UnknownLinkError` with a one-line message listing the built-in tiers.
+    """
+    tier = LINK_TIERS.get(name.lower())
+    if tier is None:
+        close = difflib.get_close_matches(name.lower(), known_links(), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise UnknownLinkError(
+            f"unknown link tier {name!r}{hint}; built-in tiers: {', '.join(known_links())}"
+        )
+    return tier
+
+
+# The link inside a node for each GPU type: its NVLink/xGMI generation for SXM/OAM parts,
+# PCIe for the rest (hardware.md "GPU-GPU link" column; H100 PCIe is a Gen5 card).
+_INTRA_LINK: dict[str, str] = {
+    "H100": "nvlink4",
+    "H100-PCIe": "pcie5",
+    "H200": "nvlink4",
+    "B200": "nvlink5",
+    "A100-80GB": "nvlink3",
+    "A100-40GB": "nvlink3",
+    "A100-PCIe": "pcie4",
+    "V100": "nvlink2",
+    "L40S": "pcie4",
+    "RTX4090": "pcie4",
+    "A10": "pcie4",
+    "MI250X": "xgmi-mi250x",
+    "MI300X": "xgmi-mi300x",
+    "CPU": "loopback",
+}
+assert set(_INTRA_LINK) == set(GPU_SPECS)
+
+
+def default_intra_link(gpu: str) -> str:
+    """Name of the built-in tier that connects GPUs of type `gpu` inside one node."""
+    return _INTRA_LINK[gpu_spec(gpu).name]
