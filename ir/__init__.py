@@ -14,10 +14,11 @@ from .parallel import (
     Schedule,
     StagePlacement,
 )
+from .trace import TraceError, trace
 
 __all__ = [
     "DTYPE_BYTES", "Block", "Cluster", "DeviceGroup", "GpuSpec", "Graph", "GroupLink",
     "LinkKind", "LinkTier", "MeshAxis", "ModelInfo", "Op", "OpKind", "Param", "Parallel",
     "Prediction", "RankInfo", "RankMemory", "Recompute", "Schedule", "StagePlacement",
-    "TensorMeta", "Unit",
+    "TensorMeta", "Unit", "TraceError", "trace",
 ]

@@ -1,0 +1,788 @@
+"""`trace`: one training step of a PyTorch model -> meshplan's IR `Graph`, without real memory.
+
+How it works (the capture half; `lower.py` is the IR half):
+
+1. Parameters, buffers and example inputs are replaced by *fake* CPU tensors (FakeTensorMode:
+   shapes and dtypes, no data), so a 405B model on `torch.device("meta")` traces in a few
+   hundred MB. CPU rather than meta, so that SDPA dispatches to the fused CPU flash-attention
+   op instead of decomposing into bmm/softmax.
+2. `torch.func.functional_call` runs the forward; a scalar loss is taken from the output (the
+   output itself, `.loss`, or `.sum()` of the first output) and `torch.autograd.grad` runs the
+   backward with respect to the parameters.
+3. A `TorchDispatchMode` (`_Recorder`) sees every aten op of forward and backward:
+   - forward ops are recorded with shapes, FLOPs, bytes and the module they ran in (a stack kept
+     by global module pre/post forward hooks);
+   - autograd numbers the backward node of each op just before dispatching it, so the sequence
+     numbers taken since the previous op name the op's node (the tensors a dispatch mode sees
+     are not the ones autograd attaches `grad_fn` to, so `out.grad_fn` cannot be used);
+     during backward `torch._C._current_autograd_node()._sequence_nr()` names the forward op
+     whose backward is running and every backward FLOP and byte is charged to it (ops of
+     nodes with no owner, e.g. AccumulateGrad, go to the op whose backward ran last);
+   - after the forward, the autograd graph is walked from the loss and each node's saved
+     tensors (`grad_fn._saved_*`) are read: bytes kept for backward per op, deduplicated by
+     storage within each layer, parameters and buffers excluded, each storage charged to the
+     first op (in forward order) of the layer that saves it.
+4. Metadata-only ops (views, `t`, `detach`, `prim.device`, ...) are folded into the first real
+   op that consumes their result (else the op that produced their input), costs included.
+
+Activation checkpointing inside the model is traced as it runs (its recomputation lands in
+the backward costs), but ops under someone else's saved-tensor hooks report no saved bytes:
+trace models without checkpointing and let the planner decide recomputation.
+
+The whole model is traced, every layer: measured on a 2-core CPU this takes seconds even for
+126-layer 405B (benchmarks/trace_speed.py), so no truncate-and-replicate shortcut is needed, and
+layers that really differ are never assumed equal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .flops import ATTENTION_TARGETS, is_metadata_op, iter_tensors, op_bytes, op_flops, packet_name
+from .graph import DTYPE_BYTES, Graph, Param, TensorMeta
+from .lower import LOSS_MODULE, OpRecord, Source, TraceRecord, lower
+
+__all__ = ["TraceError", "find_layer_container", "trace"]
+
+
+class TraceError(ValueError):
+    """A model could not be traced; the message (one line) names the module/op and the fix."""
+
+
+ProgressArg = Callable[[str], None] | bool | None
+
+# Phases of one traced step.
+_FORWARD, _LOSS, _BACKWARD = "forward", "loss", "backward"
+
+
+# -- public API -----------------------------------------------------------------------------
+def trace(
+    model: nn.Module,
+    *example_inputs: object,
+    kwargs: dict[str, object] | None = None,
+    name: str | None = None,
+    progress: ProgressArg = None,
+) -> Graph:
+    """Trace one training step (forward + backward) of `model` into a `meshplan.ir.Graph`.
+
+    `model` may live on meta (built under `torch.device("meta")`) or be a real model;
+    `example_inputs` (and `kwargs`, passed by keyword to `forward`) may be real, fake or meta
+    tensors: only their shapes and dtypes are used, and no parameter or activation memory is
+    ever allocated. The loss is the model's output if it is a scalar, else its `.loss`, else
+    the `.sum()` of its first tensor output.
+
+    Costs follow FlopCounterMode's convention (matmul-class and attention FLOPs only; see
+    `meshplan.ir.flops`) for one micro-batch of the example inputs' shape. The repeated layer
+    container is found structurally (`find_layer_container`); its children become units and
+    identical layers share one block.
+
+    `progress` is a callback taking one-line messages, or True for a rich progress bar.
+    Raises `TraceError` for data-dependent control flow, ops fake tensors cannot run, and
+    models with no differentiable output.
+    """
+    report = _Progress(progress)
+    try:
+        graph = _trace(model, example_inputs, dict(kwargs or {}), name, report)
+    finally:
+        report.close()
+    return graph
+
+
+def find_layer_container(model: nn.Module) -> tuple[str | None, tuple[str, ...]]:
+    """The repeated layer container of a model and the full paths of its children.
+
+    Candidates are `nn.ModuleList` / `nn.Sequential` modules anywhere in the tree with at least
+    two children of one class of which at least two have an identical structure (class names
+    and parameter shapes, recursively); the one holding the most parameters wins. Containers
+    named `experts` are skipped, so a 1-layer MoE model does not turn its experts into layers.
+    Children may still differ (dense and MoE layers of one class): they become distinct block
+    templates. Returns `(None, ())` when there is no such container; the whole model is then
+    one `<prologue>` unit.
+    """
+    best: tuple[int, str, tuple[str, ...]] | None = None
+    for path, mod in model.named_modules():
+        if not isinstance(mod, (nn.ModuleList, nn.Sequential)) or len(mod) < 2:
+            continue
+        if path.rsplit(".", 1)[-1] in ("experts", "expert"):
+            continue
+        children = list(mod.named_children())
+        if len({type(c).__name__ for _, c in children}) != 1:
+            continue
+        structures = [_structure(c) for _, c in children]
+        if len(set(structures)) == len(structures):
+            continue  # no two children alike: not a stack of repeated layers
+        n_params = sum(p.numel() for p in mod.parameters())
+        names = tuple(f"{path}.{n}" if path else n for n, _ in children)
+        if best is None or n_params > best[0]:
+            best = (n_params, path, names)
+    if best is None:
+        return None, ()
+    return best[1], best[2]
+
+
+def _structure(module: nn.Module) -> tuple:
+    mods = tuple((n, type(m).__name__) for n, m in module.named_modules())
+    params = tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters())
+    return mods, params
+
+
+# -- progress -------------------------------------------------------------------------------
+class _Progress:
+    """Progress reporting: a user callback, a rich progress bar (`True`), or nothing."""
+
+    def __init__(self, progress: ProgressArg) -> None:
+        self._callback: Callable[[str], None] | None = None
+        self._bar = None
+        self._task = None
+        if callable(progress):
+            self._callback = progress
+        elif progress is True:
+            from rich.progress import Progress
+
+            self._bar = Progress(transient=True)
+            self._bar.start()
+
+    def set_total(self, total: int) -> None:
+        if self._bar is not None:
+            self._task = self._bar.add_task("tracing", total=max(total, 1))
+
+    def __call__(self, message: str, advance: int = 0) -> None:
+        if self._callback is not None:
+            self._callback(message)
+        if self._bar is not None and self._task is not None:
+            self._bar.update(self._task, description=message, advance=advance)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+# -- capture --------------------------------------------------------------------------------
+@dataclass(slots=True)
+class _TensorInfo:
+    """What the tracer knows about a live forward tensor (views share their base's info)."""
+
+    key: int
+    producer: int | None  # forward position of the real op that made it; -1 graph input
+    meta: TensorMeta
+    param: str | None = None  # canonical parameter name, for parameters and their views
+    is_state: bool = False  # parameter or buffer: not an activation
+
+
+@dataclass(slots=True)
+class _MetaOp:
+    """A folded metadata-only forward op: where its (backward) costs and its name go."""
+
+    fx_name: str
+    producer: int | None  # real op that produced its input, if any
+    fold: int | None = None  # real op it folds into
+
+
+class _Capture:
+    """All capture state of one trace: forward records, autograd-node map, backward costs."""
+
+    def __init__(self, layer_of_path: dict[str, int], n_layers: int, report: _Progress) -> None:
+        self.phase = _FORWARD
+        self.layer_of_path = layer_of_path
+        self.n_layers = n_layers
+        self.report = report
+        self.records: dict[int, OpRecord] = {}  # real forward ops by position
+        self.meta_ops: dict[int, _MetaOp] = {}  # metadata forward ops by position
+        self.n_fwd = 0
+        self.info: dict[int, _TensorInfo] = {}  # id(tensor) -> info; tensors kept alive
+        self.keep: list[torch.Tensor] = []  # so that ids stay unique during the trace
+        self.view_chain: dict[int, tuple[int, ...]] = {}  # id(view) -> metadata ops behind it
+        self.origin: dict[int, tuple[str, torch.Tensor | None]] = {}  # id(t) -> (packet, input)
+        self.fx_counts: dict[str, int] = {}
+        self.next_key = 0
+        self.seq_owner: dict[int, int] = {}  # autograd node sequence number -> forward position
+        self.next_seq = 0  # sequence numbers below this one have an owner
+        self.foreign_saved: set[int] = set()  # ops run under someone else's saved-tensor hooks
+        self.module_stack: list[str] = []
+        self.layer_stack: list[int | None] = []
+        self.last_owner: int | None = None
+        self.bwd_layer: int | None = None
+        self.error_op: str | None = None
+        self.error_module: str | None = None
+        self.meta_cache: dict[tuple[tuple[int, ...], torch.dtype], TensorMeta] = {}
+
+    # -- helpers ----------------------------------------------------------------------------
+    def tensor_meta(self, t: torch.Tensor) -> TensorMeta:
+        shape = tuple(int(d) for d in t.shape)
+        cache_key = (shape, t.dtype)
+        meta = self.meta_cache.get(cache_key)
+        if meta is None:
+            dtype = str(t.dtype).removeprefix("torch.")
+            if dtype not in DTYPE_BYTES:
+                raise TraceError(
+                    f"dtype {dtype} (shape {list(shape)}) in module '{self.module_path()}' is "
+                    "not in meshplan's DTYPE_BYTES table; add it to ir/graph.py"
+                )
+            meta = TensorMeta(shape=shape, dtype=dtype)
+            self.meta_cache[cache_key] = meta
+        return meta
+
+    def new_key(self) -> int:
+        self.next_key += 1
+        return self.next_key
+
+    def module_path(self) -> str:
+        if self.phase == _LOSS:
+            return LOSS_MODULE
+        return self.module_stack[-1] if self.module_stack else ""
+
+    def register_leaf(
+        self, t: torch.Tensor, producer: int | None, param: str | None, is_state: bool
+    ) -> None:
+        self.info[id(t)] = _TensorInfo(
+            self.new_key(), producer, self.tensor_meta(t), param, is_state
+        )
+        self.keep.append(t)
+
+    def fx_name(self, packet: str) -> str:
+        short = packet.split(".", 1)[1] if "." in packet else packet
+        n = self.fx_counts.get(short, 0)
+        self.fx_counts[short] = n + 1
+        return short if n == 0 else f"{short}_{n}"
+
+    # -- module hooks -----------------------------------------------------------------------
+    def enter_module(self, path: str) -> None:
+        layer = self.layer_of_path.get(path)
+        if layer is None and self.layer_stack:
+            layer = self.layer_stack[-1]
+        elif layer is not None:
+            self.report(f"forward: layer {layer + 1}/{self.n_layers}", advance=1)
+        self.module_stack.append(path)
+        self.layer_stack.append(layer)
+
+    def exit_module(self) -> None:
+        if self.module_stack:
+            self.module_stack.pop()
+            self.layer_stack.pop()
+
+    # -- forward ----------------------------------------------------------------------------
+    def on_forward(
+        self, func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: object
+    ) -> None:
+        pos = self.n_fwd
+        self.n_fwd += 1
+        packet = packet_name(func)
+        ins = [*iter_tensors(args), *iter_tensors(kwargs)]
+        outs = list(iter_tensors(out))
+        if not outs:
+            return  # a query (prim.device, sym_size, ...): no tensor, no node, no cost
+        first_in = ins[0] if ins else None
+        for o in outs:
+            self.origin[id(o)] = (packet, first_in)
+            self.keep.append(o)
+        # Autograd creates an op's backward node (taking the next sequence number) just before
+        # it dispatches the op, so the nodes numbered since the last op with outputs are ours.
+        seq = torch._C._autograd._get_sequence_nr()
+        for s in range(self.next_seq, seq):
+            self.seq_owner[s] = pos
+        self.next_seq = max(self.next_seq, seq)
+        if torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
+            # Someone else (activation checkpointing, offloading) decides what is saved here;
+            # reading its saved tensors would run its unpack hooks.
+            self.foreign_saved.add(pos)
+
+        if is_metadata_op(func):
+            src = self.info.get(id(first_in)) if first_in is not None else None
+            producer = src.producer if src is not None and src.producer is not None else None
+            self.meta_ops[pos] = _MetaOp(self.fx_name(packet), producer if producer != -1 else None)
+            chain = (
+                (*self.view_chain.get(id(first_in), ()), pos) if first_in is not None else (pos,)
+            )
+            for o in outs:
+                if src is not None:
+                    self.info[id(o)] = src
+                self.view_chain[id(o)] = chain
+            return
+
+        sources: list[Source] = []
+        params: list[str] = []
+        for t in ins:
+            for m in self.view_chain.get(id(t), ()):
+                meta_op = self.meta_ops[m]
+                if meta_op.fold is None:
+                    meta_op.fold = pos
+            info = self.info.get(id(t))
+            if info is None:
+                continue  # a constant made outside the traced step: not an activation
+            if info.param is not None:
+                if info.param not in params:
+                    params.append(info.param)
+            elif not info.is_state:
+                sources.append(
+                    Source(info.producer if info.producer is not None else -1, info.key, info.meta)
+                )
+        out_keys: list[int] = []
+        for o in outs:
+            info = _TensorInfo(self.new_key(), pos, self.tensor_meta(o))
+            self.info[id(o)] = info
+            self.view_chain.pop(id(o), None)
+            out_keys.append(info.key)
+        layer = self.layer_stack[-1] if self.layer_stack and self.phase == _FORWARD else None
+        record = OpRecord(
+            pos=pos,
+            target=str(func),
+            packet=packet,
+            fx_name=self.fx_name(packet),
+            module=self.module_path(),
+            module_stack=tuple(self.module_stack) if self.phase == _FORWARD else (),
+            layer=layer,
+            inputs=tuple(self.tensor_meta(t) for t in ins),
+            outputs=tuple(self.tensor_meta(o) for o in outs),
+            sources=tuple(sources),
+            output_keys=tuple(out_keys),
+            params=tuple(params),
+            attrs=self.attrs(func, packet, args, kwargs),
+            fwd_flops=op_flops(func, args, kwargs, out),
+            fwd_bytes=op_bytes(args, kwargs, out),
+        )
+        self.records[pos] = record
+
+    def attrs(
+        self, func: torch._ops.OpOverload, packet: str, args: tuple, kwargs: dict
+    ) -> dict[str, int | float | bool | str]:
+        """Op-specific facts: attention geometry, top-k's k."""
+        if packet in ATTENTION_TARGETS:
+            bound = _bind(func, args, kwargs)
+            q, k = bound.get("query"), bound.get("key")
+            if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor) or q.dim() != 4:
+                return {}
+            heads, head_dim = int(q.shape[1]), int(q.shape[-1])
+            return {
+                "causal": bool(bound.get("is_causal", False)),
+                "head_dim": head_dim,
+                "heads": heads,
+                "kv_heads": self.kv_heads(k, head_dim),
+                "masked": bound.get("attn_mask", bound.get("attn_bias")) is not None,
+            }
+        if packet == "aten.topk":
+            bound = _bind(func, args, kwargs)
+            return {"k": int(bound.get("k", 0))}
+        return {}
+
+    def kv_heads(self, key: torch.Tensor, head_dim: int) -> int:
+        """KV heads of an attention's key, looking through a `repeat_kv` (expand + reshape)
+        that widened grouped-query keys to the query's head count before SDPA."""
+        heads = int(key.shape[1])
+        t: torch.Tensor | None = key
+        for _ in range(8):
+            if t is None:
+                break
+            origin = self.origin.get(id(t))
+            if origin is None:
+                break
+            packet, t = origin
+            if packet not in _REPEAT_KV_OPS or t is None:
+                break
+            # (batch, heads, [n_rep,] seq, head_dim) layouts only: same seq and head_dim
+            if t.dim() >= 4 and t.shape[-1] == head_dim and t.shape[-2] == key.shape[-2]:
+                heads = min(heads, int(t.shape[1]))
+        return heads
+
+    # -- between forward and backward -------------------------------------------------------
+    def end_forward(self, loss: torch.Tensor, params_and_buffers: list[torch.Tensor]) -> None:
+        """Resolve fold targets and saved bytes before backward frees the saved tensors."""
+        real = sorted(self.records)
+        for pos, m in self.meta_ops.items():
+            if m.fold is None:
+                m.fold = m.producer if m.producer is not None else _nearest(real, pos)
+        state = {StorageWeakRef(t.untyped_storage()) for t in params_and_buffers}
+        # Deduplicated per layer (prologue and epilogue together), not globally: a tensor that
+        # several layers save (RoPE tables, masks) is charged to each, so every layer is
+        # self-contained, as it is when layers sit on different pipeline stages.
+        seen: set[tuple[int | None, StorageWeakRef]] = set()
+        for seq, node in _autograd_nodes(loss):
+            pos = self.seq_owner.get(seq)
+            if pos is None or pos in self.foreign_saved:
+                continue
+            target = self.fold_target(pos)
+            if target is None:
+                continue
+            record = self.records[target]
+            for t in _saved_tensors(node):
+                ref = StorageWeakRef(t.untyped_storage())
+                if ref in state or (record.layer, ref) in seen:
+                    continue
+                seen.add((record.layer, ref))
+                record.saved_bytes += t.untyped_storage().nbytes()
+
+    def fold_target(self, pos: int) -> int | None:
+        if pos in self.records:
+            return pos
+        m = self.meta_ops.get(pos)
+        return m.fold if m is not None else None
+
+    # -- backward ---------------------------------------------------------------------------
+    def on_backward(
+        self, func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: object
+    ) -> None:
+        node = torch._C._current_autograd_node()
+        owner = self.seq_owner.get(node._sequence_nr()) if node is not None else None
+        if owner is None:
+            owner = self.last_owner if self.last_owner is not None else max(self.records)
+        self.last_owner = owner
+        if is_metadata_op(func):
+            return
+        target = self.fold_target(owner)
+        if target is None:
+            return
+        record = self.records[target]
+        record.bwd_flops += op_flops(func, args, kwargs, out)
+        record.bwd_bytes += op_bytes(args, kwargs, out)
+        if record.layer is not None and record.layer != self.bwd_layer:
+            self.bwd_layer = record.layer
+            self.report(f"backward: layer {record.layer + 1}/{self.n_layers}", advance=1)
+
+    def finish(self) -> list[OpRecord]:
+        """The real forward records in order, with folded metadata names attached."""
+        for pos in sorted(self.meta_ops):
+            m = self.meta_ops[pos]
+            if m.fold is not None and m.fold in self.records:
+                self.records[m.fold].folded.append(m.fx_name)
+        return [self.records[p] for p in sorted(self.records)]
+
+
+# Ops a repeat_kv / GQA broadcast is made of (walked backwards from an attention's key).
+_REPEAT_KV_OPS = frozenset(
+    {
+        "aten.expand",
+        "aten.view",
+        "aten._unsafe_view",
+        "aten.reshape",
+        "aten.clone",
+        "aten.unsqueeze",
+        "aten.slice",
+        "aten.repeat_interleave",
+        "aten.repeat",
+        "aten.index_select",
+        "aten.contiguous",
+        "aten._to_copy",
+    }
+)
+
+
+def _autograd_nodes(root: torch.Tensor) -> list[tuple[int, object]]:
+    """Every autograd node the loss depends on, as (sequence number, node), in creation order
+    (so that "first saver" means first in forward order)."""
+    start = root.grad_fn
+    if start is None:
+        return []
+    found: dict[int, object] = {}
+    stack = [start]
+    visited: set[object] = set()
+    while stack:
+        node = stack.pop()
+        if node in visited:
+            continue
+        visited.add(node)
+        found.setdefault(node._sequence_nr(), node)
+        for nxt, _ in node.next_functions:
+            if nxt is not None and nxt not in visited:
+                stack.append(nxt)
+    return sorted(found.items(), key=lambda kv: kv[0])
+
+
+def _nearest(real: list[int], pos: int) -> int | None:
+    """The closest real op before `pos`, else after it."""
+    import bisect
+
+    i = bisect.bisect_left(real, pos)
+    if i > 0:
+        return real[i - 1]
+    return real[0] if real else None
+
+
+_BIND_CACHE: dict[torch._ops.OpOverload, tuple[str, ...]] = {}
+
+
+def _bind(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict[str, object]:
+    """Map an op's positional and keyword arguments to its schema argument names."""
+    names = _BIND_CACHE.get(func)
+    if names is None:
+        names = tuple(a.name for a in func._schema.arguments)
+        _BIND_CACHE[func] = names
+    bound = dict(zip(names, args, strict=False))
+    bound.update(kwargs)
+    return bound
+
+
+_SAVED_ATTRS: dict[type, tuple[str, ...]] = {}
+
+
+def _saved_tensors(node: object) -> Iterator[torch.Tensor]:
+    """The tensors an autograd node saved for its backward (`_saved_*` attributes, or a custom
+    autograd.Function's `saved_tensors`)."""
+    attrs = _SAVED_ATTRS.get(type(node))
+    if attrs is None:
+        attrs = tuple(a for a in dir(node) if a.startswith("_saved_"))
+        if hasattr(node, "saved_tensors"):
+            attrs = (*attrs, "saved_tensors")
+        _SAVED_ATTRS[type(node)] = attrs
+    for a in attrs:
+        try:
+            value = getattr(node, a)
+        except RuntimeError:
+            continue  # freed or invalidated: nothing kept
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (tuple, list)):
+            for v in value:
+                if isinstance(v, torch.Tensor):
+                    yield v
+
+
+class _Recorder(TorchDispatchMode):
+    """Records every aten op of the traced step into a `_Capture`."""
+
+    def __init__(self, capture: _Capture) -> None:
+        super().__init__()
+        self.capture = capture
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        cap = self.capture
+        try:
+            out = func(*args, **kwargs)
+        except Exception:
+            # Remember where it failed; the exception itself propagates unchanged so a model
+            # that catches it still behaves as it would untraced.
+            cap.error_op = str(func)
+            cap.error_module = cap.module_path()
+            raise
+        cap.error_op = None
+        if cap.phase == _BACKWARD:
+            cap.on_backward(func, args, kwargs, out)
+        else:
+            cap.on_forward(func, args, kwargs, out)
+        return out
+
+
+# -- driver ---------------------------------------------------------------------------------
+def _trace(
+    model: nn.Module,
+    example_inputs: tuple,
+    kwargs: dict[str, object],
+    name: str | None,
+    report: _Progress,
+) -> Graph:
+    container, layer_names = find_layer_container(model)
+    layer_of_path = {p: i for i, p in enumerate(layer_names)}
+    module_names: dict[int, str] = {}
+    module_classes: dict[str, str] = {}
+    for path, mod in model.named_modules():
+        module_names.setdefault(id(mod), path)
+        module_classes[path] = type(mod).__name__
+    graph_name = name or type(model).__name__
+    named_params = list(model.named_parameters())
+    named_buffers = list(model.named_buffers())
+    report.set_total(2 * len(layer_names) + 2)
+    report(
+        f"{graph_name}: {sum(p.numel() for _, p in named_params) / 1e9:.3f}B params, "
+        f"{len(layer_names)} layers in '{container or '-'}'",
+    )
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
+    cap = _Capture(layer_of_path, len(layer_names), report)
+
+    def fake_like(t: torch.Tensor) -> torch.Tensor:
+        # Fake *CPU* tensors whatever the source device (meta, cpu, cuda): CPU dispatch picks
+        # the fused CPU attention kernel, meta would decompose it.
+        with fake_mode:
+            return torch.empty(tuple(t.shape), dtype=t.dtype, device="cpu")
+
+    params: dict[str, torch.Tensor] = {}
+    trainable: list[torch.Tensor] = []
+    for pname, p in named_params:
+        fp = fake_like(p)
+        if p.requires_grad:
+            fp.requires_grad_(True)
+            trainable.append(fp)
+        params[pname] = fp
+        cap.register_leaf(fp, None, pname, True)
+    buffers: dict[str, torch.Tensor] = {}
+    for bname, b in named_buffers:
+        fb = fake_like(b)
+        buffers[bname] = fb
+        cap.register_leaf(fb, None, None, True)
+    if not trainable:
+        raise TraceError(
+            f"{graph_name} has no parameter with requires_grad=True: nothing to train; "
+            "unfreeze parameters before tracing"
+        )
+
+    def fake_input(x: object) -> object:
+        if not isinstance(x, torch.Tensor):
+            return x
+        fx = fake_like(x)
+        if x.requires_grad and fx.is_floating_point():
+            fx.requires_grad_(True)
+        cap.register_leaf(fx, -1, None, False)
+        return fx
+
+    args = tree_map(fake_input, example_inputs)
+    fkwargs = tree_map(fake_input, kwargs)
+    input_metas = tuple(
+        cap.tensor_meta(t) for t in tree_flatten((args, fkwargs))[0] if isinstance(t, torch.Tensor)
+    )
+
+    def pre_hook(module: nn.Module, _args: object) -> None:
+        cap.enter_module(module_names.get(id(module), type(module).__name__))
+
+    def post_hook(module: nn.Module, _args: object, _out: object) -> None:
+        cap.exit_module()
+
+    state = [*params.values(), *buffers.values()]
+    recorder = _Recorder(cap)
+    handles = [
+        nn.modules.module.register_module_forward_pre_hook(pre_hook),
+        nn.modules.module.register_module_forward_hook(post_hook),
+    ]
+    try:
+        with _fake_tensor_attributes(model, fake_like), fake_mode, recorder:
+            # The sequence counter is per thread and keeps counting across autograd graphs.
+            cap.next_seq = torch._C._autograd._get_sequence_nr()
+            out = torch.func.functional_call(model, {**params, **buffers}, args, fkwargs)
+            cap.phase = _LOSS
+            cap.module_stack.clear()
+            cap.layer_stack.clear()
+            loss = _scalar_loss(out, graph_name)
+            cap.end_forward(loss, state)
+            report("backward", advance=1)
+            cap.phase = _BACKWARD
+            torch.autograd.grad(loss, trainable, allow_unused=True)
+    except TraceError:
+        raise
+    except Exception as exc:
+        raise _trace_error(exc, cap, module_classes) from exc
+    finally:
+        for h in handles:
+            h.remove()
+
+    loss_info = cap.info.get(id(loss))
+    record = TraceRecord(
+        name=graph_name,
+        inputs=input_metas,
+        params=tuple(
+            Param(n, tuple(int(d) for d in p.shape), str(p.dtype).removeprefix("torch."))
+            for n, p in named_params
+        ),
+        ops=cap.finish(),
+        container=container,
+        layer_names=layer_names,
+        module_classes=module_classes,
+        output_key=loss_info.key if loss_info is not None else None,
+        output_meta=loss_info.meta if loss_info is not None else None,
+    )
+    report("lowering", advance=1)
+    graph = lower(record, _pointwise_packets(cap))
+    report(graph.summary())
+    return graph
+
+
+def _pointwise_packets(cap: _Capture) -> frozenset[str]:
+    """The traced aten packets tagged `torch.Tag.pointwise` (lowering stays torch-free)."""
+    names = set()
+    for packet in {r.packet for r in cap.records.values()}:
+        if packet.startswith("aten."):
+            op = getattr(torch.ops.aten, packet.removeprefix("aten."), None)
+            if op is not None and any(
+                torch.Tag.pointwise in getattr(op, o).tags for o in op.overloads()
+            ):
+                names.add(packet)
+    return frozenset(names)
+
+
+def _scalar_loss(out: object, graph_name: str) -> torch.Tensor:
+    """The scalar to differentiate: the output if scalar, `.loss`, else `.sum()` of the first
+    floating-point tensor output."""
+    loss: torch.Tensor | None = None
+    if isinstance(out, torch.Tensor) and out.numel() == 1:
+        loss = out.reshape(())
+    elif isinstance(getattr(out, "loss", None), torch.Tensor):
+        loss = out.loss
+    else:
+        values = out.values() if hasattr(out, "values") and hasattr(out, "keys") else out
+        leaves = [t for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor)]
+        floats = [t for t in leaves if t.is_floating_point()]
+        if floats:
+            loss = floats[0].sum()
+    if loss is None or not loss.requires_grad:
+        raise TraceError(
+            f"{graph_name} produced no differentiable output (got {type(out).__name__}); return "
+            "a loss or a floating-point tensor computed from trainable parameters"
+        )
+    return loss
+
+
+@contextlib.contextmanager
+def _fake_tensor_attributes(model: nn.Module, fake_like: Callable[[torch.Tensor], torch.Tensor]):
+    """Temporarily replace plain tensor attributes on meta (not parameters or buffers, e.g. a
+    cached RoPE table) with fake CPU tensors: a meta tensor cannot meet fake CPU tensors."""
+    swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
+    try:
+        for mod in model.modules():
+            for attr, value in list(vars(mod).items()):
+                if (
+                    isinstance(value, torch.Tensor)
+                    and not isinstance(value, nn.Parameter)
+                    and value.device.type == "meta"
+                ):
+                    swapped.append((mod, attr, value))
+                    setattr(mod, attr, fake_like(value))
+        yield
+    finally:
+        for mod, attr, value in swapped:
+            setattr(mod, attr, value)
+
+
+def _trace_error(exc: Exception, cap: _Capture, classes: dict[str, str]) -> TraceError:
+    """One-line TraceError naming the module and op where tracing failed, and what to do."""
+    module = cap.error_module if cap.error_module is not None else cap.module_path()
+    where = f"module '{module or '<root>'}'"
+    cls = classes.get(module)
+    if cls:
+        where += f" ({cls})"
+    op = cap.error_op or getattr(exc, "func", None) or "?"
+    first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+    data_dependent = isinstance(exc, (DataDependentOutputException, DynamicOutputShapeException))
+    if not data_dependent:
+        try:
+            from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+            data_dependent = isinstance(exc, GuardOnDataDependentSymNode)
+        except ImportError:  # pragma: no cover - older torch
+            pass
+    if data_dependent:
+        return TraceError(
+            f"data-dependent control flow or output shape in {where} at op {op}: tracing uses "
+            "fake tensors without values; make it static (branch on config, not tensor values; "
+            "for HF MoE models pass experts_implementation='batched_mm' or 'grouped_mm')"
+        )
+    if (
+        isinstance(exc, UnsupportedOperatorException)
+        or "fake impl" in first_line
+        or "Meta kernel" in first_line
+    ):
+        return TraceError(
+            f"op {op} in {where} cannot run on fake tensors (no fake/meta kernel); register "
+            "one with torch.library.register_fake or replace the op"
+        )
+    return TraceError(f"tracing failed in {where} at op {op}: {type(exc).__name__}: {first_line}")

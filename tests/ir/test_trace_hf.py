@@ -1,0 +1,157 @@
+"""`meshplan.ir.trace` on Hugging Face models built from tiny configs (no download).
+
+Each model is traced on the meta device and checked against the same config instantiated for
+real on the CPU: exact parameter count, and training FLOPs against FlopCounterMode (see
+tests/ir/test_trace.py for the two oracle set-ups and why both are honest).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from meshplan.ir import Graph, OpKind, TraceError, trace
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+transformers = pytest.importorskip("transformers")
+
+aten = torch.ops.aten
+# torch's own sdpa formulas on the CPU kernel FlopCounterMode does not register
+_FLASH_AS_FLOP_COUNTER = {
+    aten._scaled_dot_product_flash_attention_for_cpu: (
+        lambda q, k, v, *a, out_val=None, **kw: sdpa_flop_count(q, k, v)
+    ),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: (
+        lambda go, q, k, v, *a, out_val=None, **kw: sdpa_backward_flop_count(go, q, k, v)
+    ),
+}
+
+
+def all_ops(graph: Graph):
+    return [op for _, block in graph.unit_blocks() for op in block.ops]
+
+
+def flash_recompute(graph: Graph) -> int:
+    """Backward attention FLOPs beyond 2x forward: flash attention's recomputation of QK^T."""
+    return sum(
+        op.bwd_flops - 2 * op.fwd_flops for op in all_ops(graph) if op.kind == OpKind.ATTENTION
+    )
+
+
+LAYERS, BATCH, SEQ = 3, 2, 16
+
+
+def _config(kind: str):
+    if kind == "gpt2":
+        return transformers.GPT2Config(
+            n_layer=LAYERS,
+            n_embd=64,
+            n_head=4,
+            vocab_size=128,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    common = {
+        "num_hidden_layers": LAYERS,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 96,
+        "vocab_size": 128,
+        "max_position_embeddings": 64,
+    }
+    if kind == "llama":
+        return transformers.LlamaConfig(**common)
+    return transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+
+
+def _build(kind: str, device: str, **kw):
+    torch.manual_seed(0)
+    with torch.device(device):
+        return transformers.AutoModelForCausalLM.from_config(
+            _config(kind), attn_implementation="sdpa", **kw
+        )
+
+
+# Mixtral's default experts loop is data-dependent; batched_mm is static and made of bmm, which
+# FlopCounterMode counts on real tensors.
+_EXTRA = {"gpt2": {}, "llama": {}, "mixtral": {"experts_implementation": "batched_mm"}}
+
+
+def _inputs(device: str):
+    ids = torch.randint(0, 128, (BATCH, SEQ)).to(device)
+    return ids, {"labels": ids, "use_cache": False}
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama", "mixtral"])
+def traced(request):
+    kind = request.param
+    meta_model = _build(kind, "meta", **_EXTRA[kind])
+    ids, kwargs = _inputs("meta")
+    return kind, meta_model, trace(meta_model, ids, kwargs=kwargs)
+
+
+def test_param_count_exact(traced):
+    _, model, graph = traced
+    assert graph.num_params() == sum(p.numel() for p in model.parameters())
+    assert sum(b.num_params for _, b in graph.unit_blocks()) == graph.num_params()
+
+
+def test_blocks_deduplicated(traced):
+    kind, _, graph = traced
+    assert [k for k, _ in graph.blocks] == ["prologue", "layer", "epilogue"]
+    prefix = "transformer.h" if kind == "gpt2" else "model.layers"
+    assert [u.name for u in graph.layer_units] == [f"{prefix}.{i}" for i in range(LAYERS)]
+    assert graph.info.layers == LAYERS
+    kinds = {op.kind for op in all_ops(graph)}
+    assert {OpKind.MATMUL, OpKind.ATTENTION, OpKind.NORM, OpKind.EMBEDDING, OpKind.LOSS} <= kinds
+
+
+def test_training_flops_match_flop_counter(traced):
+    kind, _, graph = traced
+    model = _build(kind, "cpu", **_EXTRA[kind])
+    ids, kwargs = _inputs("cpu")
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(ids, **kwargs).loss.backward()
+
+    ours = graph.total_flops()
+    with FlopCounterMode(display=False, custom_mapping=_FLASH_AS_FLOP_COUNTER) as counter:
+        step()
+    flash = counter.get_total_flops()
+    assert abs(ours - flash) <= 0.02 * flash, (ours, flash)
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        step()
+    math = counter.get_total_flops()
+    assert abs(ours - flash_recompute(graph) - math) <= 0.02 * math, (ours, math)
+
+
+def test_model_info(traced):
+    kind, _, graph = traced
+    info = graph.info
+    assert (info.hidden, info.heads, info.head_dim, info.vocab) == (64, 4, 16, 128)
+    assert (info.seq_len, info.micro_batch) == (SEQ, BATCH)
+    assert info.kv_heads == (4 if kind == "gpt2" else 2)
+    assert info.ffn == (256 if kind == "gpt2" else 96)
+
+
+def test_mixtral_router_and_experts(traced):
+    kind, _, graph = traced
+    if kind != "mixtral":
+        pytest.skip("MoE only")
+    layer = graph.block("layer")
+    router, experts = layer.ops_of(OpKind.ROUTER), layer.ops_of(OpKind.EXPERTS)
+    assert any(op.target.startswith("aten.topk") for op in router)
+    assert any(op.module == "mlp.gate" and op.fwd_flops > 0 for op in router)
+    assert experts and all(op.module.startswith("mlp.experts") for op in experts)
+    assert (graph.info.experts, graph.info.top_k) == (4, 2)
+
+
+def test_mixtral_eager_experts_loop_is_reported():
+    model = _build("mixtral", "meta", experts_implementation="eager")
+    ids, kwargs = _inputs("meta")
+    with pytest.raises(TraceError, match="data-dependent.*mlp.experts"):
+        trace(model, ids, kwargs=kwargs)
