@@ -451,7 +451,7 @@ def plan_from_dict(data: object, *, where: str = "plan", cluster: Cluster | None
     from .cluster_io import cluster_from_dict  # local: cluster_io pulls in yaml
 
     try:
-        plan_cluster = cluster_from_dict(data["cluster"]["spec"], where=f"{where}: cluster.spec")
+        plan_cluster = cluster_from_dict(data["cluster"]["spec"], source=f"{where}: cluster.spec")
     except ValueError as e:
         raise PlanError(str(e)) from None
     if plan_cluster.fingerprint() != data["cluster"]["fingerprint"]:

@@ -1,0 +1,244 @@
+"""Peak memory of one rank: model states by ZeRO stage, activations by schedule and recompute.
+
+Model states (bytes per parameter held by the rank, mixed-precision Adam; d = data-parallel
+shards; shared/reference/hardware.md and Rajbhandari et al., "ZeRO", SC'20, section 5.1):
+
+    ZeRO-0 (DDP)          2 weights + 2 grads + 12 optimizer    = 16
+    ZeRO-1 (optimizer)    2 + 2 + 12/d                          = 4 + 12/d
+    ZeRO-2 (+ gradients)  2 + (2 + 12)/d                        = 2 + 14/d
+    ZeRO-3 (+ weights)    (2 + 2 + 12)/d + the largest gathered layer
+
+Convention chosen: bf16 weights and bf16 gradients (`GRAD_BYTES = 2`) with an fp32 master
+copy, momentum and variance (`OPTIMIZER_BYTES = 12`), which is the ZeRO paper's and gives
+hardware.md's ZeRO-0, ZeRO-2 and ZeRO-3 rows exactly. hardware.md's ZeRO-1 row "6 + 12/DP" is
+Megatron-LM's distributed optimizer with *fp32* main gradients (its "bf16 param, fp32 grads:
+18 bytes non-distributed, 6 + 12/d distributed"); set `GRAD_BYTES = 4` to model that
+convention for every stage. Parameters a rank holds: the stage's parameters / tp (norm
+weights are replicated), expert parameters / (tp * ep); expert states are sharded over the
+dp / ep ranks that hold the same experts.
+
+Activations (per in-flight micro-batch): the tracer's `saved_bytes` (what autograd keeps) of
+the stage's ops, scaled linearly to the micro-batch, divided by cp, and by tp for ops that TP
+shards; ops TP does not shard (norms, and in the prologue/epilogue everything but the
+vocab-parallel embedding, head and loss) are divided by tp only under sequence parallelism.
+Korthikanti et al. ("Reducing Activation Recomputation in Large Transformer Models", 2022) give
+s*b*h*(34 + 5*a*s/h) per layer without TP and s*b*h*(10 + 24/t + 5*a*s/(h*t)) with TP and no
+SP: our per-op split gives (4 + 30/t) instead of (10 + 24/t) for the s*b*h term, because the
+replicated inputs of the column-parallel linears and the dropout masks after the row-parallel
+ones are counted as sharded (documented approximation; with SP both are exactly /t).
+Recompute: selective drops the saved bytes of SOFTMAX ops (the a*s^2 score/probability/dropout
+tensors; Q, K and V saved by the attention op stay, they are where recomputation starts, and a
+fused flash-attention op saves only its inputs, output and logsumexp, so there is little to
+drop); full keeps only each layer's input (`Block.inputs`) plus one layer's full activations
+while it is recomputed. Prologue/epilogue blocks are never recomputed.
+
+Schedules: 1F1B stage i of p holds min(p - i, m) micro-batches, GPipe all m (hardware.md).
+On top: ZeRO-3's gathered layer, a temporary buffer (twice the largest op output, e.g.
+output + gradient of the logits), the CUDA context/NCCL workspace and an allocator margin.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from meshplan.ir import Block, OpKind, Recompute
+
+from .compute import splits_with_tp
+
+WEIGHT_BYTES = 2  # bf16 weights (hardware.md)
+GRAD_BYTES = 2  # bf16 gradients (ZeRO paper convention, see the module docstring)
+OPTIMIZER_BYTES = 12  # fp32 master weights + Adam momentum + variance (hardware.md)
+
+# CUDA context, cuBLAS workspace and NCCL buffers per rank. Assumption (commonly 0.5-1.5 GiB
+# on H100 with NCCL), calibrated in issue 3.
+CONTEXT_BYTES = 2**30
+# Caching-allocator fragmentation and short-lived tensors not modelled above, as a fraction of
+# everything else. Assumption, calibrated in issue 3.
+ALLOCATOR_MARGIN = 0.10
+# Temporary buffer: the largest op output twice (the output and its gradient coexist).
+TEMP_OUTPUTS = 2
+
+# Kinds whose saved tensors selective recomputation frees (Korthikanti et al.: the 5*a*s^2*b
+# term of softmax output, dropout mask and dropout output).
+SELECTIVE_FREED_KINDS = frozenset({OpKind.SOFTMAX})
+
+
+def state_bytes_per_param(zero: int, shards: int) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes per parameter the rank holds, for a ZeRO stage
+    whose sharded states are split `shards` ways."""
+    d = max(1, shards)
+    if zero == 0:
+        return WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES
+    if zero == 1:
+        return WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES / d
+    if zero == 2:
+        return WEIGHT_BYTES, GRAD_BYTES / d, OPTIMIZER_BYTES / d
+    if zero == 3:
+        return WEIGHT_BYTES / d, GRAD_BYTES / d, OPTIMIZER_BYTES / d
+    raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class BlockMemory:
+    """Memory facts of one block instance at the traced micro-batch (GPU-independent).
+
+    Parameter counts are elements; `params_tp` are sharded by TP, `params_rep` replicated (norm
+    weights), `params_expert` sharded by TP and EP. Activation bytes are split into the part
+    TP always shards (`*_tp`) and the part only sequence parallelism shards (`*_sp`).
+    """
+
+    kind: str
+    params_tp: int
+    params_rep: int
+    params_expert: int
+    saved_tp: int
+    saved_sp: int
+    selective_freed_tp: int
+    selective_freed_sp: int
+    input_bytes: int
+    max_output_tp: int
+    max_output_sp: int
+
+    def params_per_rank(self, tp: int, ep: int) -> float:
+        """Parameters of one instance that one rank holds before ZeRO sharding."""
+        return self.params_tp / tp + self.params_rep + self.params_expert / (tp * ep)
+
+    def activations(
+        self, *, tp: int, cp: int, sequence_parallel: bool, scale: float, recompute: Recompute
+    ) -> float:
+        """Saved bytes of one micro-batch of this block on one rank."""
+        r_tp = scale / (tp * cp)
+        r_sp = scale / ((tp if sequence_parallel else 1) * cp)
+        if self.kind == "layer" and recompute == Recompute.FULL:
+            return self.input_bytes * r_sp  # the layer input is sequence-sharded under SP
+        saved = self.saved_tp * r_tp + self.saved_sp * r_sp
+        if self.kind == "layer" and recompute == Recompute.SELECTIVE:
+            saved -= self.selective_freed_tp * r_tp + self.selective_freed_sp * r_sp
+        return saved
+
+    def largest_output(self, *, tp: int, cp: int, sequence_parallel: bool, scale: float) -> float:
+        """Bytes of the largest op output of one micro-batch on one rank."""
+        r_tp = scale / (tp * cp)
+        r_sp = scale / ((tp if sequence_parallel else 1) * cp)
+        return max(self.max_output_tp * r_tp, self.max_output_sp * r_sp)
+
+
+def block_memory(block: Block) -> BlockMemory:
+    """Classify `block`'s parameters and saved activations (one pass over its ops)."""
+    sharded: set[str] = set()
+    expert: set[str] = set()
+    seen: set[str] = set()
+    saved = {"tp": 0, "sp": 0}
+    freed = {"tp": 0, "sp": 0}
+    out_max = {"tp": 0, "sp": 0}
+    for op in block.ops:
+        split = splits_with_tp(op, block.kind)
+        cls = "tp" if split else "sp"
+        seen.update(op.params)
+        if op.kind == OpKind.EXPERTS:
+            expert.update(op.params)
+        elif split:
+            sharded.update(op.params)
+        saved[cls] += op.saved_bytes
+        if op.kind in SELECTIVE_FREED_KINDS:
+            freed[cls] += op.saved_bytes
+        out_max[cls] = max(out_max[cls], sum(t.nbytes for t in op.outputs))
+    p_tp = p_rep = p_exp = 0
+    for p in block.params:
+        if p.name in expert:
+            p_exp += p.numel
+        elif p.name in sharded or p.name not in seen:  # unread params: assume TP-sharded
+            p_tp += p.numel
+        else:
+            p_rep += p.numel
+    return BlockMemory(
+        kind=block.kind,
+        params_tp=p_tp,
+        params_rep=p_rep,
+        params_expert=p_exp,
+        saved_tp=saved["tp"],
+        saved_sp=saved["sp"],
+        selective_freed_tp=freed["tp"],
+        selective_freed_sp=freed["sp"],
+        input_bytes=sum(t.nbytes for t in block.inputs),
+        max_output_tp=out_max["tp"],
+        max_output_sp=out_max["sp"],
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class StageMemory:
+    """Memory of one rank of a pipeline stage, except the in-flight multiplier (bytes)."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    activations_per_microbatch: float
+    recompute_workspace: float
+    zero3_gather: float
+    temporary: float
+
+    def peak(self, in_flight: int) -> tuple[int, tuple[tuple[str, int], ...]]:
+        """Peak bytes with `in_flight` micro-batches of activations held, and the breakdown."""
+        parts = {
+            "weights": self.weights,
+            "grads": self.grads,
+            "optimizer": self.optimizer,
+            "activations": self.activations_per_microbatch * in_flight,
+            "recompute_workspace": self.recompute_workspace,
+            "zero3_gather": self.zero3_gather,
+            "temporary": self.temporary,
+        }
+        subtotal = sum(parts.values())
+        parts["overhead"] = ALLOCATOR_MARGIN * subtotal + CONTEXT_BYTES
+        breakdown = tuple((k, round(v)) for k, v in parts.items())
+        return sum(b for _, b in breakdown), breakdown
+
+
+def stage_memory(
+    blocks: Sequence[tuple[BlockMemory, int]],
+    *,
+    tp: int,
+    cp: int,
+    ep: int,
+    dp: int,
+    zero: int,
+    recompute: Recompute,
+    sequence_parallel: bool,
+    scale: float,
+) -> StageMemory:
+    """Memory of one rank of a stage made of `blocks` ((block, instance count) pairs)."""
+    dense = sum(n * (b.params_tp / tp + b.params_rep) for b, n in blocks)
+    experts = sum(n * b.params_expert / (tp * ep) for b, n in blocks)
+    w_d, g_d, o_d = state_bytes_per_param(zero, dp)
+    w_e, g_e, o_e = state_bytes_per_param(zero, dp // ep if dp >= ep else 1)
+    act_kw = {"tp": tp, "cp": cp, "sequence_parallel": sequence_parallel, "scale": scale}
+    per_mb = sum(n * b.activations(**act_kw, recompute=recompute) for b, n in blocks)
+    layers = [b for b, _ in blocks if b.kind == "layer"]
+    workspace = 0.0
+    if recompute == Recompute.FULL and layers:
+        workspace = max(b.activations(**act_kw, recompute=Recompute.NONE) for b in layers)
+    gather = 0.0
+    if zero == 3 and layers:
+        gather = WEIGHT_BYTES * max(b.params_per_rank(tp, ep) for b in layers)
+    temporary = TEMP_OUTPUTS * max(
+        (b.largest_output(**act_kw) for b, _ in blocks), default=0.0
+    )
+    return StageMemory(
+        weights=dense * w_d + experts * w_e,
+        grads=dense * g_d + experts * g_e,
+        optimizer=dense * o_d + experts * o_e,
+        activations_per_microbatch=per_mb,
+        recompute_workspace=workspace,
+        zero3_gather=gather,
+        temporary=temporary,
+    )
+
+
+def in_flight_microbatches(schedule: str, stage: int, pp: int, m: int) -> int:
+    """Micro-batches whose activations a stage holds at its peak (hardware.md): 1F1B stage i
+    of p holds min(p - i, m); GPipe runs every forward before any backward and holds m."""
+    if schedule == "gpipe":
+        return m
+    return min(pp - stage, m)

@@ -1,0 +1,842 @@
+"""Step-time simulator: prices a placed parallel configuration (`predict`).
+
+The step of one optimizer update of `global_batch` sequences, for a configuration with
+pipeline depth pp, m = global_batch / (dp * micro_batch) micro-batches per pipeline, is
+
+    step = (m - 1) * U + sum_s u_s + (m + pp - 1) * P      pipeline (1F1B or GPipe)
+         + rep * max_s (C_s - eta * min(C_s, W_s))          exposed data-parallel traffic
+         + O                                                optimizer update
+
+- u_s: forward + backward time of one micro-batch on stage s (compute, recomputation, TP, CP
+  and EP communication, which sit on the critical path), the maximum over the device groups
+  that hold replicas of s (replicas of one stage run in lock-step). U = max_s u_s. With equal
+  stages the pipeline term is (m + pp - 1) * (U + P): the classic 1F1B/GPipe bubble of
+  (pp - 1) stage times (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
+  Clusters Using Megatron-LM", SC'21); with unequal stages the fill and drain pass every stage
+  once, so the bubble is sum_s u_s - U + (pp - 1) * P.
+- P: the point-to-point time of one micro-batch's boundary activation (forward send plus
+  backward send) over the slowest stage boundary, on the link between the two stages' groups.
+- C_s: the data-parallel traffic of stage s, W_s: the compute it overlaps with. ZeRO 0-2
+  reduce gradients once per step (all-reduce, or reduce-scatter + all-gather), overlapped with
+  the last micro-batch's backward (rep = 1). ZeRO-3 all-gathers the weights in forward and in
+  backward and reduce-scatters gradients for every micro-batch, overlapped with that
+  micro-batch's forward + backward (rep = m). eta = `OVERLAP_EFFICIENCY`: overlap hides at
+  most that fraction of the traffic, and only as much as fits in the window; the rest is
+  exposed, i.e. C - eta * min(C, W) = max(C - eta * W, (1 - eta) * C). Echo and dPRO
+  (shared/reference/PAPERS.md) find that the hard part of simulating training is precisely
+  that overlap is neither free nor fully exposed (communication slows the compute it overlaps
+  with), so even fully overlapped traffic costs (1 - eta) of itself here.
+- O: the Adam update, memory-bound (`OPTIMIZER_BYTES_PER_PARAM`), slowest rank.
+
+The traced graph's costs are for `graph.info.micro_batch` sequences; a configuration's
+micro-batch scales every compute and activation cost linearly (compute.py, memory.py).
+
+`PlanTables` holds, for one configuration and stage split, every number above per (stage,
+group) or (boundary, group pair), so that `evaluate` prices any placement with a handful of
+max/sum operations; the CP-SAT planner (`meshplan.planner.solver`) encodes exactly the same
+formula over the same tables, so that a plan and its `predict` agree.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from meshplan.ir import (
+    Block,
+    Cluster,
+    DeviceGroup,
+    GpuSpec,
+    Graph,
+    OpKind,
+    Parallel,
+    Prediction,
+    RankMemory,
+    Recompute,
+    Schedule,
+    StagePlacement,
+)
+from meshplan.passes.partition import replica_capacity
+from meshplan.passes.sharding import row_parallel_ops
+
+from .collectives import (
+    Collective,
+    CrossPath,
+    Path,
+    bus_factor,
+    collective_time,
+    cross_group_path,
+    group_collective_time,
+    group_path,
+    intra_node_path,
+    nic_share,
+)
+from .compute import MEMORY_EFFICIENCY, BlockCompute, block_compute
+from .memory import (
+    GRAD_BYTES,
+    WEIGHT_BYTES,
+    BlockMemory,
+    StageMemory,
+    block_memory,
+    in_flight_microbatches,
+    stage_memory,
+)
+
+# Fraction of overlapped communication that is actually hidden behind compute (the rest slows
+# the compute down or waits). Assumption (Echo / dPRO, PAPERS.md: overlapped communication
+# slows the compute it overlaps with), calibrated in issue 3.
+OVERLAP_EFFICIENCY = 0.8
+
+# Bytes the Adam update streams per parameter it owns: read fp32 master/momentum/variance and
+# the bf16 gradient, write the three fp32 states back and the new bf16 weight, about 16 + 4.
+# Assumption (fused multi-tensor Adam is memory-bound), calibrated in issue 3.
+OPTIMIZER_BYTES_PER_PARAM = 20
+
+SUPPORTED_SCHEDULES = (Schedule.ONE_F_ONE_B, Schedule.GPIPE)
+
+BREAKDOWN_PARTS = (
+    "compute",
+    "recompute",
+    "tp_comm",
+    "cp_comm",
+    "ep_comm",
+    "pp_p2p",
+    "pp_bubble",
+    "dp_comm_exposed",
+    "optimizer",
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-graph facts (computed once per graph, GPU-independent)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TpCollective:
+    """One tensor-parallel collective of a block: its phase, full size at the traced
+    micro-batch, and the collectives it becomes with and without sequence parallelism."""
+
+    phase: str  # "fwd" or "bwd"
+    size_bytes: int
+    with_sp: tuple[Collective, ...]
+    without_sp: tuple[Collective, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockFacts:
+    """What the simulator needs of one block besides compute: memory facts and traffic."""
+
+    key: str
+    kind: str
+    memory: BlockMemory
+    tp_collectives: tuple[TpCollective, ...]
+    kv_bytes: int  # K and V of every attention op (context-parallel all-gather)
+    a2a_bytes: int  # top_k * tokens * hidden * 2 if the block routes tokens to experts
+    output_bytes: int  # the activation leaving one instance (pipeline boundary)
+
+
+def _hidden(graph: Graph) -> int:
+    if graph.info.hidden:
+        return graph.info.hidden
+    for _, b in graph.unit_blocks():
+        if b.kind == "layer" and b.outputs and b.outputs[0].shape:
+            return b.outputs[0].shape[-1]
+    return 0
+
+
+def _tp_collectives(block: Block, hidden: int) -> tuple[TpCollective, ...]:
+    """Megatron-LM tensor parallelism (Shoeybi et al. 2019): every row-parallel projection
+    (`meshplan.passes.sharding.row_parallel_ops`) all-reduces its output in forward and its
+    column-parallel partner's input gradient in backward; MoE experts count their down
+    projection once per block. Sequence parallelism turns each all-reduce into an all-gather
+    plus a reduce-scatter of the same volume (Korthikanti et al. 2022). In the prologue the
+    vocab-parallel embedding reduces its output; in the epilogue the column-parallel LM head
+    reduces its input gradient (and gathers its sequence-sharded input under SP)."""
+    AR, AG, RS = Collective.ALL_REDUCE, Collective.ALL_GATHER, Collective.REDUCE_SCATTER
+    out: list[TpCollective] = []
+    if block.kind == "layer":
+        experts_counted = False
+        for op in row_parallel_ops(block, hidden):
+            if op.kind == OpKind.EXPERTS:
+                if experts_counted:
+                    continue
+                experts_counted = True
+                size = sum(t.nbytes for t in block.outputs) or op.outputs[0].nbytes
+            else:
+                size = op.outputs[0].nbytes
+            out.append(TpCollective("fwd", size, (AG, RS), (AR,)))
+            out.append(TpCollective("bwd", size, (AG, RS), (AR,)))
+        return tuple(out)
+    for op in block.ops:
+        if not op.params or not op.outputs or not op.outputs[0].shape:
+            continue
+        if op.kind == OpKind.EMBEDDING:
+            out.append(TpCollective("fwd", op.outputs[0].nbytes, (RS,), (AR,)))
+        elif (
+            op.kind == OpKind.MATMUL
+            and op.outputs[0].shape[-1] != hidden
+            and op.inputs
+            and op.inputs[0].shape
+            and op.inputs[0].shape[-1] == hidden
+        ):
+            out.append(TpCollective("fwd", op.inputs[0].nbytes, (AG,), ()))
+            out.append(TpCollective("bwd", op.inputs[0].nbytes, (RS,), (AR,)))
+    return tuple(out)
+
+
+def _block_facts(graph: Graph, block: Block, hidden: int) -> BlockFacts:
+    kv = sum(sum(t.nbytes for t in op.inputs[1:3]) for op in block.ops_of(OpKind.ATTENTION))
+    a2a = 0
+    if block.ops_of(OpKind.EXPERTS):
+        info = graph.info
+        top_k = max(1, info.top_k)
+        tokens = max(1, info.micro_batch) * max(1, info.seq_len)
+        a2a = top_k * tokens * hidden * WEIGHT_BYTES
+    return BlockFacts(
+        key=block.key,
+        kind=block.kind,
+        memory=block_memory(block),
+        tp_collectives=_tp_collectives(block, hidden),
+        kv_bytes=kv,
+        a2a_bytes=a2a,
+        output_bytes=sum(t.nbytes for t in block.outputs),
+    )
+
+
+Composition = tuple[tuple[str, int], ...]  # (block key, instances) of one stage, sorted
+
+
+class ModelCosts:
+    """Per-graph analysis shared by every configuration: block facts, stage compositions and
+    per-GPU compute aggregates (cached). Build once per graph with `model_costs`."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.traced_micro_batch = graph.info.micro_batch or 1
+        self.hidden = _hidden(graph)
+        self.blocks: dict[str, Block] = dict(graph.blocks)
+        self.unit_keys: tuple[str, ...] = tuple(u.block for u in graph.units)
+        used = dict.fromkeys(self.unit_keys)
+        self.facts: dict[str, BlockFacts] = {
+            k: _block_facts(graph, self.blocks[k], self.hidden) for k in used
+        }
+        self._compute: dict[tuple, BlockCompute] = {}
+        self._comps: dict[tuple[int, int], Composition] = {}
+
+    def compute(self, key: str, gpu: GpuSpec, dtype: str) -> BlockCompute:
+        """Roofline aggregates of block `key` on `gpu` (computed once per GPU type)."""
+        ck = (key, gpu, dtype)
+        got = self._compute.get(ck)
+        if got is None:
+            got = self._compute[ck] = block_compute(self.blocks[key], gpu, dtype)
+        return got
+
+    def composition(self, first: int, last: int) -> Composition:
+        """The block keys (and counts) of units [first, last), in a canonical order."""
+        ck = (first, last)
+        got = self._comps.get(ck)
+        if got is None:
+            counts: dict[str, int] = {}
+            for k in self.unit_keys[first:last]:
+                counts[k] = counts.get(k, 0) + 1
+            got = self._comps[ck] = tuple(sorted(counts.items()))
+        return got
+
+    def boundary_key(self, last: int) -> str:
+        """The block whose output crosses the boundary after unit `last - 1`."""
+        return self.unit_keys[last - 1]
+
+
+_MODEL_CACHE: OrderedDict[int, tuple[Graph, ModelCosts]] = OrderedDict()
+_CACHE_SIZE = 8
+
+
+def model_costs(graph: Graph) -> ModelCosts:
+    """The `ModelCosts` of `graph`, cached by identity (the cache holds the graph, so an id is
+    never reused while its entry lives)."""
+    hit = _MODEL_CACHE.get(id(graph))
+    if hit is not None and hit[0] is graph:
+        _MODEL_CACHE.move_to_end(id(graph))
+        return hit[1]
+    costs = ModelCosts(graph)
+    _MODEL_CACHE[id(graph)] = (graph, costs)
+    while len(_MODEL_CACHE) > _CACHE_SIZE:
+        _MODEL_CACHE.popitem(last=False)
+    return costs
+
+
+# ---------------------------------------------------------------------------------------------
+# Pricing pieces (per graph x cluster x dtype, cached)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StageTime:
+    """One micro-batch (forward + backward) of one stage on one rank of a device group (s)."""
+
+    forward: float  # forward compute
+    backward: float  # backward compute
+    recompute: float  # recomputed forward (compute and its TP/CP/EP traffic)
+    tp_comm: float
+    cp_comm: float
+    ep_comm: float
+
+    @property
+    def compute(self) -> float:
+        """Forward + backward compute."""
+        return self.forward + self.backward
+
+    @property
+    def total(self) -> float:
+        """The stage's time per micro-batch on the critical path (u in the docstring)."""
+        return self.compute + self.recompute + self.tp_comm + self.cp_comm + self.ep_comm
+
+
+@dataclass(frozen=True, slots=True)
+class DpTraffic:
+    """The data-parallel collectives of one stage per occurrence: (kind, per-rank bytes, ranks)."""
+
+    collectives: tuple[tuple[Collective, float, int], ...]
+
+    @property
+    def volume(self) -> float:
+        """sum S * f(n): bytes one rank moves per occurrence (the alpha-free part)."""
+        return sum(s * bus_factor(k, n) for k, s, n in self.collectives if n > 1)
+
+    @property
+    def count(self) -> int:
+        """Collectives that move data (each pays one latency)."""
+        return sum(1 for _, s, n in self.collectives if n > 1 and s > 0)
+
+
+@dataclass(frozen=True, slots=True)
+class CrossTraffic:
+    """Data-parallel traffic of a stage whose replicas span two groups: with k stages crossing
+    between groups at once, time(k) = max(unshared, latency + per_stage * k)."""
+
+    unshared: float
+    latency: float
+    per_stage: float | None  # None when no shared GroupLink bounds it
+
+    def time(self, crossing_stages: int) -> float:
+        """Seconds when `crossing_stages` stages' DP rings cross between groups at once."""
+        if self.per_stage is None:
+            return self.unshared
+        return max(self.unshared, self.latency + self.per_stage * max(1, crossing_stages))
+
+
+class Pricer:
+    """Caches the pricing pieces of one graph on one cluster for one compute dtype."""
+
+    def __init__(self, costs: ModelCosts, cluster: Cluster, dtype: str = "bfloat16") -> None:
+        self.costs = costs
+        self.cluster = cluster
+        self.dtype = dtype
+        self.groups: dict[str, DeviceGroup] = {g.name: g for g in cluster.groups}
+        self._time: dict[tuple, StageTime] = {}
+        self._block_time: dict[tuple, StageTime] = {}
+        self._mem: dict[tuple, StageMemory] = {}
+        self._cross: dict[tuple, CrossPath] = {}
+
+    # -- per (stage composition, group) --------------------------------------------------------
+    def stage_time(
+        self, comp: Composition, group: str, *, tp: int, cp: int, ep: int, sp: bool,
+        micro_batch: int, recompute: Recompute,
+    ) -> StageTime:
+        """Forward/backward/recompute compute and TP/CP/EP traffic of one micro-batch: the sum
+        over the stage's blocks of `block_time` times their instance counts."""
+        key = (comp, group, tp, cp, ep, sp, micro_batch, recompute)
+        got = self._time.get(key)
+        if got is None:
+            parts = [0.0] * 6
+            for bkey, count in comp:
+                t = self.block_time(bkey, group, tp=tp, cp=cp, ep=ep, sp=sp,
+                                    micro_batch=micro_batch, recompute=recompute)
+                for i, v in enumerate(
+                    (t.forward, t.backward, t.recompute, t.tp_comm, t.cp_comm, t.ep_comm)
+                ):
+                    parts[i] += count * v
+            got = self._time[key] = StageTime(*parts)
+        return got
+
+    def block_time(
+        self, bkey: str, group: str, *, tp: int, cp: int, ep: int, sp: bool,
+        micro_batch: int, recompute: Recompute,
+    ) -> StageTime:
+        """One instance of block `bkey`, one micro-batch, on one rank of `group`."""
+        key = (bkey, group, tp, cp, ep, sp, micro_batch, recompute)
+        got = self._block_time.get(key)
+        if got is not None:
+            return got
+        g = self.groups[group]
+        scale = micro_batch / self.costs.traced_micro_batch
+        facts = self.costs.facts[bkey]
+        fwd, bwd, sel = self.costs.compute(bkey, g.gpu, self.dtype).times(
+            tp=tp, cp=cp, sequence_parallel=sp, scale=scale
+        )
+        t_fwd, t_bwd = self._tp_traffic(facts, tp, cp, sp, scale, intra_node_path(self.cluster, g))
+        c_fwd, c_bwd = self._cp_traffic(facts, g, tp, cp, scale)
+        e_fwd, e_bwd = self._ep_traffic(facts, g, tp, cp, ep, sp, scale)
+        rc = 0.0
+        if facts.kind == "layer" and recompute == Recompute.SELECTIVE:
+            rc = sel  # the attention core only: no TP traffic inside it
+        elif facts.kind == "layer" and recompute == Recompute.FULL:
+            rc = fwd + t_fwd + c_fwd + e_fwd  # the whole forward again, traffic included
+        got = self._block_time[key] = StageTime(
+            fwd, bwd, rc, t_fwd + t_bwd, c_fwd + c_bwd, e_fwd + e_bwd
+        )
+        return got
+
+    def _tp_traffic(self, facts, tp, cp, sp, scale, intra: Path) -> tuple[float, float]:
+        if tp <= 1:
+            return 0.0, 0.0
+        out = {"fwd": 0.0, "bwd": 0.0}
+        for c in facts.tp_collectives:
+            size = c.size_bytes * scale / cp
+            for kind in c.with_sp if sp else c.without_sp:
+                out[c.phase] += collective_time(kind, size, tp, intra)
+        return out["fwd"], out["bwd"]
+
+    def _cp_traffic(self, facts, g: DeviceGroup, tp, cp, scale) -> tuple[float, float]:
+        """Context parallelism: all-gather K and V in forward, reduce-scatter their gradients in
+        backward, over cp ranks strided by tp (heads are TP-sharded, so /tp). Not overlapped
+        with attention (ring attention would hide part: assumption, calibrated in issue 3)."""
+        if cp <= 1 or not facts.kv_bytes:
+            return 0.0, 0.0
+        size = facts.kv_bytes * scale / tp
+        path = group_path(self.cluster, g, cp, max(1, g.gpus_per_node // tp))
+        return (
+            collective_time(Collective.ALL_GATHER, size, cp, path),
+            collective_time(Collective.REDUCE_SCATTER, size, cp, path),
+        )
+
+    def _ep_traffic(self, facts, g: DeviceGroup, tp, cp, ep, sp, scale) -> tuple[float, float]:
+        """Expert parallelism: dispatch + combine all-to-alls of top_k * tokens * hidden in
+        forward and again in backward, over ep ranks strided by tp * cp."""
+        if ep <= 1 or not facts.a2a_bytes:
+            return 0.0, 0.0
+        size = facts.a2a_bytes * scale / (cp * (tp if sp else 1))
+        path = group_path(self.cluster, g, ep, max(1, g.gpus_per_node // (tp * cp)))
+        t = collective_time(Collective.ALL_TO_ALL, size, ep, path)
+        return 2 * t, 2 * t
+
+    # -- per stage composition (group-independent) ---------------------------------------------
+    def stage_memory(
+        self, comp: Composition, *, tp: int, cp: int, ep: int, dp: int, zero: int,
+        recompute: Recompute, sp: bool, micro_batch: int,
+    ) -> StageMemory:
+        """Memory of one rank of a stage, but for the in-flight multiplier (cached)."""
+        key = (comp, tp, cp, ep, dp, zero, recompute, sp, micro_batch)
+        got = self._mem.get(key)
+        if got is None:
+            blocks = [(self.costs.facts[k].memory, n) for k, n in comp]
+            got = self._mem[key] = stage_memory(
+                blocks, tp=tp, cp=cp, ep=ep, dp=dp, zero=zero, recompute=recompute,
+                sequence_parallel=sp, scale=micro_batch / self.costs.traced_micro_batch,
+            )
+        return got
+
+    def dp_traffic(self, comp: Composition, *, tp: int, ep: int, dp: int, zero: int) -> DpTraffic:
+        """Per-occurrence DP collectives of a stage (bf16 gradients and weights, GRAD_BYTES /
+        WEIGHT_BYTES per parameter): ZeRO-0 all-reduces gradients; ZeRO-1/2 reduce-scatter
+        gradients and all-gather updated weights; ZeRO-3 (per micro-batch) all-gathers weights
+        for forward and for backward and reduce-scatters gradients. Expert parameters use the
+        dp / ep ranks that hold the same experts."""
+        facts = [(self.costs.facts[k].memory, n) for k, n in comp]
+        dense = sum(n * (b.params_tp / tp + b.params_rep) for b, n in facts)
+        experts = sum(n * b.params_expert / (tp * ep) for b, n in facts)
+        AR, AG, RS = Collective.ALL_REDUCE, Collective.ALL_GATHER, Collective.REDUCE_SCATTER
+        out: list[tuple[Collective, float, int]] = []
+        for params, n in ((dense, dp), (experts, dp // ep if dp >= ep else 1)):
+            if params <= 0 or n <= 1:
+                continue
+            if zero == 0:
+                out.append((AR, params * GRAD_BYTES, n))
+            elif zero in (1, 2):
+                out += [(RS, params * GRAD_BYTES, n), (AG, params * WEIGHT_BYTES, n)]
+            else:
+                out += [(AG, params * WEIGHT_BYTES, n)] * 2 + [(RS, params * GRAD_BYTES, n)]
+        return DpTraffic(tuple(out))
+
+    def dp_single(self, traffic: DpTraffic, group: str, *, tp: int, cp: int) -> float:
+        """DP traffic time when all replicas of the stage sit in one group, packed into nodes."""
+        g = self.groups[group]
+        per_node = max(1, g.gpus_per_node // (tp * cp))
+        return sum(
+            group_collective_time(k, s, self.cluster, g, n, min(n, per_node))
+            for k, s, n in traffic.collectives
+        )
+
+    def cross_path(self, a: str, b: str, ranks_a: int, ranks_b: int) -> CrossPath:
+        """`collectives.cross_group_path`, cached."""
+        key = (a, b, ranks_a, ranks_b)
+        got = self._cross.get(key)
+        if got is None:
+            got = self._cross[key] = cross_group_path(self.cluster, a, b, ranks_a, ranks_b)
+        return got
+
+    def dp_cross(self, traffic: DpTraffic, a: str, b: str, *, tp: int, cp: int) -> CrossTraffic:
+        """DP traffic time of a flat ring spanning groups a and b (replicas packed in nodes).
+        Each crossing stage has tp * cp rings (one per TP/CP rank) on a shared GroupLink."""
+        # Ranks of one DP ring per node: the replicas a node holds, at most dp. Placement-
+        # independent on purpose (the planner prices it before placing): optimistic when one
+        # side holds fewer replicas than fit in a node.
+        dp = max((n for _, _, n in traffic.collectives), default=1)
+        ga, gb = self.groups[a], self.groups[b]
+        path = self.cross_path(
+            a, b,
+            max(1, min(dp, ga.gpus_per_node // (tp * cp))),
+            max(1, min(dp, gb.gpus_per_node // (tp * cp))),
+        )
+        vol, alpha = traffic.volume, traffic.count * path.latency
+        per_stage = None
+        if path.shared_bandwidth is not None:
+            per_stage = vol * tp * cp / path.shared_bandwidth
+        return CrossTraffic(alpha + vol / path.bandwidth, alpha, per_stage)
+
+    def p2p(self, size: float, a: str, b: str, streams: int) -> float:
+        """Forward send + backward send of one boundary activation of `size` bytes per rank
+        between a stage on group a and the next on group b; `streams` ranks send at once."""
+        if a == b:
+            g = self.groups[a]
+            if g.nodes == 1:
+                path = intra_node_path(self.cluster, g)
+            else:
+                # Consecutive stages sit on different nodes (stages fill nodes in order).
+                tier = self.cluster.link(g.inter_link)
+                path = Path(nic_share(g, tier), tier.latency)
+        else:
+            path = self.cross_path(a, b, 1, 1).path(streams)
+        return 2 * collective_time(Collective.P2P, size, 2, path)
+
+    def optimizer_time(
+        self, comp: Composition, group: str, *, tp: int, ep: int, dp: int, zero: int
+    ) -> float:
+        """Adam update of the parameters this rank owns (all it holds under ZeRO-0, 1/dp of
+        them under ZeRO >= 1), streaming OPTIMIZER_BYTES_PER_PARAM bytes per parameter."""
+        facts = [(self.costs.facts[k].memory, n) for k, n in comp]
+        dense = sum(n * (b.params_tp / tp + b.params_rep) for b, n in facts)
+        experts = sum(n * b.params_expert / (tp * ep) for b, n in facts)
+        if zero >= 1:
+            dense /= dp
+            experts /= max(1, dp // ep)
+        hbm = self.groups[group].gpu.hbm_bandwidth * MEMORY_EFFICIENCY
+        return (dense + experts) * OPTIMIZER_BYTES_PER_PARAM / hbm
+
+
+_PRICER_CACHE: OrderedDict[tuple, tuple[Graph, Cluster, Pricer]] = OrderedDict()
+
+
+def pricer_for(graph: Graph, cluster: Cluster, dtype: str = "bfloat16") -> Pricer:
+    """A cached `Pricer` for (graph, cluster, dtype), by identity (entries hold both objects)."""
+    key = (id(graph), id(cluster), dtype)
+    hit = _PRICER_CACHE.get(key)
+    if hit is not None and hit[0] is graph and hit[1] is cluster:
+        _PRICER_CACHE.move_to_end(key)
+        return hit[2]
+    pricer = Pricer(model_costs(graph), cluster, dtype)
+    _PRICER_CACHE[key] = (graph, cluster, pricer)
+    while len(_PRICER_CACHE) > _CACHE_SIZE:
+        _PRICER_CACHE.popitem(last=False)
+    return pricer
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables of one configuration, and the step-time formula over a placement
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class PlanTables:
+    """Every number of the step-time formula for one complete `Parallel` and stage split, per
+    stage and device group (the groups in `groups`). Built by `plan_tables`; priced for a
+    placement by `evaluate`. Times in seconds, memory in bytes."""
+
+    parallel: Parallel
+    ranges: tuple[tuple[int, int], ...]
+    groups: tuple[str, ...]
+    m: int
+    rep: int  # how often the DP traffic occurs per step (m for ZeRO-3, else 1)
+    time: list[dict[str, StageTime]]  # [stage][group]
+    window: list[dict[str, float]]  # [stage][group] overlap window of the DP traffic
+    optimizer: list[dict[str, float]]  # [stage][group]
+    memory: list[tuple[int, tuple[tuple[str, int], ...]]]  # [stage] (peak, breakdown)
+    fits: list[dict[str, bool]]  # [stage][group]
+    replica_capacity: dict[str, int]  # replicas of tp*cp GPUs each group can hold
+    dp_single: list[dict[str, float]]  # [stage][group]: all replicas in that group
+    dp_cross: list[dict[tuple[str, str], CrossTraffic]]  # [stage][(a, b)], a before b
+    p2p: list[dict[tuple[str, str], float]] = field(default_factory=list)  # [boundary][(a, b)]
+
+    @property
+    def pp(self) -> int:
+        """Pipeline stages."""
+        return len(self.ranges)
+
+
+def plan_tables(
+    pricer: Pricer,
+    parallel: Parallel,
+    ranges: Sequence[tuple[int, int]],
+    groups: Sequence[str] | None = None,
+) -> PlanTables:
+    """Price every (stage, group) and (boundary, group pair) of a complete configuration."""
+    p = parallel
+    names = tuple(groups) if groups is not None else tuple(pricer.groups)
+    tp, cp, ep, dp, mb = p.tp, p.cp, p.ep, p.dp, p.micro_batch
+    sp, zero, rc = bool(p.sequence_parallel), p.zero, Recompute(p.recompute)
+    m = p.global_batch // (dp * mb)
+    pp = len(ranges)
+    costs = pricer.costs
+    comps = [costs.composition(a, b) for a, b in ranges]
+    uniq: dict[Composition, dict] = {}
+    for comp in comps:
+        if comp in uniq:
+            continue
+        traffic = pricer.dp_traffic(comp, tp=tp, ep=ep, dp=dp, zero=zero)
+        times = {
+            g: pricer.stage_time(comp, g, tp=tp, cp=cp, ep=ep, sp=sp, micro_batch=mb,
+                                 recompute=rc)
+            for g in names
+        }
+        cross = {}
+        for i, a in enumerate(names):
+            for b in names[i + 1:]:
+                cross[(a, b)] = pricer.dp_cross(traffic, a, b, tp=tp, cp=cp)
+        uniq[comp] = {
+            "time": times,
+            "window": {
+                g: (t.compute + t.recompute if zero == 3 else t.backward + t.recompute)
+                for g, t in times.items()
+            },
+            "opt": {
+                g: pricer.optimizer_time(comp, g, tp=tp, ep=ep, dp=dp, zero=zero) for g in names
+            },
+            "single": {g: pricer.dp_single(traffic, g, tp=tp, cp=cp) for g in names},
+            "cross": cross,
+            "mem": pricer.stage_memory(comp, tp=tp, cp=cp, ep=ep, dp=dp, zero=zero,
+                                       recompute=rc, sp=sp, micro_batch=mb),
+        }
+    capacity = {g: replica_capacity(pricer.groups[g], tp, cp) for g in names}
+    time, window, opt, memory, fits, single, cross = [], [], [], [], [], [], []
+    peaks: dict[tuple[Composition, int], tuple] = {}
+    for s, comp in enumerate(comps):
+        u = uniq[comp]
+        held = in_flight_microbatches(p.schedule, s, pp, m)
+        got = peaks.get((comp, held))
+        if got is None:
+            peak = u["mem"].peak(held)
+            fit = {g: peak[0] <= pricer.groups[g].gpu.memory_bytes for g in names}
+            got = peaks[(comp, held)] = (peak, fit)
+        time.append(u["time"])
+        window.append(u["window"])
+        opt.append(u["opt"])
+        memory.append(got[0])
+        fits.append(got[1])
+        single.append(u["single"])
+        cross.append(u["cross"])
+    scale = mb / costs.traced_micro_batch
+    streams = tp * cp * dp
+    by_boundary: dict[str, dict[tuple[str, str], float]] = {}
+    p2p = []
+    for s in range(pp - 1):
+        bkey = costs.boundary_key(ranges[s][1])
+        row = by_boundary.get(bkey)
+        if row is None:
+            size = costs.facts[bkey].output_bytes * scale / (cp * (tp if sp else 1))
+            row = by_boundary[bkey] = {
+                (a, b): pricer.p2p(size, a, b, streams) for a in names for b in names
+            }
+        p2p.append(row)
+    return PlanTables(
+        parallel=p, ranges=tuple(ranges), groups=names, m=m, rep=m if zero == 3 else 1,
+        time=time, window=window, optimizer=opt, memory=memory, fits=fits,
+        replica_capacity=capacity, dp_single=single, dp_cross=cross, p2p=p2p,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluation:
+    """The step time of one placement and its breakdown (seconds)."""
+
+    step_time_s: float
+    breakdown: tuple[tuple[str, float], ...]
+    bottleneck_stage: int
+    bottleneck_group: str
+
+
+Placement = Sequence[Sequence[tuple[str, int]]]  # [stage] -> ((group, replicas), ...)
+
+
+def evaluate(tables: PlanTables, placement: Placement) -> Evaluation:
+    """Price `placement` with the step-time formula of the module docstring."""
+    pp, m = tables.pp, tables.m
+    used = [[g for g, n in reps if n > 0] for reps in placement]
+    if len(used) != pp or any(not u for u in used):
+        raise ValueError("placement must give every stage at least one replica")
+    stage_u, stage_g = [], []
+    for s in range(pp):
+        g = max(used[s], key=lambda x: tables.time[s][x].total)
+        stage_g.append(g)
+        stage_u.append(tables.time[s][g].total)
+    s_star = max(range(pp), key=lambda s: stage_u[s])
+    big_u = stage_u[s_star]
+    p2p = max(
+        (tables.p2p[s][(a, b)] for s in range(pp - 1) for a in used[s] for b in used[s + 1]),
+        default=0.0,
+    )
+    crossing = sum(1 for u in used if len(u) > 1)
+    exposed = 0.0
+    for s in range(pp):
+        if len(used[s]) == 1:
+            comm = tables.dp_single[s][used[s][0]]
+        else:
+            order = [g for g in tables.groups if g in used[s]]
+            comm = max(
+                tables.dp_cross[s][(a, b)].time(crossing)
+                for i, a in enumerate(order) for b in order[i + 1:]
+            )
+        window = max(tables.window[s][g] for g in used[s])
+        exposed = max(exposed, comm - OVERLAP_EFFICIENCY * min(comm, window))
+    optimizer = max(tables.optimizer[s][g] for s in range(pp) for g in used[s])
+    t = tables.time[s_star][stage_g[s_star]]
+    parts = {
+        "compute": m * t.compute,
+        "recompute": m * t.recompute,
+        "tp_comm": m * t.tp_comm,
+        "cp_comm": m * t.cp_comm,
+        "ep_comm": m * t.ep_comm,
+        "pp_p2p": m * p2p,
+        "pp_bubble": sum(stage_u) - big_u + (pp - 1) * p2p,
+        "dp_comm_exposed": tables.rep * exposed,
+        "optimizer": optimizer,
+    }
+    breakdown = tuple((k, parts[k]) for k in BREAKDOWN_PARTS)
+    return Evaluation(sum(parts.values()), breakdown, s_star, stage_g[s_star])
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry
+# ---------------------------------------------------------------------------------------------
+
+
+def check_parallel(graph: Graph, cluster: Cluster, parallel: Parallel,
+                   stages: Sequence[StagePlacement]) -> None:
+    """Raise ValueError (one line) when `parallel` and `stages` do not describe a valid step."""
+    p = parallel
+    if not p.is_complete:
+        missing = [k for k in Parallel.__dataclass_fields__ if getattr(p, k) is None]
+        raise ValueError(f"predict needs a complete Parallel; missing {', '.join(missing)}")
+    if p.schedule not in SUPPORTED_SCHEDULES:
+        raise ValueError(
+            f"schedule {p.schedule.value!r} is not modelled yet; use "
+            + " or ".join(repr(s.value) for s in SUPPORTED_SCHEDULES)
+        )
+    if p.global_batch % (p.dp * p.micro_batch):
+        raise ValueError(
+            f"global_batch={p.global_batch} is not divisible by dp*micro_batch="
+            f"{p.dp}*{p.micro_batch}={p.dp * p.micro_batch}"
+        )
+    if p.ep > 1 and p.dp % p.ep:
+        raise ValueError(f"ep={p.ep} must divide dp={p.dp} (expert ranks reuse DP ranks)")
+    if len(stages) != p.pp:
+        raise ValueError(f"pp={p.pp} but {len(stages)} stage placements were given")
+    expect = 0
+    for i, st in enumerate(stages):
+        if st.index != i or st.first_unit != expect:
+            raise ValueError(f"stage {i} must start at unit {expect}, got {st.first_unit}")
+        if st.dp != p.dp:
+            raise ValueError(f"stage {i} has {st.dp} replicas but dp={p.dp}")
+        expect = st.last_unit
+    if expect != len(graph.units):
+        raise ValueError(f"stages cover units [0, {expect}) of {len(graph.units)}")
+    used: dict[str, int] = {}
+    known = {g.name: g for g in cluster.groups}
+    for st in stages:
+        for g, n in st.replicas:
+            if g not in known:
+                raise ValueError(f"stage {st.index}: unknown device group {g!r}")
+            used[g] = used.get(g, 0) + n
+    for g, n in used.items():
+        cap = replica_capacity(known[g], p.tp, p.cp)
+        if known[g].gpus_per_node % p.tp:
+            raise ValueError(
+                f"tp={p.tp} does not divide gpus_per_node={known[g].gpus_per_node} of group "
+                f"{g} (TP stays inside a node)"
+            )
+        if n > cap:
+            raise ValueError(
+                f"group {g}: {n} replicas of tp*cp={p.tp * p.cp} GPUs need "
+                f"{n * p.tp * p.cp} GPUs, it has {known[g].num_gpus}"
+            )
+
+
+def predict(
+    graph: Graph,
+    cluster: Cluster,
+    parallel: Parallel,
+    stages: Sequence[StagePlacement],
+    *,
+    dtype: str = "bfloat16",
+) -> Prediction:
+    """Predict step time, throughput, MFU and per-(stage, group) peak memory of a placed config.
+
+    `parallel` must be complete; `stages` give each pipeline stage's unit range and replicas
+    per device group (`meshplan.passes.partition.place_stages` makes the default one). The
+    graph's costs are for `graph.info.micro_batch` sequences of `graph.info.seq_len` tokens;
+    `parallel.micro_batch` scales them linearly. MFU counts the model's FLOPs
+    (`graph.total_flops(training=True)`, scaled to the global batch, recomputation excluded)
+    over the dense peak of every GPU the plan uses.
+    """
+    check_parallel(graph, cluster, parallel, stages)
+    p = parallel
+    pricer = pricer_for(graph, cluster, dtype)
+    ranges = [(st.first_unit, st.last_unit) for st in stages]
+    names = tuple(g.name for g in cluster.groups if any(g.name == r for st in stages
+                                                         for r, _ in st.replicas))
+    tables = plan_tables(pricer, p, ranges, names)
+    placement = [st.replicas for st in stages]
+    ev = evaluate(tables, placement)
+
+    traced_mb = pricer.costs.traced_micro_batch
+    model_flops = graph.total_flops(training=True) * p.global_batch / traced_mb
+    peak_flops = sum(
+        n * p.tp * p.cp * pricer.groups[g].gpu.peak(dtype)
+        for st in stages for g, n in st.replicas
+    )
+    tokens = p.global_batch * (graph.info.seq_len or 1)
+    memory = tuple(
+        RankMemory(
+            stage=st.index,
+            group=g,
+            peak_bytes=tables.memory[st.index][0],
+            capacity_bytes=pricer.groups[g].gpu.memory_bytes,
+            breakdown=tables.memory[st.index][1],
+        )
+        for st in stages for g, _ in st.replicas
+    )
+    notes = []
+    if not graph.info.micro_batch:
+        notes.append("graph.info.micro_batch is unknown: costs taken as one sequence")
+    elif p.micro_batch != traced_mb:
+        notes.append(
+            f"costs scaled linearly from the traced micro-batch {traced_mb} to {p.micro_batch}"
+        )
+    if not graph.info.seq_len:
+        notes.append("graph.info.seq_len is unknown: tokens/s counts sequences")
+    bottleneck = f"bottleneck: stage {ev.bottleneck_stage} on {ev.bottleneck_group}"
+    notes.append(bottleneck)
+    step = ev.step_time_s
+    return Prediction(
+        step_time_s=step,
+        tokens_per_s=tokens / step if step > 0 else math.inf,
+        mfu=model_flops / (step * peak_flops) if step > 0 and peak_flops > 0 else 0.0,
+        model_flops_per_step=float(model_flops),
+        peak_memory_bytes=max(r.peak_bytes for r in memory),
+        fits=all(r.fits for r in memory),
+        breakdown=ev.breakdown,
+        memory=memory,
+        notes=tuple(notes),
+    )

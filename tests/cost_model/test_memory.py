@@ -1,0 +1,97 @@
+"""Per-rank memory against the hardware.md / ZeRO / Korthikanti formulas, by hand."""
+
+from __future__ import annotations
+
+import pytest
+from meshplan.cost_model import predict
+from meshplan.cost_model.memory import (
+    ALLOCATOR_MARGIN,
+    CONTEXT_BYTES,
+    state_bytes_per_param,
+)
+from meshplan.ir import Parallel
+from meshplan.passes.partition import even_stages, place_stages
+
+from tests.synthetic import h100_cluster, transformer_graph
+
+L, H, A, F, V, S, B = 2, 64, 4, 256, 1000, 32, 2  # layers, hidden, heads, ffn, vocab, seq, mb
+
+
+def graph():
+    return transformer_graph(L, H, A, A, F, V, S, B)
+
+
+def run(tp=2, pp=2, dp=4, zero=0, recompute="none", schedule="1f1b", sp=True, m=8):
+    g, c = graph(), h100_cluster(4)
+    p = Parallel(dp=dp, tp=tp, pp=pp, cp=1, ep=1, micro_batch=B, global_batch=dp * B * m,
+                 recompute=recompute, zero=zero, schedule=schedule, sequence_parallel=sp)
+    pred = predict(g, c, p, place_stages(c, p, even_stages(g, pp)))
+    return {r.stage: dict(r.breakdown) | {"peak": r.peak_bytes} for r in pred.memory}
+
+
+def layer_params_per_rank(tp):
+    return (4 * H * H + 2 * H * F) / tp + 2 * H  # qkv, o, up, down split; two norms whole
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_model_states_follow_the_zero_formulas(zero):
+    tp, dp = 2, 4
+    per_byte = {0: 16, 1: 4 + 12 / dp, 2: 2 + 14 / dp, 3: 16 / dp}[zero]
+    stage0 = V * H / tp + layer_params_per_rank(tp)  # embedding + layer 0
+    stage1 = layer_params_per_rank(tp) + V * H / tp + H  # layer 1 + head + final norm
+    mem = run(tp=tp, dp=dp, zero=zero)
+    for s, params in ((0, stage0), (1, stage1)):
+        states = mem[s]["weights"] + mem[s]["grads"] + mem[s]["optimizer"]
+        assert states == pytest.approx(per_byte * params, abs=3)
+        gathered = 2 * layer_params_per_rank(tp) if zero == 3 else 0  # largest gathered layer
+        assert mem[s]["zero3_gather"] == pytest.approx(gathered, abs=1)
+    assert sum(state_bytes_per_param(zero, dp)) == pytest.approx(per_byte)
+
+
+def korthikanti_layer(tp=1):
+    """s*b*h*34 + 5*a*s^2*b bytes per layer, divided by tp under sequence parallelism."""
+    return (S * B * H * 34 + 5 * A * S * S * B) / tp
+
+
+def test_synthetic_layer_saves_korthikanti_bytes():
+    assert graph().block("layer").saved_bytes == korthikanti_layer()
+
+
+def test_activations_with_sequence_parallel_and_1f1b_in_flight():
+    tp, pp = 2, 2
+    mem = run(tp=tp, pp=pp)
+    embed_saved = 8 * B * S  # int64 token ids, on the vocab-parallel embedding
+    head_saved = 2 * B * S * H + 2 * B * S * H + 4 * B * S * V  # norm in, head in, fp32 logp
+    per_mb0 = korthikanti_layer(tp) + embed_saved / tp
+    per_mb1 = korthikanti_layer(tp) + head_saved / tp
+    # 1F1B: stage i of p holds p - i micro-batches (hardware.md)
+    assert mem[0]["activations"] == pytest.approx(pp * per_mb0, abs=2)
+    assert mem[1]["activations"] == pytest.approx(1 * per_mb1, abs=2)
+
+
+def test_gpipe_holds_every_micro_batch():
+    m = 8
+    mem = run(schedule="gpipe", m=m)
+    one = run(schedule="1f1b", m=m)
+    assert mem[0]["activations"] == pytest.approx(one[0]["activations"] / 2 * m, rel=1e-9)
+
+
+def test_recompute_selective_and_full():
+    tp = 2
+    none, sel, full = (run(tp=tp, pp=1, recompute=r) for r in ("none", "selective", "full"))
+    # pp = 1: one micro-batch in flight; two layers, prologue and epilogue on the stage
+    edges = none[0]["activations"] - 2 * korthikanti_layer(tp)
+    assert sel[0]["activations"] == pytest.approx(
+        edges + 2 * (korthikanti_layer(tp) - 5 * A * S * S * B / tp), abs=2)
+    layer_input = 2 * B * S * H / tp  # bf16 hidden state, sequence-sharded under SP
+    assert full[0]["activations"] == pytest.approx(edges + 2 * layer_input, abs=2)
+    assert full[0]["recompute_workspace"] == pytest.approx(korthikanti_layer(tp), abs=2)
+
+
+def test_peak_adds_allocator_margin_and_context():
+    mem = run()
+    for parts in mem.values():
+        subtotal = sum(v for k, v in parts.items() if k not in ("overhead", "peak"))
+        assert parts["overhead"] == pytest.approx(ALLOCATOR_MARGIN * subtotal + CONTEXT_BYTES,
+                                                  abs=8)
+        assert parts["peak"] == sum(v for k, v in parts.items() if k != "peak")

@@ -1,0 +1,180 @@
+"""The step-time simulator (`predict`): breakdowns, pipeline bubble, MFU, scaling, errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from meshplan.cost_model import BREAKDOWN_PARTS, predict
+from meshplan.cost_model.compute import KERNEL_FLOOR_S
+from meshplan.ir import Parallel, StagePlacement
+from meshplan.passes.partition import even_stages, place_stages
+
+from tests.synthetic import H100, h100_cluster, mixed_cluster, transformer_graph
+
+
+def config(**kw) -> Parallel:
+    base = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1, "micro_batch": 1, "global_batch": 8,
+            "recompute": "none", "zero": 0, "schedule": "1f1b", "sequence_parallel": False}
+    return Parallel(**(base | kw))
+
+
+def run(g, c, p):
+    return predict(g, c, p, place_stages(c, p, even_stages(g, p.pp)))
+
+
+def test_breakdown_has_every_part_and_sums_to_the_step():
+    g = transformer_graph(8, 1024, 16, 4, 4096, 32000, 2048, 1)
+    c = mixed_cluster(1, 1)
+    for p in (
+        config(dp=8, tp=2, global_batch=64, zero=1, sequence_parallel=True),
+        config(dp=2, tp=2, pp=4, global_batch=64, recompute="full", zero=3),
+        config(dp=4, tp=1, pp=4, micro_batch=2, global_batch=64, recompute="selective"),
+    ):
+        pred = run(g, c, p)
+        parts = pred.breakdown_dict()
+        assert tuple(parts) == BREAKDOWN_PARTS
+        assert sum(parts.values()) == pytest.approx(pred.step_time_s, rel=1e-12)
+        assert all(v >= 0 for v in parts.values())
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 16), (8, 8)])
+def test_1f1b_bubble_fraction_for_equal_stages(pp, m):
+    g = transformer_graph(8, 1024, 16, 16, 4096, 0, 1024, 1, embed_and_head=False)
+    p = config(pp=pp, global_batch=m)
+    pred = run(g, h100_cluster(1), p)
+    parts = pred.breakdown_dict()
+    pipeline = pred.step_time_s - parts["dp_comm_exposed"] - parts["optimizer"]
+    assert parts["pp_bubble"] == pytest.approx((pp - 1) / (m + pp - 1) * pipeline, rel=1e-9)
+    stage = pipeline / (m + pp - 1)  # one micro-batch of the (equal) stages, p2p included
+    assert parts["pp_bubble"] == pytest.approx((pp - 1) * stage, rel=1e-9)
+    assert parts["pp_p2p"] > 0
+
+
+def test_gpipe_and_1f1b_take_the_same_time_but_not_the_same_memory():
+    g = transformer_graph(8, 1024, 16, 16, 4096, 32000, 1024, 1)
+    c = h100_cluster(1)
+    one = run(g, c, config(pp=4, global_batch=16))
+    gpipe = run(g, c, config(pp=4, global_batch=16, schedule="gpipe"))
+    assert gpipe.step_time_s == pytest.approx(one.step_time_s, rel=1e-12)
+    assert gpipe.memory[0].peak_bytes > one.memory[0].peak_bytes
+
+
+def test_mfu_counts_model_flops_over_the_peak_of_the_gpus_used():
+    g = transformer_graph(4, 2048, 16, 16, 8192, 32000, 2048, 2)
+    c = mixed_cluster(1, 1)
+    p = config(dp=4, tp=2, pp=2, micro_batch=1, global_batch=32, sequence_parallel=True)
+    pred = run(g, c, p)  # stage 0 on the H100 node, stage 1 on the A100 node
+    flops = g.total_flops(training=True) * 32 / 2  # the graph holds 2 sequences
+    assert pred.model_flops_per_step == pytest.approx(flops)
+    peak = 8 * 989e12 + 8 * 312e12
+    assert pred.mfu == pytest.approx(flops / (pred.step_time_s * peak), rel=1e-12)
+    assert pred.tokens_per_s == pytest.approx(32 * 2048 / pred.step_time_s, rel=1e-12)
+    assert "stage 1 on a100" in pred.notes[-1]  # the A100 stage is the bottleneck
+
+
+def test_micro_batch_scales_the_traced_costs_linearly():
+    g1 = transformer_graph(4, 4096, 32, 32, 16384, 32000, 4096, 1)
+    g2 = transformer_graph(4, 4096, 32, 32, 16384, 32000, 4096, 2)
+    c = h100_cluster(1)
+    p = config(micro_batch=2, global_batch=8)
+    from_1 = run(g1, c, p)
+    from_2 = run(g2, c, p)
+    assert any("scaled linearly" in n for n in from_1.notes)
+    # the same work, except the kernel floors of twice as many launches per sequence
+    kernels = sum(1 for op in g1.block("layer").ops if op.fwd_flops or op.fwd_bytes)
+    diff = from_1.breakdown_dict()["compute"] - from_2.breakdown_dict()["compute"]
+    assert abs(diff) < 4 * 2 * 6 * kernels * KERNEL_FLOOR_S
+    assert from_1.breakdown_dict()["compute"] == pytest.approx(
+        from_2.breakdown_dict()["compute"], rel=0.02)
+    assert from_1.memory[0].peak_bytes == pytest.approx(from_2.memory[0].peak_bytes, rel=0.01)
+
+
+def test_tensor_parallel_traffic_by_hand():
+    b, s, h = 1, 2048, 4096
+    g = transformer_graph(1, h, 32, 32, 4 * h, 0, s, b, embed_and_head=False)
+    c = h100_cluster(1)
+    tp = 8
+    # two row-parallel linears per layer, an all-reduce each in forward and in backward
+    ar = 2e-6 + 2 * (tp - 1) / tp * (2 * b * s * h) / (450e9 * 0.8)
+    pred = run(g, c, config(tp=tp, global_batch=1))
+    assert pred.breakdown_dict()["tp_comm"] == pytest.approx(4 * ar, rel=1e-9)
+    # sequence parallel: all-gather + reduce-scatter of the same volume, twice the latency
+    pred = run(g, c, config(tp=tp, global_batch=1, sequence_parallel=True))
+    assert pred.breakdown_dict()["tp_comm"] == pytest.approx(4 * (ar + 2e-6), rel=1e-9)
+
+
+def test_fits_compares_with_gpu_memory():
+    g = transformer_graph(4, 2048, 16, 16, 8192, 32000, 4096, 1)
+    small = dataclasses.replace(H100, memory_bytes=2 * 2**30)
+    assert run(g, h100_cluster(1), config(global_batch=1)).fits
+    pred = run(g, h100_cluster(1, gpu=small), config(global_batch=1))
+    assert not pred.fits
+    assert pred.peak_memory_bytes > 2 * 2**30
+    assert all(r.capacity_bytes == 2 * 2**30 for r in pred.memory)
+
+
+def test_slower_group_is_the_bottleneck_of_a_split_stage():
+    g = transformer_graph(4, 2048, 16, 16, 8192, 32000, 2048, 1)
+    c = mixed_cluster(1, 1)
+    p = config(dp=2, global_batch=8, tp=4, sequence_parallel=True)
+    split = (StagePlacement(0, 0, len(g.units), (("h100", 1), ("a100", 1))),)
+    only_h = (StagePlacement(0, 0, len(g.units), (("h100", 2),)),)
+    only_a = (StagePlacement(0, 0, len(g.units), (("a100", 2),)),)
+    t_split = predict(g, c, p, split)
+    t_a = predict(g, c, p, only_a)
+    assert predict(g, c, p, only_h).step_time_s < t_split.step_time_s
+    # same A100 compute; the split pays DP traffic across groups instead of inside one node
+    assert t_split.breakdown_dict()["compute"] == pytest.approx(
+        t_a.breakdown_dict()["compute"], rel=1e-12)
+    assert {(r.stage, r.group) for r in t_split.memory} == {(0, "h100"), (0, "a100")}
+
+
+def test_invalid_configurations_raise_one_line_errors():
+    g = transformer_graph(4, 512, 8, 8, 2048, 1000, 512, 1)
+    c = h100_cluster(1)
+    p = config(pp=2, global_batch=8)
+    stages = place_stages(c, p, even_stages(g, 2))
+    with pytest.raises(ValueError, match="interleaved_1f1b.*not modelled"):
+        predict(g, c, dataclasses.replace(p, schedule="interleaved_1f1b"), stages)
+    with pytest.raises(ValueError, match="not divisible by dp"):
+        predict(g, c, dataclasses.replace(p, micro_batch=2, global_batch=7), stages)
+    with pytest.raises(ValueError, match="complete Parallel"):
+        predict(g, c, Parallel(tp=1), stages)
+    with pytest.raises(ValueError, match="1 stage placements"):
+        predict(g, c, p, stages[:1])
+    with pytest.raises(ValueError, match="2 replicas but dp=1"):
+        predict(g, c, p, (stages[0], dataclasses.replace(stages[1], replicas=(("h100", 2),))))
+    with pytest.raises(ValueError, match="need 16 GPUs, it has 8"):
+        wide = tuple(dataclasses.replace(st, replicas=(("h100", 8),)) for st in stages)
+        predict(g, c, dataclasses.replace(p, dp=8, global_batch=8), wide)
+
+
+def test_zero3_pays_its_traffic_every_micro_batch():
+    g = transformer_graph(4, 4096, 32, 32, 16384, 32000, 1024, 1)
+    c = mixed_cluster(1, 1, wan=True)  # the DP ring crosses a 100 Gb/s WAN
+    p = config(dp=2, tp=8, global_batch=16, sequence_parallel=True)
+    split = (StagePlacement(0, 0, len(g.units), (("h100", 1), ("a100", 1))),)
+    z2 = predict(g, c, dataclasses.replace(p, zero=2), split).breakdown_dict()
+    z3 = predict(g, c, dataclasses.replace(p, zero=3), split).breakdown_dict()
+    assert z2["dp_comm_exposed"] > 0
+    assert z3["dp_comm_exposed"] > 4 * z2["dp_comm_exposed"]  # 3 collectives x 8 mbs vs 2
+
+
+def test_context_parallel_gathers_keys_and_values_by_hand():
+    b, s, h, a = 1, 8192, 4096, 32
+    g = transformer_graph(1, h, a, a, 4 * h, 0, s, b, embed_and_head=False)
+    pred = run(g, h100_cluster(1), config(cp=2, global_batch=1))
+    kv = 2 * b * a * s * (h // a) * 2  # K and V, bf16
+    gather = 2e-6 + kv * (1 / 2) / (450e9 * 0.8)  # all-gather over 2 ranks on NVLink4
+    assert pred.breakdown_dict()["cp_comm"] == pytest.approx(2 * gather, rel=1e-9)  # + RS
+
+
+def test_expert_parallel_all_to_all_by_hand():
+    b, s, h, top_k = 1, 4096, 2048, 2
+    g = transformer_graph(1, h, 16, 16, 4 * h, 0, s, b, experts=8, top_k=top_k,
+                          embed_and_head=False)
+    pred = run(g, h100_cluster(1), config(dp=4, ep=4, global_batch=4))
+    tokens = top_k * b * s * h * 2  # top_k copies of every token's hidden state, bf16
+    a2a = 2e-6 + tokens * (3 / 4) / (450e9 * 0.8)
+    assert pred.breakdown_dict()["ep_comm"] == pytest.approx(4 * a2a, rel=1e-9)  # 2 fwd + 2 bwd
