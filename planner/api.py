@@ -31,6 +31,7 @@ from meshplan.ir import Cluster, Graph, Parallel, Prediction, Recompute, Schedul
 from meshplan.ir.plan import ModelRef, Plan, SolverInfo, assign_ranks
 from meshplan.ir.trace import trace
 from meshplan.passes.partition import even_stages, place_stages
+from meshplan.passes.sharding import tp_param_placements
 
 from .solver import solve
 
@@ -79,6 +80,11 @@ def _model_ref(graph: Graph) -> ModelRef:
     )
 
 
+def _placements(graph: Graph, parallel: Parallel) -> tuple[tuple[str, str], ...]:
+    """Parameter placements on the tp axis (recorded only when TP is used)."""
+    return tp_param_placements(graph) if (parallel.tp or 1) > 1 else ()
+
+
 def complete_parallel(graph: Graph, cluster: Cluster, parallel: Parallel) -> Parallel:
     """Fill the fields a hand-written configuration left out with the obvious choice.
 
@@ -89,9 +95,10 @@ def complete_parallel(graph: Graph, cluster: Cluster, parallel: Parallel) -> Par
     tp, pp, cp, ep = p.tp or 1, p.pp or 1, p.cp or 1, p.ep or 1
     dp = p.dp or max(1, cluster.world_size // (tp * pp * cp))
     micro_batch = p.micro_batch or 1
-    global_batch = p.global_batch or max(
-        dp * micro_batch, default_global_batch(graph.info.seq_len or 1)
-    )
+    per_step = dp * micro_batch
+    # Round the default up to a multiple of dp*micro_batch so any dp divides it.
+    default = default_global_batch(graph.info.seq_len or 1)
+    global_batch = p.global_batch or per_step * -(-default // per_step)
     return Parallel(
         dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, micro_batch=micro_batch, global_batch=global_batch,
         recompute=p.recompute or Recompute.NONE,
@@ -103,6 +110,17 @@ def complete_parallel(graph: Graph, cluster: Cluster, parallel: Parallel) -> Par
 
 def check_config(graph: Graph, cluster: Cluster, p: Parallel) -> None:
     """One-line ValueError for a configuration that cannot run on this model and cluster."""
+    info = graph.info
+    for what, n in (("heads", info.heads), ("kv_heads", info.kv_heads)):
+        if n and n % p.tp:  # type: ignore[operator]
+            raise ValueError(f"tp={p.tp} does not divide the model's {what} ({n})")
+    if info.experts and info.experts % p.ep:  # type: ignore[operator]
+        raise ValueError(f"ep={p.ep} does not divide the model's experts ({info.experts})")
+    if p.ep > 1 and not info.experts:  # type: ignore[operator]
+        raise ValueError(f"ep={p.ep} but the model has no experts")
+    if info.seq_len and info.seq_len % p.cp:  # type: ignore[operator]
+        raise ValueError(f"cp={p.cp} does not divide the sequence length ({info.seq_len})")
+
     used = p.dp * p.tp * p.pp * p.cp  # type: ignore[operator]
     if used > cluster.world_size:
         raise ValueError(
@@ -114,16 +132,6 @@ def check_config(graph: Graph, cluster: Cluster, p: Parallel) -> None:
             f"global_batch {p.global_batch} is not divisible by dp*micro_batch = "
             f"{p.dp}*{p.micro_batch}; pick a global batch that is"
         )
-    info = graph.info
-    for what, n in (("heads", info.heads), ("kv_heads", info.kv_heads)):
-        if n and n % p.tp:  # type: ignore[operator]
-            raise ValueError(f"tp={p.tp} does not divide the model's {what} ({n})")
-    if info.experts and info.experts % p.ep:  # type: ignore[operator]
-        raise ValueError(f"ep={p.ep} does not divide the model's experts ({info.experts})")
-    if p.ep > 1 and not info.experts:  # type: ignore[operator]
-        raise ValueError(f"ep={p.ep} but the model has no experts")
-    if info.seq_len and info.seq_len % p.cp:  # type: ignore[operator]
-        raise ValueError(f"cp={p.cp} does not divide the sequence length ({info.seq_len})")
 
 
 def estimate(
@@ -162,6 +170,7 @@ def estimate_plan(
         ranks=assign_ranks(cluster, p, stages),
         predicted=prediction,
         solver=SolverInfo(status="fixed", gap=0.0, candidates=1),
+        placements=_placements(graph, p),
     )
 
 
@@ -203,6 +212,7 @@ def plan(
         ranks=assign_ranks(cluster, result.parallel, result.stages),
         predicted=result.prediction,
         solver=SolverInfo(status=result.status, gap=result.gap, candidates=result.candidates),
+        placements=_placements(graph, result.parallel),
     )
 
 

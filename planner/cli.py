@@ -224,7 +224,7 @@ def estimate(
     if not result.predicted.fits:
         worst = max(result.predicted.memory, key=lambda r: r.peak_bytes - r.capacity_bytes)
         err.print(f"[yellow]warning:[/] does not fit: stage {worst.stage} on {worst.group} needs "
-                  f"{worst.peak_bytes / 1e9:.1f} GB, capacity {worst.capacity_bytes / 1e9:.1f} GB")
+                  f"{worst.peak_bytes / 2**30:.1f} GiB, capacity {worst.capacity_bytes / 2**30:.1f} GiB")
     if output:
         result.to_json(output)
 

@@ -526,12 +526,12 @@ def _screen(pricer: Pricer, graph: Graph, cands: list[Candidate], global_batch: 
     if not kept and smallest is not None:
         need, stage, c = smallest
         biggest = max(cluster.groups, key=lambda g: g.gpu.memory_bytes)
-        # "GB" as datasheets print it, i.e. 2**30 bytes (meshplan.ir.hardware reads "80 GB"
-        # as 80 GiB), so that the capacity shows as the number users know.
+        # GiB, the unit meshplan.ir.hardware stores a datasheet's "80 GB" in, so the capacity
+        # shows as the number users know.
         message = (
-            f"no plan fits: the smallest configuration needs {need / GiB:.1f} GB per GPU on "
+            f"no plan fits: the smallest configuration needs {need / GiB:.1f} GiB per GPU on "
             f"stage {stage} ({c.describe()}) and the largest GPU, {biggest.gpu.name}, has "
-            f"{biggest.gpu.memory_bytes / GiB:.1f} GB; add GPUs or use a larger-memory GPU type"
+            f"{biggest.gpu.memory_bytes / GiB:.1f} GiB; add GPUs or use a larger-memory GPU type"
         )
     return kept, priced, message, cut
 
@@ -848,7 +848,7 @@ def _placement_message(kept: list[_Priced], cluster: Cluster) -> str:
     c = pr.cand
     return (
         f"no plan fits: the smallest configuration that fits in memory ({c.describe()}) needs "
-        f"{c.pp * c.dp * c.tp * c.cp} GPUs with {need / GiB:.1f} GB, and the cluster has "
+        f"{c.pp * c.dp * c.tp * c.cp} GPUs with {need / GiB:.1f} GiB, and the cluster has "
         f"{sum(g.num_gpus for g in big)} such GPUs ({_capacity_summary(cluster)}); add GPUs "
         f"or use a larger-memory GPU type"
     )

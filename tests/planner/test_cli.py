@@ -126,7 +126,7 @@ def test_untraceable_model_names_the_module(tmp_path):
 def test_model_that_fits_nowhere_says_how_much_memory(tmp_path):
     r = run("plan", "--model", "llama3-405b", "--seq-len", "1024", "--cluster", "RTX4090",
             "--gpus", "8", "--global-batch", "8")
-    assert_user_error(r, "GB")
+    assert_user_error(r, "GiB")
 
 
 def test_estimate_with_nondividing_tp_is_a_user_error():

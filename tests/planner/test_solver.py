@@ -206,9 +206,9 @@ def test_infeasible_memory_names_the_bytes_needed_and_available():
     msg = str(err.value)
     assert "\n" not in msg
     assert msg.startswith("no plan fits: the smallest configuration needs ")
-    needed = float(msg.split("needs ")[1].split(" GB")[0])  # datasheet GB = 2**30 bytes
+    needed = float(msg.split("needs ")[1].split(" GiB")[0])
     assert needed > 80.0
-    assert "H100, has 80.0 GB" in msg and "on stage 0 (tp=" in msg
+    assert "H100, has 80.0 GiB" in msg and "on stage 0 (tp=" in msg
 
 
 def test_infeasible_capacity_names_the_gpus_needed_and_available():
@@ -258,7 +258,7 @@ def test_mixed_cluster_uses_both_groups_when_one_is_not_enough():
     graph = transformer_graph(64, 8192, 64, 8, 32768, 32000, 4096, 1)  # ~45B parameters
     both = mixed_cluster(1, 1)  # 8 H100 + 8 A100
     alone = dataclasses.replace(both, groups=both.groups[:1])
-    with pytest.raises(InfeasibleError, match="GB per GPU"):
+    with pytest.raises(InfeasibleError, match="GiB per GPU"):
         solve(graph, alone, Parallel(), global_batch=16)
     result = solve(graph, both, Parallel(), global_batch=16)
     assert result.prediction.fits and result.status == "optimal"
