@@ -18,6 +18,13 @@ from .simulate import (
 )
 
 __all__ = [
-    "BREAKDOWN_PARTS", "ModelCosts", "PlanTables", "Pricer", "evaluate", "model_costs",
-    "plan_tables", "predict", "pricer_for",
+    "BREAKDOWN_PARTS",
+    "ModelCosts",
+    "PlanTables",
+    "Pricer",
+    "evaluate",
+    "model_costs",
+    "plan_tables",
+    "predict",
+    "pricer_for",
 ]

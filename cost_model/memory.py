@@ -222,9 +222,7 @@ def stage_memory(
     gather = 0.0
     if zero == 3 and layers:
         gather = WEIGHT_BYTES * max(b.params_per_rank(tp, ep) for b in layers)
-    temporary = TEMP_OUTPUTS * max(
-        (b.largest_output(**act_kw) for b, _ in blocks), default=0.0
-    )
+    temporary = TEMP_OUTPUTS * max((b.largest_output(**act_kw) for b, _ in blocks), default=0.0)
     return StageMemory(
         weights=dense * w_d + experts * w_e,
         grads=dense * g_d + experts * g_e,

@@ -343,8 +343,16 @@ class Pricer:
 
     # -- per (stage composition, group) --------------------------------------------------------
     def stage_time(
-        self, comp: Composition, group: str, *, tp: int, cp: int, ep: int, sp: bool,
-        micro_batch: int, recompute: Recompute,
+        self,
+        comp: Composition,
+        group: str,
+        *,
+        tp: int,
+        cp: int,
+        ep: int,
+        sp: bool,
+        micro_batch: int,
+        recompute: Recompute,
     ) -> StageTime:
         """Forward/backward/recompute compute and TP/CP/EP traffic of one micro-batch: the sum
         over the stage's blocks of `block_time` times their instance counts."""
@@ -353,8 +361,16 @@ class Pricer:
         if got is None:
             parts = [0.0] * 6
             for bkey, count in comp:
-                t = self.block_time(bkey, group, tp=tp, cp=cp, ep=ep, sp=sp,
-                                    micro_batch=micro_batch, recompute=recompute)
+                t = self.block_time(
+                    bkey,
+                    group,
+                    tp=tp,
+                    cp=cp,
+                    ep=ep,
+                    sp=sp,
+                    micro_batch=micro_batch,
+                    recompute=recompute,
+                )
                 for i, v in enumerate(
                     (t.forward, t.backward, t.recompute, t.tp_comm, t.cp_comm, t.ep_comm)
                 ):
@@ -363,8 +379,16 @@ class Pricer:
         return got
 
     def block_time(
-        self, bkey: str, group: str, *, tp: int, cp: int, ep: int, sp: bool,
-        micro_batch: int, recompute: Recompute,
+        self,
+        bkey: str,
+        group: str,
+        *,
+        tp: int,
+        cp: int,
+        ep: int,
+        sp: bool,
+        micro_batch: int,
+        recompute: Recompute,
     ) -> StageTime:
         """One instance of block `bkey`, one micro-batch, on one rank of `group`."""
         key = (bkey, group, tp, cp, ep, sp, micro_batch, recompute)
@@ -425,8 +449,17 @@ class Pricer:
 
     # -- per stage composition (group-independent) ---------------------------------------------
     def stage_memory(
-        self, comp: Composition, *, tp: int, cp: int, ep: int, dp: int, zero: int,
-        recompute: Recompute, sp: bool, micro_batch: int,
+        self,
+        comp: Composition,
+        *,
+        tp: int,
+        cp: int,
+        ep: int,
+        dp: int,
+        zero: int,
+        recompute: Recompute,
+        sp: bool,
+        micro_batch: int,
     ) -> StageMemory:
         """Memory of one rank of a stage, but for the in-flight multiplier (cached)."""
         key = (comp, tp, cp, ep, dp, zero, recompute, sp, micro_batch)
@@ -434,8 +467,15 @@ class Pricer:
         if got is None:
             blocks = [(self.costs.facts[k].memory, n) for k, n in comp]
             got = self._mem[key] = stage_memory(
-                blocks, tp=tp, cp=cp, ep=ep, dp=dp, zero=zero, recompute=recompute,
-                sequence_parallel=sp, scale=micro_batch / self.costs.traced_micro_batch,
+                blocks,
+                tp=tp,
+                cp=cp,
+                ep=ep,
+                dp=dp,
+                zero=zero,
+                recompute=recompute,
+                sequence_parallel=sp,
+                scale=micro_batch / self.costs.traced_micro_batch,
             )
         return got
 
@@ -487,7 +527,8 @@ class Pricer:
         dp = max((n for _, _, n in traffic.collectives), default=1)
         ga, gb = self.groups[a], self.groups[b]
         path = self.cross_path(
-            a, b,
+            a,
+            b,
             max(1, min(dp, ga.gpus_per_node // (tp * cp))),
             max(1, min(dp, gb.gpus_per_node // (tp * cp))),
         )
@@ -597,13 +638,12 @@ def plan_tables(
             continue
         traffic = pricer.dp_traffic(comp, tp=tp, ep=ep, dp=dp, zero=zero)
         times = {
-            g: pricer.stage_time(comp, g, tp=tp, cp=cp, ep=ep, sp=sp, micro_batch=mb,
-                                 recompute=rc)
+            g: pricer.stage_time(comp, g, tp=tp, cp=cp, ep=ep, sp=sp, micro_batch=mb, recompute=rc)
             for g in names
         }
         cross = {}
         for i, a in enumerate(names):
-            for b in names[i + 1:]:
+            for b in names[i + 1 :]:
                 cross[(a, b)] = pricer.dp_cross(traffic, a, b, tp=tp, cp=cp)
         uniq[comp] = {
             "time": times,
@@ -616,8 +656,9 @@ def plan_tables(
             },
             "single": {g: pricer.dp_single(traffic, g, tp=tp, cp=cp) for g in names},
             "cross": cross,
-            "mem": pricer.stage_memory(comp, tp=tp, cp=cp, ep=ep, dp=dp, zero=zero,
-                                       recompute=rc, sp=sp, micro_batch=mb),
+            "mem": pricer.stage_memory(
+                comp, tp=tp, cp=cp, ep=ep, dp=dp, zero=zero, recompute=rc, sp=sp, micro_batch=mb
+            ),
         }
     capacity = {g: replica_capacity(pricer.groups[g], tp, cp) for g in names}
     time, window, opt, memory, fits, single, cross = [], [], [], [], [], [], []
@@ -651,9 +692,20 @@ def plan_tables(
             }
         p2p.append(row)
     return PlanTables(
-        parallel=p, ranges=tuple(ranges), groups=names, m=m, rep=m if zero == 3 else 1,
-        time=time, window=window, optimizer=opt, memory=memory, fits=fits,
-        replica_capacity=capacity, dp_single=single, dp_cross=cross, p2p=p2p,
+        parallel=p,
+        ranges=tuple(ranges),
+        groups=names,
+        m=m,
+        rep=m if zero == 3 else 1,
+        time=time,
+        window=window,
+        optimizer=opt,
+        memory=memory,
+        fits=fits,
+        replica_capacity=capacity,
+        dp_single=single,
+        dp_cross=cross,
+        p2p=p2p,
     )
 
 
@@ -696,7 +748,8 @@ def evaluate(tables: PlanTables, placement: Placement) -> Evaluation:
             order = [g for g in tables.groups if g in used[s]]
             comm = max(
                 tables.dp_cross[s][(a, b)].time(crossing)
-                for i, a in enumerate(order) for b in order[i + 1:]
+                for i, a in enumerate(order)
+                for b in order[i + 1 :]
             )
         window = max(tables.window[s][g] for g in used[s])
         exposed = max(exposed, comm - OVERLAP_EFFICIENCY * min(comm, window))
@@ -722,8 +775,9 @@ def evaluate(tables: PlanTables, placement: Placement) -> Evaluation:
 # ---------------------------------------------------------------------------------------------
 
 
-def check_parallel(graph: Graph, cluster: Cluster, parallel: Parallel,
-                   stages: Sequence[StagePlacement]) -> None:
+def check_parallel(
+    graph: Graph, cluster: Cluster, parallel: Parallel, stages: Sequence[StagePlacement]
+) -> None:
     """Raise ValueError (one line) when `parallel` and `stages` do not describe a valid step."""
     p = parallel
     if not p.is_complete:
@@ -794,8 +848,9 @@ def predict(
     p = parallel
     pricer = pricer_for(graph, cluster, dtype)
     ranges = [(st.first_unit, st.last_unit) for st in stages]
-    names = tuple(g.name for g in cluster.groups if any(g.name == r for st in stages
-                                                         for r, _ in st.replicas))
+    names = tuple(
+        g.name for g in cluster.groups if any(g.name == r for st in stages for r, _ in st.replicas)
+    )
     tables = plan_tables(pricer, p, ranges, names)
     placement = [st.replicas for st in stages]
     ev = evaluate(tables, placement)
@@ -803,8 +858,7 @@ def predict(
     traced_mb = pricer.costs.traced_micro_batch
     model_flops = graph.total_flops(training=True) * p.global_batch / traced_mb
     peak_flops = sum(
-        n * p.tp * p.cp * pricer.groups[g].gpu.peak(dtype)
-        for st in stages for g, n in st.replicas
+        n * p.tp * p.cp * pricer.groups[g].gpu.peak(dtype) for st in stages for g, n in st.replicas
     )
     tokens = p.global_batch * (graph.info.seq_len or 1)
     memory = tuple(
@@ -815,7 +869,8 @@ def predict(
             capacity_bytes=pricer.groups[g].gpu.memory_bytes,
             breakdown=tables.memory[st.index][1],
         )
-        for st in stages for g, _ in st.replicas
+        for st in stages
+        for g, _ in st.replicas
     )
     notes = []
     if not graph.info.micro_batch:

@@ -28,7 +28,6 @@ import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from functools import cached_property
 
 # Bytes per element of the dtypes meshplan understands (names as `str(torch.dtype)` minus the
 # "torch." prefix).

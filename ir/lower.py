@@ -467,8 +467,9 @@ def _model_info(graph: Graph, record: TraceRecord) -> ModelInfo:
     - hidden otherwise: last dim of the first layer's first boundary input.
     - ffn, experts, top_k come from the most common layer template. ffn: the smallest
       non-hidden dimension (hidden itself for square weights) of the 2-D / 3-D weights the
-      template's GEMMs (and expert weight gathers) read outside the attention module (when attention runs in the layer module itself, q / kv /
-      fused-qkv / square widths are skipped as possible projections); the smallest so that
+      template's GEMMs (and expert weight gathers) read outside the attention module (when
+      attention runs in the layer module itself, q / kv / fused-qkv / square widths are
+      skipped as possible projections); the smallest so that
       fused gate+up weights (2*ffn) do not win over the down projection (ffn).
     - experts: output width of the router GEMM, else the leading dim of 3-D expert weights,
       else the number of `experts.<i>` submodules; top_k: the `k` of the router's topk.

@@ -230,7 +230,8 @@ class Plan:
             f"mesh {dict(zip(MESH_AXES, self.mesh_shape))}",
             f"  batch: global {p.global_batch} = dp {p.dp} x micro-batch {p.micro_batch} x "
             f"{p.num_microbatches} micro-batches; schedule {p.schedule}; recompute "
-            f"{p.recompute}; ZeRO-{p.zero}; sequence parallel {'on' if p.sequence_parallel else 'off'}",
+            f"{p.recompute}; ZeRO-{p.zero}; "
+            f"sequence parallel {'on' if p.sequence_parallel else 'off'}",
             "  stages:",
         ]
         for s in self.stages:
@@ -264,8 +265,17 @@ class Plan:
 
 
 _PARALLEL_KEYS = (
-    "dp", "tp", "pp", "cp", "ep", "micro_batch", "global_batch", "recompute", "zero",
-    "schedule", "sequence_parallel",
+    "dp",
+    "tp",
+    "pp",
+    "cp",
+    "ep",
+    "micro_batch",
+    "global_batch",
+    "recompute",
+    "zero",
+    "schedule",
+    "sequence_parallel",
 )
 
 
@@ -343,8 +353,20 @@ _POS_INT = {"type": "integer", "minimum": 1}
 PLAN_SCHEMA: dict = {
     "type": "object",
     "required": [
-        "version", "model", "cluster", "degrees", "mesh", "ranks", "stages", "schedule",
-        "micro_batch", "global_batch", "recompute", "zero", "sequence_parallel", "predicted",
+        "version",
+        "model",
+        "cluster",
+        "degrees",
+        "mesh",
+        "ranks",
+        "stages",
+        "schedule",
+        "micro_batch",
+        "global_batch",
+        "recompute",
+        "zero",
+        "sequence_parallel",
+        "predicted",
         "solver",
     ],
     "properties": {
@@ -414,7 +436,12 @@ PLAN_SCHEMA: dict = {
         "predicted": {
             "type": "object",
             "required": [
-                "step_time_s", "tokens_per_s", "mfu", "peak_memory_bytes", "fits", "breakdown",
+                "step_time_s",
+                "tokens_per_s",
+                "mfu",
+                "peak_memory_bytes",
+                "fits",
+                "breakdown",
                 "memory",
             ],
         },
@@ -468,15 +495,24 @@ def plan_from_dict(data: object, *, where: str = "plan", cluster: Cluster | None
         )
     d, m = data["degrees"], data["model"]
     parallel = Parallel(
-        dp=d["dp"], tp=d["tp"], pp=d["pp"], cp=d["cp"], ep=d["ep"],
-        micro_batch=data["micro_batch"], global_batch=data["global_batch"],
-        recompute=Recompute(data["recompute"]), zero=data["zero"],
-        schedule=Schedule(data["schedule"]), sequence_parallel=data["sequence_parallel"],
+        dp=d["dp"],
+        tp=d["tp"],
+        pp=d["pp"],
+        cp=d["cp"],
+        ep=d["ep"],
+        micro_batch=data["micro_batch"],
+        global_batch=data["global_batch"],
+        recompute=Recompute(data["recompute"]),
+        zero=data["zero"],
+        schedule=Schedule(data["schedule"]),
+        sequence_parallel=data["sequence_parallel"],
     )
     try:
         stages = tuple(
             StagePlacement(
-                s["index"], s["first_unit"], s["last_unit"],
+                s["index"],
+                s["first_unit"],
+                s["last_unit"],
                 tuple((r["group"], r["count"]) for r in s["replicas"]),
             )
             for s in data["stages"]
@@ -492,8 +528,7 @@ def plan_from_dict(data: object, *, where: str = "plan", cluster: Cluster | None
         ranks.append(RankAssignment(row[0], row[1], row[2], row[3], coords))  # type: ignore[arg-type]
     if len(ranks) != plan_cluster.world_size:
         raise PlanError(
-            f"{where}: ranks lists {len(ranks)} GPUs but the cluster has "
-            f"{plan_cluster.world_size}"
+            f"{where}: ranks lists {len(ranks)} GPUs but the cluster has {plan_cluster.world_size}"
         )
     pr = data["predicted"]
     prediction = Prediction(
@@ -506,7 +541,10 @@ def plan_from_dict(data: object, *, where: str = "plan", cluster: Cluster | None
         breakdown=tuple((k, float(v)) for k, v in pr["breakdown"].items()),
         memory=tuple(
             RankMemory(
-                mm["stage"], mm["group"], int(mm["peak_bytes"]), int(mm["capacity_bytes"]),
+                mm["stage"],
+                mm["group"],
+                int(mm["peak_bytes"]),
+                int(mm["capacity_bytes"]),
                 tuple((k, int(v)) for k, v in mm.get("breakdown", {}).items()),
             )
             for mm in pr["memory"]
@@ -517,7 +555,11 @@ def plan_from_dict(data: object, *, where: str = "plan", cluster: Cluster | None
     try:
         return Plan(
             model=ModelRef(
-                m["name"], m["fingerprint"], m["num_params"], units, m["seq_len"],
+                m["name"],
+                m["fingerprint"],
+                m["num_params"],
+                units,
+                m["seq_len"],
                 m.get("dtype", "bfloat16"),
             ),
             cluster=plan_cluster,
@@ -525,8 +567,9 @@ def plan_from_dict(data: object, *, where: str = "plan", cluster: Cluster | None
             stages=stages,
             ranks=tuple(ranks),
             predicted=prediction,
-            solver=SolverInfo(s["status"], float(s["gap"]), int(s["candidates"]),
-                              s.get("objective", "throughput")),
+            solver=SolverInfo(
+                s["status"], float(s["gap"]), int(s["candidates"]), s.get("objective", "throughput")
+            ),
             placements=tuple(sorted(data.get("placements", {}).items())),
             version=version,
         )

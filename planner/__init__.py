@@ -22,7 +22,20 @@ from .solver import InfeasibleError
 __version__ = "0.1.0"
 
 __all__ = [
-    "Cluster", "Graph", "InfeasibleError", "Parallel", "Plan", "PlanError", "Prediction",
-    "Recompute", "Schedule", "TraceError", "estimate", "estimate_plan", "load_model", "models",
-    "plan", "trace",
+    "Cluster",
+    "Graph",
+    "InfeasibleError",
+    "Parallel",
+    "Plan",
+    "PlanError",
+    "Prediction",
+    "Recompute",
+    "Schedule",
+    "TraceError",
+    "estimate",
+    "estimate_plan",
+    "load_model",
+    "models",
+    "plan",
+    "trace",
 ]

@@ -25,7 +25,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-
 from meshplan.cost_model import predict
 from meshplan.ir import Cluster, Graph, Parallel, Prediction, Recompute, Schedule
 from meshplan.ir.plan import ModelRef, Plan, SolverInfo, assign_ranks
@@ -100,7 +99,13 @@ def complete_parallel(graph: Graph, cluster: Cluster, parallel: Parallel) -> Par
     default = default_global_batch(graph.info.seq_len or 1)
     global_batch = p.global_batch or per_step * -(-default // per_step)
     return Parallel(
-        dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, micro_batch=micro_batch, global_batch=global_batch,
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        ep=ep,
+        micro_batch=micro_batch,
+        global_batch=global_batch,
         recompute=p.recompute or Recompute.NONE,
         zero=p.zero if p.zero is not None else 0,
         schedule=p.schedule or Schedule.ONE_F_ONE_B,
@@ -202,8 +207,9 @@ def plan(
     pinned = dataclasses.replace(pinned, global_batch=gb)
     if progress:
         progress(f"solving for {cluster.world_size} GPUs")
-    result = solve(graph, cluster, pinned, global_batch=gb, time_limit_s=time_limit_s,
-                   progress=progress)
+    result = solve(
+        graph, cluster, pinned, global_batch=gb, time_limit_s=time_limit_s, progress=progress
+    )
     return Plan(
         model=_model_ref(graph),
         cluster=cluster,
@@ -234,7 +240,9 @@ def load_model(
     path_text, _, factory_name = spec.rpartition(":")
     path = Path(path_text)
     if not path.is_file():
-        raise ModelLoadError(f"model file {path_text!r} not found (expected path/to/file.py:factory)")
+        raise ModelLoadError(
+            f"model file {path_text!r} not found (expected path/to/file.py:factory)"
+        )
     module_name = f"meshplan_user_model_{abs(hash(str(path.resolve())))}"
     try:
         module_spec = importlib.util.spec_from_file_location(module_name, path)

@@ -69,11 +69,15 @@ def status(message: str):
 # -- shared option types -----------------------------------------------------------------------
 ModelOpt = Annotated[
     str | None,
-    typer.Option("--model", "-m", help="Preset name (see `meshplan models`) or path/to/file.py:factory."),
+    typer.Option(
+        "--model", "-m", help="Preset name (see `meshplan models`) or path/to/file.py:factory."
+    ),
 ]
 ClusterOpt = Annotated[
     str | None,
-    typer.Option("--cluster", "-c", help="Preset or GPU type (see `meshplan clusters`), or a YAML/JSON file."),
+    typer.Option(
+        "--cluster", "-c", help="Preset or GPU type (see `meshplan clusters`), or a YAML/JSON file."
+    ),
 ]
 GpusOpt = Annotated[int | None, typer.Option("--gpus", help="Total GPUs for a preset cluster.")]
 SeqOpt = Annotated[int | None, typer.Option("--seq-len", help="Sequence length (tokens).")]
@@ -83,8 +87,13 @@ BatchOpt = Annotated[
 IntOpt = Annotated[int | None, typer.Option()]
 
 
-def _load(model: str | None, cluster: str | None, gpus: int | None, seq_len: int | None,
-          micro_batch: int = 1):
+def _load(
+    model: str | None,
+    cluster: str | None,
+    gpus: int | None,
+    seq_len: int | None,
+    micro_batch: int = 1,
+):
     from meshplan.ir import Cluster
     from meshplan.models import DEFAULT_MODEL
 
@@ -94,7 +103,9 @@ def _load(model: str | None, cluster: str | None, gpus: int | None, seq_len: int
     cluster_spec = cluster or "default"
     if Path(cluster_spec).suffix.lower() in (".yaml", ".yml", ".json"):
         if gpus is not None:
-            raise ValueError("--gpus applies to preset clusters; a cluster file sets its own counts")
+            raise ValueError(
+                "--gpus applies to preset clusters; a cluster file sets its own counts"
+            )
         c = Cluster.load(cluster_spec)
     else:
         c = Cluster.preset(cluster_spec, gpus=gpus)
@@ -113,8 +124,17 @@ def _trace(name: str, model, inputs):
 def _pins(dp, tp, pp, cp, ep, micro_batch, global_batch, recompute, zero):
     from meshplan.ir import Parallel
 
-    return Parallel(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, micro_batch=micro_batch,
-                    global_batch=global_batch, recompute=recompute, zero=zero)
+    return Parallel(
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        ep=ep,
+        micro_batch=micro_batch,
+        global_batch=global_batch,
+        recompute=recompute,
+        zero=zero,
+    )
 
 
 def _print_plan(plan, as_json: bool) -> None:
@@ -123,15 +143,45 @@ def _print_plan(plan, as_json: bool) -> None:
         return
     p, pr = plan.parallel, plan.predicted
     gib = 1024**3
-    out.print(f"[bold]{plan.model.name}[/] ({plan.model.num_params / 1e9:.2f}B params) on "
-              f"[bold]{plan.cluster.name}[/] ({plan.world_size} of {plan.cluster.world_size} GPUs)")
+    out.print(
+        f"[bold]{plan.model.name}[/] ({plan.model.num_params / 1e9:.2f}B params) on "
+        f"[bold]{plan.cluster.name}[/] ({plan.world_size} of {plan.cluster.world_size} GPUs)"
+    )
     t = Table(title="parallel configuration", show_header=True)
-    for col in ("dp", "tp", "pp", "cp", "ep", "micro-batch", "micro-batches", "global batch",
-                "recompute", "ZeRO", "schedule", "SP"):
+    for col in (
+        "dp",
+        "tp",
+        "pp",
+        "cp",
+        "ep",
+        "micro-batch",
+        "micro-batches",
+        "global batch",
+        "recompute",
+        "ZeRO",
+        "schedule",
+        "SP",
+    ):
         t.add_column(col, justify="right")
-    t.add_row(*map(str, (p.dp, p.tp, p.pp, p.cp, p.ep, p.micro_batch, p.num_microbatches,
-                         p.global_batch, p.recompute, p.zero, p.schedule,
-                         "on" if p.sequence_parallel else "off")))
+    t.add_row(
+        *map(
+            str,
+            (
+                p.dp,
+                p.tp,
+                p.pp,
+                p.cp,
+                p.ep,
+                p.micro_batch,
+                p.num_microbatches,
+                p.global_batch,
+                p.recompute,
+                p.zero,
+                p.schedule,
+                "on" if p.sequence_parallel else "off",
+            ),
+        )
+    )
     out.print(t)
     s = Table(title="pipeline stages and memory per rank")
     for col in ("stage", "units", "replicas", "group", "peak GiB", "capacity GiB", "fits"):
@@ -141,10 +191,15 @@ def _print_plan(plan, as_json: bool) -> None:
         units = f"{plan.model.units[st.first_unit]} .. {plan.model.units[st.last_unit - 1]}"
         for g, n in st.replicas:
             m = mem.get((st.index, g))
-            s.add_row(str(st.index), units, str(n), g,
-                      f"{m.peak_bytes / gib:.1f}" if m else "?",
-                      f"{m.capacity_bytes / gib:.1f}" if m else "?",
-                      ("yes" if m.fits else "[red]NO[/]") if m else "?")
+            s.add_row(
+                str(st.index),
+                units,
+                str(n),
+                g,
+                f"{m.peak_bytes / gib:.1f}" if m else "?",
+                f"{m.capacity_bytes / gib:.1f}" if m else "?",
+                ("yes" if m.fits else "[red]NO[/]") if m else "?",
+            )
     out.print(s)
     b = Table(title="predicted step time")
     b.add_column("part")
@@ -154,12 +209,16 @@ def _print_plan(plan, as_json: bool) -> None:
         b.add_row(k, f"{v:.4f}", f"{100 * v / (pr.step_time_s or 1):.1f}%")
     b.add_row("[bold]step[/]", f"[bold]{pr.step_time_s:.4f}[/]", "100%")
     out.print(b)
-    out.print(f"tokens/s {pr.tokens_per_s:,.0f}   MFU {pr.mfu * 100:.1f}%   peak memory "
-              f"{pr.peak_memory_bytes / gib:.1f} GiB   fits: {'yes' if pr.fits else 'NO'}")
+    out.print(
+        f"tokens/s {pr.tokens_per_s:,.0f}   MFU {pr.mfu * 100:.1f}%   peak memory "
+        f"{pr.peak_memory_bytes / gib:.1f} GiB   fits: {'yes' if pr.fits else 'NO'}"
+    )
     for note in pr.notes:
         out.print(f"note: {note}")
-    out.print(f"solver: {plan.solver.status}, gap {plan.solver.gap * 100:.2f}%, "
-              f"{plan.solver.candidates} configurations priced")
+    out.print(
+        f"solver: {plan.solver.status}, gap {plan.solver.gap * 100:.2f}%, "
+        f"{plan.solver.candidates} configurations priced"
+    )
 
 
 @app.command()
@@ -170,8 +229,13 @@ def plan(
     gpus: GpusOpt = None,
     global_batch: BatchOpt = None,
     seq_len: SeqOpt = None,
-    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write plan JSON here.")] = None,
-    dp: IntOpt = None, tp: IntOpt = None, pp: IntOpt = None, cp: IntOpt = None,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Write plan JSON here.")
+    ] = None,
+    dp: IntOpt = None,
+    tp: IntOpt = None,
+    pp: IntOpt = None,
+    cp: IntOpt = None,
     ep: IntOpt = None,
     micro_batch: Annotated[int | None, typer.Option("--micro-batch")] = None,
     recompute: Annotated[str | None, typer.Option(help="none, selective or full")] = None,
@@ -189,8 +253,9 @@ def plan(
     graph = _trace(name, m, inputs)
     pins = _pins(dp, tp, pp, cp, ep, micro_batch, global_batch, recompute, zero)
     with status("solving") as update:
-        result = make_plan(graph, cluster=c, parallel=pins, time_limit_s=time_limit,
-                           progress=update)
+        result = make_plan(
+            graph, cluster=c, parallel=pins, time_limit_s=time_limit, progress=update
+        )
     _print_plan(result, as_json)
     if output:
         result.to_json(output)
@@ -205,12 +270,17 @@ def estimate(
     gpus: GpusOpt = None,
     global_batch: BatchOpt = None,
     seq_len: SeqOpt = None,
-    dp: IntOpt = None, tp: IntOpt = None, pp: IntOpt = None, cp: IntOpt = None,
+    dp: IntOpt = None,
+    tp: IntOpt = None,
+    pp: IntOpt = None,
+    cp: IntOpt = None,
     ep: IntOpt = None,
     micro_batch: Annotated[int | None, typer.Option("--micro-batch")] = None,
     recompute: Annotated[str | None, typer.Option(help="none, selective or full")] = None,
     zero: Annotated[int | None, typer.Option(help="ZeRO stage 0-3")] = None,
-    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write plan JSON here.")] = None,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Write plan JSON here.")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print plan JSON.")] = False,
 ) -> None:
     """Predict step time, throughput, MFU and memory of a configuration you choose."""
@@ -223,8 +293,10 @@ def estimate(
     _print_plan(result, as_json)
     if not result.predicted.fits:
         worst = max(result.predicted.memory, key=lambda r: r.peak_bytes - r.capacity_bytes)
-        err.print(f"[yellow]warning:[/] does not fit: stage {worst.stage} on {worst.group} needs "
-                  f"{worst.peak_bytes / 2**30:.1f} GiB, capacity {worst.capacity_bytes / 2**30:.1f} GiB")
+        err.print(
+            f"[yellow]warning:[/] does not fit: stage {worst.stage} on {worst.group} needs "
+            f"{worst.peak_bytes / 2**30:.1f} GiB, capacity {worst.capacity_bytes / 2**30:.1f} GiB"
+        )
     if output:
         result.to_json(output)
 
@@ -242,11 +314,16 @@ def validate(
 
     c = None
     if cluster:
-        c = (Cluster.load(cluster) if Path(cluster).suffix.lower() in (".yaml", ".yml", ".json")
-             else Cluster.preset(cluster, gpus=gpus))
+        c = (
+            Cluster.load(cluster)
+            if Path(cluster).suffix.lower() in (".yaml", ".yml", ".json")
+            else Cluster.preset(cluster, gpus=gpus)
+        )
     p = Plan.from_json(plan_file, cluster=c)
-    out.print(f"{plan_file}: valid {p.version} plan for {p.model.name} on {p.cluster.name} "
-              f"({p.world_size} GPUs, dp={p.parallel.dp} tp={p.parallel.tp} pp={p.parallel.pp})")
+    out.print(
+        f"{plan_file}: valid {p.version} plan for {p.model.name} on {p.cluster.name} "
+        f"({p.world_size} GPUs, dp={p.parallel.dp} tp={p.parallel.tp} pp={p.parallel.pp})"
+    )
 
 
 @app.command()
@@ -258,8 +335,15 @@ def models() -> None:
     for col in ("name", "params", "layers", "hidden", "heads/kv", "seq", "description"):
         t.add_column(col)
     for name, (cfg, desc) in PRESETS.items():
-        t.add_row(name, f"{cfg.num_params() / 1e9:.2f}B", str(cfg.layers), str(cfg.hidden),
-                  f"{cfg.heads}/{cfg.num_kv_heads}", str(cfg.seq_len), desc)
+        t.add_row(
+            name,
+            f"{cfg.num_params() / 1e9:.2f}B",
+            str(cfg.layers),
+            str(cfg.hidden),
+            f"{cfg.heads}/{cfg.num_kv_heads}",
+            str(cfg.seq_len),
+            desc,
+        )
     out.print(t)
 
 
@@ -280,8 +364,12 @@ def clusters() -> None:
         g.add_column(col)
     for name in known_gpus():
         spec = gpu_spec(name)
-        g.add_row(name, f"{spec.peak('bfloat16') / 1e12:.0f}", f"{spec.memory_bytes / 2**30:.0f}",
-                  f"{spec.hbm_bandwidth / 1e12:.2f}")
+        g.add_row(
+            name,
+            f"{spec.peak('bfloat16') / 1e12:.0f}",
+            f"{spec.memory_bytes / 2**30:.0f}",
+            f"{spec.hbm_bandwidth / 1e12:.2f}",
+        )
     out.print(g)
 
 

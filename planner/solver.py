@@ -132,15 +132,24 @@ class Candidate:
     def parallel(self, global_batch: int) -> Parallel:
         """The complete `Parallel` of this candidate."""
         return Parallel(
-            dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep,
-            micro_batch=self.micro_batch, global_batch=global_batch, recompute=self.recompute,
-            zero=self.zero, schedule=self.schedule, sequence_parallel=self.sequence_parallel,
+            dp=self.dp,
+            tp=self.tp,
+            pp=self.pp,
+            cp=self.cp,
+            ep=self.ep,
+            micro_batch=self.micro_batch,
+            global_batch=global_batch,
+            recompute=self.recompute,
+            zero=self.zero,
+            schedule=self.schedule,
+            sequence_parallel=self.sequence_parallel,
         )
 
     def describe(self) -> str:
         """One line for messages: `tp=8, pp=4, dp=2, micro_batch=1, full recompute, ZeRO-3`."""
-        rc = {"none": "no recompute", "selective": "selective recompute",
-              "full": "full recompute"}[self.recompute.value]
+        rc = {"none": "no recompute", "selective": "selective recompute", "full": "full recompute"}[
+            self.recompute.value
+        ]
         parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}"]
         parts += [f"cp={self.cp}"] if self.cp > 1 else []
         parts += [f"ep={self.ep}"] if self.ep > 1 else []
@@ -150,8 +159,18 @@ class Candidate:
     @property
     def sort_key(self) -> tuple:
         """A total order for deterministic tie-breaking."""
-        return (self.tp, self.pp, self.dp, self.cp, self.ep, self.micro_batch, self.zero,
-                self.recompute.value, self.schedule.value, self.sequence_parallel)
+        return (
+            self.tp,
+            self.pp,
+            self.dp,
+            self.cp,
+            self.ep,
+            self.micro_batch,
+            self.zero,
+            self.recompute.value,
+            self.schedule.value,
+            self.sequence_parallel,
+        )
 
 
 @dataclass(frozen=True)
@@ -260,13 +279,18 @@ def enumerate_candidates(
             if dp % ep:
                 why_none = f"ep={ep} does not divide dp={dp}"
                 continue
-            mbs = [p.micro_batch] if p.micro_batch is not None else _divisors_upto(
-                global_batch // dp, MAX_MICRO_BATCH)
+            mbs = (
+                [p.micro_batch]
+                if p.micro_batch is not None
+                else _divisors_upto(global_batch // dp, MAX_MICRO_BATCH)
+            )
             zeros = [p.zero] if p.zero is not None else ([0, 1, 2, 3] if dp > 1 else [0])
             for mb, zero, rc in itertools.product(mbs, zeros, rcs):
                 if global_batch % (dp * mb):  # a pinned micro-batch against a free dp
-                    why_none = (f"global_batch={global_batch} is not divisible by "
-                                f"dp*micro_batch={dp}*{mb}={dp * mb} for any dp that fits")
+                    why_none = (
+                        f"global_batch={global_batch} is not divisible by "
+                        f"dp*micro_batch={dp}*{mb}={dp * mb} for any dp that fits"
+                    )
                     continue
                 out.append(Candidate(tp, pp, dp, cp, ep, mb, zero, rc, schedule, sp))
     if not out:
@@ -301,7 +325,9 @@ def _prefix_time(times: dict[str, float], capacity: dict[str, int], need: int) -
 
 
 def _stage_bound(
-    stage_times: Sequence[dict[str, float]], counts: Sequence[int], capacity: dict[str, int],
+    stage_times: Sequence[dict[str, float]],
+    counts: Sequence[int],
+    capacity: dict[str, int],
     dp: int,
 ) -> tuple[float, float]:
     """(U, S): lower bounds on max_s u_s and sum_s u_s over every placement that respects the
@@ -356,9 +382,7 @@ def _stage_bound(
     return big_u, total
 
 
-def _memory_free_bound(
-    pricer: Pricer, cand: Candidate, ranges, groups
-) -> tuple[float, float]:
+def _memory_free_bound(pricer: Pricer, cand: Candidate, ranges, groups) -> tuple[float, float]:
     """A lower bound on the step time of every placement, before any table (memory ignored,
     capacity respected): (m - 1) * U + S of `_stage_bound` over the distinct stages."""
     costs = pricer.costs
@@ -368,9 +392,16 @@ def _memory_free_bound(
         distinct[comp] = distinct.get(comp, 0) + 1
     stage_times = [
         {
-            g: pricer.stage_time(comp, g, tp=cand.tp, cp=cand.cp, ep=cand.ep,
-                                 sp=cand.sequence_parallel, micro_batch=cand.micro_batch,
-                                 recompute=cand.recompute).total
+            g: pricer.stage_time(
+                comp,
+                g,
+                tp=cand.tp,
+                cp=cand.cp,
+                ep=cand.ep,
+                sp=cand.sequence_parallel,
+                micro_batch=cand.micro_batch,
+                recompute=cand.recompute,
+            ).total
             for g in groups
         }
         for comp in distinct
@@ -387,8 +418,7 @@ def _lower_bound(t: PlanTables, allowed: list[list[str]]) -> float:
     stage_times = [{g: t.time[s][g].total for g in allowed[s]} for s in range(pp)]
     big_u, total = _stage_bound(stage_times, [1] * pp, t.replica_capacity, t.parallel.dp)
     p2p = max(
-        (min(t.p2p[s][(a, b)] for a in allowed[s] for b in allowed[s + 1])
-         for s in range(pp - 1)),
+        (min(t.p2p[s][(a, b)] for a in allowed[s] for b in allowed[s + 1]) for s in range(pp - 1)),
         default=0.0,
     )
     exposed = 0.0
@@ -413,9 +443,17 @@ def _largest_stage(pricer: Pricer, c: Candidate, ranges, global_batch: int) -> t
         if comp in seen:
             continue
         seen.add(comp)
-        mem = pricer.stage_memory(comp, tp=c.tp, cp=c.cp, ep=c.ep, dp=c.dp, zero=c.zero,
-                                  recompute=c.recompute, sp=c.sequence_parallel,
-                                  micro_batch=c.micro_batch)
+        mem = pricer.stage_memory(
+            comp,
+            tp=c.tp,
+            cp=c.cp,
+            ep=c.ep,
+            dp=c.dp,
+            zero=c.zero,
+            recompute=c.recompute,
+            sp=c.sequence_parallel,
+            micro_batch=c.micro_batch,
+        )
         peak, _ = mem.peak(in_flight_microbatches(c.schedule, s, len(ranges), m))
         worst = max(worst, (peak, s))
     return worst
@@ -459,8 +497,9 @@ def _greedy_placements(t: PlanTables, allowed: list[list[str]], order: Sequence[
     return [p for p in tries if p is not None]
 
 
-def _screen(pricer: Pricer, graph: Graph, cands: list[Candidate], global_batch: int,
-            deadline: float, say) -> tuple[list[_Priced], int, str | None, float]:
+def _screen(
+    pricer: Pricer, graph: Graph, cands: list[Candidate], global_batch: int, deadline: float, say
+) -> tuple[list[_Priced], int, str | None, float]:
     """Price candidates in lower-bound order until the bound passes the best greedy plan.
 
     Returns (priced candidates that may still win, how many were priced in full, the memory
@@ -591,10 +630,12 @@ class _PlacementModel:
         self.b: list[dict[str, cp_model.IntVar]] = []
         dp = self.pr.cand.dp
         for s in range(self.t.pp):
-            self.n.append({
-                g: self.m.NewIntVar(0, min(dp, self.t.replica_capacity[g]), f"n[{s},{g}]")
-                for g in self.pr.allowed[s]
-            })
+            self.n.append(
+                {
+                    g: self.m.NewIntVar(0, min(dp, self.t.replica_capacity[g]), f"n[{s},{g}]")
+                    for g in self.pr.allowed[s]
+                }
+            )
             self.b.append({g: self.m.NewBoolVar(f"b[{s},{g}]") for g in self.pr.allowed[s]})
         self.T = self.m.NewIntVar(0, self.hi, "T")
 
@@ -650,7 +691,7 @@ class _PlacementModel:
             m.Add(cv <= sum(b_s.values()) - 1)
             gs = list(b_s)
             for j, a in enumerate(gs):
-                for c in gs[j + 1:]:
+                for c in gs[j + 1 :]:
                     m.Add(cv >= b_s[a] + b_s[c] - 1)
             cross.append(cv)
         k = m.NewIntVar(0, t.pp, "k")
@@ -665,7 +706,7 @@ class _PlacementModel:
                     m.Add(comm >= expr).WithName(f"dp_single[{s},{g}]")
             order = [g for g in t.groups if g in b_s]
             for j, a in enumerate(order):
-                for c in order[j + 1:]:
+                for c in order[j + 1 :]:
                     ct = t.dp_cross[s][(a, c)]
                     both = b_s[a] + b_s[c] - 1
                     m.Add(comm >= q(ct.unshared) * both).WithName(f"dp_cross[{s},{a},{c}]")
@@ -805,7 +846,9 @@ def solve(
     order = [g.name for g in cluster.groups]
     stages = tuple(
         StagePlacement(
-            index=s, first_unit=a, last_unit=b,
+            index=s,
+            first_unit=a,
+            last_unit=b,
             replicas=tuple(sorted(placement[s], key=lambda gn: order.index(gn[0]))),
         )
         for s, (a, b) in enumerate(pr.tables.ranges)
@@ -820,8 +863,10 @@ def solve(
     optimal = lowest_open >= step_s * (1 - 1e-9)
     gap = 0.0 if optimal else (step_s - min(lowest_open, step_s)) / step_s
     wall = time.perf_counter() - start
-    say(f"{'optimal' if optimal else 'feasible'} plan in {wall:.2f} s: {pr.cand.describe()}, "
-        f"{prediction.step_time_s:.3f} s/step")
+    say(
+        f"{'optimal' if optimal else 'feasible'} plan in {wall:.2f} s: {pr.cand.describe()}, "
+        f"{prediction.step_time_s:.3f} s/step"
+    )
     return SolveResult(
         parallel=parallel,
         stages=stages,

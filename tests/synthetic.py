@@ -44,15 +44,34 @@ def _t(dtype: str, *shape: int) -> TensorMeta:
     return TensorMeta(tuple(shape), dtype)
 
 
-def _op(name, kind, inputs, outputs, *, flops=0, bwd_flops=None, saved=0, params=(),
-        attrs=(), extra_bytes=0) -> Op:
+def _op(
+    name,
+    kind,
+    inputs,
+    outputs,
+    *,
+    flops=0,
+    bwd_flops=None,
+    saved=0,
+    params=(),
+    attrs=(),
+    extra_bytes=0,
+) -> Op:
     fwd_bytes = sum(t.nbytes for t in inputs) + sum(t.nbytes for t in outputs) + extra_bytes
     return Op(
-        name=name, kind=kind, target=f"synthetic.{name}", module=name.split(".")[0],
-        inputs=tuple(inputs), outputs=tuple(outputs),
-        fwd_flops=flops, bwd_flops=2 * flops if bwd_flops is None else bwd_flops,
-        fwd_bytes=fwd_bytes, bwd_bytes=2 * fwd_bytes, saved_bytes=saved,
-        params=tuple(params), attrs=tuple(sorted(attrs)),
+        name=name,
+        kind=kind,
+        target=f"synthetic.{name}",
+        module=name.split(".")[0],
+        inputs=tuple(inputs),
+        outputs=tuple(outputs),
+        fwd_flops=flops,
+        bwd_flops=2 * flops if bwd_flops is None else bwd_flops,
+        fwd_bytes=fwd_bytes,
+        bwd_bytes=2 * fwd_bytes,
+        saved_bytes=saved,
+        params=tuple(params),
+        attrs=tuple(sorted(attrs)),
     )
 
 
@@ -66,30 +85,61 @@ def _layer(b, s, h, a, kv, d, f, e, dt, experts, top_k) -> tuple[Block, tuple[Pa
         Param("post_norm.weight", (h,), dt),
     ]
     ops = [
-        _op("input_norm", OpKind.NORM, [x, _t(dt, h)], [x], saved=x.nbytes,
-            params=["input_norm.weight"]),
-        _op("qkv_proj", OpKind.MATMUL, [x, _t(dt, qkv_out, h)], [_t(dt, b, s, qkv_out)],
-            flops=2 * b * s * h * qkv_out, saved=x.nbytes, params=["qkv_proj.weight"]),
+        _op(
+            "input_norm",
+            OpKind.NORM,
+            [x, _t(dt, h)],
+            [x],
+            saved=x.nbytes,
+            params=["input_norm.weight"],
+        ),
+        _op(
+            "qkv_proj",
+            OpKind.MATMUL,
+            [x, _t(dt, qkv_out, h)],
+            [_t(dt, b, s, qkv_out)],
+            flops=2 * b * s * h * qkv_out,
+            saved=x.nbytes,
+            params=["qkv_proj.weight"],
+        ),
     ]
     q, k, v = _t(dt, b, a, s, d), _t(dt, b, kv, s, d), _t(dt, b, kv, s, d)
     scores = _t(dt, b, a, s, s)
     ops.append(
-        _op("attention", OpKind.ATTENTION, [q, k, v], [_t(dt, b, a, s, d)],
-            flops=4 * b * a * s * s * d, saved=q.nbytes + k.nbytes + v.nbytes,
+        _op(
+            "attention",
+            OpKind.ATTENTION,
+            [q, k, v],
+            [_t(dt, b, a, s, d)],
+            flops=4 * b * a * s * s * d,
+            saved=q.nbytes + k.nbytes + v.nbytes,
             attrs=[("causal", True), ("heads", a), ("kv_heads", kv)],
-            extra_bytes=2 * scores.nbytes)
+            extra_bytes=2 * scores.nbytes,
+        )
     )
     # softmax output (e bytes) + dropout mask (1 byte) + dropout output (e bytes) per score
     ops.append(
-        _op("softmax", OpKind.SOFTMAX, [scores], [scores],
-            saved=b * a * s * s * (2 * e + 1))
+        _op("softmax", OpKind.SOFTMAX, [scores], [scores], saved=b * a * s * s * (2 * e + 1))
     )
     ops += [
-        _op("o_proj", OpKind.MATMUL, [_t(dt, b, s, a * d), _t(dt, h, a * d)], [x],
-            flops=2 * b * s * a * d * h, saved=b * s * a * d * e, params=["o_proj.weight"]),
+        _op(
+            "o_proj",
+            OpKind.MATMUL,
+            [_t(dt, b, s, a * d), _t(dt, h, a * d)],
+            [x],
+            flops=2 * b * s * a * d * h,
+            saved=b * s * a * d * e,
+            params=["o_proj.weight"],
+        ),
         _op("attn_residual", OpKind.ELEMENTWISE, [x, x], [x], saved=b * s * h),  # mask
-        _op("post_norm", OpKind.NORM, [x, _t(dt, h)], [x], saved=x.nbytes,
-            params=["post_norm.weight"]),
+        _op(
+            "post_norm",
+            OpKind.NORM,
+            [x, _t(dt, h)],
+            [x],
+            saved=x.nbytes,
+            params=["post_norm.weight"],
+        ),
     ]
     if experts:
         tokens = b * s * top_k
@@ -99,28 +149,65 @@ def _layer(b, s, h, a, kv, d, f, e, dt, experts, top_k) -> tuple[Block, tuple[Pa
             Param("experts.w2", (experts, h, f), dt),
         ]
         ops += [
-            _op("router", OpKind.ROUTER, [x, _t(dt, experts, h)], [_t(dt, b, s, experts)],
-                flops=2 * b * s * h * experts, saved=x.nbytes, params=["router.weight"]),
-            _op("experts_up", OpKind.EXPERTS, [_t(dt, tokens, h), _t(dt, experts, f, h)],
-                [_t(dt, tokens, f)], flops=2 * tokens * h * f, saved=tokens * h * e,
-                params=["experts.w1"]),
-            _op("experts_act", OpKind.ELEMENTWISE, [_t(dt, tokens, f)], [_t(dt, tokens, f)],
-                saved=tokens * f * e),
-            _op("experts_down", OpKind.EXPERTS, [_t(dt, tokens, f), _t(dt, experts, h, f)],
-                [_t(dt, tokens, h)], flops=2 * tokens * f * h, saved=tokens * f * e,
-                params=["experts.w2"]),
-            _op("mlp_residual", OpKind.ELEMENTWISE, [_t(dt, tokens, h), x], [x],
-                saved=b * s * h),
+            _op(
+                "router",
+                OpKind.ROUTER,
+                [x, _t(dt, experts, h)],
+                [_t(dt, b, s, experts)],
+                flops=2 * b * s * h * experts,
+                saved=x.nbytes,
+                params=["router.weight"],
+            ),
+            _op(
+                "experts_up",
+                OpKind.EXPERTS,
+                [_t(dt, tokens, h), _t(dt, experts, f, h)],
+                [_t(dt, tokens, f)],
+                flops=2 * tokens * h * f,
+                saved=tokens * h * e,
+                params=["experts.w1"],
+            ),
+            _op(
+                "experts_act",
+                OpKind.ELEMENTWISE,
+                [_t(dt, tokens, f)],
+                [_t(dt, tokens, f)],
+                saved=tokens * f * e,
+            ),
+            _op(
+                "experts_down",
+                OpKind.EXPERTS,
+                [_t(dt, tokens, f), _t(dt, experts, h, f)],
+                [_t(dt, tokens, h)],
+                flops=2 * tokens * f * h,
+                saved=tokens * f * e,
+                params=["experts.w2"],
+            ),
+            _op("mlp_residual", OpKind.ELEMENTWISE, [_t(dt, tokens, h), x], [x], saved=b * s * h),
         ]
     else:
         params += [Param("up_proj.weight", (f, h), dt), Param("down_proj.weight", (h, f), dt)]
         y = _t(dt, b, s, f)
         ops += [
-            _op("up_proj", OpKind.MATMUL, [x, _t(dt, f, h)], [y], flops=2 * b * s * h * f,
-                saved=x.nbytes, params=["up_proj.weight"]),
+            _op(
+                "up_proj",
+                OpKind.MATMUL,
+                [x, _t(dt, f, h)],
+                [y],
+                flops=2 * b * s * h * f,
+                saved=x.nbytes,
+                params=["up_proj.weight"],
+            ),
             _op("act", OpKind.ELEMENTWISE, [y], [y], saved=y.nbytes),
-            _op("down_proj", OpKind.MATMUL, [y, _t(dt, h, f)], [x], flops=2 * b * s * f * h,
-                saved=y.nbytes, params=["down_proj.weight"]),
+            _op(
+                "down_proj",
+                OpKind.MATMUL,
+                [y, _t(dt, h, f)],
+                [x],
+                flops=2 * b * s * f * h,
+                saved=y.nbytes,
+                params=["down_proj.weight"],
+            ),
             _op("mlp_residual", OpKind.ELEMENTWISE, [x, x], [x], saved=b * s * h),  # mask
         ]
     block = Block("layer", "layer", tuple(ops), tuple(params), inputs=(x,), outputs=(x,))
@@ -162,10 +249,22 @@ def transformer_graph(
         tokens = _t("int64", b, s)
         emb_w = Param("embed.weight", (vocab, h), dtype)
         prologue = Block(
-            "prologue", "prologue",
-            (_op("embedding", OpKind.EMBEDDING, [tokens], [x], saved=tokens.nbytes,
-                 params=["embed.weight"], extra_bytes=x.nbytes),),
-            (emb_w,), inputs=(tokens,), outputs=(x,),
+            "prologue",
+            "prologue",
+            (
+                _op(
+                    "embedding",
+                    OpKind.EMBEDDING,
+                    [tokens],
+                    [x],
+                    saved=tokens.nbytes,
+                    params=["embed.weight"],
+                    extra_bytes=x.nbytes,
+                ),
+            ),
+            (emb_w,),
+            inputs=(tokens,),
+            outputs=(x,),
         )
         blocks.insert(0, ("prologue", prologue))
         units.append(Unit("<prologue>", "prologue"))
@@ -178,24 +277,54 @@ def transformer_graph(
         head_w = Param("lm_head.weight", (vocab, h), dtype)
         norm_w = Param("final_norm.weight", (h,), dtype)
         epilogue = Block(
-            "epilogue", "epilogue",
+            "epilogue",
+            "epilogue",
             (
-                _op("final_norm", OpKind.NORM, [x, _t(dtype, h)], [x], saved=x.nbytes,
-                    params=["final_norm.weight"]),
-                _op("lm_head", OpKind.MATMUL, [x, _t(dtype, vocab, h)], [logits],
-                    flops=2 * b * s * h * vocab, saved=x.nbytes, params=["lm_head.weight"]),
+                _op(
+                    "final_norm",
+                    OpKind.NORM,
+                    [x, _t(dtype, h)],
+                    [x],
+                    saved=x.nbytes,
+                    params=["final_norm.weight"],
+                ),
+                _op(
+                    "lm_head",
+                    OpKind.MATMUL,
+                    [x, _t(dtype, vocab, h)],
+                    [logits],
+                    flops=2 * b * s * h * vocab,
+                    saved=x.nbytes,
+                    params=["lm_head.weight"],
+                ),
                 # cross-entropy keeps fp32 log-probabilities of the logits
-                _op("loss", OpKind.LOSS, [logits, _t("int64", b, s)], [_t("float32")],
-                    saved=4 * b * s * vocab),
+                _op(
+                    "loss",
+                    OpKind.LOSS,
+                    [logits, _t("int64", b, s)],
+                    [_t("float32")],
+                    saved=4 * b * s * vocab,
+                ),
             ),
-            (norm_w, head_w), inputs=(x,), outputs=(_t("float32"),),
+            (norm_w, head_w),
+            inputs=(x,),
+            outputs=(_t("float32"),),
         )
         blocks.append(("epilogue", epilogue))
         units.append(Unit("<epilogue>", "epilogue"))
         params += [norm_w, head_w]
     info = ModelInfo(
-        hidden=h, heads=a, kv_heads=kv, head_dim=d, ffn=f, vocab=vocab if embed_and_head else 0,
-        seq_len=s, micro_batch=b, experts=experts, top_k=top_k, layers=layers,
+        hidden=h,
+        heads=a,
+        kv_heads=kv,
+        head_dim=d,
+        ffn=f,
+        vocab=vocab if embed_and_head else 0,
+        seq_len=s,
+        micro_batch=b,
+        experts=experts,
+        top_k=top_k,
+        layers=layers,
     )
     return Graph(
         name=name or f"synthetic-{layers}x{hidden}",
@@ -248,20 +377,36 @@ def h100_cluster(nodes: int, gpus_per_node: int = 8, *, gpu: GpuSpec = H100) -> 
     """`nodes` DGX-H100-like nodes: NVLink4 inside, 8 x NDR 400 Gb/s NICs per node."""
     return Cluster(
         name=f"h100x{nodes * gpus_per_node}",
-        groups=(DeviceGroup("h100", gpu, nodes, gpus_per_node, "nvlink4", "ib-ndr",
-                            nics_per_node=8),),
+        groups=(
+            DeviceGroup("h100", gpu, nodes, gpus_per_node, "nvlink4", "ib-ndr", nics_per_node=8),
+        ),
         links=(NVLINK4, IB_NDR),
     )
 
 
-def mixed_cluster(h100_nodes: int, a100_nodes: int, *, a100: GpuSpec = A100,
-                  wan: bool = False, gpus_per_node: int = 8) -> Cluster:
+def mixed_cluster(
+    h100_nodes: int,
+    a100_nodes: int,
+    *,
+    a100: GpuSpec = A100,
+    wan: bool = False,
+    gpus_per_node: int = 8,
+) -> Cluster:
     """H100 nodes (NDR) then A100 nodes (HDR) at one site, or at two sites joined by a WAN."""
     groups = (
-        DeviceGroup("h100", H100, h100_nodes, gpus_per_node, "nvlink4", "ib-ndr",
-                    nics_per_node=8, site="a"),
-        DeviceGroup("a100", a100, a100_nodes, gpus_per_node, "nvlink3", "ib-hdr",
-                    nics_per_node=8, site="b" if wan else "a"),
+        DeviceGroup(
+            "h100", H100, h100_nodes, gpus_per_node, "nvlink4", "ib-ndr", nics_per_node=8, site="a"
+        ),
+        DeviceGroup(
+            "a100",
+            a100,
+            a100_nodes,
+            gpus_per_node,
+            "nvlink3",
+            "ib-hdr",
+            nics_per_node=8,
+            site="b" if wan else "a",
+        ),
     )
     return Cluster(
         name=f"mixed-{h100_nodes}h100-{a100_nodes}a100",

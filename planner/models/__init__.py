@@ -37,7 +37,10 @@ PRESETS: dict[str, tuple[TransformerConfig, str]] = {
     "gpt3-1.3b": (TransformerConfig(24, 2048, 16, ffn=8192, **_GPT3), "GPT-3 XL, 1.3B"),
     "gpt3-2.7b": (TransformerConfig(32, 2560, 32, ffn=10240, **_GPT3), "GPT-3 2.7B"),
     "gpt3-6.7b": (TransformerConfig(32, 4096, 32, ffn=16384, **_GPT3), "GPT-3 6.7B"),
-    "gpt3-13b": (TransformerConfig(40, 5120, 40, ffn=20480, **_GPT3), "GPT-3 13B (d_model 5120: Table 2.1 prints 5140, which 40 heads of 128 contradict)"),
+    "gpt3-13b": (
+        TransformerConfig(40, 5120, 40, ffn=20480, **_GPT3),
+        "GPT-3 13B (d_model 5120: Table 2.1 prints 5140, which 40 heads of 128 contradict)",
+    ),
     "gpt3-175b": (TransformerConfig(96, 12288, 96, ffn=49152, **_GPT3), "GPT-3 175B"),
     "llama2-7b": (TransformerConfig(32, 4096, 32, ffn=11008, **_LLAMA2), "Llama 2 7B"),
     "llama2-13b": (TransformerConfig(40, 5120, 40, ffn=13824, **_LLAMA2), "Llama 2 13B"),
@@ -50,22 +53,48 @@ PRESETS: dict[str, tuple[TransformerConfig, str]] = {
     "llama3-405b": (TransformerConfig(126, 16384, 128, ffn=53248, **_LLAMA3), "Llama 3.1 405B"),
     "mixtral-8x7b": (
         TransformerConfig(
-            32, 4096, 32, vocab=32000, ffn=14336, kv_heads=8, seq_len=4096, experts=8, top_k=2,
+            32,
+            4096,
+            32,
+            vocab=32000,
+            ffn=14336,
+            kv_heads=8,
+            seq_len=4096,
+            experts=8,
+            top_k=2,
             rope_theta=1e6,
         ),
         "Mixtral 8x7B (MoE, 8 experts, top-2)",
     ),
     "mixtral-8x22b": (
         TransformerConfig(
-            56, 6144, 48, vocab=32768, ffn=16384, kv_heads=8, seq_len=4096, experts=8, top_k=2,
+            56,
+            6144,
+            48,
+            vocab=32768,
+            ffn=16384,
+            kv_heads=8,
+            seq_len=4096,
+            experts=8,
+            top_k=2,
             rope_theta=1e6,
         ),
         "Mixtral 8x22B (MoE, 8 experts, top-2)",
     ),
     "deepseek-moe-16b": (
         TransformerConfig(
-            28, 2048, 16, vocab=102400, ffn=1408, seq_len=4096, experts=64, top_k=6,
-            shared_experts=2, dense_layers=1, dense_ffn=10944, rope_theta=10000.0,
+            28,
+            2048,
+            16,
+            vocab=102400,
+            ffn=1408,
+            seq_len=4096,
+            experts=64,
+            top_k=6,
+            shared_experts=2,
+            dense_layers=1,
+            dense_ffn=10944,
+            rope_theta=10000.0,
         ),
         "DeepSeekMoE 16B (fine-grained MoE: 64 experts top-6 + 2 shared, first layer dense)",
     ),
@@ -167,13 +196,30 @@ def transformer(
 ) -> tuple[Transformer, tuple[torch.Tensor, torch.Tensor]]:
     """Any decoder-only transformer config, built like the presets."""
     cfg = TransformerConfig(
-        layers=layers, hidden=hidden, heads=heads, ffn=ffn, vocab=vocab, kv_heads=kv_heads,
-        seq_len=seq_len, experts=experts, top_k=top_k, style=style, **extra,  # type: ignore[arg-type]
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        ffn=ffn,
+        vocab=vocab,
+        kv_heads=kv_heads,
+        seq_len=seq_len,
+        experts=experts,
+        top_k=top_k,
+        style=style,
+        **extra,  # type: ignore[arg-type]
     )
     return build(cfg, micro_batch=micro_batch, dtype=dtype, device=device)
 
 
 __all__ = [
-    "DEFAULT_MODEL", "PRESETS", "Transformer", "TransformerConfig", "UnknownModelError",
-    "build", "config", "get", "list_models", "transformer",
+    "DEFAULT_MODEL",
+    "PRESETS",
+    "Transformer",
+    "TransformerConfig",
+    "UnknownModelError",
+    "build",
+    "config",
+    "get",
+    "list_models",
+    "transformer",
 ]

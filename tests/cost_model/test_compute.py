@@ -16,11 +16,24 @@ from tests.synthetic import A100, H100, transformer_graph
 
 
 def _matmul(m: int, n: int, k: int) -> Op:
-    a, w, y = TensorMeta((m, k), "bfloat16"), TensorMeta((n, k), "bfloat16"), TensorMeta(
-        (m, n), "bfloat16")
+    a, w, y = (
+        TensorMeta((m, k), "bfloat16"),
+        TensorMeta((n, k), "bfloat16"),
+        TensorMeta((m, n), "bfloat16"),
+    )
     fwd_bytes = a.nbytes + w.nbytes + y.nbytes
-    return Op("mm", OpKind.MATMUL, "aten.mm", "mm", (a, w), (y,), fwd_flops=2 * m * n * k,
-              bwd_flops=4 * m * n * k, fwd_bytes=fwd_bytes, bwd_bytes=2 * fwd_bytes)
+    return Op(
+        "mm",
+        OpKind.MATMUL,
+        "aten.mm",
+        "mm",
+        (a, w),
+        (y,),
+        fwd_flops=2 * m * n * k,
+        bwd_flops=4 * m * n * k,
+        fwd_bytes=fwd_bytes,
+        bwd_bytes=2 * fwd_bytes,
+    )
 
 
 def test_large_gemm_is_compute_bound_at_gemm_efficiency():
@@ -28,7 +41,8 @@ def test_large_gemm_is_compute_bound_at_gemm_efficiency():
     expect = 2 * 8192**3 / (989e12 * GEMM_EFFICIENCY) + KERNEL_FLOOR_S
     assert op_time(op, H100) == pytest.approx(expect, rel=1e-12)
     assert op_time(op, H100, backward=True) == pytest.approx(
-        2 * (expect - KERNEL_FLOOR_S) + KERNEL_FLOOR_S, rel=1e-12)
+        2 * (expect - KERNEL_FLOOR_S) + KERNEL_FLOOR_S, rel=1e-12
+    )
 
 
 def test_skinny_gemm_is_memory_bound():
@@ -47,14 +61,23 @@ def test_causal_attention_does_half_the_flops():
     b, a, sq, d = 1, 32, 8192, 128
     q = TensorMeta((b, a, sq, d), "bfloat16")
     flops = 4 * b * a * sq**2 * d  # QK^T and PV, as FlopCounterMode counts them
-    fused = {"kind": OpKind.ATTENTION, "target": "aten.sdpa", "module": "attn",
-             "inputs": (q, q, q), "outputs": (q,), "fwd_flops": flops, "fwd_bytes": 4 * q.nbytes}
+    fused = {
+        "kind": OpKind.ATTENTION,
+        "target": "aten.sdpa",
+        "module": "attn",
+        "inputs": (q, q, q),
+        "outputs": (q,),
+        "fwd_flops": flops,
+        "fwd_bytes": 4 * q.nbytes,
+    }
     causal = Op("attn", **fused, attrs=(("causal", True),))
     full = Op("attn", **fused)
     assert op_time(full, H100) == pytest.approx(
-        flops / (989e12 * GEMM_EFFICIENCY) + KERNEL_FLOOR_S, rel=1e-12)
+        flops / (989e12 * GEMM_EFFICIENCY) + KERNEL_FLOOR_S, rel=1e-12
+    )
     assert op_time(causal, H100) == pytest.approx(
-        0.5 * flops / (989e12 * GEMM_EFFICIENCY) + KERNEL_FLOOR_S, rel=1e-12)
+        0.5 * flops / (989e12 * GEMM_EFFICIENCY) + KERNEL_FLOOR_S, rel=1e-12
+    )
 
 
 def test_block_times_split_by_tp_cp_and_sequence_parallel():
@@ -70,8 +93,13 @@ def test_block_times_split_by_tp_cp_and_sequence_parallel():
         t += sum(op_time(op, H100, scale=scale / ((tp if sp else 1) * cp)) for op in norms)
         return t
 
-    for tp, cp, sp, scale in ((1, 1, False, 1.0), (4, 1, False, 1.0), (4, 1, True, 1.0),
-                              (2, 2, True, 0.5), (8, 1, True, 3.0)):
+    for tp, cp, sp, scale in (
+        (1, 1, False, 1.0),
+        (4, 1, False, 1.0),
+        (4, 1, True, 1.0),
+        (2, 2, True, 0.5),
+        (8, 1, True, 3.0),
+    ):
         fwd, _, _ = bc.times(tp=tp, cp=cp, sequence_parallel=sp, scale=scale)
         assert fwd == pytest.approx(by_hand(tp, cp, sp, scale), rel=1e-12)
     # every op with work pays one kernel floor, whatever the split
@@ -83,7 +111,9 @@ def test_selective_recompute_repeats_attention_and_softmax_only():
     g = transformer_graph(1, 1024, 8, 8, 4096, 1000, 2048, 1, embed_and_head=False)
     block = g.block("layer")
     _, _, sel = block_compute(block, H100, "bfloat16").times(
-        tp=1, cp=1, sequence_parallel=False, scale=1.0)
-    expect = sum(op_time(op, H100) for op in block.ops
-                 if op.kind in (OpKind.ATTENTION, OpKind.SOFTMAX))
+        tp=1, cp=1, sequence_parallel=False, scale=1.0
+    )
+    expect = sum(
+        op_time(op, H100) for op in block.ops if op.kind in (OpKind.ATTENTION, OpKind.SOFTMAX)
+    )
     assert sel == pytest.approx(expect, rel=1e-12)

@@ -23,8 +23,19 @@ def graph():
 
 def run(tp=2, pp=2, dp=4, zero=0, recompute="none", schedule="1f1b", sp=True, m=8):
     g, c = graph(), h100_cluster(4)
-    p = Parallel(dp=dp, tp=tp, pp=pp, cp=1, ep=1, micro_batch=B, global_batch=dp * B * m,
-                 recompute=recompute, zero=zero, schedule=schedule, sequence_parallel=sp)
+    p = Parallel(
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        cp=1,
+        ep=1,
+        micro_batch=B,
+        global_batch=dp * B * m,
+        recompute=recompute,
+        zero=zero,
+        schedule=schedule,
+        sequence_parallel=sp,
+    )
     pred = predict(g, c, p, place_stages(c, p, even_stages(g, pp)))
     return {r.stage: dict(r.breakdown) | {"peak": r.peak_bytes} for r in pred.memory}
 
@@ -82,7 +93,8 @@ def test_recompute_selective_and_full():
     # pp = 1: one micro-batch in flight; two layers, prologue and epilogue on the stage
     edges = none[0]["activations"] - 2 * korthikanti_layer(tp)
     assert sel[0]["activations"] == pytest.approx(
-        edges + 2 * (korthikanti_layer(tp) - 5 * A * S * S * B / tp), abs=2)
+        edges + 2 * (korthikanti_layer(tp) - 5 * A * S * S * B / tp), abs=2
+    )
     layer_input = 2 * B * S * H / tp  # bf16 hidden state, sequence-sharded under SP
     assert full[0]["activations"] == pytest.approx(edges + 2 * layer_input, abs=2)
     assert full[0]["recompute_workspace"] == pytest.approx(korthikanti_layer(tp), abs=2)
@@ -92,6 +104,7 @@ def test_peak_adds_allocator_margin_and_context():
     mem = run()
     for parts in mem.values():
         subtotal = sum(v for k, v in parts.items() if k not in ("overhead", "peak"))
-        assert parts["overhead"] == pytest.approx(ALLOCATOR_MARGIN * subtotal + CONTEXT_BYTES,
-                                                  abs=8)
+        assert parts["overhead"] == pytest.approx(
+            ALLOCATOR_MARGIN * subtotal + CONTEXT_BYTES, abs=8
+        )
         assert parts["peak"] == sum(v for k, v in parts.items() if k != "peak")

@@ -14,8 +14,19 @@ from tests.synthetic import H100, h100_cluster, mixed_cluster, transformer_graph
 
 
 def config(**kw) -> Parallel:
-    base = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1, "micro_batch": 1, "global_batch": 8,
-            "recompute": "none", "zero": 0, "schedule": "1f1b", "sequence_parallel": False}
+    base = {
+        "dp": 1,
+        "tp": 1,
+        "pp": 1,
+        "cp": 1,
+        "ep": 1,
+        "micro_batch": 1,
+        "global_batch": 8,
+        "recompute": "none",
+        "zero": 0,
+        "schedule": "1f1b",
+        "sequence_parallel": False,
+    }
     return Parallel(**(base | kw))
 
 
@@ -86,7 +97,8 @@ def test_micro_batch_scales_the_traced_costs_linearly():
     diff = from_1.breakdown_dict()["compute"] - from_2.breakdown_dict()["compute"]
     assert abs(diff) < 4 * 2 * 6 * kernels * KERNEL_FLOOR_S
     assert from_1.breakdown_dict()["compute"] == pytest.approx(
-        from_2.breakdown_dict()["compute"], rel=0.02)
+        from_2.breakdown_dict()["compute"], rel=0.02
+    )
     assert from_1.memory[0].peak_bytes == pytest.approx(from_2.memory[0].peak_bytes, rel=0.01)
 
 
@@ -126,7 +138,8 @@ def test_slower_group_is_the_bottleneck_of_a_split_stage():
     assert predict(g, c, p, only_h).step_time_s < t_split.step_time_s
     # same A100 compute; the split pays DP traffic across groups instead of inside one node
     assert t_split.breakdown_dict()["compute"] == pytest.approx(
-        t_a.breakdown_dict()["compute"], rel=1e-12)
+        t_a.breakdown_dict()["compute"], rel=1e-12
+    )
     assert {(r.stage, r.group) for r in t_split.memory} == {(0, "h100"), (0, "a100")}
 
 
@@ -172,8 +185,9 @@ def test_context_parallel_gathers_keys_and_values_by_hand():
 
 def test_expert_parallel_all_to_all_by_hand():
     b, s, h, top_k = 1, 4096, 2048, 2
-    g = transformer_graph(1, h, 16, 16, 4 * h, 0, s, b, experts=8, top_k=top_k,
-                          embed_and_head=False)
+    g = transformer_graph(
+        1, h, 16, 16, 4 * h, 0, s, b, experts=8, top_k=top_k, embed_and_head=False
+    )
     pred = run(g, h100_cluster(1), config(dp=4, ep=4, global_batch=4))
     tokens = top_k * b * s * h * 2  # top_k copies of every token's hidden state, bf16
     a2a = 2e-6 + tokens * (3 / 4) / (450e9 * 0.8)

@@ -1,18 +1,23 @@
 """The model zoo: published parameter counts, meta builds, and MoE dispatch correctness."""
 
+import meshplan.models as models
 import pytest
 import torch
 import torch.nn.functional as F
-
-import meshplan.models as models
 from meshplan.models.transformer import MoE, TransformerConfig
 
 # Published totals (billions) the presets must reproduce: Llama 3 Herd of Models Table 3
 # (8.03B / 70.6B / 405B), Mixtral paper (46.7B), Mixtral 8x22B model card (141B), Llama 2
 # paper (6.7B), DeepSeekMoE paper (16.4B).
 PUBLISHED_B = {
-    "llama3-8b": 8.03, "llama3-70b": 70.55, "llama3-405b": 405.85, "mixtral-8x7b": 46.70,
-    "mixtral-8x22b": 140.6, "llama2-7b": 6.74, "deepseek-moe-16b": 16.4, "gpt3-175b": 174.6,
+    "llama3-8b": 8.03,
+    "llama3-70b": 70.55,
+    "llama3-405b": 405.85,
+    "mixtral-8x7b": 46.70,
+    "mixtral-8x22b": 140.6,
+    "llama2-7b": 6.74,
+    "deepseek-moe-16b": 16.4,
+    "gpt3-175b": 174.6,
 }
 
 
@@ -29,8 +34,14 @@ def test_get_and_transformer_agree():
     a, _ = models.get("tiny", seq_len=128, micro_batch=2)
     cfg = models.config("tiny")
     b, (tok, _) = models.transformer(
-        layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads, kv_heads=cfg.kv_heads,
-        ffn=cfg.ffn, vocab=cfg.vocab, seq_len=128, micro_batch=2,
+        layers=cfg.layers,
+        hidden=cfg.hidden,
+        heads=cfg.heads,
+        kv_heads=cfg.kv_heads,
+        ffn=cfg.ffn,
+        vocab=cfg.vocab,
+        seq_len=128,
+        micro_batch=2,
     )
     assert tok.shape == (2, 128)
     assert [p.shape for p in a.parameters()] == [p.shape for p in b.parameters()]

@@ -1,9 +1,8 @@
 """TP placements from the IR, checked against ground truth: simulate the ranks and compare."""
 
+import meshplan
 import pytest
 import torch
-
-import meshplan
 from meshplan.ir.placement import Partial, Replicate, Shard, parse_placement
 from meshplan.passes.sharding import tp_param_placements
 
@@ -29,10 +28,15 @@ def test_megatron_rules_on_the_zoo_model(tiny):
     graph, placements = tiny
     layer = next(k for k, b in graph.blocks if b.kind == "layer")
     expect = {
-        "attn.q_proj.weight": "S(0)", "attn.k_proj.weight": "S(0)", "attn.v_proj.weight": "S(0)",
-        "attn.o_proj.weight": "S(1)", "mlp.gate_proj.weight": "S(0)",
-        "mlp.up_proj.weight": "S(0)", "mlp.down_proj.weight": "S(1)",
-        "attn_norm.weight": "R", "mlp_norm.weight": "R",
+        "attn.q_proj.weight": "S(0)",
+        "attn.k_proj.weight": "S(0)",
+        "attn.v_proj.weight": "S(0)",
+        "attn.o_proj.weight": "S(1)",
+        "mlp.gate_proj.weight": "S(0)",
+        "mlp.up_proj.weight": "S(0)",
+        "mlp.down_proj.weight": "S(1)",
+        "attn_norm.weight": "R",
+        "mlp_norm.weight": "R",
     }
     for name, placement in expect.items():
         assert placements[f"{layer}:{name}"] == placement, name
@@ -65,7 +69,6 @@ def test_placements_reproduce_the_full_layer_on_simulated_ranks(tiny):
         return _shard(params[name], parse_placement(placements[f"{layer_key}:{name}"]), rank, n)
 
     import torch.nn.functional as F
-
     from meshplan.models.transformer import apply_rope
 
     out_attn = torch.zeros_like(full_attn)

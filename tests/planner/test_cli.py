@@ -6,10 +6,8 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-from typer.testing import CliRunner
-
 from meshplan.cli import app
+from typer.testing import CliRunner
 
 runner = CliRunner()
 
@@ -30,8 +28,11 @@ def assert_user_error(result, *needles):
 def test_plan_without_arguments_prints_a_real_plan():
     """The README's main job, through the installed entry point."""
     proc = subprocess.run(
-        [sys.executable, "-m", "meshplan.cli", "plan"], capture_output=True, text=True,
-        timeout=300, env={**os.environ, "COLUMNS": "200"},
+        [sys.executable, "-m", "meshplan.cli", "plan"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "COLUMNS": "200"},
     )
     assert proc.returncode == 0, proc.stderr
     for needle in ("parallel configuration", "tokens/s", "MFU", "fits: yes", "stage"):
@@ -40,8 +41,19 @@ def test_plan_without_arguments_prints_a_real_plan():
 
 def test_plan_json_output_and_validate(tmp_path):
     path = tmp_path / "plan.json"
-    r = run("plan", "--model", "tiny", "--cluster", "dgx-h100", "--gpus", "16",
-            "--global-batch", "32", "-o", str(path))
+    r = run(
+        "plan",
+        "--model",
+        "tiny",
+        "--cluster",
+        "dgx-h100",
+        "--gpus",
+        "16",
+        "--global-batch",
+        "32",
+        "-o",
+        str(path),
+    )
     assert r.exit_code == 0, r.output + r.stderr
     data = json.loads(path.read_text())
     assert data["global_batch"] == 32
@@ -52,15 +64,41 @@ def test_plan_json_output_and_validate(tmp_path):
 
 
 def test_pinned_choice_is_honoured():
-    r = run("plan", "--model", "tiny", "--cluster", "dgx-h100", "--gpus", "16", "--tp", "2",
-            "--global-batch", "32", "--json")
+    r = run(
+        "plan",
+        "--model",
+        "tiny",
+        "--cluster",
+        "dgx-h100",
+        "--gpus",
+        "16",
+        "--tp",
+        "2",
+        "--global-batch",
+        "32",
+        "--json",
+    )
     assert r.exit_code == 0, r.stderr
     assert json.loads(r.stdout)["degrees"]["tp"] == 2
 
 
 def test_estimate_reports_a_user_configuration():
-    r = run("estimate", "--model", "tiny", "--cluster", "dgx-h100", "--gpus", "8", "--tp", "2",
-            "--pp", "2", "--global-batch", "16", "--json")
+    r = run(
+        "estimate",
+        "--model",
+        "tiny",
+        "--cluster",
+        "dgx-h100",
+        "--gpus",
+        "8",
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--global-batch",
+        "16",
+        "--json",
+    )
     assert r.exit_code == 0, r.stderr
     d = json.loads(r.stdout)
     assert (d["degrees"]["tp"], d["degrees"]["pp"], d["degrees"]["dp"]) == (2, 2, 2)
@@ -84,18 +122,23 @@ def test_unknown_model_lists_known_ones():
 
 def test_cluster_file_with_bad_field_names_field_and_file(tmp_path):
     path = tmp_path / "bad.yaml"
-    path.write_text(textwrap.dedent("""\
+    path.write_text(
+        textwrap.dedent("""\
         name: bad
         groups:
-          - {name: g0, gpu: H100, nodes: 2, gpus_per_node: 0, intra_link: nvlink4, inter_link: ib-ndr}
-        """))
-    assert_user_error(run("plan", "--model", "tiny", "--cluster", str(path)),
-                      "bad.yaml", "gpus_per_node")
+          - {name: g0, gpu: H100, nodes: 2, gpus_per_node: 0, intra_link: nvlink4,
+             inter_link: ib-ndr}
+        """)
+    )
+    assert_user_error(
+        run("plan", "--model", "tiny", "--cluster", str(path)), "bad.yaml", "gpus_per_node"
+    )
 
 
 def test_untraceable_model_names_the_module(tmp_path):
     path = tmp_path / "dyn.py"
-    path.write_text(textwrap.dedent("""\
+    path.write_text(
+        textwrap.dedent("""\
         import torch
         from torch import nn
 
@@ -118,17 +161,31 @@ def test_untraceable_model_names_the_module(tmp_path):
 
         def factory():
             return Outer(), (torch.randn(4, 16),)
-        """))
+        """)
+    )
     r = run("plan", "--model", f"{path}:factory", "--cluster", "dgx-h100", "--gpus", "8")
     assert_user_error(r, "block")
 
 
 def test_model_that_fits_nowhere_says_how_much_memory(tmp_path):
-    r = run("plan", "--model", "llama3-405b", "--seq-len", "1024", "--cluster", "RTX4090",
-            "--gpus", "8", "--global-batch", "8")
+    r = run(
+        "plan",
+        "--model",
+        "llama3-405b",
+        "--seq-len",
+        "1024",
+        "--cluster",
+        "RTX4090",
+        "--gpus",
+        "8",
+        "--global-batch",
+        "8",
+    )
     assert_user_error(r, "GiB")
 
 
 def test_estimate_with_nondividing_tp_is_a_user_error():
-    assert_user_error(run("estimate", "--model", "tiny", "--cluster", "dgx-h100", "--gpus", "8",
-                          "--tp", "3"), "tp=3")
+    assert_user_error(
+        run("estimate", "--model", "tiny", "--cluster", "dgx-h100", "--gpus", "8", "--tp", "3"),
+        "tp=3",
+    )

@@ -2,9 +2,8 @@
 
 import json
 
-import pytest
-
 import meshplan
+import pytest
 from meshplan.ir.plan import PLAN_VERSION, Plan, PlanError
 
 

@@ -63,16 +63,26 @@ def brute_force(graph, cluster, global_batch, pinned=None):
                         continue
                     for zero in (0, 1, 2, 3) if dp > 1 else (0,):
                         for rc in Recompute:
-                            p = Parallel(dp=dp, tp=tp, pp=pp, cp=1, ep=1, micro_batch=mb,
-                                         global_batch=global_batch, recompute=rc, zero=zero,
-                                         schedule="1f1b", sequence_parallel=tp > 1)
-                            if any(getattr(pinned, k) not in (None, getattr(p, k))
-                                   for k in ("tp", "pp", "dp", "micro_batch", "zero",
-                                             "recompute")):
+                            p = Parallel(
+                                dp=dp,
+                                tp=tp,
+                                pp=pp,
+                                cp=1,
+                                ep=1,
+                                micro_batch=mb,
+                                global_batch=global_batch,
+                                recompute=rc,
+                                zero=zero,
+                                schedule="1f1b",
+                                sequence_parallel=tp > 1,
+                            )
+                            if any(
+                                getattr(pinned, k) not in (None, getattr(p, k))
+                                for k in ("tp", "pp", "dp", "micro_batch", "zero", "recompute")
+                            ):
                                 continue
                             t = plan_tables(pricer, p, even_stages(graph, pp))
-                            cap = {g: replica_capacity(cluster.group(g), tp, 1)
-                                   for g in t.groups}
+                            cap = {g: replica_capacity(cluster.group(g), tp, 1) for g in t.groups}
                             for pl in _placements(t, cap):
                                 step = evaluate(t, pl).step_time_s
                                 if step < best[0]:
@@ -98,14 +108,26 @@ def _instances():
         heads = rng.choice([8, 16])
         hidden = heads * rng.choice([64, 128])
         graph = transformer_graph(
-            layers=rng.choice([2, 3, 4]), hidden=hidden, heads=heads,
-            kv_heads=rng.choice([heads, heads // 2]), ffn=4 * hidden,
-            vocab=rng.choice([8000, 32000]), seq_len=rng.choice([512, 1024, 2048]),
-            micro_batch=1, name=f"rand{i}",
+            layers=rng.choice([2, 3, 4]),
+            hidden=hidden,
+            heads=heads,
+            kv_heads=rng.choice([heads, heads // 2]),
+            ffn=4 * hidden,
+            vocab=rng.choice([8000, 32000]),
+            seq_len=rng.choice([512, 1024, 2048]),
+            micro_batch=1,
+            name=f"rand{i}",
         )
         squeeze = rng.choice([None, (0.6, 0.9), (0.9, 0.6), (0.5, 0.5)]) if i % 2 else None
-        out.append(pytest.param(graph, make, rng.choice([8, 16, 32]), squeeze,
-                                id=f"{i}-{name}{f'-squeezed{squeeze}' if squeeze else ''}"))
+        out.append(
+            pytest.param(
+                graph,
+                make,
+                rng.choice([8, 16, 32]),
+                squeeze,
+                id=f"{i}-{name}{f'-squeezed{squeeze}' if squeeze else ''}",
+            )
+        )
     return out
 
 
@@ -114,8 +136,19 @@ def _squeezed(graph, cluster, factors):
     configuration (one GPU, nothing sharded or recomputed) needs."""
     from meshplan.ir import StagePlacement
 
-    plain = Parallel(dp=1, tp=1, pp=1, cp=1, ep=1, micro_batch=1, global_batch=1,
-                     recompute="none", zero=0, schedule="1f1b", sequence_parallel=False)
+    plain = Parallel(
+        dp=1,
+        tp=1,
+        pp=1,
+        cp=1,
+        ep=1,
+        micro_batch=1,
+        global_batch=1,
+        recompute="none",
+        zero=0,
+        schedule="1f1b",
+        sequence_parallel=False,
+    )
     one = (StagePlacement(0, 0, len(graph.units), ((cluster.groups[0].name, 1),)),)
     need = predict(graph, cluster, plain, one).peak_memory_bytes
     groups = tuple(
@@ -151,11 +184,22 @@ def _pipeline_instances():
     for i in range(6):
         heads = rng.choice([8, 16])
         hidden = heads * 128
-        graph = transformer_graph(4, hidden, heads, heads, 4 * hidden, rng.choice([8000, 32000]),
-                                  rng.choice([1024, 2048]), 1, name=f"pipe{i}")
-        make = [lambda: mixed_cluster(1, 3, gpus_per_node=4),
-                lambda: mixed_cluster(2, 2, a100=A100_40, gpus_per_node=4),
-                lambda: mixed_cluster(1, 1, wan=True, gpus_per_node=4)][i % 3]
+        graph = transformer_graph(
+            4,
+            hidden,
+            heads,
+            heads,
+            4 * hidden,
+            rng.choice([8000, 32000]),
+            rng.choice([1024, 2048]),
+            1,
+            name=f"pipe{i}",
+        )
+        make = [
+            lambda: mixed_cluster(1, 3, gpus_per_node=4),
+            lambda: mixed_cluster(2, 2, a100=A100_40, gpus_per_node=4),
+            lambda: mixed_cluster(1, 1, wan=True, gpus_per_node=4),
+        ][i % 3]
         squeeze = [None, (0.7, 1.2), (0.45, 0.6)][i % 3 if i < 3 else (i + 1) % 3]
         pp = [2, 3, 4][i % 3]
         out.append(pytest.param(graph, make, 16, squeeze, pp, id=f"pipe{i}-pp{pp}-{squeeze}"))
@@ -163,8 +207,9 @@ def _pipeline_instances():
 
 
 @pytest.mark.parametrize("graph,make_cluster,global_batch,squeeze,pp", _pipeline_instances())
-def test_solver_matches_exhaustive_search_with_pipelines(graph, make_cluster, global_batch,
-                                                         squeeze, pp):
+def test_solver_matches_exhaustive_search_with_pipelines(
+    graph, make_cluster, global_batch, squeeze, pp
+):
     cluster = make_cluster()
     if squeeze:
         cluster = _squeezed(graph, cluster, squeeze)
@@ -181,8 +226,12 @@ def test_solver_matches_exhaustive_search_with_pipelines(graph, make_cluster, gl
 def test_pinned_fields_are_honoured_and_optimal_among_the_rest():
     graph = transformer_graph(4, 512, 8, 8, 2048, 8000, 1024, 1)
     cluster = mixed_cluster(1, 1, gpus_per_node=4)
-    for pinned in (Parallel(tp=2), Parallel(pp=2, zero=3), Parallel(recompute="full", dp=2),
-                   Parallel(micro_batch=2, tp=1)):
+    for pinned in (
+        Parallel(tp=2),
+        Parallel(pp=2, zero=3),
+        Parallel(recompute="full", dp=2),
+        Parallel(micro_batch=2, tp=1),
+    ):
         result = solve(graph, cluster, pinned, global_batch=16)
         for k, v in pinned.pinned().items():
             assert getattr(result.parallel, k) == v, (k, result.parallel)
@@ -196,7 +245,10 @@ def test_same_inputs_give_the_same_plan():
     a = solve(graph, cluster, Parallel(), global_batch=32)
     b = solve(graph, cluster, Parallel(), global_batch=32)
     assert (a.parallel, a.stages, a.prediction.step_time_s) == (
-        b.parallel, b.stages, b.prediction.step_time_s)
+        b.parallel,
+        b.stages,
+        b.prediction.step_time_s,
+    )
 
 
 def test_infeasible_memory_names_the_bytes_needed_and_available():
@@ -227,8 +279,9 @@ def test_infeasible_divisibility_and_pins_are_explained():
     cluster = h100_cluster(1)
     with pytest.raises(InfeasibleError, match="tp=3 does not divide the model's heads"):
         solve(graph, cluster, Parallel(tp=3), global_batch=8)
-    with pytest.raises(InfeasibleError, match="global_batch=12 is not divisible by "
-                                              "dp\\*micro_batch=2\\*4=8"):
+    with pytest.raises(
+        InfeasibleError, match="global_batch=12 is not divisible by dp\\*micro_batch=2\\*4=8"
+    ):
         solve(graph, cluster, Parallel(dp=2, micro_batch=4), global_batch=12)
     with pytest.raises(InfeasibleError, match="global_batch=7 is not divisible by dp=2"):
         solve(graph, cluster, Parallel(dp=2), global_batch=7)
@@ -241,15 +294,21 @@ def test_infeasible_divisibility_and_pins_are_explained():
 def test_memory_pressure_brings_in_memory_savers():
     graph = transformer_graph(8, 2048, 16, 16, 8192, 32000, 4096, 1)
     ample = solve(graph, h100_cluster(1), Parallel(), global_batch=32)
-    tight_gpu = dataclasses.replace(H100, memory_bytes=int(ample.prediction.peak_memory_bytes
-                                                            * 0.4))
+    tight_gpu = dataclasses.replace(
+        H100, memory_bytes=int(ample.prediction.peak_memory_bytes * 0.4)
+    )
     tight = solve(graph, h100_cluster(1, gpu=tight_gpu), Parallel(), global_batch=32)
     assert ample.parallel.recompute == Recompute.NONE
     assert tight.prediction.fits
     assert tight.prediction.peak_memory_bytes <= tight_gpu.memory_bytes
     a, t = ample.parallel, tight.parallel
-    assert (t.recompute != Recompute.NONE or t.zero == 3 or t.tp > a.tp or t.pp > a.pp
-            or t.micro_batch < a.micro_batch)
+    assert (
+        t.recompute != Recompute.NONE
+        or t.zero == 3
+        or t.tp > a.tp
+        or t.pp > a.pp
+        or t.micro_batch < a.micro_batch
+    )
     # a subset of the plans fits: the optimum cannot get faster
     assert tight.prediction.step_time_s >= ample.prediction.step_time_s * (1 - 1e-9)
 
