@@ -19,8 +19,8 @@ share of the data, so a block's time under any (tp, cp, micro-batch) is a weight
 few per-block aggregates computed once per GPU type (`block_compute`). That is what keeps the
 planner's inner loop free of per-op Python.
 
-Every constant below is an assumption to be calibrated in issue 3 unless a citation says
-otherwise.
+Efficiencies are per GPU type (`KERNEL_EFFICIENCY`), each with the source or the published
+runs that set it; docs/fidelity.md has the results against those runs.
 """
 
 from __future__ import annotations
@@ -29,10 +29,62 @@ from dataclasses import dataclass
 
 from meshplan.ir import Block, GpuSpec, Op, OpKind
 
-# Fraction of the dense tensor-core peak that large GEMMs reach. hardware.md: "Measured
-# large-GEMM throughput is typically 70-90% of peak; small GEMMs far less". 0.75 sits at the
-# low end because training GEMMs are not all large. Assumption, calibrated in issue 3.
-GEMM_EFFICIENCY = 0.75
+
+@dataclass(frozen=True, slots=True)
+class KernelEfficiency:
+    """Fractions of a GPU type's datasheet peaks that training kernels sustain.
+
+    `gemm`: dense matmuls (cuBLAS / cuBLASLt) of the sizes transformer training runs, as a
+    fraction of the dense tensor-core peak. `attention_fwd` / `attention_bwd`: fused (flash)
+    attention, forward and backward, on the FLOPs it executes (causal tiles skipped).
+    `memory`: streaming (memory-bound) kernels as a fraction of the HBM bandwidth.
+    """
+
+    gemm: float
+    attention_fwd: float
+    attention_bwd: float
+    memory: float
+    source: str = ""
+
+
+# Per GPU type (`GpuSpec.name`). Where each number comes from:
+# - attention: published kernel benchmarks, not fitted here. FlashAttention-2 (Dao 2023,
+#   Fig. 5-6, head dim 128, causal, long sequences): A100 forward ~190-200 TFLOP/s of 312 and
+#   forward+backward ~ 170-190 (backward ~0.55 of peak). FlashAttention-3 (Shah et al. 2024,
+#   Fig. 1/4-5): on H100 FA2 reaches ~330-370 TFLOP/s forward (~0.35 of 989), cuDNN and FA3
+#   ~500-650 forward, backward ~0.3-0.45. The H100 value sits between FA2 (PyTorch SDPA,
+#   torchtitan) and cuDNN (Transformer Engine, Megatron-Core). V100 has no flash kernel with
+#   bf16 tensor cores; the fp16 FlashAttention-1 paper (Dao et al. 2022) reports ~0.5 of peak
+#   on A100 and V100-era fused kernels are assumed at the same fraction.
+# - gemm: calibrated per GPU type on the published runs of that type
+#   (benchmarks/fidelity.py, docs/fidelity.md lists the rows), within hardware.md's "70-90% of
+#   peak for large GEMMs": A100 on Korthikanti et al. Table 5 (rows 1-8) and the 2020 Megatron
+#   DGX A100 rows; H100 SXM on the Megatron-Core r0.8 table; V100 on the 2020 DGX-2 rows;
+#   H100-96GB-500W (power capped) on the eager bf16 torchtitan rows.
+# - memory: STREAM-like kernels reach ~0.8-0.9 of HBM bandwidth on A100/H100 (NVIDIA's
+#   babelstream/nvbandwidth numbers); 0.8 is used for every type.
+KERNEL_EFFICIENCY: dict[str, KernelEfficiency] = {
+    "V100": KernelEfficiency(0.80, 0.50, 0.45, 0.8, "2020 Megatron DGX-2 rows"),
+    "A100-80GB": KernelEfficiency(0.80, 0.62, 0.55, 0.8, "Korthikanti T5; 2020 DGX A100 rows"),
+    "A100-40GB": KernelEfficiency(0.80, 0.62, 0.55, 0.8, "as A100-80GB"),
+    "A100-PCIe": KernelEfficiency(0.80, 0.62, 0.55, 0.8, "as A100-80GB"),
+    "H100": KernelEfficiency(0.75, 0.45, 0.38, 0.8, "Megatron-Core r0.8 table"),
+    "H200": KernelEfficiency(0.75, 0.45, 0.38, 0.8, "as H100 (same GH100 compute)"),
+    "H100-PCIe": KernelEfficiency(0.75, 0.45, 0.38, 0.8, "as H100"),
+    "H100-96GB-500W": KernelEfficiency(0.62, 0.40, 0.33, 0.8, "torchtitan eager bf16 rows"),
+}
+# Any other type: hardware.md's low end for large GEMMs and the FA2-on-A100 attention fraction.
+DEFAULT_EFFICIENCY = KernelEfficiency(0.75, 0.5, 0.45, 0.8, "assumption")
+
+# Kept for callers that want one number: the default efficiencies.
+GEMM_EFFICIENCY = DEFAULT_EFFICIENCY.gemm
+MEMORY_EFFICIENCY = DEFAULT_EFFICIENCY.memory
+
+
+def kernel_efficiency(gpu: GpuSpec) -> KernelEfficiency:
+    """The efficiency constants of `gpu`'s type (`DEFAULT_EFFICIENCY` when not calibrated)."""
+    return KERNEL_EFFICIENCY.get(gpu.name, DEFAULT_EFFICIENCY)
+
 
 # Kinds whose FLOPs run on tensor cores (matrix multiplies and fused attention).
 TENSOR_CORE_KINDS = frozenset({OpKind.MATMUL, OpKind.ATTENTION, OpKind.EXPERTS})
@@ -42,20 +94,30 @@ TENSOR_CORE_KINDS = frozenset({OpKind.MATMUL, OpKind.ATTENTION, OpKind.EXPERTS})
 # These kinds are almost always memory-bound, so the number rarely matters. Assumption.
 VECTOR_FLOP_EFFICIENCY = 0.07
 
-# Fraction of the HBM bandwidth that streaming (memory-bound) kernels reach. Assumption,
-# calibrated in issue 3 (STREAM-like kernels reach ~80-90% on A100/H100).
-MEMORY_EFFICIENCY = 0.8
-
-# Minimum time of one kernel: launch overhead and a short tail. Assumption (CUDA launch
-# latency is a few microseconds), calibrated in issue 3.
+# Minimum time of one kernel: launch overhead and a short tail (CUDA launch latency is a few
+# microseconds; assumption).
 KERNEL_FLOOR_S = 5e-6
 
 # Flash attention computes only the unmasked tiles of a causal mask: about half the FLOPs.
 CAUSAL_FLOP_FRACTION = 0.5
 
-# Kinds that selective recomputation (Korthikanti et al. 2022, "Reducing Activation
-# Recomputation in Large Transformer Models") recomputes during the backward pass.
-SELECTIVE_RECOMPUTE_KINDS = frozenset({OpKind.ATTENTION, OpKind.SOFTMAX})
+
+def kept_by_selective(op: Op) -> bool:
+    """Selective recomputation keeps the outputs of this op (and does not recompute it).
+
+    meshplan's selective recomputation is op-level (torch's selective activation
+    checkpointing, as torchtitan's `selective_ac_option="op"`): the outputs of the expensive
+    tensor-core ops are kept, namely linear layers (matmuls that read a parameter), fused
+    attention and experts, and everything else is recomputed in the backward pass (norms,
+    activations, RoPE, softmax, dropout, and the unparameterised score / context matmuls of
+    an unfused attention). On an unfused attention this is exactly Korthikanti et al.'s
+    selective recomputation of the attention core; it also recomputes the cheap
+    memory-bound ops they keep.
+    """
+    if op.kind in (OpKind.ATTENTION, OpKind.EXPERTS):
+        return True
+    return op.kind == OpKind.MATMUL and bool(op.params)
+
 
 # Ops of the prologue/epilogue that a vocab-parallel embedding / LM head / loss shards by TP
 # (Megatron-LM VocabParallelEmbedding, ColumnParallelLinear head, vocab-parallel cross
@@ -90,8 +152,14 @@ def roofline_time(op: Op, gpu: GpuSpec, dtype: str, *, backward: bool = False) -
     """Roofline time of `op` at its traced size, without the kernel floor (seconds)."""
     flops = effective_flops(op, backward=backward)
     nbytes = op.bwd_bytes if backward else op.fwd_bytes
-    eff = GEMM_EFFICIENCY if op.kind in TENSOR_CORE_KINDS else VECTOR_FLOP_EFFICIENCY
-    return max(flops / (gpu.peak(dtype) * eff), nbytes / (gpu.hbm_bandwidth * MEMORY_EFFICIENCY))
+    k = kernel_efficiency(gpu)
+    if op.kind == OpKind.ATTENTION:
+        eff = k.attention_bwd if backward else k.attention_fwd
+    elif op.kind in TENSOR_CORE_KINDS:
+        eff = k.gemm
+    else:
+        eff = VECTOR_FLOP_EFFICIENCY
+    return max(flops / (gpu.peak(dtype) * eff), nbytes / (gpu.hbm_bandwidth * k.memory))
 
 
 def op_time(
@@ -114,7 +182,8 @@ class BlockCompute:
     """Roofline aggregates of one block on one GPU type, by TP split class.
 
     `*_tp` sums ops that TP always shards, `*_sp` ops that only sequence parallelism shards.
-    `sel_*` are the forward times of the ops selective recomputation repeats. `n_*` count the
+    `sel_*` are the forward times of the ops selective recomputation repeats
+    (`kept_by_selective` is False). `n_*` count the
     kernels (each pays `KERNEL_FLOOR_S`). Times are at the traced micro-batch, in seconds.
     """
 
@@ -154,7 +223,7 @@ def block_compute(block: Block, gpu: GpuSpec, dtype: str) -> BlockCompute:
             t = roofline_time(op, gpu, dtype)
             acc["fwd_" + cls] += t
             n_fwd += 1
-            if op.kind in SELECTIVE_RECOMPUTE_KINDS:
+            if not kept_by_selective(op):
                 acc["sel_" + cls] += t
                 n_sel += 1
         if op.bwd_flops or op.bwd_bytes:

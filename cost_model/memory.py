@@ -26,11 +26,11 @@ s*b*h*(34 + 5*a*s/h) per layer without TP and s*b*h*(10 + 24/t + 5*a*s/(h*t)) wi
 SP: our per-op split gives (4 + 30/t) instead of (10 + 24/t) for the s*b*h term, because the
 replicated inputs of the column-parallel linears and the dropout masks after the row-parallel
 ones are counted as sharded (documented approximation; with SP both are exactly /t).
-Recompute: selective drops the saved bytes of SOFTMAX ops (the a*s^2 score/probability/dropout
-tensors; Q, K and V saved by the attention op stay, they are where recomputation starts, and a
-fused flash-attention op saves only its inputs, output and logsumexp, so there is little to
-drop); full keeps only each layer's input (`Block.inputs`) plus one layer's full activations
-while it is recomputed. Prologue/epilogue blocks are never recomputed.
+Recompute: selective (op-level, `compute.kept_by_selective`) keeps each layer's input and the
+outputs of its linear layers, fused attention and experts, and recomputes the rest (norms,
+activations, RoPE, an unfused attention's scores/softmax/dropout); full keeps only each
+layer's input (`Block.inputs`). Either adds one layer's recomputed activations while that
+layer's backward runs. Prologue/epilogue blocks are never recomputed.
 
 Schedules: 1F1B stage i of p holds min(p - i, m) micro-batches, GPipe all m (hardware.md).
 On top: ZeRO-3's gathered layer, a temporary buffer (twice the largest op output, e.g.
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 from meshplan.ir import Block, OpKind, Recompute
 
-from .compute import splits_with_tp
+from .compute import kept_by_selective, splits_with_tp
 
 WEIGHT_BYTES = 2  # bf16 weights (hardware.md)
 GRAD_BYTES = 2  # bf16 gradients (ZeRO paper convention, see the module docstring)
@@ -58,10 +58,6 @@ CONTEXT_BYTES = 2**30
 ALLOCATOR_MARGIN = 0.10
 # Temporary buffer: the largest op output twice (the output and its gradient coexist).
 TEMP_OUTPUTS = 2
-
-# Kinds whose saved tensors selective recomputation frees (Korthikanti et al.: the 5*a*s^2*b
-# term of softmax output, dropout mask and dropout output).
-SELECTIVE_FREED_KINDS = frozenset({OpKind.SOFTMAX})
 
 
 def state_bytes_per_param(zero: int, shards: int) -> tuple[float, float, float]:
@@ -94,8 +90,8 @@ class BlockMemory:
     params_expert: int
     saved_tp: int
     saved_sp: int
-    selective_freed_tp: int
-    selective_freed_sp: int
+    selective_kept_tp: int
+    selective_kept_sp: int
     input_bytes: int
     max_output_tp: int
     max_output_sp: int
@@ -114,7 +110,8 @@ class BlockMemory:
             return self.input_bytes * r_sp  # the layer input is sequence-sharded under SP
         saved = self.saved_tp * r_tp + self.saved_sp * r_sp
         if self.kind == "layer" and recompute == Recompute.SELECTIVE:
-            saved -= self.selective_freed_tp * r_tp + self.selective_freed_sp * r_sp
+            kept = self.selective_kept_tp * r_tp + self.selective_kept_sp * r_sp
+            return min(saved, kept + self.input_bytes * r_sp)
         return saved
 
     def largest_output(self, *, tp: int, cp: int, sequence_parallel: bool, scale: float) -> float:
@@ -130,7 +127,7 @@ def block_memory(block: Block) -> BlockMemory:
     expert: set[str] = set()
     seen: set[str] = set()
     saved = {"tp": 0, "sp": 0}
-    freed = {"tp": 0, "sp": 0}
+    kept = {"tp": 0, "sp": 0}
     out_max = {"tp": 0, "sp": 0}
     for op in block.ops:
         split = splits_with_tp(op, block.kind)
@@ -141,8 +138,8 @@ def block_memory(block: Block) -> BlockMemory:
         elif split:
             sharded.update(op.params)
         saved[cls] += op.saved_bytes
-        if op.kind in SELECTIVE_FREED_KINDS:
-            freed[cls] += op.saved_bytes
+        if kept_by_selective(op):
+            kept[cls] += sum(t.nbytes for t in op.outputs)
         out_max[cls] = max(out_max[cls], sum(t.nbytes for t in op.outputs))
     p_tp = p_rep = p_exp = 0
     for p in block.params:
@@ -159,8 +156,8 @@ def block_memory(block: Block) -> BlockMemory:
         params_expert=p_exp,
         saved_tp=saved["tp"],
         saved_sp=saved["sp"],
-        selective_freed_tp=freed["tp"],
-        selective_freed_sp=freed["sp"],
+        selective_kept_tp=kept["tp"],
+        selective_kept_sp=kept["sp"],
         input_bytes=sum(t.nbytes for t in block.inputs),
         max_output_tp=out_max["tp"],
         max_output_sp=out_max["sp"],
@@ -217,8 +214,13 @@ def stage_memory(
     per_mb = sum(n * b.activations(**act_kw, recompute=recompute) for b, n in blocks)
     layers = [b for b, _ in blocks if b.kind == "layer"]
     workspace = 0.0
-    if recompute == Recompute.FULL and layers:
-        workspace = max(b.activations(**act_kw, recompute=Recompute.NONE) for b in layers)
+    if recompute != Recompute.NONE and layers:
+        # The layer being recomputed holds what recomputation rebuilt until its backward ends.
+        workspace = max(
+            b.activations(**act_kw, recompute=Recompute.NONE)
+            - b.activations(**act_kw, recompute=recompute)
+            for b in layers
+        )
     gather = 0.0
     if zero == 3 and layers:
         gather = WEIGHT_BYTES * max(b.params_per_rank(tp, ep) for b in layers)
@@ -234,9 +236,17 @@ def stage_memory(
     )
 
 
-def in_flight_microbatches(schedule: str, stage: int, pp: int, m: int) -> int:
-    """Micro-batches whose activations a stage holds at its peak (hardware.md): 1F1B stage i
-    of p holds min(p - i, m); GPipe runs every forward before any backward and holds m."""
+def in_flight_microbatches(schedule: str, stage: int, pp: int, m: int, chunks: int = 1) -> float:
+    """Micro-batches whose activations a stage holds at its peak, in units of one whole
+    micro-batch through the stage (hardware.md): 1F1B stage i of p holds min(p - i, m); GPipe
+    runs every forward before any backward and holds m. Interleaved 1F1B with v chunks per
+    rank (Megatron-LM `forward_backward_pipelining_with_interleaving`) runs
+    2 (p - i - 1) + (v - 1) p warm-up chunk forwards plus the first steady-state one before its
+    first backward, each 1/v of the stage's layers: (2 (p - i - 1) + (v - 1) p + 1) / v, at most
+    m micro-batches. Interleaving with one chunk is plain 1F1B."""
     if schedule == "gpipe":
         return m
+    if schedule == "interleaved_1f1b" and chunks > 1:
+        warm = 2 * (pp - stage - 1) + (chunks - 1) * pp + 1
+        return min(warm, m * chunks) / chunks
     return min(pp - stage, m)

@@ -15,10 +15,17 @@ pipeline depth pp, m = global_batch / (dp * micro_batch) micro-batches per pipel
   Clusters Using Megatron-LM", SC'21); with unequal stages the fill and drain pass every stage
   once, so the bubble is sum_s u_s - U + (pp - 1) * P.
 - P: the point-to-point time of one micro-batch's boundary activation (forward send plus
-  backward send) over the slowest stage boundary, on the link between the two stages' groups.
+  backward send) over the slowest stage boundary, on the link between the two stages' groups;
+  each TP rank sends 1/tp of it (Megatron's scatter/gather, Narayanan et al. sec. 4.1).
+- Interleaved 1F1B with v model chunks per rank (`Parallel.virtual_stages`, priced when pinned;
+  the planner searches 1F1B and GPipe only): the fill and drain shrink by v, so the bubble
+  is (sum_s u_s - U) / v + (pp - 1) * P, a fraction (p - 1) / (v m + p - 1) for equal stages,
+  and every chunk boundary sends, so the p2p term is m * v * P.
 - C_s: the data-parallel traffic of stage s, W_s: the compute it overlaps with. ZeRO 0-2
   reduce gradients once per step (all-reduce, or reduce-scatter + all-gather), overlapped with
-  the last micro-batch's backward (rep = 1). ZeRO-3 all-gathers the weights in forward and in
+  the last micro-batch's forward + backward (rep = 1; ZeRO-0 only its backward: the gradient
+  all-reduce; ZeRO-1/2 also all-gather the updated weights under the next step's first
+  forward, Megatron-LM `--overlap-param-gather`). ZeRO-3 all-gathers the weights in forward and in
   backward and reduce-scatters gradients for every micro-batch, overlapped with that
   micro-batch's forward + backward (rep = m). eta = `OVERLAP_EFFICIENCY`: overlap hides at
   most that fraction of the traffic, and only as much as fits in the window; the rest is
@@ -73,7 +80,7 @@ from .collectives import (
     intra_node_path,
     nic_share,
 )
-from .compute import MEMORY_EFFICIENCY, BlockCompute, block_compute
+from .compute import BlockCompute, block_compute, kernel_efficiency
 from .memory import (
     GRAD_BYTES,
     WEIGHT_BYTES,
@@ -94,7 +101,10 @@ OVERLAP_EFFICIENCY = 0.8
 # Assumption (fused multi-tensor Adam is memory-bound), calibrated in issue 3.
 OPTIMIZER_BYTES_PER_PARAM = 20
 
+# Schedules the planner searches (the CP-SAT model encodes their step formula) ...
 SUPPORTED_SCHEDULES = (Schedule.ONE_F_ONE_B, Schedule.GPIPE)
+# ... and the ones `predict` prices (interleaved 1F1B only when pinned by the user).
+PRICED_SCHEDULES = (*SUPPORTED_SCHEDULES, Schedule.INTERLEAVED_1F1B)
 
 BREAKDOWN_PARTS = (
     "compute",
@@ -564,7 +574,8 @@ class Pricer:
         if zero >= 1:
             dense /= dp
             experts /= max(1, dp // ep)
-        hbm = self.groups[group].gpu.hbm_bandwidth * MEMORY_EFFICIENCY
+        gpu = self.groups[group].gpu
+        hbm = gpu.hbm_bandwidth * kernel_efficiency(gpu).memory
         return (dense + experts) * OPTIMIZER_BYTES_PER_PARAM / hbm
 
 
@@ -610,11 +621,23 @@ class PlanTables:
     dp_single: list[dict[str, float]]  # [stage][group]: all replicas in that group
     dp_cross: list[dict[tuple[str, str], CrossTraffic]]  # [stage][(a, b)], a before b
     p2p: list[dict[tuple[str, str], float]] = field(default_factory=list)  # [boundary][(a, b)]
+    chunks: int = 1  # model chunks per pipeline rank (interleaved 1F1B), else 1
 
     @property
     def pp(self) -> int:
         """Pipeline stages."""
         return len(self.ranges)
+
+
+def _dp_window(t: StageTime, zero: int) -> float:
+    """Compute that the stage's DP traffic overlaps with (one micro-batch): ZeRO-3 gathers and
+    reduces around every micro-batch's forward and backward; ZeRO-0 reduces gradients during
+    the last backward; ZeRO-1/2 reduce-scatter during the last backward and all-gather the
+    updated weights under the next step's first forward (Megatron-LM `--overlap-param-gather`,
+    FSDP/ZeRO prefetch)."""
+    if zero == 3 or zero in (1, 2):
+        return t.compute + t.recompute
+    return t.backward + t.recompute
 
 
 def plan_tables(
@@ -647,10 +670,7 @@ def plan_tables(
                 cross[(a, b)] = pricer.dp_cross(traffic, a, b, tp=tp, cp=cp)
         uniq[comp] = {
             "time": times,
-            "window": {
-                g: (t.compute + t.recompute if zero == 3 else t.backward + t.recompute)
-                for g, t in times.items()
-            },
+            "window": {g: _dp_window(t, zero) for g, t in times.items()},
             "opt": {
                 g: pricer.optimizer_time(comp, g, tp=tp, ep=ep, dp=dp, zero=zero) for g in names
             },
@@ -665,7 +685,7 @@ def plan_tables(
     peaks: dict[tuple[Composition, int], tuple] = {}
     for s, comp in enumerate(comps):
         u = uniq[comp]
-        held = in_flight_microbatches(p.schedule, s, pp, m)
+        held = in_flight_microbatches(p.schedule, s, pp, m, p.chunks)
         got = peaks.get((comp, held))
         if got is None:
             peak = u["mem"].peak(held)
@@ -686,7 +706,9 @@ def plan_tables(
         bkey = costs.boundary_key(ranges[s][1])
         row = by_boundary.get(bkey)
         if row is None:
-            size = costs.facts[bkey].output_bytes * scale / (cp * (tp if sp else 1))
+            # Megatron's scatter/gather optimisation (Narayanan et al. SC'21, sec. 4.1; also what
+            # a sequence-parallel boundary sends): each TP rank sends 1/tp of the activation.
+            size = costs.facts[bkey].output_bytes * scale / (cp * tp)
             row = by_boundary[bkey] = {
                 (a, b): pricer.p2p(size, a, b, streams) for a in names for b in names
             }
@@ -706,6 +728,7 @@ def plan_tables(
         dp_single=single,
         dp_cross=cross,
         p2p=p2p,
+        chunks=p.chunks if pp > 1 else 1,
     )
 
 
@@ -755,14 +778,15 @@ def evaluate(tables: PlanTables, placement: Placement) -> Evaluation:
         exposed = max(exposed, comm - OVERLAP_EFFICIENCY * min(comm, window))
     optimizer = max(tables.optimizer[s][g] for s in range(pp) for g in used[s])
     t = tables.time[s_star][stage_g[s_star]]
+    v = tables.chunks
     parts = {
         "compute": m * t.compute,
         "recompute": m * t.recompute,
         "tp_comm": m * t.tp_comm,
         "cp_comm": m * t.cp_comm,
         "ep_comm": m * t.ep_comm,
-        "pp_p2p": m * p2p,
-        "pp_bubble": sum(stage_u) - big_u + (pp - 1) * p2p,
+        "pp_p2p": m * v * p2p,
+        "pp_bubble": (sum(stage_u) - big_u) / v + (pp - 1) * p2p,
         "dp_comm_exposed": tables.rep * exposed,
         "optimizer": optimizer,
     }
@@ -781,12 +805,16 @@ def check_parallel(
     """Raise ValueError (one line) when `parallel` and `stages` do not describe a valid step."""
     p = parallel
     if not p.is_complete:
-        missing = [k for k in Parallel.__dataclass_fields__ if getattr(p, k) is None]
+        missing = [
+            k
+            for k in Parallel.__dataclass_fields__
+            if getattr(p, k) is None and k != "virtual_stages"
+        ]
         raise ValueError(f"predict needs a complete Parallel; missing {', '.join(missing)}")
-    if p.schedule not in SUPPORTED_SCHEDULES:
+    if p.schedule not in PRICED_SCHEDULES:
         raise ValueError(
             f"schedule {p.schedule.value!r} is not modelled yet; use "
-            + " or ".join(repr(s.value) for s in SUPPORTED_SCHEDULES)
+            + " or ".join(repr(s.value) for s in PRICED_SCHEDULES)
         )
     if p.global_batch % (p.dp * p.micro_batch):
         raise ValueError(

@@ -253,6 +253,32 @@ _SPECS: tuple[GpuSpec, ...] = (
     ),
 )
 
+# Variants measured in published runs but not (yet) in the preset table: a preset needs a node
+# network in `cluster_io._NODE_NETWORK`, so these are used by building a `DeviceGroup` with the
+# spec directly (benchmarks/fidelity.py does). Same conventions as `_SPECS`.
+H100_96GB_500W = GpuSpec(
+    # Meta's Grand Teton H100 variant that torchtitan's H100 benchmarks ran on
+    # (published_runs_calibration.csv, torchtitan rows: "H100 SXM 96GB HBM2e @500W";
+    # docs/performance.md: "H100 SXM 95GB HBM2e (lower TDP)"). No public datasheet: the
+    # tensor cores are the SXM5 part's (same peak; the 500 W cap lowers sustained clocks,
+    # which the cost model's per-GPU-type GEMM efficiency carries), the memory is HBM2e.
+    name="H100-96GB-500W",
+    peak_flops=(
+        ("bfloat16", 989 * TERA),  # as H100 SXM5 (hardware.md)
+        ("float16", 989 * TERA),
+        ("float32", 494.5 * TERA),
+        ("float8_e4m3fn", 1979 * TERA),
+    ),
+    memory_bytes=95 * GiB,  # torchtitan docs/performance.md: "95GB"
+    # Estimate, no datasheet: six HBM2e stacks (6 x 16 GB) at 3.2 Gb/s per pin x 1024
+    # pins = 6 x 409.6 GB/s. (H100 PCIe, five HBM2e stacks: 2.0 TB/s, hardware.md.)
+    hbm_bandwidth=2458 * GB,
+    sms=132,  # the SXM5 configuration
+    nvlink_bandwidth=450 * GB,  # NVLink4 (Grand Teton: "NVLink")
+    source="torchtitan benchmarks/llama3_h100_202412_torchtitan.md hardware line; "
+    f"compute as H100 SXM5 ({_HW_MD}); HBM bandwidth estimated",
+)
+
 GPU_SPECS: MappingProxyType[str, GpuSpec] = MappingProxyType({s.name: s for s in _SPECS})
 
 # Aliases by canonical name. Lookup normalises case and drops every non-alphanumeric

@@ -38,6 +38,10 @@ class Schedule(enum.StrEnum):
     ZERO_BUBBLE = "zero_bubble"
 
 
+# Fields `Parallel.is_complete` does not require.
+_OPTIONAL_FIELDS = frozenset({"virtual_stages"})
+
+
 @dataclass(frozen=True, slots=True)
 class Parallel:
     """A (possibly partial) parallel configuration. None = free for the planner to choose.
@@ -45,6 +49,9 @@ class Parallel:
     `global_batch` and `micro_batch` count sequences. `dp * micro_batch * num_microbatches ==
     global_batch` where num_microbatches is derived. `zero` is the ZeRO stage (0 = plain DDP,
     1 = sharded optimizer states, 2 = + gradients, 3 = FSDP / + parameters).
+    `virtual_stages` is the number of model chunks each pipeline rank runs under the
+    interleaved 1F1B schedule (Megatron-LM's virtual pipeline stages, Narayanan et al. SC'21);
+    it is optional (None reads as 1) and is not needed for `is_complete`.
     """
 
     dp: int | None = None
@@ -58,9 +65,10 @@ class Parallel:
     zero: int | None = None
     schedule: Schedule | None = None
     sequence_parallel: bool | None = None
+    virtual_stages: int | None = None
 
     def __post_init__(self) -> None:
-        for f in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "global_batch"):
+        for f in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "global_batch", "virtual_stages"):
             v = getattr(self, f)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"Parallel.{f} must be a positive integer, got {v!r}")
@@ -85,7 +93,19 @@ class Parallel:
 
     @property
     def is_complete(self) -> bool:
-        return all(getattr(self, f.name) is not None for f in dataclasses.fields(self))
+        """Every required field is set (`virtual_stages` is optional)."""
+        return all(
+            getattr(self, f.name) is not None
+            for f in dataclasses.fields(self)
+            if f.name not in _OPTIONAL_FIELDS
+        )
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks per pipeline rank: `virtual_stages` under interleaved 1F1B, else 1."""
+        if self.schedule == Schedule.INTERLEAVED_1F1B:
+            return self.virtual_stages or 1
+        return 1
 
     @property
     def model_parallel(self) -> int:

@@ -18,7 +18,8 @@ bytes, so the solver's wall time is deliberately not recorded):
       "ranks": [[rank, node, local_rank, group, pp, dp, cp, tp] or [rank, node, local, group] idle],
       "stages": [{"index", "first_unit", "last_unit", "units": [first, last name], "replicas"}],
       "schedule", "micro_batch", "global_batch", "num_microbatches", "recompute", "zero",
-      "sequence_parallel", "placements", "quantization", "compression",
+      "sequence_parallel", "virtual_stages" (interleaved 1F1B chunks per rank, or null),
+      "placements", "quantization", "compression",
       "predicted": {"step_time_s", "tokens_per_s", "mfu", "peak_memory_bytes", "fits",
                     "breakdown": {...}, "memory": [...]},
       "solver": {"status", "gap", "candidates", "objective"}
@@ -154,6 +155,7 @@ class Plan:
             "recompute": str(p.recompute),
             "zero": p.zero,
             "sequence_parallel": p.sequence_parallel,
+            "virtual_stages": p.virtual_stages,
             "placements": {k: v for k, v in self.placements},
             # v1 records the decisions explicitly even while they are always off.
             "quantization": {"activations": "none", "gradients": "none"},
@@ -229,7 +231,8 @@ class Plan:
             f"  degrees: dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp} ep={p.ep}; "
             f"mesh {dict(zip(MESH_AXES, self.mesh_shape))}",
             f"  batch: global {p.global_batch} = dp {p.dp} x micro-batch {p.micro_batch} x "
-            f"{p.num_microbatches} micro-batches; schedule {p.schedule}; recompute "
+            f"{p.num_microbatches} micro-batches; schedule {p.schedule}"
+            f"{f' x{p.virtual_stages} virtual stages' if p.chunks > 1 else ''}; recompute "
             f"{p.recompute}; ZeRO-{p.zero}; "
             f"sequence parallel {'on' if p.sequence_parallel else 'off'}",
             "  stages:",
@@ -433,6 +436,7 @@ PLAN_SCHEMA: dict = {
         "recompute": {"enum": [r.value for r in Recompute]},
         "zero": {"enum": [0, 1, 2, 3]},
         "sequence_parallel": {"type": "boolean"},
+        "virtual_stages": {"type": ["integer", "null"], "minimum": 1},
         "predicted": {
             "type": "object",
             "required": [
@@ -506,6 +510,7 @@ def plan_from_dict(data: object, *, where: str = "plan", cluster: Cluster | None
         zero=data["zero"],
         schedule=Schedule(data["schedule"]),
         sequence_parallel=data["sequence_parallel"],
+        virtual_stages=data.get("virtual_stages"),
     )
     try:
         stages = tuple(

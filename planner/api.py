@@ -110,12 +110,29 @@ def complete_parallel(graph: Graph, cluster: Cluster, parallel: Parallel) -> Par
         zero=p.zero if p.zero is not None else 0,
         schedule=p.schedule or Schedule.ONE_F_ONE_B,
         sequence_parallel=p.sequence_parallel if p.sequence_parallel is not None else tp > 1,
+        virtual_stages=p.virtual_stages,
     )
 
 
-def check_config(graph: Graph, cluster: Cluster, p: Parallel) -> None:
-    """One-line ValueError for a configuration that cannot run on this model and cluster."""
+def check_config(
+    graph: Graph, cluster: Cluster, p: Parallel, pinned: Parallel | None = None
+) -> None:
+    """One-line ValueError for a configuration that cannot run on this model and cluster.
+
+    `pinned` is what the user wrote before `complete_parallel`: when it fixes dp, tp, pp and cp
+    all four, their product must be the cluster's GPU count."""
     info = graph.info
+    n_layers = len(graph.layer_units) or info.layers
+    if n_layers and p.pp > n_layers:  # type: ignore[operator]
+        raise ValueError(f"pp={p.pp} exceeds the model's {n_layers} layers (pp <= layers)")
+    if p.virtual_stages and p.virtual_stages > 1:
+        if p.schedule != Schedule.INTERLEAVED_1F1B:
+            raise ValueError(f"virtual_stages={p.virtual_stages} needs schedule='interleaved_1f1b'")
+        if n_layers and p.pp * p.virtual_stages > n_layers:  # type: ignore[operator]
+            raise ValueError(
+                f"pp*virtual_stages = {p.pp}*{p.virtual_stages} exceeds the model's "
+                f"{n_layers} layers"
+            )
     for what, n in (("heads", info.heads), ("kv_heads", info.kv_heads)):
         if n and n % p.tp:  # type: ignore[operator]
             raise ValueError(f"tp={p.tp} does not divide the model's {what} ({n})")
@@ -127,6 +144,12 @@ def check_config(graph: Graph, cluster: Cluster, p: Parallel) -> None:
         raise ValueError(f"cp={p.cp} does not divide the sequence length ({info.seq_len})")
 
     used = p.dp * p.tp * p.pp * p.cp  # type: ignore[operator]
+    q = pinned
+    if q is not None and None not in (q.dp, q.tp, q.pp, q.cp) and used != cluster.world_size:
+        raise ValueError(
+            f"dp*tp*pp*cp = {p.dp}*{p.tp}*{p.pp}*{p.cp} = {used} must equal the GPU count "
+            f"({cluster.world_size} in cluster {cluster.name})"
+        )
     if used > cluster.world_size:
         raise ValueError(
             f"dp*tp*pp*cp = {p.dp}*{p.tp}*{p.pp}*{p.cp} = {used} GPUs but cluster "
@@ -164,7 +187,7 @@ def estimate_plan(
     cluster = cluster or Cluster.preset("default")
     graph = as_graph(model, example_inputs, progress=progress)
     p = complete_parallel(graph, cluster, parallel or Parallel())
-    check_config(graph, cluster, p)
+    check_config(graph, cluster, p, parallel)
     stages = place_stages(cluster, p, even_stages(graph, p.pp))  # type: ignore[arg-type]
     prediction = predict(graph, cluster, p, stages)
     return Plan(

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 from meshplan.cost_model.compute import (
-    GEMM_EFFICIENCY,
+    DEFAULT_EFFICIENCY,
     KERNEL_FLOOR_S,
-    MEMORY_EFFICIENCY,
     block_compute,
+    kept_by_selective,
+    kernel_efficiency,
     op_time,
 )
 from meshplan.ir import Op, OpKind, TensorMeta
@@ -34,6 +35,24 @@ def _matmul(m: int, n: int, k: int) -> Op:
         fwd_bytes=fwd_bytes,
         bwd_bytes=2 * fwd_bytes,
     )
+
+
+GEMM_EFFICIENCY = kernel_efficiency(H100).gemm
+MEMORY_EFFICIENCY = kernel_efficiency(H100).memory
+
+
+def test_every_gpu_type_has_efficiencies_in_range():
+    from meshplan.cost_model.compute import KERNEL_EFFICIENCY
+    from meshplan.ir.hardware import GPU_SPECS, H100_96GB_500W
+
+    for name in list(GPU_SPECS) + [H100_96GB_500W.name]:
+        gpu = GPU_SPECS.get(name, H100_96GB_500W)
+        k = kernel_efficiency(gpu)
+        assert 0.3 <= k.attention_bwd <= k.attention_fwd <= k.gemm <= 0.9, name
+        assert 0.5 <= k.memory <= 1.0
+        assert k.source
+    assert set(KERNEL_EFFICIENCY) <= set(GPU_SPECS) | {H100_96GB_500W.name}
+    assert kernel_efficiency(GPU_SPECS["CPU"]) is DEFAULT_EFFICIENCY
 
 
 def test_large_gemm_is_compute_bound_at_gemm_efficiency():
@@ -72,11 +91,12 @@ def test_causal_attention_does_half_the_flops():
     }
     causal = Op("attn", **fused, attrs=(("causal", True),))
     full = Op("attn", **fused)
+    att_fwd = kernel_efficiency(H100).attention_fwd
     assert op_time(full, H100) == pytest.approx(
-        flops / (989e12 * GEMM_EFFICIENCY) + KERNEL_FLOOR_S, rel=1e-12
+        flops / (989e12 * att_fwd) + KERNEL_FLOOR_S, rel=1e-12
     )
     assert op_time(causal, H100) == pytest.approx(
-        0.5 * flops / (989e12 * GEMM_EFFICIENCY) + KERNEL_FLOOR_S, rel=1e-12
+        0.5 * flops / (989e12 * att_fwd) + KERNEL_FLOOR_S, rel=1e-12
     )
 
 
@@ -107,13 +127,13 @@ def test_block_times_split_by_tp_cp_and_sequence_parallel():
     assert fwd_huge_tp == pytest.approx(n_ops * KERNEL_FLOOR_S, rel=1e-6)
 
 
-def test_selective_recompute_repeats_attention_and_softmax_only():
+def test_selective_recompute_repeats_everything_but_linears_and_attention():
     g = transformer_graph(1, 1024, 8, 8, 4096, 1000, 2048, 1, embed_and_head=False)
     block = g.block("layer")
     _, _, sel = block_compute(block, H100, "bfloat16").times(
         tp=1, cp=1, sequence_parallel=False, scale=1.0
     )
-    expect = sum(
-        op_time(op, H100) for op in block.ops if op.kind in (OpKind.ATTENTION, OpKind.SOFTMAX)
-    )
-    assert sel == pytest.approx(expect, rel=1e-12)
+    redo = [op for op in block.ops if not kept_by_selective(op) and (op.fwd_flops or op.fwd_bytes)]
+    assert redo and all(op.kind not in (OpKind.ATTENTION, OpKind.EXPERTS) for op in redo)
+    assert all(not (op.kind == OpKind.MATMUL and op.params) for op in redo)
+    assert sel == pytest.approx(sum(op_time(op, H100) for op in redo), rel=1e-12)

@@ -92,12 +92,32 @@ def test_recompute_selective_and_full():
     none, sel, full = (run(tp=tp, pp=1, recompute=r) for r in ("none", "selective", "full"))
     # pp = 1: one micro-batch in flight; two layers, prologue and epilogue on the stage
     edges = none[0]["activations"] - 2 * korthikanti_layer(tp)
-    assert sel[0]["activations"] == pytest.approx(
-        edges + 2 * (korthikanti_layer(tp) - 5 * A * S * S * B / tp), abs=2
-    )
+    # selective keeps the layer input and the outputs of qkv (3h), attention (h), o (h),
+    # up (f) and down (h), all bf16 and sequence-sharded under SP; the rest is recomputed
+    kept = 2 * B * S * (H + 3 * H + H + H + F + H) / tp
+    assert sel[0]["activations"] == pytest.approx(edges + 2 * kept, abs=2)
+    assert sel[0]["recompute_workspace"] == pytest.approx(korthikanti_layer(tp) - kept, abs=2)
     layer_input = 2 * B * S * H / tp  # bf16 hidden state, sequence-sharded under SP
     assert full[0]["activations"] == pytest.approx(edges + 2 * layer_input, abs=2)
-    assert full[0]["recompute_workspace"] == pytest.approx(korthikanti_layer(tp), abs=2)
+    # the layer being recomputed rebuilds everything but its (already held) input
+    assert full[0]["recompute_workspace"] == pytest.approx(
+        korthikanti_layer(tp) - layer_input, abs=2
+    )
+
+
+@pytest.mark.parametrize("pp,v,m", [(2, 2, 8), (4, 2, 8), (4, 3, 16), (4, 4, 2)])
+def test_interleaved_in_flight_follows_megatron_warmup(pp, v, m):
+    from meshplan.cost_model.memory import in_flight_microbatches
+
+    for i in range(pp):
+        chunks = min(2 * (pp - i - 1) + (v - 1) * pp + 1, m * v)
+        assert in_flight_microbatches("interleaved_1f1b", i, pp, m, v) == chunks / v
+    # one chunk is plain 1F1B; stage 0 holds about pp * (1 + 1/v) micro-batches
+    assert in_flight_microbatches("interleaved_1f1b", 0, pp, m, 1) == min(pp, m)
+    if 2 * (pp - 1) + (v - 1) * pp + 1 <= m * v:
+        assert in_flight_microbatches("interleaved_1f1b", 0, pp, m, v) == pytest.approx(
+            pp * (1 + 1 / v) - 1 / v
+        )
 
 
 def test_peak_adds_allocator_margin_and_context():

@@ -143,13 +143,29 @@ def test_slower_group_is_the_bottleneck_of_a_split_stage():
     assert {(r.stage, r.group) for r in t_split.memory} == {(0, "h100"), (0, "a100")}
 
 
+@pytest.mark.parametrize("pp,v,m", [(2, 2, 4), (4, 2, 8), (4, 3, 16), (8, 4, 8)])
+def test_interleaved_bubble_fraction_for_equal_stages(pp, v, m):
+    g = transformer_graph(16, 1024, 16, 16, 4096, 0, 1024, 1, embed_and_head=False)
+    p = config(pp=pp, global_batch=m, schedule="interleaved_1f1b", virtual_stages=v)
+    parts = run(g, h100_cluster(1), p).breakdown_dict()
+    u = sum(parts[k] for k in ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm")) / m
+    p2p = parts["pp_p2p"] / (m * v)  # every chunk boundary sends: v times 1F1B's messages
+    bubble = parts["pp_bubble"] - (pp - 1) * p2p
+    assert bubble == pytest.approx((pp - 1) / v * u, rel=1e-9)
+    # closed form (Narayanan et al. SC'21): (p - 1) / (v m + p - 1) of the pipeline time
+    assert bubble / (m * u + bubble) == pytest.approx((pp - 1) / (v * m + pp - 1), rel=1e-9)
+    one = run(g, h100_cluster(1), config(pp=pp, global_batch=m)).breakdown_dict()
+    assert parts["compute"] == pytest.approx(one["compute"], rel=1e-12)
+    assert parts["pp_bubble"] < one["pp_bubble"]
+
+
 def test_invalid_configurations_raise_one_line_errors():
     g = transformer_graph(4, 512, 8, 8, 2048, 1000, 512, 1)
     c = h100_cluster(1)
     p = config(pp=2, global_batch=8)
     stages = place_stages(c, p, even_stages(g, 2))
-    with pytest.raises(ValueError, match="interleaved_1f1b.*not modelled"):
-        predict(g, c, dataclasses.replace(p, schedule="interleaved_1f1b"), stages)
+    with pytest.raises(ValueError, match="zero_bubble.*not modelled"):
+        predict(g, c, dataclasses.replace(p, schedule="zero_bubble"), stages)
     with pytest.raises(ValueError, match="not divisible by dp"):
         predict(g, c, dataclasses.replace(p, micro_batch=2, global_batch=7), stages)
     with pytest.raises(ValueError, match="complete Parallel"):
