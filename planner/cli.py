@@ -373,6 +373,38 @@ def clusters() -> None:
     out.print(g)
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def launch(
+    ctx: typer.Context,
+    plan_file: Annotated[Path, typer.Argument(help="Plan JSON to run.")],
+    node_rank: Annotated[int, typer.Option("--node-rank", help="This node's rank.")] = 0,
+    rdzv_endpoint: Annotated[
+        str | None, typer.Option("--rdzv-endpoint", help="HOST:PORT of node 0 (multi-node).")
+    ] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print every node's command; start nothing.")
+    ] = False,
+) -> None:
+    """Run a plan: torchrun for this node (`meshplan launch plan.json -- python train.py`)."""
+    from meshplan.runtime.launch import launch as run_launch
+
+    @user_errors
+    def go() -> int:
+        return run_launch(
+            plan_file,
+            list(ctx.args),
+            node_rank=node_rank,
+            rdzv_endpoint=rdzv_endpoint,
+            dry_run=dry_run,
+            echo=lambda line: out.print(line, soft_wrap=True, markup=False),
+        )
+
+    code = go()
+    if code:
+        err.print(f"[bold red]error:[/] training exited with status {code} (see the rank above)")
+        raise typer.Exit(code)
+
+
 def main() -> None:
     """Entry point of the `meshplan` script."""
     app(prog_name="meshplan")

@@ -1,0 +1,324 @@
+"""Starting ranks: torchrun commands from a plan, and a fast local launcher for CPU runs.
+
+`torchrun_commands(plan, program)` gives each node's torchrun command line (processes per
+node from the plan's ranks on that node, node count, node rank, rendezvous endpoint), with
+`MESHPLAN_PLAN` pointing the program at the plan file. `check_machine` compares the plan with
+the machine before anything starts. `launch` is what `meshplan launch` runs.
+
+`run_local(fn, world_size)` runs `fn` on `world_size` CPU ranks of one process tree: torch
+is imported once and each rank is a `fork` of the caller (a torchrun start costs ~10 s for 2
+ranks and ~29 s for 8 on a 2-core machine, mostly `import torch`; forking costs a fraction).
+Every rank gets a process-group timeout and a `faulthandler` watchdog, so a deadlock ends in
+a traceback instead of a hung CI job, and a failing rank is reported by number.
+
+This module must not import the planner or the solver: the runtime reads a Plan, nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shlex
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from meshplan.ir.plan import Plan
+
+from .errors import RankFailure, RuntimePlanError
+
+PLAN_ENV = "MESHPLAN_PLAN"
+DEFAULT_PORT = 29500
+
+
+# -- torchrun commands ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class NodeCommand:
+    """What one node runs: its torchrun argv and the environment it adds."""
+
+    node_rank: int
+    nproc: int
+    argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+
+    def shell(self) -> str:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env)
+        return f"{env} {shlex.join(self.argv)}".strip()
+
+
+def nodes_of(plan: Plan) -> list[tuple[int, int]]:
+    """(node, active ranks on it) for every node that runs something, in node order.
+
+    torchrun numbers ranks node by node in node-rank order, which is the order
+    `meshplan.runtime.mesh.active_ranks` expects; the plan's ranks must therefore be
+    node-major (they are: `assign_ranks` walks the cluster's ranks in order)."""
+    counts: dict[int, int] = {}
+    for r in plan.ranks:
+        if r.coords is not None:
+            counts[r.node] = counts.get(r.node, 0) + 1
+    return sorted(counts.items())
+
+
+def torchrun_commands(
+    plan: Plan,
+    program: Sequence[str],
+    *,
+    plan_path: str | os.PathLike,
+    rdzv_endpoint: str | None = None,
+) -> list[NodeCommand]:
+    """One torchrun command per node of the plan that runs ranks.
+
+    `program` is the user's command (`python train.py ARGS`); a leading `python` is dropped
+    because torchrun runs the script itself (`-m module` is kept as `--module`). Nodes are
+    renumbered 0..n-1 over the nodes that hold active ranks (idle nodes start nothing).
+    """
+    program = list(program)
+    if not program:
+        raise RuntimePlanError(
+            "launch: no program given (meshplan launch plan.json -- python train.py)"
+        )
+    if Path(program[0]).name.startswith("python"):
+        program = program[1:]
+    module = False
+    if program and program[0] == "-m":
+        module, program = True, program[1:]
+    if not program:
+        raise RuntimePlanError("launch: the program names no script")
+    nodes = nodes_of(plan)
+    nnodes = len(nodes)
+    endpoint = rdzv_endpoint or f"localhost:{DEFAULT_PORT}"
+    if nnodes > 1 and rdzv_endpoint is None:
+        raise RuntimePlanError(
+            f"launch: the plan spans {nnodes} nodes; give --rdzv-endpoint HOST:PORT of node 0"
+        )
+    out = []
+    for node_rank, (_, nproc) in enumerate(nodes):
+        argv = [
+            "torchrun",
+            f"--nnodes={nnodes}",
+            f"--nproc-per-node={nproc}",
+            f"--node-rank={node_rank}",
+            "--rdzv-backend=static",
+            f"--master-addr={endpoint.rsplit(':', 1)[0]}",
+            f"--master-port={endpoint.rsplit(':', 1)[1]}",
+        ]
+        if module:
+            argv.append("--module")
+        argv += program
+        env = ((PLAN_ENV, str(Path(plan_path).resolve())),)
+        out.append(NodeCommand(node_rank, nproc, tuple(argv), env))
+    return out
+
+
+def check_machine(plan: Plan, node_rank: int, *, device_count: int | None = None) -> None:
+    """Fail with one line when this machine cannot run node `node_rank` of the plan.
+
+    CPU plans run anywhere (ranks are processes). A GPU plan needs at least as many visible
+    CUDA devices as the node's ranks.
+    """
+    nodes = nodes_of(plan)
+    if not 0 <= node_rank < len(nodes):
+        raise RuntimePlanError(
+            f"launch: --node-rank {node_rank} but the plan runs on {len(nodes)} node(s)"
+        )
+    if plan.world_size != sum(n for _, n in nodes):
+        raise RuntimePlanError("launch: the plan's ranks do not add up to its world size")
+    if all(g.gpu.name.upper() == "CPU" for g in plan.cluster.groups):
+        return
+    if device_count is None:
+        import torch
+
+        device_count = torch.cuda.device_count()
+    need = nodes[node_rank][1]
+    if device_count < need:
+        raise RuntimePlanError(
+            f"launch: node {node_rank} of the plan runs {need} ranks but this machine has "
+            f"{device_count} CUDA device(s)"
+        )
+
+
+def launch(
+    plan_path: str | os.PathLike,
+    program: Sequence[str],
+    *,
+    node_rank: int = 0,
+    rdzv_endpoint: str | None = None,
+    dry_run: bool = False,
+    echo: Callable[[str], None] = print,
+) -> int:
+    """`meshplan launch`: check the machine and run this node's torchrun (exit status back).
+
+    With `dry_run`, print every node's command and start nothing.
+    """
+    import subprocess
+
+    plan = Plan.from_json(plan_path)
+    commands = torchrun_commands(plan, program, plan_path=plan_path, rdzv_endpoint=rdzv_endpoint)
+    if dry_run:
+        for c in commands:
+            echo(f"# node {c.node_rank}: {c.nproc} rank(s)")
+            echo(c.shell())
+        return 0
+    check_machine(plan, node_rank)
+    cmd = commands[node_rank]
+    env = dict(os.environ)
+    env.update(dict(cmd.env))
+    return subprocess.call(list(cmd.argv), env=env)
+
+
+# -- local fork launcher ----------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_local(
+    fn: Callable[..., object],
+    world_size: int,
+    *args: object,
+    timeout_s: float = 120.0,
+    collective_timeout_s: float = 60.0,
+    threads_per_rank: int = 1,
+) -> list[object]:
+    """Run `fn(*args)` on `world_size` forked CPU ranks joined in a gloo process group.
+
+    Returns each rank's result (pickled back). Raises `RankFailure` naming the first rank
+    that failed (by time) with its exception; the other ranks are killed so nothing hangs.
+    Each rank sees RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* like under torchrun.
+    """
+    port = free_port()
+    workdir = Path(tempfile.mkdtemp(prefix="meshplan-ranks-"))
+    pids: dict[int, int] = {}
+    for rank in range(world_size):
+        pid = os.fork()
+        if pid == 0:  # child: never return into the caller's stack (e.g. pytest)
+            code = 1
+            try:
+                code = _rank_main(
+                    fn,
+                    args,
+                    rank,
+                    world_size,
+                    port,
+                    workdir,
+                    timeout_s,
+                    collective_timeout_s,
+                    threads_per_rank,
+                )
+            finally:
+                os._exit(code)
+        pids[pid] = rank
+    failures: list[tuple[float, int, str, str]] = []
+    deadline = time.monotonic() + timeout_s
+    alive = dict(pids)
+    try:
+        while alive:
+            pid, status = os.waitpid(-1, os.WNOHANG) if time.monotonic() < deadline else (0, 0)
+            if pid == 0:
+                if time.monotonic() >= deadline:
+                    for p, r in alive.items():
+                        failures.append(
+                            (time.monotonic(), r, f"timed out after {timeout_s:.0f} s", "")
+                        )
+                    break
+                if failures and time.monotonic() > failures[0][0] + 10.0:
+                    break  # the rest are blocked on the failed peer: stop waiting
+                time.sleep(0.02)
+                continue
+            if pid not in alive:
+                continue
+            rank = alive.pop(pid)
+            code = os.waitstatus_to_exitcode(status)
+            if code != 0:
+                cause, detail = _read_error(workdir, rank, code)
+                failures.append((time.monotonic(), rank, cause, detail))
+    finally:
+        for p in alive:
+            try:
+                os.kill(p, signal.SIGKILL)
+                os.waitpid(p, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+    if failures:
+        failures.sort(key=lambda f: (_is_secondary(f[2]), f[0]))
+        _, rank, cause, detail = failures[0]
+        raise RankFailure(rank, cause, detail)
+    results = []
+    for rank in range(world_size):
+        with open(workdir / f"{rank}.out", "rb") as f:
+            results.append(pickle.load(f))
+    return results
+
+
+def _is_secondary(cause: str) -> bool:
+    """Errors a rank reports because a *peer* failed (connection closed, timeouts)."""
+    text = cause.lower()
+    return any(
+        k in text
+        for k in ("connection closed", "connection reset", "timed out", "timeout", "killed")
+    )
+
+
+def _rank_main(
+    fn, args, rank, world_size, port, workdir, timeout_s, coll_timeout_s, threads
+) -> int:
+    import faulthandler
+
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    # A rank stuck past the deadline dumps every thread's stack and exits.
+    faulthandler.dump_traceback_later(timeout_s, exit=True)
+    try:
+        from datetime import timedelta
+
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)  # ranks share the host's cores
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=coll_timeout_s)
+        )
+        try:
+            result = fn(*args)
+        finally:
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+        with open(workdir / f"{rank}.out", "wb") as f:
+            pickle.dump(result, f)
+        return 0
+    except BaseException as e:  # report, then exit non-zero: the parent names this rank
+        with open(workdir / f"{rank}.err", "w") as f:
+            f.write(f"{type(e).__name__}: {e}".splitlines()[0] + "\n")
+            f.write(traceback.format_exc())
+        sys.stderr.write(f"[rank {rank}] {traceback.format_exc()}")
+        return 1
+
+
+def _read_error(workdir: Path, rank: int, code: int) -> tuple[str, str]:
+    path = workdir / f"{rank}.err"
+    if path.exists():
+        text = path.read_text()
+        first, _, rest = text.partition("\n")
+        return first, rest
+    if code < 0:
+        return f"killed by signal {-code}", ""
+    return f"exited with status {code}", ""

@@ -1,0 +1,325 @@
+"""The device mesh of a plan, and where this process sits in it.
+
+The plan lists every GPU of the cluster as `[rank, node, local_rank, group, pp, dp, cp, tp]`
+(idle GPUs carry no coordinates). Only the active ranks are launched (`meshplan launch`
+starts `plan.world_size` processes), so torch's global rank `i` plays the `i`-th active plan
+rank in plan-rank order, which is node-major like torchrun's own numbering.
+
+The mesh has the plan's axes, outermost first: `(pp, dp, cp, tp)`; TP is innermost so a TP
+group is consecutive ranks of one node. Sub-meshes (`mesh["tp"]`, `mesh["dp"]`) give the
+process groups each dimension communicates on.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from meshplan.ir.plan import MESH_AXES, Plan, RankAssignment
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .errors import RuntimePlanError
+
+DEFAULT_TIMEOUT_S = 300.0  # a peer that never arrives fails the step instead of hanging
+
+
+def active_ranks(plan: Plan) -> list[RankAssignment]:
+    """The plan ranks that run (have coordinates), in plan-rank order = torch rank order."""
+    return sorted((r for r in plan.ranks if r.coords is not None), key=lambda r: r.rank)
+
+
+def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None) -> None:
+    """Join the process group torchrun (or `run_local`) described in the environment.
+
+    No-op when already initialised. gloo on CPU, NCCL when CUDA is present. The timeout
+    bounds every collective, so a rank that dies or never arrives cannot hang the others.
+    """
+    if dist.is_initialized():
+        return
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """This process's place in the plan: its plan rank, mesh coordinates and the mesh."""
+
+    plan: Plan
+    rank: int  # torch global rank
+    assignment: RankAssignment
+    mesh: DeviceMesh  # axes (pp, dp, cp, tp)
+    device: torch.device
+
+    @property
+    def coords(self) -> tuple[int, int, int, int]:
+        assert self.assignment.coords is not None
+        return self.assignment.coords
+
+    def coord(self, axis: str) -> int:
+        return self.coords[MESH_AXES.index(axis)]
+
+    def size(self, axis: str) -> int:
+        return self.plan.mesh_shape[MESH_AXES.index(axis)]
+
+    @property
+    def stage_index(self) -> int:
+        return self.coord("pp")
+
+    @property
+    def num_stages(self) -> int:
+        return self.size("pp")
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+    def submesh(self, axis: str) -> DeviceMesh:
+        return self.mesh[axis]
+
+    def group(self, axis: str) -> dist.ProcessGroup:
+        return self.mesh.get_group(axis)
+
+
+def plan_device(plan: Plan, local_rank: int) -> torch.device:
+    """CPU plans run on the host; GPU plans on `cuda:<local_rank>`."""
+    if torch.cuda.is_available() and not _is_cpu_plan(plan):
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _is_cpu_plan(plan: Plan) -> bool:
+    return all(g.gpu.name.upper() == "CPU" for g in plan.cluster.groups)
+
+
+def build_mesh(plan: Plan, device: torch.device | None = None) -> RankContext:
+    """The plan's DeviceMesh and this rank's coordinates.
+
+    Raises `RuntimePlanError` when the process group does not match the plan (world size,
+    non-uniform stages) so that a wrong launch fails at once with a one-line reason.
+    """
+    if not dist.is_initialized():
+        raise RuntimePlanError(
+            "runtime: torch.distributed is not initialised; run under `meshplan launch` / "
+            "torchrun, or call meshplan.runtime.init_distributed() first"
+        )
+    ranks = active_ranks(plan)
+    world = dist.get_world_size()
+    if world != len(ranks):
+        raise RuntimePlanError(
+            f"runtime: the plan runs on {len(ranks)} ranks but the process group has {world}; "
+            f"launch with `meshplan launch` (or torchrun --nproc-per-node {len(ranks)})"
+        )
+    for s in plan.stages:
+        if s.dp != plan.parallel.dp:
+            raise RuntimePlanError(
+                f"runtime: stage {s.index} has {s.dp} replicas but dp={plan.parallel.dp}; "
+                "stages with different data-parallel widths are not supported yet"
+            )
+    shape = plan.mesh_shape
+    grid = torch.full(shape, -1, dtype=torch.int)
+    for torch_rank, r in enumerate(ranks):
+        assert r.coords is not None
+        if grid[r.coords] != -1:
+            raise RuntimePlanError(f"runtime: plan gives two ranks the coordinates {r.coords}")
+        grid[r.coords] = torch_rank
+    if (grid < 0).any():
+        raise RuntimePlanError(
+            f"runtime: plan ranks do not fill the mesh {dict(zip(MESH_AXES, shape))}"
+        )
+    me = ranks[dist.get_rank()]
+    if device is None:
+        device = plan_device(plan, int(os.environ.get("LOCAL_RANK", me.local_rank)))
+    mesh = DeviceMesh(device.type, grid, mesh_dim_names=MESH_AXES)
+    return RankContext(plan=plan, rank=dist.get_rank(), assignment=me, mesh=mesh, device=device)
+
+
+# -- counting collectives -----------------------------------------------------------------------
+
+# Dispatcher op name -> collective kind. Functional collectives (DTensor, TP) and the c10d
+# ops behind torch.distributed's Python API (DDP's reducer, FSDP2, pipelining) both appear.
+_KINDS = {
+    "all_reduce": "all_reduce",
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "_allgather_base_": "all_gather",
+    "allgather_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+    "alltoall_base_": "all_to_all",
+    "alltoall_": "all_to_all",
+    "broadcast_": "broadcast",
+    "broadcast": "broadcast",
+    "send": "send",
+    "recv_": "recv",
+    "recv_any_source_": "recv",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveRecord:
+    """One collective as run: kind, elements of the full (unsharded) tensor, its group
+    (size and name; `RankContext.group(axis).group_name` tells which mesh axis it is)."""
+
+    kind: str
+    numel: int
+    group_size: int
+    group: str = ""
+
+
+# Python-level functional collectives (DTensor's redistributions go through these, explicit
+# ones from parallel-style hooks and implicit ones from sharding propagation alike).
+_FUNCOL = {
+    "all_reduce": "all_reduce",
+    "all_gather_single": "all_gather",
+    "all_gather_single_autograd": "all_gather",
+    "all_gather_tensor": "all_gather",
+    "all_gather_tensor_autograd": "all_gather",
+    "reduce_scatter_single": "reduce_scatter",
+    "reduce_scatter_single_autograd": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_autograd": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+    "all_to_all_single_autograd": "all_to_all",
+    "broadcast": "broadcast",
+}
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Records every collective this rank runs while active (`with CollectiveCounter() as c`).
+
+    Two taps, because collectives reach gloo two ways:
+    - the c10d ops behind torch.distributed's Python API and DDP's C++ reducer (FSDP2,
+      pipelining, DDP) are seen by this TorchDispatchMode;
+    - DTensor's functional collectives are seen by wrapping the functions of
+      `torch.distributed._functional_collectives` while active: DTensor issues its implicit
+      redistributions from inside its own op dispatch, where a dispatch mode is not active.
+
+    `numel` is the size of the whole tensor the collective works on: the input of an
+    all-reduce or reduce-scatter, the output of an all-gather. Collectives on one-rank groups
+    are recorded too (they move nothing; `counts()` leaves them out by default).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[CollectiveRecord] = []
+        self._saved: dict[str, object] = {}
+        self._depth = threading.local()
+
+    def __enter__(self):
+        from torch.distributed import _functional_collectives as funcol
+
+        for name, kind in _FUNCOL.items():
+            orig = getattr(funcol, name, None)
+            if orig is not None:
+                self._saved[name] = orig
+                setattr(funcol, name, self._wrap(orig, kind, name))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        from torch.distributed import _functional_collectives as funcol
+
+        for name, orig in self._saved.items():
+            setattr(funcol, name, orig)
+        self._saved.clear()
+        return super().__exit__(*exc)
+
+    def _wrap(self, orig, kind: str, name: str):
+        signature = inspect.signature(orig)
+
+        def counted(*args, **kwargs):
+            depth = getattr(self._depth, "n", 0)
+            if depth == 0:  # only the outermost call: wrappers call each other
+                bound = signature.bind(*args, **kwargs)
+                tensor, group = (
+                    args[0] if args else bound.arguments.get("self"),
+                    bound.arguments.get("group"),
+                )
+                size, gname = _funcol_group(group)
+                numel = _numel(tensor) * (size if kind == "all_gather" else 1)
+                self.records.append(CollectiveRecord(kind, numel, size, gname))
+            self._depth.n = depth + 1
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                self._depth.n = depth
+
+        return counted
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "c10d" and getattr(self._depth, "n", 0) == 0:
+            kind = _KINDS.get(func._opname)
+            if kind is not None:
+                self.records.append(_record(kind, func._opname, args))
+        return func(*args, **kwargs)
+
+    def counts(self, min_group: int = 2) -> dict[str, int]:
+        """Collectives by kind, leaving out groups smaller than `min_group`."""
+        out: dict[str, int] = {}
+        for r in self.records:
+            if r.group_size >= min_group:
+                out[r.kind] = out.get(r.kind, 0) + 1
+        return out
+
+
+def _funcol_group(group) -> tuple[int, str]:
+    from torch.distributed import _functional_collectives as funcol
+    from torch.distributed.distributed_c10d import _get_group_size_by_name
+
+    try:
+        name = funcol._resolve_group_name(group)
+        return _get_group_size_by_name(name), str(name)
+    except Exception:
+        return 0, ""
+
+
+def _numel(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel()
+    if isinstance(x, (list, tuple)):
+        return sum(_numel(t) for t in x)
+    return 0
+
+
+def _group_of(args) -> tuple[int, str]:
+    for a in args:
+        pg = None
+        if isinstance(a, dist.ProcessGroup):
+            pg = a
+        elif isinstance(a, torch.ScriptObject):  # c10d ops carry the group as a ScriptObject
+            try:
+                pg = dist.ProcessGroup.unbox(a)
+            except Exception:
+                continue
+        if pg is not None:
+            return pg.size(), str(pg.group_name)
+    return 0, ""
+
+
+def _record(kind: str, opname: str, args) -> CollectiveRecord:
+    size, name = _group_of(args)
+    if opname == "all_gather_into_tensor":  # functional: (input, group_size, group_name)
+        numel = _numel(args[0]) * size
+    elif opname in ("_allgather_base_", "_reduce_scatter_base_"):  # (output, input, pg, ...)
+        numel = max(_numel(args[0]), _numel(args[1]))
+    elif opname in ("allgather_", "reduce_scatter_"):  # (outputs, inputs, pg, ...)
+        numel = max(_numel(args[0]), _numel(args[1]))
+    else:
+        numel = _numel(args[0])
+    return CollectiveRecord(kind, numel, size, name)

@@ -1,0 +1,177 @@
+"""The launcher (`meshplan launch`), the local fork launcher's failure reporting, and the
+one-line errors for a plan that does not match the model or the process group."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from meshplan.runtime import RankFailure, RuntimePlanError, run_local, torchrun_commands
+from meshplan.runtime.launch import check_machine
+
+from tests.runtime.harness import build_model, loss_fn, make_plan, sgd
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", "from meshplan.cli import main; main()", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
+def test_torchrun_commands_per_node(tmp_path):
+    import meshplan
+
+    plan = make_plan(2, tp=2, micro_batch=4, global_batch=8)
+    cmds = torchrun_commands(
+        plan, ["python", "train.py", "--x", "1"], plan_path=tmp_path / "p.json"
+    )
+    assert len(cmds) == 1
+    argv = cmds[0].argv
+    assert argv[0] == "torchrun" and "--nproc-per-node=2" in argv and "--nnodes=1" in argv
+    assert argv[-3:] == ("train.py", "--x", "1")
+    assert dict(cmds[0].env)["MESHPLAN_PLAN"].endswith("p.json")
+    # Two nodes of 4 CPU ranks each: one command per node, rendezvous endpoint required.
+    cluster = meshplan.Cluster.preset("cpu", gpus=8)
+    two = cluster.to_dict()
+    two["groups"][0].update(nodes=2, gpus_per_node=4, inter_link="100gbe")
+    from meshplan.ir.cluster_io import cluster_from_dict
+
+    from tests.runtime.harness import graph
+
+    c2 = cluster_from_dict(two, source="test")
+    plan2 = meshplan.estimate_plan(
+        graph(), cluster=c2, parallel=meshplan.Parallel(dp=4, tp=2, micro_batch=1, global_batch=8)
+    )
+    with pytest.raises(RuntimePlanError, match="rdzv-endpoint"):
+        torchrun_commands(plan2, ["python", "t.py"], plan_path="p.json")
+    cmds = torchrun_commands(
+        plan2, ["python", "t.py"], plan_path="p.json", rdzv_endpoint="h0:29400"
+    )
+    assert [c.node_rank for c in cmds] == [0, 1]
+    assert all("--nnodes=2" in c.argv and "--nproc-per-node=4" in c.argv for c in cmds)
+    assert "--master-addr=h0" in cmds[1].argv and "--node-rank=1" in cmds[1].argv
+    with pytest.raises(RuntimePlanError, match="node-rank 5"):
+        check_machine(plan2, 5)
+
+
+def test_launch_dry_run_and_errors(tmp_path):
+    plan = make_plan(2, tp=2, micro_batch=4, global_batch=8)
+    path = tmp_path / "plan.json"
+    plan.to_json(path)
+    r = _cli("launch", str(path), "--dry-run", "--", "python", "train.py", "--steps", "2")
+    assert r.returncode == 0, r.stderr
+    assert "torchrun --nnodes=1 --nproc-per-node=2" in r.stdout and "train.py --steps 2" in r.stdout
+    assert f"MESHPLAN_PLAN={path}" in r.stdout
+    bad = _cli("launch", str(path), "--node-rank", "3", "--", "python", "train.py")
+    assert bad.returncode == 2 and "error:" in bad.stderr and "node-rank 3" in bad.stderr
+    (tmp_path / "corrupt.json").write_text("{not json")
+    bad = _cli("launch", str(tmp_path / "corrupt.json"), "--", "python", "t.py")
+    assert bad.returncode == 2 and "not valid JSON" in bad.stderr
+
+
+def test_launch_runs_example_and_reports_failing_rank(tmp_path):
+    """One real 2-process torchrun of the example; then a program that fails on rank 1."""
+    path = tmp_path / "plan.json"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "examples/train_llama_cpu.py",
+            "--make-plan",
+            str(path),
+            "--gpus",
+            "2",
+            "--tp",
+            "2",
+            "--micro-batch",
+            "2",
+            "--global-batch",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stderr
+    from meshplan.runtime.launch import free_port
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    r = _cli(
+        "launch",
+        str(path),
+        "--rdzv-endpoint",
+        endpoint,
+        "--",
+        "python",
+        "examples/train_llama_cpu.py",
+        "--steps",
+        "3",
+        timeout=180,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    losses = [
+        float(line.rsplit(" ", 1)[1]) for line in r.stdout.splitlines() if line.startswith("step")
+    ]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    failing = tmp_path / "fail.py"
+    failing.write_text(
+        "import os, sys\nif os.environ['RANK'] == '1':\n"
+        "    raise SystemExit('rank 1: broken input')\n"
+    )
+    endpoint = f"127.0.0.1:{free_port()}"
+    r = _cli(
+        "launch", str(path), "--rdzv-endpoint", endpoint, "--", "python", str(failing), timeout=120
+    )
+    assert r.returncode != 0
+    assert "rank" in (r.stdout + r.stderr) and "training exited with status" in r.stderr
+
+
+# -- inside ranks -------------------------------------------------------------------------------
+
+
+def _raise_on_rank_one():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("bad shard on purpose")
+    dist.barrier()  # rank 0 waits for a peer that never arrives: must not hang
+    return "unreachable"
+
+
+def _mismatches(plan_world4, plan_bad_units):
+    """Plans that do not fit the process group or the model fail with one line."""
+    from meshplan.runtime import apply
+
+    out = []
+    for plan in (plan_world4, plan_bad_units):
+        try:
+            apply(build_model(), plan, loss_fn, sgd)
+            out.append("no error")
+        except RuntimePlanError as e:
+            out.append(str(e))
+    return out
+
+
+def test_rank_failure_is_named_and_nothing_hangs():
+    with pytest.raises(RankFailure, match="rank 1 failed: ValueError: bad shard on purpose"):
+        run_local(_raise_on_rank_one, 2, timeout_s=60, collective_timeout_s=10)
+
+
+def test_plan_mismatch_errors():
+    import dataclasses
+
+    plan4 = make_plan(4, dp=4, micro_batch=2, global_batch=8)
+    plan2 = make_plan(2, dp=2, micro_batch=2, global_batch=8)
+    model = dataclasses.replace(plan2.model, units=("<prologue>", "blocks.0", "<epilogue>"))
+    bad_units = dataclasses.replace(plan2, model=model)
+    first, second = run_local(_mismatches, 2, plan4, bad_units)[0]
+    assert "plan runs on 4 ranks but the process group has 2" in first
+    assert "no module 'blocks.0'" in second
