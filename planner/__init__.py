@@ -18,6 +18,7 @@ from meshplan.ir.trace import TraceError, trace
 
 from .api import estimate, estimate_plan, load_model, plan
 from .solver import InfeasibleError
+from .whatif import whatif
 
 __version__ = "0.1.0"
 
@@ -38,4 +39,5 @@ __all__ = [
     "models",
     "plan",
     "trace",
+    "whatif",
 ]

@@ -373,6 +373,149 @@ def clusters() -> None:
     out.print(g)
 
 
+@app.command()
+@user_errors
+def whatif(
+    model: ModelOpt = None,
+    cluster: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--cluster",
+            "-c",
+            help="Base cluster: preset, GPU type or YAML/JSON file; repeat to compare several "
+            "(default dgx-h100).",
+        ),
+    ] = None,
+    gpus: GpusOpt = None,
+    vary: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--vary",
+            help="AXIS=V1,V2,... with AXIS gpus, gpu (swap the GPU type), inter_bw (per NIC) or "
+            "wan_bw, e.g. inter_bw=100,200,400Gbps; repeat for a cartesian product.",
+        ),
+    ] = None,
+    mix: Annotated[
+        str | None,
+        typer.Option("--mix", help="Mixed clusters of --gpus GPUs, e.g. H100:A100=1:3,1:1,3:1."),
+    ] = None,
+    tokens: Annotated[
+        str | None, typer.Option("--tokens", help="Training run to price: 1T, 300B, 1e12, ...")
+    ] = None,
+    price: Annotated[
+        list[str] | None,
+        typer.Option("--price", help="GPU=$ per GPU-hour, e.g. H100=2.5 (repeatable)."),
+    ] = None,
+    global_batch: BatchOpt = None,
+    seq_len: SeqOpt = None,
+    dp: IntOpt = None,
+    tp: IntOpt = None,
+    pp: IntOpt = None,
+    cp: IntOpt = None,
+    ep: IntOpt = None,
+    micro_batch: Annotated[int | None, typer.Option("--micro-batch")] = None,
+    recompute: Annotated[str | None, typer.Option(help="none, selective or full")] = None,
+    zero: Annotated[int | None, typer.Option(help="ZeRO stage 0-3")] = None,
+    fmt: Annotated[str, typer.Option("--format", help="table, csv or json.")] = "table",
+    plot: Annotated[
+        Path | None,
+        typer.Option(
+            "--plot",
+            help="Write throughput-vs-cost (Pareto frontier) and step-time breakdown plots to "
+            "this .png/.svg/.pdf (needs matplotlib).",
+        ),
+    ] = None,
+    cache_dir: Annotated[
+        Path | None,
+        typer.Option("--cache-dir", help="Plan cache folder (default ~/.cache/meshplan/whatif)."),
+    ] = None,
+    no_cache: Annotated[
+        bool, typer.Option("--no-cache", help="Plan every configuration afresh; no cache.")
+    ] = False,
+    time_limit: Annotated[
+        float, typer.Option("--time-limit", help="Solver seconds per configuration.")
+    ] = 10.0,
+) -> None:
+    """Compare hardware configurations: best plan, tokens/s, MFU, cost and bottleneck of each.
+
+    meshplan whatif --model llama3-70b --gpus 128 --vary gpu=H100,A100 --tokens 1T --plot w.png
+    """
+    from meshplan.models import DEFAULT_MODEL
+    from rich.markup import escape
+    from rich.progress import Progress
+
+    from .api import load_model
+    from .whatif import (
+        parse_price,
+        parse_tokens,
+        parse_vary,
+        plot_records,
+        records_table,
+        records_to_csv,
+        records_to_json,
+        require_matplotlib,
+    )
+    from .whatif import whatif as run_whatif
+
+    fmt = fmt.strip().lower()
+    if fmt not in ("table", "csv", "json"):
+        raise ValueError(f"--format must be table, csv or json, got {fmt!r}")
+    if plot is not None:
+        if plot.suffix.lower() not in (".png", ".svg", ".pdf"):
+            raise ValueError(f"--plot {plot}: use a .png, .svg or .pdf file name")
+        try:
+            require_matplotlib()  # before the sweep, not after it
+        except ImportError as e:
+            err.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)
+            raise typer.Exit(EXIT_USER_ERROR) from None
+    axes: dict[str, list[str]] = {}
+    for text in vary or []:
+        axis, values = parse_vary(text)
+        if axis in axes:
+            raise ValueError(f"--vary {axis} given twice; list all its values in one --vary")
+        axes[axis] = values
+    prices = dict(parse_price(p) for p in price or [])
+    n_tokens = parse_tokens(tokens) if tokens else None
+    if mix and cluster:
+        raise ValueError("--mix builds its own clusters from GPU types; leave out --cluster")
+    name = model or DEFAULT_MODEL
+    m, inputs = load_model(name, seq_len=seq_len)
+    graph = _trace(name, m, inputs)
+    sweep = functools.partial(
+        run_whatif,
+        graph,
+        clusters=cluster or None,
+        gpus=gpus,
+        vary=axes,
+        mix=mix,
+        parallel=_pins(dp, tp, pp, cp, ep, micro_batch, global_batch, recompute, zero),
+        tokens=n_tokens,
+        prices=prices,
+        time_limit_s=time_limit,
+        cache_dir=cache_dir,
+        use_cache=not no_cache,
+    )
+    if err.is_terminal:
+        with Progress(console=err, transient=True) as bar:
+            task = bar.add_task("planning", total=None)
+            records = sweep(
+                progress=lambda done, total, label: bar.update(
+                    task, completed=done, total=total, description=f"planning {label}"
+                )
+            )
+    else:
+        records = sweep()
+    if fmt == "json":
+        sys.stdout.write(records_to_json(records))
+    elif fmt == "csv":
+        sys.stdout.write(records_to_csv(records))
+    else:
+        out.print(records_table(records))
+    if plot is not None:
+        sys.stdout.flush()  # the table first, then the note
+        err.print(f"wrote {plot_records(records, plot)}")
+
+
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def launch(
     ctx: typer.Context,
