@@ -8,19 +8,23 @@
     state = runner.full_state_dict()            # unsharded, on rank 0
 
 One module per dimension (`data_parallel`, `tensor_parallel`, `pipeline_parallel`,
-`recompute`), `mesh` for the DeviceMesh, `apply` fixing their order, `launch` for torchrun
-commands and the local fork launcher. The runtime reads a Plan (`meshplan.ir`) and never
-imports the planner or the solver.
+`context_parallel`, `expert_parallel`, `recompute`), `mesh` for the DeviceMesh, `apply`
+fixing their order, `launch` for torchrun commands and the local fork launcher. The runtime
+reads a Plan (`meshplan.ir`) and never imports the planner or the solver.
 """
 
 from .apply import Runner, apply, check_model, clean_name
+from .context_parallel import ContextParallel, sequence_positions
 from .errors import RankFailure, RuntimePlanError
+from .expert_parallel import ExpertParallel
 from .launch import check_machine, launch, run_local, torchrun_commands
 from .mesh import CollectiveCounter, CollectiveRecord, RankContext, build_mesh, init_distributed
 
 __all__ = [
     "CollectiveCounter",
     "CollectiveRecord",
+    "ContextParallel",
+    "ExpertParallel",
     "RankContext",
     "RankFailure",
     "Runner",
@@ -33,5 +37,6 @@ __all__ = [
     "init_distributed",
     "launch",
     "run_local",
+    "sequence_positions",
     "torchrun_commands",
 ]

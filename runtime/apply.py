@@ -5,6 +5,12 @@ The order of the transformations is fixed, and matters (as in torchtitan's paral
     0. mesh         the plan's DeviceMesh (pp, dp, cp, tp) and this rank's coordinates
     1. pipeline     keep only this rank's stage (units [first, last)): everything after sees
                     only the stage's modules and parameters
+    1b. context p.  attention of the stage works on this rank's sequence share (forward
+                    wrapped; K/V all-gather or ring); before TP/recompute so they wrap the
+                    changed attention, and checkpointed regions re-run its collectives
+    1c. expert p.   experts cut to this rank's shard, tokens all-to-all'd to their owners;
+                    before TP (which refuses stacked experts) and before the optimizer and
+                    DP, which must see the sharded expert parameters
     2. tensor par.  DTensor sharding of the stage's projections (+ sequence parallelism);
                     before recompute, so checkpointed regions re-run the sharded code
     3. recompute    checkpoint wrappers around units; before FSDP, so FSDP's per-unit
@@ -12,7 +18,10 @@ The order of the transformations is fixed, and matters (as in torchtitan's paral
     4. compile      not applied (torch.compile costs minutes on small CPUs; plans carry no
                     compile decision yet)
     5. data par.    DDP / FSDP2 on the dp axis, last: it must see the final parameters
-                    (DTensors from step 2) and wraps the checkpointed units from step 3
+                    (DTensors from step 2) and wraps the checkpointed units from step 3.
+                    With cp > 1 the axis is dp x cp (cp ranks hold different tokens of the
+                    same sequences); expert parameters are left to EP's own reduction over
+                    the ranks holding the same shard
     6. optimizer    built by the caller's factory over the final (sharded) parameters
     7. schedule     torch.distributed.pipelining around the wrapped stage
 
@@ -21,6 +30,9 @@ Semantics of `Runner.step(inputs, targets)`: `inputs`/`targets` hold the *global
 (`global_batch / dp` rows); each dp replica takes its rows, splits them into the plan's
 micro-batches, and the returned loss is the mean over the global batch, identical on every
 rank. `loss_fn(outputs, targets)` must return the mean loss of one micro-batch.
+With cp > 1 each cp rank takes its share of every sequence (inputs and targets alike,
+`context_parallel.sequence_positions`), so `loss_fn` sees this rank's tokens only and the
+cp ranks' losses are averaged (equal token counts).
 """
 
 from __future__ import annotations
@@ -33,9 +45,11 @@ from meshplan.ir.plan import Plan
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .context_parallel import ContextParallel, apply_context_parallel
 from .data_parallel import apply_data_parallel, gradient_sync
 from .errors import RuntimePlanError
-from .mesh import RankContext, build_mesh
+from .expert_parallel import ExpertParallel, apply_expert_parallel
+from .mesh import RankContext, build_mesh, data_parallel_context
 from .pipeline_parallel import build_schedule, stage_module
 from .recompute import apply_recompute
 from .tensor_parallel import apply_tensor_parallel
@@ -86,9 +100,12 @@ class Runner:
         optimizer: torch.optim.Optimizer,
         loss_fn: LossFn,
         schedule=None,
+        cp: ContextParallel | None = None,
+        ep: ExpertParallel | None = None,
     ) -> None:
         self.ctx, self.module, self.optimizer, self.loss_fn = ctx, module, optimizer, loss_fn
         self.schedule = schedule
+        self.cp, self.ep = cp, ep
         p = ctx.plan.parallel
         self.dp, self.dp_rank = ctx.size("dp"), ctx.coord("dp")
         self.n_microbatches = p.num_microbatches
@@ -105,6 +122,8 @@ class Runner:
                 f"runtime: {what} has {rows} rows; the plan's global batch is "
                 f"{self.global_batch} ({share} per dp replica)"
             )
+        if self.cp is not None:
+            x = self.cp.shard(x, dim=1)
         return x.to(self.ctx.device)
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
@@ -114,6 +133,8 @@ class Runner:
             local = self._accumulate(x, y)
         else:
             local = self._pipeline(x, y)
+        if self.ep is not None:
+            self.ep.finish_gradients()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return self._global_mean(local)
@@ -143,12 +164,13 @@ class Runner:
         return float(sum(float(_local_value(v)) for v in losses) / len(losses))
 
     def _global_mean(self, local: float) -> float:
-        """Every dp replica's last stage contributes its loss once (tp/cp peers hold copies)."""
+        """Every dp replica's last stage contributes its loss once (tp peers hold copies; cp
+        peers each hold the mean over their share of the tokens)."""
         ctx = self.ctx
-        contributes = ctx.is_last_stage and ctx.coord("tp") == 0 and ctx.coord("cp") == 0
+        contributes = ctx.is_last_stage and ctx.coord("tp") == 0
         t = torch.tensor([local if contributes else 0.0], dtype=torch.float64)
         dist.all_reduce(t)
-        return float(t.item()) / self.dp
+        return float(t.item()) / (self.dp * ctx.size("cp"))
 
     # -- state ----------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -159,7 +181,10 @@ class Runner:
         ctx = self.ctx
         mine: dict[str, torch.Tensor] = {}
         for name, p in self.module.named_parameters():
-            t = p.full_tensor() if isinstance(p, DTensor) else p
+            if self.ep is not None and self.ep.owns(p):
+                t = self.ep.full_tensor(p)  # expert shards gathered over the ep group
+            else:
+                t = p.full_tensor() if isinstance(p, DTensor) else p
             mine[clean_name(name)] = t.detach().cpu().clone()
         holder = ctx.coord("dp") == 0 and ctx.coord("tp") == 0 and ctx.coord("cp") == 0
         gathered: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
@@ -193,31 +218,35 @@ def apply(
     optimizer_factory: OptimizerFactory,
     *,
     device: torch.device | None = None,
+    cp_attention: str = "allgather",
+    ep_dispatch: str = "tokens",
 ) -> Runner:
     """Prepare `model` to train under `plan` on this rank (see the module docstring).
 
     Call inside an initialised process group (`meshplan launch`, torchrun or
     `meshplan.runtime.run_local`) with the same model (same seed) on every rank. The model is
     changed in place (sharded, wrapped); use the returned Runner from then on.
+    `cp_attention` ("allgather" or "ring") and `ep_dispatch` ("tokens" or "slots") choose
+    how context and expert parallelism communicate (`context_parallel`, `expert_parallel`).
     """
     ctx = build_mesh(plan, device)  # 0
     check_model(model, plan)
     p = plan.parallel
-    if (p.cp or 1) > 1:
-        raise RuntimePlanError("runtime: context parallelism (cp > 1) is not implemented yet")
-    if (p.ep or 1) > 1:
-        raise RuntimePlanError("runtime: expert parallelism (ep > 1) is not implemented yet")
     module = model
     units = stage_unit_paths(plan, ctx.stage_index)
     if ctx.num_stages > 1:  # 1
         module = stage_module(model, plan, ctx.stage_index)
     module.to(ctx.device)
+    cp = apply_context_parallel(module, ctx, cp_attention)  # 1b (None when cp == 1)
+    ep = apply_expert_parallel(module, ctx, ep_dispatch)  # 1c (None when ep == 1)
     if (p.tp or 1) > 1:  # 2
         apply_tensor_parallel(module, plan, ctx.submesh("tp"))
     apply_recompute(module, plan, units)  # 3
-    module = apply_data_parallel(module, ctx, units)  # 5
+    if ep is not None:
+        ep.ignore_in_ddp(module)  # names as DDP will see them (after recompute wrappers)
+    module = apply_data_parallel(module, data_parallel_context(ctx), units)  # 5
     optimizer = optimizer_factory(module.parameters())  # 6
     schedule = None
     if ctx.num_stages > 1:  # 7
         schedule = build_schedule(module, ctx, loss_fn, p.num_microbatches)
-    return Runner(ctx, module, optimizer, loss_fn, schedule)
+    return Runner(ctx, module, optimizer, loss_fn, schedule, cp=cp, ep=ep)

@@ -8,10 +8,20 @@ rank in plan-rank order, which is node-major like torchrun's own numbering.
 The mesh has the plan's axes, outermost first: `(pp, dp, cp, tp)`; TP is innermost so a TP
 group is consecutive ranks of one node. Sub-meshes (`mesh["tp"]`, `mesh["dp"]`) give the
 process groups each dimension communicates on.
+
+Two derived groupings (no new plan axes):
+- data parallelism with context parallelism reduces gradients over dp x cp together
+  (Megatron-LM): `data_parallel_context` gives a view whose "dp" axis is dp x cp;
+- expert parallelism reuses dp ranks: `ep` must divide dp, and an ep group is `ep`
+  consecutive dp ranks with the same (pp, cp, tp) coordinates (dp coordinates
+  `[j*ep, (j+1)*ep)`); its i-th member holds experts `[i*E/ep, (i+1)*E/ep)`. Expert
+  parameters are replicated on the dp/ep ranks with the same dp coordinate mod ep (and on
+  every cp rank), which reduce their gradients (`expert_groups`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import threading
@@ -142,6 +152,59 @@ def build_mesh(plan: Plan, device: torch.device | None = None) -> RankContext:
         device = plan_device(plan, int(os.environ.get("LOCAL_RANK", me.local_rank)))
     mesh = DeviceMesh(device.type, grid, mesh_dim_names=MESH_AXES)
     return RankContext(plan=plan, rank=dist.get_rank(), assignment=me, mesh=mesh, device=device)
+
+
+def data_parallel_context(ctx: RankContext) -> RankContext:
+    """The context data parallelism runs on: with cp > 1, dp and cp merged into one "dp" axis
+    of dp*cp ranks (cp ranks hold different tokens of the same sequences, so their gradients
+    are reduced together, as Megatron-LM does); `ctx` itself when cp == 1.
+
+    Only for `data_parallel.apply_data_parallel` (it reads `plan.parallel.dp`/`zero`,
+    `submesh("dp")` and `group("dp")`): batch splitting and the loss keep the real context.
+    Every rank must call it (it creates the merged groups)."""
+    pp, dp, cp, tp = ctx.plan.mesh_shape
+    if cp == 1:
+        return ctx
+    grid = ctx.mesh.mesh.reshape(pp, dp * cp, 1, tp)
+    mesh = DeviceMesh(ctx.device.type, grid, mesh_dim_names=MESH_AXES)
+    p = ctx.plan.parallel
+    plan = dataclasses.replace(ctx.plan, parallel=dataclasses.replace(p, dp=dp * cp, cp=1))
+    c = ctx.coords
+    me = dataclasses.replace(ctx.assignment, coords=(c[0], c[1] * cp + c[2], 0, c[3]))
+    return RankContext(plan=plan, rank=ctx.rank, assignment=me, mesh=mesh, device=ctx.device)
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """This rank's expert-parallel groups (see the module docstring)."""
+
+    ep_group: dist.ProcessGroup  # the ep ranks that exchange tokens
+    ep_rank: int  # rank inside ep_group = which expert shard this rank holds
+    ep: int
+    replica_group: dist.ProcessGroup | None  # ranks holding the same shard (None: only me)
+    replicas: int
+
+
+def expert_groups(ctx: RankContext, ep: int) -> ExpertGroups:
+    """Create the ep and expert-replica groups (every rank must call it, same order)."""
+    pp, dp, cp, tp = ctx.plan.mesh_shape
+    if ep < 1 or dp % ep:
+        raise RuntimePlanError(
+            f"runtime: ep={ep} must divide dp={dp} (expert ranks reuse data-parallel ranks)"
+        )
+    grid = ctx.mesh.mesh.reshape(pp, dp // ep, ep, cp, tp)
+    # ep groups: vary the ep index, fix (pp, dp block, cp, tp).
+    ep_lists = grid.permute(0, 1, 3, 4, 2).reshape(-1, ep).tolist()
+    # replica groups: vary (dp block, cp), fix (pp, ep index, tp).
+    rep_lists = grid.permute(0, 2, 4, 1, 3).reshape(-1, (dp // ep) * cp).tolist()
+    ep_group, _ = dist.new_subgroups_by_enumeration(ep_lists)
+    replicas = (dp // ep) * cp
+    replica_group = None
+    if replicas > 1:
+        replica_group, _ = dist.new_subgroups_by_enumeration(rep_lists)
+    # The shard index is the rank inside the group (all-to-all split j goes to group rank j).
+    ep_rank = dist.get_group_rank(ep_group, dist.get_rank())
+    return ExpertGroups(ep_group, ep_rank, ep, replica_group, replicas)
 
 
 # -- counting collectives -----------------------------------------------------------------------

@@ -1,0 +1,432 @@
+"""Context parallelism: each rank of the cp group holds a share of every sequence.
+
+torch's own `context_parallel` is CUDA-only (RUNTIME_NOTES.md), so attention over the sharded
+sequence is written here on public collectives. Both variants are exact (they match one
+process within fp32 rounding):
+
+    "allgather"  (default) K and V of the local tokens are all-gathered over the cp group in
+                 forward (`all_gather_single`), their gradients reduce-scattered in backward
+                 (`reduce_scatter_single`); SDPA runs on the local queries against every key
+                 with a causal mask built from absolute positions. One collective per
+                 attention and direction: what the cost model prices (`cp_comm`).
+    "ring"       ring attention (Liu et al. 2023): K/V chunks travel around the cp ring by
+                 send/recv while the rank attends to the chunk it holds; per-chunk results are
+                 merged with their log-sum-exp (online softmax, as FlashAttention). Backward
+                 is written by hand (FlashAttention's recurrence with the saved log-sum-exp);
+                 the K/V gradients travel with their chunk and arrive back at its owner. Holds
+                 two K/V chunks at a time instead of all of them, and skips chunks that the
+                 causal mask hides entirely.
+
+Sequence layout. A sequence of S tokens is cut into 2*cp chunks and rank r holds chunks r and
+2*cp-1-r ("zig-zag", Megatron-LM / Llama 3 CP): under a causal mask every rank then does the
+same attention work (a contiguous split would give the last rank cp times the first's). When
+S is not a multiple of 2*cp but is of cp, the split is contiguous. `sequence_positions` gives
+a rank's absolute positions; the runner shards inputs and targets with them (`shard`).
+
+Which modules are changed (the contract for user models):
+- a module that defines `context_parallel_attention(self, cp: ContextParallel)` is handed the
+  `ContextParallel` once at apply time and does the rest itself: `cp.positions(local_len)`
+  for its position encodings, `cp.attention(q, k, v, is_causal=...)` instead of SDPA;
+- otherwise every module with `q_proj`, `k_proj` and `v_proj` children (the zoo's
+  `Attention`, HF-style attention) has its forward wrapped: inside it,
+  `F.scaled_dot_product_attention(q, k, v, is_causal=..., scale=..., enable_gqa=...)` on
+  (batch, heads, local_seq, head_dim) tensors is redirected to `cp.attention`, and a `rope`
+  argument holding (cos, sin) tables indexed by absolute position (the zoo's) is re-indexed
+  to this rank's positions. Explicit `attn_mask` and dropout are refused (not exact under CP);
+- a root child `pos_embed` (an `nn.Embedding` of learned positions called with
+  `arange(local_len)`, the zoo's GPT style) maps its indices to this rank's positions.
+
+Loss and gradients: each cp rank's loss is the mean over its own tokens (equal counts), so the
+global loss is the mean over cp ranks and the parameter gradient is the average over cp ranks
+of what each rank's backward accumulates (the K/V collectives carry the cross-rank terms).
+Data parallelism therefore reduces gradients over dp x cp together
+(`mesh.data_parallel_context`), as Megatron-LM does.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from .errors import RuntimePlanError
+from .mesh import RankContext
+
+MODES = ("allgather", "ring")
+
+
+# -- sequence layout ---------------------------------------------------------------------------
+
+
+def sequence_layout(seq_len: int, cp: int) -> str:
+    """How a sequence is split: "zigzag" if it cuts into 2*cp chunks, else "contiguous"."""
+    if seq_len % (2 * cp) == 0:
+        return "zigzag"
+    if seq_len % cp == 0:
+        return "contiguous"
+    raise RuntimePlanError(
+        f"runtime: sequence length {seq_len} is not divisible by cp={cp}; context parallelism "
+        "needs equal shares"
+    )
+
+
+def sequence_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """Absolute positions (int64, ascending) of the tokens cp rank `rank` holds."""
+    if sequence_layout(seq_len, cp) == "zigzag":
+        c = seq_len // (2 * cp)
+        first, second = rank, 2 * cp - 1 - rank
+        return torch.cat(
+            [torch.arange(first * c, (first + 1) * c), torch.arange(second * c, (second + 1) * c)]
+        )
+    n = seq_len // cp
+    return torch.arange(rank * n, (rank + 1) * n)
+
+
+# -- collectives with autograd -----------------------------------------------------------------
+
+
+class _GatherSeq(torch.autograd.Function):
+    """All-gather along dim 0 over the cp group; backward reduce-scatters (sums) the gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+        ctx.group, ctx.size = group, size
+        x = x.contiguous()
+        out = x.new_empty((size * x.shape[0], *x.shape[1:]))
+        dist.all_gather_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        out = grad.new_empty((grad.shape[0] // ctx.size, *grad.shape[1:]))
+        dist.reduce_scatter_single(out, grad, group=ctx.group)
+        return out, None, None
+
+
+def _exchange(t: torch.Tensor, cp: ContextParallel):
+    """Start sending `t` to the next cp rank and receiving the previous rank's into a buffer."""
+    buf = torch.empty_like(t)
+    works = [
+        dist.isend(t, cp.next_rank, group=cp.group),
+        dist.irecv(buf, cp.prev_rank, group=cp.group),
+    ]
+    return buf, works
+
+
+def _wait(works) -> None:
+    for w in works:
+        w.wait()
+
+
+# -- ring attention ----------------------------------------------------------------------------
+
+
+def _expand(kv: torch.Tensor, rep: int) -> torch.Tensor:
+    """K/V heads -> query heads (grouped-query attention: query head i reads K/V head i//rep)."""
+    return kv if rep == 1 else kv.repeat_interleave(rep, dim=1)
+
+
+def _reduce_heads(g: torch.Tensor, rep: int) -> torch.Tensor:
+    """Gradient w.r.t. expanded K/V heads -> w.r.t. the K/V heads (sum over each group)."""
+    if rep == 1:
+        return g
+    b, h, s, d = g.shape
+    return g.view(b, h // rep, rep, s, d).sum(2)
+
+
+def _block_forward(q, k, v, mask, scale, rep):
+    """Softmax attention of q against one K/V chunk: (normalised output, log-sum-exp).
+
+    Rows that the mask hides entirely get output 0 and log-sum-exp -inf."""
+    s = torch.matmul(q, _expand(k, rep).transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    m = s.amax(-1)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    p = torch.exp(s - m.unsqueeze(-1))
+    denom = p.sum(-1)
+    tiny = torch.finfo(p.dtype).tiny
+    out = torch.matmul(p, _expand(v, rep)) / denom.clamp_min(tiny).unsqueeze(-1)
+    return out, m + torch.log(denom)
+
+
+def _merge(out, lse, blk_out, blk_lse):
+    """Combine two partial softmax results by their log-sum-exps (nan-free for -inf rows)."""
+    new = torch.logaddexp(lse, blk_lse)
+    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+    w_old, w_blk = torch.exp(lse - safe).unsqueeze(-1), torch.exp(blk_lse - safe).unsqueeze(-1)
+    out = out * w_old + blk_out * w_blk
+    return out, new
+
+
+class _RingAttention(torch.autograd.Function):
+    """Exact causal (or full) attention over the cp ring; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cp: ContextParallel, causal: bool, scale: float):
+        rep = q.shape[1] // k.shape[1]
+        dtype = q.dtype
+        q32 = q.float()
+        local = q.shape[2]
+        pos_q = cp.positions(local, q.device)
+        pos_all = cp.all_positions(local, q.device)
+        out = q32.new_zeros(q.shape)
+        lse = q32.new_full(q.shape[:-1], float("-inf"))
+        kv = torch.stack([k, v]).contiguous()
+        for step in range(cp.size):
+            src = (cp.rank - step) % cp.size
+            works = []
+            if step < cp.size - 1:
+                nxt, works = _exchange(kv, cp)
+            mask = _causal_mask(pos_q, pos_all[src]) if causal else None
+            if mask is None or mask.any():
+                k32, v32 = kv[0].float(), kv[1].float()
+                blk_out, blk_lse = _block_forward(q32, k32, v32, mask, scale, rep)
+                out, lse = _merge(out, lse, blk_out, blk_lse)
+            _wait(works)
+            if works:
+                kv = nxt
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cp, ctx.causal, ctx.scale, ctx.rep = cp, causal, scale, rep
+        return out.to(dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, causal, scale, rep = ctx.cp, ctx.causal, ctx.scale, ctx.rep
+        q32, dout32 = q.float(), dout.float()
+        local = q.shape[2]
+        pos_q = cp.positions(local, q.device)
+        pos_all = cp.all_positions(local, q.device)
+        delta = (dout32 * out).sum(-1, keepdim=True)  # D_i = sum_j P_ij dP_ij
+        dq = torch.zeros_like(q32)
+        kv = torch.stack([k, v]).contiguous()
+        # The gradient of the chunk a rank holds travels with it; after cp hops it is home.
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        for step in range(cp.size):
+            src = (cp.rank - step) % cp.size
+            works = []
+            if step < cp.size - 1:
+                nxt, works = _exchange(kv, cp)
+            mask = _causal_mask(pos_q, pos_all[src]) if causal else None
+            if mask is None or mask.any():
+                ke, ve = _expand(kv[0].float(), rep), _expand(kv[1].float(), rep)
+                s = torch.matmul(q32, ke.transpose(-1, -2)) * scale
+                if mask is not None:
+                    s = s.masked_fill(~mask, float("-inf"))
+                p = torch.exp(s - lse.unsqueeze(-1))
+                dv = torch.matmul(p.transpose(-1, -2), dout32)
+                dp = torch.matmul(dout32, ve.transpose(-1, -2))
+                ds = p * (dp - delta)
+                dq += torch.matmul(ds, ke) * scale
+                dk = torch.matmul(ds.transpose(-1, -2), q32) * scale
+                dkv = dkv + torch.stack([_reduce_heads(dk, rep), _reduce_heads(dv, rep)])
+            dkv_next, dworks = _exchange(dkv.contiguous(), cp)
+            _wait(works + dworks)
+            dkv = dkv_next
+            if works:
+                kv = nxt
+        dk, dv = dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+        return dq.to(q.dtype), dk, dv, None, None, None
+
+
+def _causal_mask(pos_q: torch.Tensor, pos_k: torch.Tensor) -> torch.Tensor:
+    """(local queries, keys) bool: query at position i may attend keys at positions <= i."""
+    return pos_q.unsqueeze(1) >= pos_k.unsqueeze(0)
+
+
+# -- the per-rank handle ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """This rank's place in its cp group, and attention over the sharded sequence."""
+
+    group: dist.ProcessGroup
+    rank: int  # index inside the cp group
+    size: int
+    mode: str = "allgather"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise RuntimePlanError(
+                f"runtime: cp attention must be one of {MODES}, got {self.mode!r}"
+            )
+
+    @property
+    def next_rank(self) -> int:
+        """Global rank of the next rank on the cp ring."""
+        return dist.get_global_rank(self.group, (self.rank + 1) % self.size)
+
+    @property
+    def prev_rank(self) -> int:
+        return dist.get_global_rank(self.group, (self.rank - 1) % self.size)
+
+    def positions(self, local_len: int, device=None) -> torch.Tensor:
+        """Absolute positions of this rank's `local_len` tokens."""
+        return sequence_positions(local_len * self.size, self.size, self.rank).to(device)
+
+    def all_positions(self, local_len: int, device=None) -> torch.Tensor:
+        """(cp, local_len): the positions every cp rank holds, in cp-rank order."""
+        s = local_len * self.size
+        return torch.stack([sequence_positions(s, self.size, r) for r in range(self.size)]).to(
+            device
+        )
+
+    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's tokens of `x` (full sequences along `dim`)."""
+        pos = sequence_positions(x.shape[dim], self.size, self.rank).to(x.device)
+        return x.index_select(dim, pos)
+
+    def attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
+        """`F.scaled_dot_product_attention` on this rank's queries against the whole sequence.
+
+        q/k/v: (batch, heads, local_seq, head_dim) of this rank's tokens (K/V may have fewer
+        heads, grouped-query attention)."""
+        if attn_mask is not None or dropout_p:
+            raise RuntimePlanError(
+                "runtime: context parallel attention supports is_causal or no mask, without "
+                "dropout; explicit attn_mask/dropout_p are not exact under cp"
+            )
+        if query.shape[1] != key.shape[1] and query.shape[1] % key.shape[1]:
+            raise RuntimePlanError("runtime: query heads must be a multiple of K/V heads")
+        scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
+        if self.mode == "ring":
+            return _RingAttention.apply(query, key, value, self, bool(is_causal), scale)
+        b, hk, local, d = key.shape
+        # (seq, b, 2*hk, d): gathering along dim 0 concatenates the ranks' tokens.
+        kv = torch.cat([key, value], dim=1).permute(2, 0, 1, 3)
+        kv = _GatherSeq.apply(kv, self.group, self.size).permute(1, 2, 0, 3)
+        k_all, v_all = kv[:, :hk], kv[:, hk:]
+        mask = None
+        if is_causal:
+            pos_q = self.positions(local, query.device)
+            mask = _causal_mask(pos_q, self.all_positions(local, query.device).reshape(-1))
+        return F.scaled_dot_product_attention(
+            query,
+            k_all,
+            v_all,
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=query.shape[1] != hk,
+        )
+
+
+class _RedirectSdpa(TorchFunctionMode):
+    """Inside an attention module's forward: SDPA -> `ContextParallel.attention`."""
+
+    def __init__(self, cp: ContextParallel) -> None:
+        super().__init__()
+        self.cp = cp
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return self.cp.attention(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+# -- applying it to a model -------------------------------------------------------------------
+
+
+def _is_attention(m: nn.Module) -> bool:
+    return all(isinstance(getattr(m, a, None), nn.Module) for a in ("q_proj", "k_proj", "v_proj"))
+
+
+def _wrap_attention(m: nn.Module, cp: ContextParallel) -> None:
+    """Replace `m.forward` (instance attribute, so hooks and wrappers keep working)."""
+    orig = m.forward
+    try:
+        names = list(inspect.signature(orig).parameters)
+    except (TypeError, ValueError):
+        names = []
+    rope_at = names.index("rope") if "rope" in names else None
+
+    def forward(*args, **kwargs):
+        x = args[0] if args else next(iter(kwargs.values()))
+        local = x.shape[1]
+        if rope_at is not None:
+            args, kwargs = _reindex_rope(args, kwargs, rope_at, cp.positions(local, x.device))
+        with _RedirectSdpa(cp):
+            return orig(*args, **kwargs)
+
+    m.forward = forward
+
+
+def _reindex_rope(args, kwargs, at, pos):
+    def pick(tables):
+        if isinstance(tables, (tuple, list)) and len(tables) == 2:
+            return tuple(t.index_select(0, pos) for t in tables)
+        return tables
+
+    if len(args) > at:
+        args = (*args[:at], pick(args[at]), *args[at + 1 :])
+    elif "rope" in kwargs:
+        kwargs = {**kwargs, "rope": pick(kwargs["rope"])}
+    return args, kwargs
+
+
+def _wrap_positions(embedding: nn.Embedding, cp: ContextParallel) -> None:
+    """Learned positions looked up with arange(local_len) -> this rank's positions."""
+
+    def hook(_m, args):
+        ids = args[0]
+        pos = cp.positions(ids.shape[-1], ids.device)
+        return (pos.index_select(0, ids.reshape(-1)).view(ids.shape), *args[1:])
+
+    embedding.register_forward_pre_hook(hook)
+
+
+def apply_context_parallel(
+    module: nn.Module, ctx: RankContext, mode: str = "allgather"
+) -> ContextParallel | None:
+    """Make `module`'s attention work on this rank's sequence share (see module docstring).
+
+    Returns the handle the runner uses to shard inputs and targets (None when cp == 1).
+    Raises `RuntimePlanError` when cp > 1 and no attention module is found.
+    """
+    size = ctx.size("cp")
+    if size == 1:
+        return None
+    cp = ContextParallel(ctx.group("cp"), ctx.coord("cp"), size, mode)
+    hooked = wrapped = 0
+    for _, m in module.named_modules():
+        if hasattr(m, "context_parallel_attention"):
+            m.context_parallel_attention(cp)
+            hooked += 1
+        elif _is_attention(m):
+            _wrap_attention(m, cp)
+            wrapped += 1
+    pos_embed = getattr(module, "pos_embed", None)
+    if isinstance(pos_embed, nn.Embedding):
+        _wrap_positions(pos_embed, cp)
+    # A pipeline stage of only the prologue/epilogue has no attention to shard.
+    if not (hooked or wrapped) and _stage_has_layers(ctx):
+        raise RuntimePlanError(
+            f"runtime: cp={size} but {type(module).__name__} has no attention module this "
+            "runtime can shard: give attention modules q_proj/k_proj/v_proj children calling "
+            "F.scaled_dot_product_attention, or a `context_parallel_attention(cp)` method"
+        )
+    return cp
+
+
+def _stage_has_layers(ctx: RankContext) -> bool:
+    s = ctx.plan.stages[ctx.stage_index]
+    return any(not u.startswith("<") for u in ctx.plan.model.units[s.first_unit : s.last_unit])
