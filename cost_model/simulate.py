@@ -17,10 +17,15 @@ pipeline depth pp, m = global_batch / (dp * micro_batch) micro-batches per pipel
 - P: the point-to-point time of one micro-batch's boundary activation (forward send plus
   backward send) over the slowest stage boundary, on the link between the two stages' groups;
   each TP rank sends 1/tp of it (Megatron's scatter/gather, Narayanan et al. sec. 4.1).
-- Interleaved 1F1B with v model chunks per rank (`Parallel.virtual_stages`, priced when pinned;
-  the planner searches 1F1B and GPipe only): the fill and drain shrink by v, so the bubble
+- Interleaved 1F1B with v model chunks per rank (`Parallel.virtual_stages`): the fill and
+  drain shrink by v, so the bubble
   is (sum_s u_s - U) / v + (pp - 1) * P, a fraction (p - 1) / (v m + p - 1) for equal stages,
   and every chunk boundary sends, so the p2p term is m * v * P.
+- Uneven DP batch shares across GPU types (`StagePlacement.microbatches`): the pipelines are
+  group-pure (every stage has the same replicas per group) and each replica in group g runs
+  m_g micro-batches, sum_g n_g m_g = dp * m. The pipeline term is then the maximum over the
+  groups of the formula above with m_g and group g's own stage times and boundaries (HetPipe /
+  Whale-style load balancing); ZeRO-3 is excluded (its per-micro-batch gathers are lock-step).
 - C_s: the data-parallel traffic of stage s, W_s: the compute it overlaps with. ZeRO 0-2
   reduce gradients once per step (all-reduce, or reduce-scatter + all-gather), overlapped with
   the last micro-batch's forward + backward (rep = 1; ZeRO-0 only its backward: the gradient
@@ -48,7 +53,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from meshplan.ir import (
@@ -101,10 +106,10 @@ OVERLAP_EFFICIENCY = 0.8
 # Assumption (fused multi-tensor Adam is memory-bound), calibrated in issue 3.
 OPTIMIZER_BYTES_PER_PARAM = 20
 
-# Schedules the planner searches (the CP-SAT model encodes their step formula) ...
-SUPPORTED_SCHEDULES = (Schedule.ONE_F_ONE_B, Schedule.GPIPE)
-# ... and the ones `predict` prices (interleaved 1F1B only when pinned by the user).
-PRICED_SCHEDULES = (*SUPPORTED_SCHEDULES, Schedule.INTERLEAVED_1F1B)
+# Schedules the planner searches (the CP-SAT model encodes their step formula) and `predict`
+# prices. Zero-bubble schedules are not modelled yet.
+SUPPORTED_SCHEDULES = (Schedule.ONE_F_ONE_B, Schedule.GPIPE, Schedule.INTERLEAVED_1F1B)
+PRICED_SCHEDULES = SUPPORTED_SCHEDULES
 
 BREAKDOWN_PARTS = (
     "compute",
@@ -645,8 +650,13 @@ def plan_tables(
     parallel: Parallel,
     ranges: Sequence[tuple[int, int]],
     groups: Sequence[str] | None = None,
+    *,
+    max_microbatches: int | None = None,
 ) -> PlanTables:
-    """Price every (stage, group) and (boundary, group pair) of a complete configuration."""
+    """Price every (stage, group) and (boundary, group pair) of a complete configuration.
+
+    `max_microbatches` (uneven DP shares: the largest per-replica share) sizes the in-flight
+    activations of the memory check; default the configuration's num_microbatches."""
     p = parallel
     names = tuple(groups) if groups is not None else tuple(pricer.groups)
     tp, cp, ep, dp, mb = p.tp, p.cp, p.ep, p.dp, p.micro_batch
@@ -685,7 +695,7 @@ def plan_tables(
     peaks: dict[tuple[Composition, int], tuple] = {}
     for s, comp in enumerate(comps):
         u = uniq[comp]
-        held = in_flight_microbatches(p.schedule, s, pp, m, p.chunks)
+        held = in_flight_microbatches(p.schedule, s, pp, max_microbatches or m, p.chunks)
         got = peaks.get((comp, held))
         if got is None:
             peak = u["mem"].peak(held)
@@ -745,21 +755,52 @@ class Evaluation:
 Placement = Sequence[Sequence[tuple[str, int]]]  # [stage] -> ((group, replicas), ...)
 
 
-def evaluate(tables: PlanTables, placement: Placement) -> Evaluation:
-    """Price `placement` with the step-time formula of the module docstring."""
-    pp, m = tables.pp, tables.m
+def _pipeline(tables: PlanTables, stage_u: list[float], m: int, p2p: float) -> float:
+    """m U + (sum_s u_s - U) / v + (m v + pp - 1) P: the pipeline term of one pipeline."""
+    v, big_u = tables.chunks, max(stage_u)
+    return m * big_u + (sum(stage_u) - big_u) / v + (m * v + tables.pp - 1) * p2p
+
+
+def evaluate(
+    tables: PlanTables, placement: Placement, shares: Mapping[str, int] | None = None
+) -> Evaluation:
+    """Price `placement` with the step-time formula of the module docstring.
+
+    `shares` (group -> micro-batches per replica, uneven DP batch shares) prices group-pure
+    pipelines: each group's pipelines run the formula with their own m_g over their own stage
+    times, and the slowest group sets the pipeline term; DP traffic and the optimizer are as
+    without shares (all replicas reduce together once their micro-batches are done)."""
+    pp = tables.pp
     used = [[g for g, n in reps if n > 0] for reps in placement]
     if len(used) != pp or any(not u for u in used):
         raise ValueError("placement must give every stage at least one replica")
+    if shares:
+        # Group-pure pipelines: the slowest group's pipeline (with its own m_g) is the step's.
+        def group_term(g: str) -> float:
+            us = [tables.time[s][g].total for s in range(pp)]
+            p = max((tables.p2p[s][(g, g)] for s in range(pp - 1)), default=0.0)
+            return _pipeline(tables, us, shares[g], p)
+
+        slow = max(sorted(shares), key=group_term)
+        m = shares[slow]
+        used_pipe = [[slow] for _ in range(pp)]
+    else:
+        m = tables.m
+        used_pipe = used
     stage_u, stage_g = [], []
     for s in range(pp):
-        g = max(used[s], key=lambda x: tables.time[s][x].total)
+        g = max(used_pipe[s], key=lambda x: tables.time[s][x].total)
         stage_g.append(g)
         stage_u.append(tables.time[s][g].total)
     s_star = max(range(pp), key=lambda s: stage_u[s])
     big_u = stage_u[s_star]
     p2p = max(
-        (tables.p2p[s][(a, b)] for s in range(pp - 1) for a in used[s] for b in used[s + 1]),
+        (
+            tables.p2p[s][(a, b)]
+            for s in range(pp - 1)
+            for a in used_pipe[s]
+            for b in used_pipe[s + 1]
+        ),
         default=0.0,
     )
     crossing = sum(1 for u in used if len(u) > 1)
@@ -825,6 +866,27 @@ def check_parallel(
         raise ValueError(f"ep={p.ep} must divide dp={p.dp} (expert ranks reuse DP ranks)")
     if len(stages) != p.pp:
         raise ValueError(f"pp={p.pp} but {len(stages)} stage placements were given")
+    shares = stages[0].microbatches if stages else ()
+    if shares or any(st.microbatches for st in stages):
+        if any(
+            (st.replicas, dict(st.microbatches)) != (stages[0].replicas, dict(shares))
+            for st in stages
+        ):
+            raise ValueError(
+                "uneven micro-batch shares need group-pure pipelines: every stage must have "
+                "the same replicas and shares"
+            )
+        if p.zero == 3:
+            raise ValueError(
+                "uneven micro-batch shares need ZeRO <= 2 (ZeRO-3 gathers weights in lock-step "
+                "for every micro-batch)"
+            )
+        total = sum(n * dict(shares)[g] for g, n in stages[0].replicas)
+        if total != p.dp * p.num_microbatches:
+            raise ValueError(
+                f"micro-batch shares add up to {total} micro-batches, but dp * num_microbatches "
+                f"= {p.dp}*{p.num_microbatches} = {p.dp * p.num_microbatches}"
+            )
     expect = 0
     for i, st in enumerate(stages):
         if st.index != i or st.first_unit != expect:
@@ -879,9 +941,12 @@ def predict(
     names = tuple(
         g.name for g in cluster.groups if any(g.name == r for st in stages for r, _ in st.replicas)
     )
-    tables = plan_tables(pricer, p, ranges, names)
+    shares = stages[0].shares
+    tables = plan_tables(
+        pricer, p, ranges, names, max_microbatches=max(shares.values()) if shares else None
+    )
     placement = [st.replicas for st in stages]
-    ev = evaluate(tables, placement)
+    ev = evaluate(tables, placement, shares or None)
 
     traced_mb = pricer.costs.traced_micro_batch
     model_flops = graph.total_flops(training=True) * p.global_batch / traced_mb

@@ -135,18 +135,34 @@ class Parallel:
 class StagePlacement:
     """Pipeline stage `index` runs units [first_unit, last_unit) on `replicas` data-parallel
     replicas, spread over device groups as (group name, replica count) pairs. Each replica is
-    tp * cp GPUs of one group (TP and CP stay inside a group)."""
+    tp * cp GPUs of one group (TP and CP stay inside a group).
+
+    `microbatches` (optional; empty = every replica runs the same num_microbatches) gives
+    uneven data-parallel batch shares across GPU types: (group name, micro-batches each replica
+    in that group runs per step), one entry per group of `replicas`. The pipelines are then
+    group-pure: every stage has the same `replicas` and `microbatches`, and the shares add up,
+    sum over groups of replicas * micro-batches = dp * num_microbatches.
+    """
 
     index: int
     first_unit: int
     last_unit: int
     replicas: tuple[tuple[str, int], ...]
+    microbatches: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.last_unit <= self.first_unit:
             raise ValueError(f"stage {self.index}: empty unit range")
         if not self.replicas or any(n < 1 for _, n in self.replicas):
             raise ValueError(f"stage {self.index}: replicas must be positive counts")
+        if self.microbatches:
+            if any(n < 1 for _, n in self.microbatches):
+                raise ValueError(f"stage {self.index}: micro-batch shares must be positive")
+            if sorted(g for g, _ in self.microbatches) != sorted(g for g, _ in self.replicas):
+                raise ValueError(
+                    f"stage {self.index}: micro-batch shares must name exactly the groups "
+                    "of its replicas"
+                )
 
     @property
     def num_units(self) -> int:
@@ -155,6 +171,11 @@ class StagePlacement:
     @property
     def dp(self) -> int:
         return sum(n for _, n in self.replicas)
+
+    @property
+    def shares(self) -> dict[str, int]:
+        """Micro-batches per replica by group ({} when every replica runs the same number)."""
+        return dict(self.microbatches)
 
 
 @dataclass(frozen=True, slots=True)

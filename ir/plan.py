@@ -145,6 +145,8 @@ class Plan:
                     "last_unit": s.last_unit,
                     "units": [self.model.units[s.first_unit], self.model.units[s.last_unit - 1]],
                     "replicas": [{"group": g, "count": n} for g, n in s.replicas],
+                    # micro-batches per replica by group; [] = the same on every replica
+                    "microbatches": [[g, n] for g, n in s.microbatches],
                 }
                 for s in self.stages
             ],
@@ -239,6 +241,12 @@ class Plan:
         ]
         for s in self.stages:
             where = ", ".join(f"{n}x {g}" for g, n in s.replicas)
+            if s.microbatches:
+                where += (
+                    " (micro-batches per replica: "
+                    + ", ".join(f"{g} {n}" for g, n in s.microbatches)
+                    + ")"
+                )
             lines.append(
                 f"    stage {s.index}: units {s.first_unit}..{s.last_unit - 1} "
                 f"({self.model.units[s.first_unit]} .. {self.model.units[s.last_unit - 1]}), "
@@ -427,6 +435,15 @@ PLAN_SCHEMA: dict = {
                             "properties": {"group": {"type": "string"}, "count": _POS_INT},
                         },
                     },
+                    "microbatches": {
+                        "type": "array",
+                        "items": {
+                            "type": "array",
+                            "prefixItems": [{"type": "string"}, _POS_INT],
+                            "minItems": 2,
+                            "maxItems": 2,
+                        },
+                    },
                 },
             },
         },
@@ -519,6 +536,7 @@ def plan_from_dict(data: object, *, where: str = "plan", cluster: Cluster | None
                 s["first_unit"],
                 s["last_unit"],
                 tuple((r["group"], r["count"]) for r in s["replicas"]),
+                microbatches=tuple((g, n) for g, n in s.get("microbatches", [])),
             )
             for s in data["stages"]
         )

@@ -1,13 +1,20 @@
 """Pipeline partitioning: split a graph's units into stages and place stages on device groups.
 
-`even_stages` is a pass `Graph -> Analysis` (the unit ranges of each stage); `place_stages`
-gives the default placement that `estimate` uses when the user names only the degrees. The
-planner makes its own placements (`meshplan.planner.solver`) over the same ranges.
+`even_stages` is a pass `Graph -> Analysis` (the unit ranges of each stage); `stages_of`
+turns any per-stage layer counts into unit ranges (uneven splits); `balanced_counts` picks
+the layer counts that minimise the slowest stage given per-stage layer and fixed costs (more
+layers on faster GPUs, fewer on the stages holding the embedding and the LM head);
+`compositions` lists every split (the planner searches all of them when they are few).
+`place_stages` gives the default placement that `estimate` uses when the user names only the
+degrees. The planner makes its own placements (`meshplan.planner.solver`) over these ranges.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import heapq
+import itertools
+import math
+from collections.abc import Iterator, Sequence
 
 from meshplan.ir import Cluster, DeviceGroup, Graph, Parallel, StagePlacement
 
@@ -46,6 +53,81 @@ def even_stages(graph: Graph, pp: int) -> tuple[tuple[int, int], ...]:
         ranges.append((first, last))
         first = last
     return tuple(ranges)
+
+
+def _layer_positions(graph: Graph) -> list[int]:
+    lookup = dict(graph.blocks)
+    return [i for i, u in enumerate(graph.units) if lookup[u.block].kind == "layer"]
+
+
+def stages_of(graph: Graph, counts: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """Unit ranges [first, last) of stages with `counts[s]` layers each (an uneven split).
+
+    Requires: every count >= 1 and sum(counts) = number of layer units. Ensures the same unit
+    rules as `even_stages` (prologue with stage 0, epilogue with the last stage, a non-layer
+    unit between layers with the stage of the layer that follows it)."""
+    layer_pos = _layer_positions(graph)
+    if any(c < 1 for c in counts) or sum(counts) != len(layer_pos):
+        raise ValueError(
+            f"layer counts {tuple(counts)} must be positive and add up to the "
+            f"{len(layer_pos)} layers of {graph.name}"
+        )
+    ranges, first, taken = [], 0, 0
+    for s, c in enumerate(counts):
+        taken += c
+        last = len(graph.units) if s == len(counts) - 1 else layer_pos[taken - 1] + 1
+        ranges.append((first, last))
+        first = last
+    return tuple(ranges)
+
+
+def layer_counts(graph: Graph, ranges: Sequence[tuple[int, int]]) -> tuple[int, ...]:
+    """The layers per stage of a split given as unit ranges."""
+    layer_pos = _layer_positions(graph)
+    return tuple(sum(1 for i in layer_pos if a <= i < b) for a, b in ranges)
+
+
+def compositions(n_layers: int, pp: int) -> Iterator[tuple[int, ...]]:
+    """Every split of `n_layers` layers into `pp` non-empty stages, in lexicographic order
+    (there are C(n_layers - 1, pp - 1) of them)."""
+    for cuts in itertools.combinations(range(1, n_layers), pp - 1):
+        bounds = (0, *cuts, n_layers)
+        yield tuple(bounds[i + 1] - bounds[i] for i in range(pp))
+
+
+def count_compositions(n_layers: int, pp: int) -> int:
+    """C(n_layers - 1, pp - 1): how many splits `compositions` yields."""
+    return math.comb(n_layers - 1, pp - 1) if 1 <= pp <= n_layers else 0
+
+
+def balanced_counts(
+    n_layers: int, layer_cost: Sequence[float], fixed_cost: Sequence[float]
+) -> tuple[int, ...]:
+    """Layer counts l_s >= 1, sum l_s = n_layers, minimising max_s fixed_cost[s] + l_s *
+    layer_cost[s] (stage s's time: its non-layer units plus its layers on its GPUs).
+
+    Exact: starting from one layer each, every further layer goes to the stage whose time
+    grows least (a min-max of increasing linear costs is solved by this greedy); ties go to
+    the earlier stage, so the result is deterministic."""
+    pp = len(layer_cost)
+    if not 1 <= pp <= n_layers or len(fixed_cost) != pp:
+        raise ValueError(f"cannot split {n_layers} layers over {pp} stages")
+    counts = [1] * pp
+    inv = [1.0 / c if c > 0 else 0.0 for c in layer_cost]
+    if all(inv):
+        # Start below the optimum: the continuous balance point T (sum_s (T - f_s) / a_s = L),
+        # minus one layer per stage; the greedy then places the rest (at most ~2 pp layers).
+        t = (n_layers + sum(f * i for f, i in zip(fixed_cost, inv))) / sum(inv)
+        start = [max(1, math.floor((t - f) * i) - 1) for f, i in zip(fixed_cost, inv)]
+        if sum(start) <= n_layers:
+            counts = start
+    heap = [(fixed_cost[s] + (counts[s] + 1) * layer_cost[s], s) for s in range(pp)]
+    heapq.heapify(heap)
+    for _ in range(n_layers - sum(counts)):
+        _, s = heapq.heappop(heap)
+        counts[s] += 1
+        heapq.heappush(heap, (fixed_cost[s] + (counts[s] + 1) * layer_cost[s], s))
+    return tuple(counts)
 
 
 def place_stages(

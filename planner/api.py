@@ -32,7 +32,7 @@ from meshplan.ir.trace import trace
 from meshplan.passes.partition import even_stages, place_stages
 from meshplan.passes.sharding import tp_param_placements
 
-from .solver import solve
+from .solver import Objective, solve
 
 # Tokens per optimizer step when the user gives no global batch: about 2M tokens, the order
 # of GPT-3's and Llama's pre-training batches (Brown et al. 2020 Table 2.1: 0.5M-3.2M tokens;
@@ -211,11 +211,17 @@ def plan(
     parallel: Parallel | None = None,
     time_limit_s: float = 10.0,
     progress: Progress = None,
+    objective: str = "throughput",
+    target_tokens_per_s: float | None = None,
+    prices: dict[str, float] | None = None,
 ) -> Plan:
     """The fastest plan for `model` on `cluster` that fits in memory.
 
     `parallel` pins any subset of the choices (e.g. `Parallel(tp=8)`); the solver fills the
     rest. `global_batch` (sequences per optimizer step) may also be given inside `parallel`.
+    `objective`: "throughput" (default), "cost" (least dollars per token; prices from the
+    groups' `price_per_gpu_hour` or `prices`, $ per GPU-hour by group or GPU type name) or
+    "min_gpus" (fewest GPUs reaching `target_tokens_per_s`).
     Raises `InfeasibleError` with the binding constraint when no plan fits.
     """
     cluster = cluster or Cluster.preset("default")
@@ -230,8 +236,15 @@ def plan(
     pinned = dataclasses.replace(pinned, global_batch=gb)
     if progress:
         progress(f"solving for {cluster.world_size} GPUs")
+    goal = Objective(objective, target_tokens_per_s, tuple(sorted((prices or {}).items())))
     result = solve(
-        graph, cluster, pinned, global_batch=gb, time_limit_s=time_limit_s, progress=progress
+        graph,
+        cluster,
+        pinned,
+        global_batch=gb,
+        time_limit_s=time_limit_s,
+        progress=progress,
+        objective=goal,
     )
     return Plan(
         model=_model_ref(graph),

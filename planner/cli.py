@@ -548,6 +548,45 @@ def launch(
         raise typer.Exit(code)
 
 
+@app.command()
+@user_errors
+def profile(
+    output: Annotated[
+        Path | None,
+        typer.Option(
+            "--output",
+            "-o",
+            help="Dataset to append to (default: data/op_latency/<device>.jsonl.gz).",
+        ),
+    ] = None,
+    families: Annotated[
+        str | None,
+        typer.Option(help="Comma-separated: gpt2,llama,mixtral,bert,sweep (default all)."),
+    ] = None,
+    dtypes: Annotated[str, typer.Option(help="Comma-separated dtypes.")] = "float32,bfloat16",
+    quick: Annotated[bool, typer.Option("--quick", help="A few ops only (seconds).")] = False,
+    max_seconds: Annotated[float, typer.Option(help="Time cap of one measurement.")] = 0.12,
+    threads: Annotated[int, typer.Option(help="CPU threads (0: torch's default).")] = 1,
+    device: Annotated[
+        str | None, typer.Option(help="cpu or cuda (default: cuda if present).")
+    ] = None,
+) -> None:
+    """Micro-benchmark the IR's operators on this device; append to the latency dataset."""
+    from meshplan.cost_model.profile import run_profile
+
+    path, rows, skipped = run_profile(
+        output,
+        families=families.split(",") if families else None,
+        dtypes=tuple(dtypes.split(",")),
+        quick=quick,
+        max_seconds=max_seconds,
+        threads=threads or None,
+        device=device,
+    )
+    note = f" ({skipped} ops had no recipe)" if skipped else ""
+    out.print(f"appended {rows} rows to {path}{note}")
+
+
 def main() -> None:
     """Entry point of the `meshplan` script."""
     app(prog_name="meshplan")

@@ -2,75 +2,108 @@
 
 Sets
     c in C      candidate global configurations (tp, pp, dp, cp, ep, micro_batch, ZeRO stage,
-                recomputation, schedule, sequence parallel), `enumerate_candidates`
-    s < pp_c    pipeline stages of c (`meshplan.passes.partition.even_stages`)
-    g in G      device groups of the cluster
+                recomputation, schedule with its virtual stages v, sequence parallel),
+                `enumerate_candidates`
+    l in L(c)   per-stage layer counts of c (uneven splits), `_splits`: every split when there
+                are at most EXHAUSTIVE_SPLITS, else the even split, one balanced split per device
+                group (stages holding the embedding / LM head take fewer layers,
+                `passes.partition.balanced_counts`) and, on mixed clusters, splits balanced
+                for the groups the stages fill fastest-first and slowest-first (more layers
+                on faster GPUs); interleaved 1F1B uses the even split only
+    s < pp_c    pipeline stages;   g in G  device groups
 
 Data (seconds and bytes, from `meshplan.cost_model.plan_tables`, integerised by `_Scale`)
-    u[c,s,g]    one micro-batch (fwd + bwd + recompute + TP/CP/EP traffic) of stage s on g
-    w[c,s,g]    compute that overlaps the stage's data-parallel traffic
-    o[c,s,g]    optimizer update;   mem[c,s] <= cap(g) decides whether s may use g at all
-    q[c,s,a,b]  boundary send s -> s+1 between groups a and b (fwd + bwd)
-    d[c,s,g]    DP traffic when all of stage s sits in g;  e[c,s,a,b](k) when it spans a and b
-                and k stages cross between groups (a shared GroupLink divides by k)
-    m_c, pp_c, rep_c (m_c for ZeRO-3, else 1), R[c,g] replicas of tp*cp GPUs g can hold
+    u[c,l,s,g]  one micro-batch (fwd + bwd + recompute + TP/CP/EP traffic) of stage s on g
+    w, o, q, d, e   DP overlap window, optimizer, boundary p2p, DP traffic in one group / across
+                two groups (shared GroupLink divided among k crossing stages), as before
+    m_c, v_c, pp_c, rep_c (m_c for ZeRO-3, else 1), R[c,g] replicas of tp*cp GPUs g can hold
 
-Variables
-    x[c]        bool, configuration c is chosen (exactly one)
-    n[c,s,g]    int, replicas of stage s in group g;  b[c,s,g] = (n[c,s,g] >= 1)
-    cross[c,s]  bool, stage s spans several groups;  k[c] = sum_s cross[c,s]
-    us[c,s], U[c], P[c], comm[c,s], W[c,s], E[c], O[c], T
+Variables (per (c, l); the search fixes (c, l) before building a model, see below)
+    n[s,g]      int, replicas of stage s in group g;  b[s,g] = (n[s,g] >= 1)
+    cross[s]    bool, stage s spans several groups;  k = sum_s cross[s]
+    us[s], U, P, comm[s], W[s], E, O, T
 
 Constraints (each family added by the named method of `_PlacementModel`)
-    replicas            sum_g n[c,s,g] = dp_c * x[c];  b <= n <= min(dp_c, R[c,g]) * b
-    memory              n[c,s,g] = 0 unless mem[c,s] <= cap(g)  (no variable is created)
-    capacity            sum_s tp_c * cp_c * n[c,s,g] <= gpus(g)   (TP inside a node: no
-                        variables where tp_c does not divide gpus_per_node(g))
-    stage_times         us[c,s] >= u[c,s,g] * b[c,s,g];  U[c] >= us[c,s]
-    boundaries          P[c] >= q[c,s,a,b] * (b[c,s,a] + b[c,s+1,b] - 1)
-    data_parallel       cross and k as above; comm[c,s] >= d[c,s,g] * (b[c,s,g] - cross[c,s]),
-                        comm[c,s] >= e[c,s,a,b](k[c]) when both a and b are used (big-M);
-                        W[c,s] = max_g w[c,s,g] * b[c,s,g];
-                        E[c] >= comm[c,s] - eta * W[c,s],  E[c] >= (1 - eta) * comm[c,s]
-    optimizer           O[c] >= o[c,s,g] * b[c,s,g]
-    step_time           x[c] => T >= (m_c - 1) U[c] + sum_s us[c,s] + (m_c + pp_c - 1) P[c]
-                                     + rep_c E[c] + O[c]
+    replicas        `replicas`: sum_g n[s,g] = dp;  b <= n <= min(dp, R[g]) * b
+    memory          `variables`: n[s,g] exists only where the stage fits in g's memory
+    capacity        `capacity`: sum_s tp * cp * n[s,g] <= gpus(g)  (TP inside a node: no
+                    variables where tp does not divide gpus_per_node(g))
+    stage_times     `stage_times`: us[s] >= u[s,g] * b[s,g];  U >= us[s]
+    boundaries      `boundaries`: P >= q[s,a,b] * (b[s,a] + b[s+1,b] - 1)
+    data_parallel   `data_parallel`: cross, k, comm[s] >= d or e(k), W[s] = max_g w b,
+                    E >= comm[s] - eta W[s],  E >= (1 - eta) comm[s]
+    optimizer       `optimizer`: O >= o[s,g] * b[s,g]
+    step_time       `step_time`: v T >= (v m - 1) U + sum_s us[s] + v (m v + pp - 1) P
+                                        + v rep E + v O      (interleaved 1F1B: m U +
+                    (sum_s us - U) / v + (m v + pp - 1) P; v = 1 is plain 1F1B), T <= cutoff
+    objective       minimise T (objective "throughput"; "cost" and "min_gpus" below)
 
-Objective: minimise T, the step time of `meshplan.cost_model.simulate` (the same formula over the
-same tables, so the decoded plan re-priced by `predict` agrees with the objective up to the
-integer rounding of `_Scale`).
+Divisibility (in `enumerate_candidates`, each with its own InfeasibleError message): tp divides
+heads, kv_heads and the GPUs per node of some group; cp divides seq_len / 2 (load-balanced
+causal chunks) with at least MIN_CP_TOKENS tokens per rank; ep divides the experts and dp
+(expert ranks reuse data-parallel ranks, Megatron-Core's expert-data-parallel layout with
+expert-tensor-parallel = tp: the dp ranks of a stage form dp / ep expert-DP groups of ep
+ranks); pp <= layers; dp * micro_batch divides the global batch; interleaved 1F1B needs
+pp >= 2, v divides layers / pp and pp divides the micro-batch count (Megatron-LM's rule).
 
-How it is solved (`solve`). Exactly one x[c] is 1 and, once it is fixed, no two candidates
-share a variable; so instead of one model holding every candidate (measured: with 48
-candidates of up to 80 stages on 512 GPUs CP-SAT's presolve alone outran a 10 s budget) the
-search branches on x in lower-bound order and solves the restriction x[c] = 1, a small
-placement model, with the best step time so far as a cutoff:
+Uneven data-parallel batch shares (`_share_placements`): besides lock-step placements (every
+replica runs m micro-batches, the model above), a configuration with ZeRO <= 2 may run
+group-pure pipelines, n_g pipelines wholly inside group g, each running m_g micro-batches,
+sum_g n_g m_g = dp m (`StagePlacement.microbatches`). Each group's pipeline term is
+f_g(m_g) = m_g (U_g + v P_g) + (S_g - U_g) / v + (pp - 1) P_g and the step takes the max over
+groups (`cost_model.simulate.evaluate`). For every pair of host groups and every split
+n_a + n_b = dp (a window around the fastest-first split when dp > SHARE_EXHAUSTIVE_DP) the
+best integer shares are found exactly: f_a rises and f_b falls with m_a, so the optimum is the
+feasible m_a nearest the crossing point on either side. The shares never raise a stage's
+in-flight activations (m_g stays where the schedule's warm-up depth is already saturated).
 
-1. enumerate candidates (`enumerate_candidates`);
-2. bound every candidate without memory (`_memory_free_bound`: fastest groups that can hold
-   the replicas), price them in bound order (`plan_tables`; stages repeat, so tables are built
-   per distinct stage), drop those that fit in no group's memory, bound again with memory
-   (`_lower_bound`) and place greedily (`_greedy_placements`, the warm start) until the bound
-   passes the best greedy step time: nothing left can win (`_screen`);
-3. for each surviving candidate whose greedy placement does not already meet its bound,
-   build the placement model (`_PlacementModel`: variables -> constraints -> objective),
-   hint the greedy placement (`AddHint`), cut off at the incumbent, solve;
+How it is solved (`solve` -> `_search`). The restriction to one (c, l) is a small placement
+model and different (c, l) share no variable, so the search branches on (c, l) in lower-bound
+order instead of building one model over all of them:
+
+1. enumerate candidates (`enumerate_candidates`) and their splits (`_splits`);
+2. bound every (c, l) without memory (`_memory_free_bound`: fastest groups that can hold the
+   replicas; with shares: the whole micro-batch count over the best pipeline rate,
+   `_share_rate_bound`), price them in bound order (`plan_tables`; stages repeat, so tables
+   are built per distinct stage), drop those that fit in no group's memory, bound again with
+   memory (`_lower_bound`, `_share_bound`) and place greedily (`_greedy_placements`, the warm
+   start, and `_share_placements`) until the bound passes the best plan: nothing left can win
+   (`_screen`);
+3. for each surviving (c, l) whose lock-step greedy placement does not already meet its bound,
+   build the placement model (`_PlacementModel`: variables -> constraints -> objective), hint
+   the greedy placement (`AddHint`), cut off at the incumbent, solve;
 4. decode the best placement into `Parallel` + `StagePlacement`s and re-price it with
-   `predict`. The plan is "optimal" when every candidate was either bounded out or solved to
+   `predict`. The plan is "optimal" when every (c, l) was either bounded out or solved to
    optimality, else "feasible" with the relative gap to the smallest open bound.
 
-For a homogeneous cluster the bounds are exact, so no placement model is needed at all.
+Objectives (`Objective`): "throughput" (default) minimises the step time. "cost" minimises
+dollars per token = step time x the hourly price of the GPUs the plan uses (from
+`DeviceGroup.price_per_gpu_hour` or `Objective.prices`); bounds are the step bound times the
+cheapest GPUs that could hold the configuration, placements are scored by their cost, and the
+placement model (which minimises T) is used as one more placement to score, so on clusters
+whose groups differ in price the status is "optimal" only when the bounds close the search.
+"min_gpus" returns the fastest plan on the fewest GPUs (tp * pp * cp * dp) whose throughput
+meets `target_tokens_per_s`: GPU counts are tried in increasing order, each a throughput search
+restricted to that count, skipped when its memory-free bound already misses the target.
+
+Structure exploited: identical layers share one block, so stage costs are priced per distinct
+stage composition; bounds are keyed without ZeRO (it does not change stage times) and are
+linear in m; a homogeneous cluster's bounds are exact, so no placement model is needed at all.
 Determinism: one search worker and a fixed seed (CP-SAT is then deterministic unless a time
-limit cuts it); candidates are enumerated and sorted in a fixed order.
+limit cuts it); candidates and splits are enumerated and sorted in a fixed order.
+`export_model` (or `solve(export_model=path)`) writes the winning placement model.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import heapq
 import itertools
 import math
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from fractions import Fraction
 
 from meshplan.cost_model.memory import in_flight_microbatches
@@ -93,17 +126,39 @@ from meshplan.ir import (
     Schedule,
     StagePlacement,
 )
-from meshplan.passes.partition import even_stages, replica_capacity
+from meshplan.passes.partition import (
+    balanced_counts,
+    compositions,
+    count_compositions,
+    replica_capacity,
+    stages_of,
+)
 from ortools.sat.python import cp_model
 
 # Largest micro-batch the planner tries unless pinned. Assumption: costs scale linearly with
 # the micro-batch (cost_model), so past a few sequences a larger one only saves kernel floors
 # while it lengthens the pipeline fill and raises activation memory.
 MAX_MICRO_BATCH = 16
+# Most model chunks per pipeline rank the planner tries for interleaved 1F1B (Megatron-LM
+# runs use 2-6; past that the p2p term m v P dominates what the bubble saves).
+MAX_VIRTUAL_STAGES = 8
+# Context parallelism keeps at least this many tokens per CP rank (shorter chunks leave the
+# attention GEMMs too small to run efficiently; assumption) and at most MAX_CP ranks.
+MIN_CP_TOKENS = 1024
+MAX_CP = 32
+# Up to this many splits of the layers over pp stages are searched exhaustively; beyond, the
+# structured family of `_splits`.
+EXHAUSTIVE_SPLITS = 16
+# Uneven DP shares: every split of dp pipelines over two groups is tried up to this dp, a
+# window of SHARE_WINDOW splits around the fastest-first one beyond it.
+SHARE_EXHAUSTIVE_DP = 64
+SHARE_WINDOW = 8
 
 # Integer time unit: the best greedy step time is represented by about this many units, so
 # rounding each table entry to a unit costs at most ~1e-7 of the step per term.
 UNITS_PER_STEP = 10_000_000
+
+OBJECTIVES = ("throughput", "cost", "min_gpus")
 
 GiB = 2**30
 
@@ -115,8 +170,41 @@ class InfeasibleError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class Objective:
+    """What the search optimises (see the module docstring).
+
+    `kind`: "throughput" (minimise step time), "cost" (minimise dollars per token) or
+    "min_gpus" (fewest GPUs meeting `target_tokens_per_s`). `prices`: $ per GPU-hour by device
+    group name or GPU type name, overriding `DeviceGroup.price_per_gpu_hour`."""
+
+    kind: str = "throughput"
+    target_tokens_per_s: float | None = None
+    prices: tuple[tuple[str, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.kind!r}")
+        if self.kind == "min_gpus" and not (self.target_tokens_per_s or 0) > 0:
+            raise ValueError("objective 'min_gpus' needs a positive target_tokens_per_s")
+
+    def price_per_gpu_s(self, cluster: Cluster) -> dict[str, float]:
+        """$ per GPU-second of every group; raises ValueError naming a group without a price."""
+        given = dict(self.prices)
+        out = {}
+        for g in cluster.groups:
+            price = given.get(g.name, given.get(g.gpu.name, g.price_per_gpu_hour))
+            if price is None:
+                raise ValueError(
+                    f"objective 'cost' needs a price for group {g.name} ({g.gpu.name}): set "
+                    "price_per_gpu_hour in the cluster or pass prices={...}"
+                )
+            out[g.name] = price / 3600.0
+        return out
+
+
+@dataclass(frozen=True, slots=True)
 class Candidate:
-    """One global configuration c (everything but the placement)."""
+    """One global configuration c (everything but the stage split and the placement)."""
 
     tp: int
     pp: int
@@ -128,6 +216,7 @@ class Candidate:
     recompute: Recompute
     schedule: Schedule
     sequence_parallel: bool
+    virtual_stages: int = 1
 
     def parallel(self, global_batch: int) -> Parallel:
         """The complete `Parallel` of this candidate."""
@@ -143,7 +232,15 @@ class Candidate:
             zero=self.zero,
             schedule=self.schedule,
             sequence_parallel=self.sequence_parallel,
+            virtual_stages=(
+                self.virtual_stages if self.schedule == Schedule.INTERLEAVED_1F1B else None
+            ),
         )
+
+    @property
+    def gpus(self) -> int:
+        """GPUs the configuration occupies: tp * pp * cp * dp."""
+        return self.tp * self.pp * self.cp * self.dp
 
     def describe(self) -> str:
         """One line for messages: `tp=8, pp=4, dp=2, micro_batch=1, full recompute, ZeRO-3`."""
@@ -154,6 +251,10 @@ class Candidate:
         parts += [f"cp={self.cp}"] if self.cp > 1 else []
         parts += [f"ep={self.ep}"] if self.ep > 1 else []
         parts += [f"micro_batch={self.micro_batch}", rc, f"ZeRO-{self.zero}"]
+        if self.schedule == Schedule.INTERLEAVED_1F1B:
+            parts.append(f"interleaved 1F1B v={self.virtual_stages}")
+        elif self.schedule != Schedule.ONE_F_ONE_B:
+            parts.append(self.schedule.value)
         return ", ".join(parts)
 
     @property
@@ -169,6 +270,7 @@ class Candidate:
             self.zero,
             self.recompute.value,
             self.schedule.value,
+            self.virtual_stages,
             self.sequence_parallel,
         )
 
@@ -184,12 +286,15 @@ class SolveResult:
     gap: float  # (objective - best bound) / objective
     wall_s: float
     candidates: int  # configurations enumerated and bounded
-    explored: int  # configurations priced in full (tables, bounds, greedy placements)
+    explored: int  # (configuration, split) pairs priced in full (tables, bounds, greedy)
     placement_models: int  # CP-SAT placement models solved
+    objective: str = "throughput"
+    objective_value: float = 0.0  # step s, $ per token or GPUs, by objective
+    splits: int = 0  # (configuration, split) pairs bounded
 
 
 # ---------------------------------------------------------------------------------------------
-# Step 1: enumerate candidates
+# Step 1: enumerate candidates and their splits
 # ---------------------------------------------------------------------------------------------
 
 
@@ -201,18 +306,58 @@ def _divisors_upto(n: int, limit: int) -> list[int]:
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
 
+def cp_options(seq_len: int) -> list[int]:
+    """Context-parallel degrees the planner tries: 1 and every cp <= MAX_CP with seq_len
+    divisible by 2 * cp (each rank holds two load-balanced chunks of the causal sequence) and
+    at least MIN_CP_TOKENS tokens per rank."""
+    if not seq_len:
+        return [1]
+    return [1] + [
+        c for c in range(2, MAX_CP + 1) if seq_len % (2 * c) == 0 and seq_len // c >= MIN_CP_TOKENS
+    ]
+
+
+def schedule_options(
+    pinned: Parallel, pp: int, n_layers: int, m: int
+) -> list[tuple[Schedule, int]]:
+    """(schedule, virtual stages) pairs: 1F1B, and interleaved 1F1B with every v in
+    2..MAX_VIRTUAL_STAGES dividing n_layers / pp when pp >= 2, pp divides n_layers and pp
+    divides the micro-batch count m (Megatron-LM's requirement). A pinned schedule or
+    virtual_stages restricts the list; GPipe only when pinned (it is never faster than 1F1B
+    under this cost model, and holds more activations)."""
+    sched, pv = pinned.schedule, pinned.virtual_stages
+    if sched in (Schedule.GPIPE, Schedule.ZERO_BUBBLE):
+        return [(sched, 1)]
+    out: list[tuple[Schedule, int]] = []
+    if sched in (None, Schedule.ONE_F_ONE_B) and pv in (None, 1):
+        out.append((Schedule.ONE_F_ONE_B, 1))
+    if (
+        sched in (None, Schedule.INTERLEAVED_1F1B)
+        and pp >= 2
+        and n_layers % pp == 0
+        and m % pp == 0
+    ):
+        per = n_layers // pp
+        vs = [pv] if pv else [v for v in range(2, MAX_VIRTUAL_STAGES + 1) if per % v == 0]
+        out += [(Schedule.INTERLEAVED_1F1B, v) for v in vs if v >= 2 and per % v == 0]
+    if sched == Schedule.INTERLEAVED_1F1B and pv in (None, 1):
+        out.append((Schedule.INTERLEAVED_1F1B, 1))  # one chunk: plain 1F1B, always valid
+    return out
+
+
 def enumerate_candidates(
     graph: Graph, cluster: Cluster, pinned: Parallel, global_batch: int
 ) -> list[Candidate]:
     """Every configuration the planner considers, honouring each pinned field of `pinned`.
 
-    tp divides heads and kv_heads (0 = unknown) and the GPUs per node of some group; cp (1
-    unless pinned) divides the sequence; ep (1 unless pinned) divides the experts and dp;
+    tp divides heads and kv_heads (0 = unknown) and the GPUs per node of some group; cp from
+    `cp_options` (divides the sequence); ep divides the experts and dp (MoE models only);
     pp <= layer units; dp * micro_batch divides global_batch (micro_batch <= MAX_MICRO_BATCH
     unless pinned); the groups hold pp * dp replicas of tp * cp GPUs (not every GPU must be
-    used: the objective prefers configurations that use them). ZeRO 1-3 only with dp > 1 (they
-    equal ZeRO-0 otherwise), schedule 1F1B, sequence parallel when tp > 1. Raises
-    InfeasibleError naming the first constraint that leaves nothing.
+    used: the objective prefers configurations that use them); schedules from
+    `schedule_options`. ZeRO 1-3 only with dp > 1 (they equal ZeRO-0 otherwise), sequence
+    parallel when tp > 1. Raises InfeasibleError naming the first constraint that leaves
+    nothing.
     """
     info = graph.info
     p = pinned
@@ -220,10 +365,23 @@ def enumerate_candidates(
         raise ValueError(
             f"global_batch={global_batch} conflicts with pinned global_batch={p.global_batch}"
         )
-    schedule = p.schedule or Schedule.ONE_F_ONE_B
-    if schedule not in SUPPORTED_SCHEDULES:
+    if p.schedule is not None and p.schedule not in SUPPORTED_SCHEDULES:
         raise InfeasibleError(
-            f"no plan: schedule {schedule.value!r} is not modelled yet (use 1f1b or gpipe)"
+            f"no plan: schedule {p.schedule.value!r} is not modelled yet (use "
+            + ", ".join(s.value for s in SUPPORTED_SCHEDULES)
+            + ")"
+        )
+    if (
+        p.virtual_stages
+        and p.virtual_stages > 1
+        and p.schedule
+        not in (
+            None,
+            Schedule.INTERLEAVED_1F1B,
+        )
+    ):
+        raise InfeasibleError(
+            f"no plan: virtual_stages={p.virtual_stages} needs schedule 'interleaved_1f1b'"
         )
     gpn = sorted({g.gpus_per_node for g in cluster.groups})
     n_layers = len(graph.layer_units)
@@ -242,14 +400,20 @@ def enumerate_candidates(
         tps = [p.tp]
     else:
         tps = [t for t in _divisors(max(gpn)) if tp_ok(t) is None]
-    cps = [p.cp or 1]
-    if info.seq_len and info.seq_len % cps[0]:
-        raise InfeasibleError(f"no plan: cp={cps[0]} does not divide seq_len={info.seq_len}")
-    eps = [p.ep or 1]
-    if eps[0] > 1 and not info.experts:
-        raise InfeasibleError(f"no plan: ep={eps[0]} but the model has no experts")
-    if info.experts and info.experts % eps[0]:
-        raise InfeasibleError(f"no plan: ep={eps[0]} does not divide experts={info.experts}")
+    if p.cp is not None:
+        if info.seq_len and info.seq_len % p.cp:
+            raise InfeasibleError(f"no plan: cp={p.cp} does not divide seq_len={info.seq_len}")
+        cps = [p.cp]
+    else:
+        cps = cp_options(info.seq_len)
+    if p.ep is not None:
+        if p.ep > 1 and not info.experts:
+            raise InfeasibleError(f"no plan: ep={p.ep} but the model has no experts")
+        if info.experts and info.experts % p.ep:
+            raise InfeasibleError(f"no plan: ep={p.ep} does not divide experts={info.experts}")
+        eps = [p.ep]
+    else:
+        eps = _divisors(info.experts) if info.experts else [1]
     if p.pp is not None and not 1 <= p.pp <= n_layers:
         raise InfeasibleError(f"no plan: pp={p.pp} but the model has {n_layers} layers")
     pps = [p.pp] if p.pp is not None else list(range(1, n_layers + 1))
@@ -265,7 +429,7 @@ def enumerate_candidates(
     rcs = [Recompute(p.recompute)] if p.recompute is not None else list(Recompute)
     out: list[Candidate] = []
     why_none = "no configuration fits the cluster's GPU count"
-    for tp, cp, ep, pp in itertools.product(tps, cps, eps, pps):
+    for tp, cp, pp in itertools.product(tps, cps, pps):
         sp = p.sequence_parallel if p.sequence_parallel is not None else tp > 1
         max_dp = sum(replica_capacity(g, tp, cp) for g in cluster.groups) // pp
         if p.dp is not None and p.dp > max_dp:
@@ -276,41 +440,137 @@ def enumerate_candidates(
             continue
         dps = [p.dp] if p.dp is not None else _divisors_upto(global_batch, max_dp)
         for dp in dps:
-            if dp % ep:
-                why_none = f"ep={ep} does not divide dp={dp}"
-                continue
             mbs = (
                 [p.micro_batch]
                 if p.micro_batch is not None
                 else _divisors_upto(global_batch // dp, MAX_MICRO_BATCH)
             )
             zeros = [p.zero] if p.zero is not None else ([0, 1, 2, 3] if dp > 1 else [0])
-            for mb, zero, rc in itertools.product(mbs, zeros, rcs):
-                if global_batch % (dp * mb):  # a pinned micro-batch against a free dp
-                    why_none = (
-                        f"global_batch={global_batch} is not divisible by "
-                        f"dp*micro_batch={dp}*{mb}={dp * mb} for any dp that fits"
-                    )
+            for ep in eps:
+                if dp % ep:
+                    why_none = f"ep={ep} does not divide dp={dp} (expert ranks reuse DP ranks)"
                     continue
-                out.append(Candidate(tp, pp, dp, cp, ep, mb, zero, rc, schedule, sp))
+                for mb in mbs:
+                    if global_batch % (dp * mb):  # a pinned micro-batch against a free dp
+                        why_none = (
+                            f"global_batch={global_batch} is not divisible by "
+                            f"dp*micro_batch={dp}*{mb}={dp * mb} for any dp that fits"
+                        )
+                        continue
+                    scheds = schedule_options(p, pp, n_layers, global_batch // (dp * mb))
+                    if not scheds:
+                        why_none = (
+                            f"interleaved 1F1B needs pp >= 2 dividing the {n_layers} layers and "
+                            f"the micro-batch count (pp={pp}, {global_batch // (dp * mb)} "
+                            "micro-batches)"
+                        )
+                    for zero, rc, (sched, v) in itertools.product(zeros, rcs, scheds):
+                        out.append(Candidate(tp, pp, dp, cp, ep, mb, zero, rc, sched, sp, v))
     if not out:
         raise InfeasibleError(f"no plan: {why_none}")
     return out
 
 
+def _unit_costs(
+    pricer: Pricer, c: Candidate, group: str, cache: dict
+) -> tuple[float, float, float]:
+    """(mean layer time, time of the units before the first layer, after the last layer) of
+    one micro-batch on one rank of `group` under c's degrees (memoised in `cache`)."""
+    key = ("unit", group, c.tp, c.cp, c.ep, c.sequence_parallel, c.micro_batch, c.recompute)
+    got = cache.get(key)
+    if got is None:
+        got = cache[key] = _unit_costs_uncached(pricer, c, group)
+    return got
+
+
+def _unit_costs_uncached(pricer: Pricer, c: Candidate, group: str) -> tuple[float, float, float]:
+    costs, graph = pricer.costs, pricer.costs.graph
+    lookup = dict(graph.blocks)
+    kinds = [lookup[k].kind for k in costs.unit_keys]
+    layer_pos = [i for i, k in enumerate(kinds) if k == "layer"]
+
+    @functools.cache
+    def t(key: str) -> float:
+        return pricer.stage_time(
+            ((key, 1),),
+            group,
+            tp=c.tp,
+            cp=c.cp,
+            ep=c.ep,
+            sp=c.sequence_parallel,
+            micro_batch=c.micro_batch,
+            recompute=c.recompute,
+        ).total
+
+    layer = sum(t(costs.unit_keys[i]) for i in layer_pos) / len(layer_pos)
+    head = sum(t(costs.unit_keys[i]) for i in range(layer_pos[0]))
+    tail = sum(t(costs.unit_keys[i]) for i in range(layer_pos[-1] + 1, len(kinds)))
+    return layer, head, tail
+
+
+def _fill(capacity: dict[str, int], order: Sequence[str], pp: int, dp: int):
+    """The groups each stage's replicas land on when stages fill `order` in rank order."""
+    free = dict(capacity)
+    out = []
+    for _ in range(pp):
+        want, used = dp, []
+        for g in order:
+            take = min(want, free[g])
+            if take:
+                used.append(g)
+                free[g] -= take
+                want -= take
+            if not want:
+                break
+        if want:
+            return None
+        out.append(used)
+    return out
+
+
+def _splits(
+    pricer: Pricer, c: Candidate, groups: Sequence[str], n_layers: int, cache: dict
+) -> list[tuple[int, ...]]:
+    """The layer splits searched for c (module docstring, set L(c)); the even split first.
+    `cache` memoises per-unit costs and balanced splits within one search."""
+    pp = c.pp
+    base, extra = divmod(n_layers, pp)
+    even = tuple(base + (1 if s < extra else 0) for s in range(pp))
+    if pp == 1:
+        return [even]
+    if c.schedule == Schedule.INTERLEAVED_1F1B:
+        return [even]  # every virtual stage holds the same number of layers
+    if count_compositions(n_layers, pp) <= EXHAUSTIVE_SPLITS:
+        return [even] + [x for x in compositions(n_layers, pp) if x != even]
+    out = [even]
+    per = {g: _unit_costs(pricer, c, g, cache) for g in groups}
+
+    def balanced(stage_groups: Sequence[Sequence[str]]) -> tuple[int, ...]:
+        key = ("split", pp, tuple(tuple(gs) for gs in stage_groups), *(per[g] for g in groups))
+        got = cache.get(key)
+        if got is None:
+            layer = [max(per[g][0] for g in gs) for gs in stage_groups]
+            fixed = [0.0] * pp
+            fixed[0] += max(per[g][1] for g in stage_groups[0])
+            fixed[-1] += max(per[g][2] for g in stage_groups[-1])
+            got = cache[key] = balanced_counts(n_layers, layer, fixed)
+        return got
+
+    for g in groups:
+        out.append(balanced([[g]] * pp))
+    if len(groups) > 1:
+        capacity = {g: replica_capacity(pricer.groups[g], c.tp, c.cp) for g in groups}
+        fast = sorted(groups, key=lambda g: (per[g][0], g))
+        for order in (fast, fast[::-1]):
+            filled = _fill(capacity, order, pp, c.dp)
+            if filled is not None:
+                out.append(balanced(filled))
+    return list(dict.fromkeys(out))
+
+
 # ---------------------------------------------------------------------------------------------
 # Step 2: screen (bound, price, greedy warm start) before building any model
 # ---------------------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class _Priced:
-    cand: Candidate
-    tables: PlanTables
-    allowed: list[list[str]]  # [stage] groups whose memory fits and that can hold a replica
-    lower: float  # lower bound on the step time of any placement
-    greedy_placement: list[list[tuple[str, int]]] | None  # best warm-start placement
-    greedy_time: float
 
 
 def _prefix_time(times: dict[str, float], capacity: dict[str, int], need: int) -> float:
@@ -382,9 +642,123 @@ def _stage_bound(
     return big_u, total
 
 
-def _memory_free_bound(pricer: Pricer, cand: Candidate, ranges, groups) -> tuple[float, float]:
-    """A lower bound on the step time of every placement, before any table (memory ignored,
-    capacity respected): (m - 1) * U + S of `_stage_bound` over the distinct stages."""
+def _split_free_bound(
+    pricer: Pricer, c: Candidate, groups: Sequence[str], m: int, cache: dict
+) -> float:
+    """A step-time bound of c that holds for every split and placement (memory ignored):
+    stage times add over units, so S >= S_min (every unit on its fastest group) and U >= S / pp
+    for lock-step placements; with shares a group's pipelines need at least W_g / pp per
+    micro-batch (W_g: the whole model on g), so `_share_rate_bound` applies with U_g = W_g / pp."""
+    key = ("free", c.tp, c.cp, c.ep, c.sequence_parallel, c.micro_batch, c.recompute)
+    key += (tuple(groups),)
+    got = cache.get(key)
+    if got is None:
+        costs = pricer.costs
+        counts: dict[str, int] = {}
+        for k in costs.unit_keys:
+            counts[k] = counts.get(k, 0) + 1
+        per = {
+            (k, g): pricer.stage_time(
+                ((k, 1),),
+                g,
+                tp=c.tp,
+                cp=c.cp,
+                ep=c.ep,
+                sp=c.sequence_parallel,
+                micro_batch=c.micro_batch,
+                recompute=c.recompute,
+            ).total
+            for k in counts
+            for g in groups
+        }
+        s_min = sum(n * min(per[(k, g)] for g in groups) for k, n in counts.items())
+        whole = {g: sum(n * per[(k, g)] for k, n in counts.items()) for g in groups}
+        got = cache[key] = (s_min, whole)
+    s_min, whole = got
+    v, pp = c.virtual_stages, c.pp
+    lock = (m - 1 / v) * s_min / pp + s_min / v
+    if c.zero > 2:
+        return lock
+    capacity = {g: replica_capacity(pricer.groups[g], c.tp, c.cp) for g in groups}
+    per_group = {g: (w / pp, w / pp) for g, w in whole.items()}
+    rate, _ = _share_rate_bound(per_group, capacity, pp, c.dp, v)
+    return min(lock, c.dp * m / rate) if rate > 0 else lock
+
+
+def _megatron_seeds(
+    cands: list[Candidate], fits: Callable[[Candidate], bool], per_pp: int = 2, most: int = 8
+) -> list[Candidate]:
+    """Megatron-LM-style warm starts among the candidates: the widest TP, no CP, the most EP,
+    micro-batch 1, ZeRO-1 (distributed optimizer), 1F1B, no or selective recompute, the largest
+    dp for each of the smallest pipeline depths whose layers can fit (`fits`), `most` in all."""
+    pool = [
+        c
+        for c in cands
+        if c.cp == 1
+        and c.micro_batch == 1
+        and c.zero in (0, 1)
+        and c.schedule == Schedule.ONE_F_ONE_B
+        and c.recompute != Recompute.FULL
+    ]
+    if not pool:
+        return []
+    tp = max(c.tp for c in pool)
+    ep = max(c.ep for c in pool if c.tp == tp)
+    by_pp: dict[int, list[Candidate]] = {}
+    for c in pool:
+        if c.tp == tp and c.ep == ep and (c.zero == 1 or c.dp == 1):
+            by_pp.setdefault(c.pp, []).append(c)
+    out: list[Candidate] = []
+    for pp in sorted(by_pp):
+        top = max(c.dp for c in by_pp[pp])
+        best = sorted((c for c in by_pp[pp] if c.dp == top), key=lambda c: c.sort_key)
+        out += [c for c in best if fits(c)][:per_pp]
+        if len(out) >= most:
+            break
+    return out[:most]
+
+
+def _split_free_memory(pricer: Pricer, c: Candidate, n_layers: int, cache: dict) -> int:
+    """A peak-memory bound of c that holds for every split: some stage holds at least
+    ceil(L / pp) consecutive layers and at least one micro-batch in flight, so it needs at least
+    the least memory of such a window (over every window of the layer units)."""
+    key = ("mem", c.tp, c.cp, c.ep, c.dp, c.zero, c.recompute, c.sequence_parallel)
+    key += (c.micro_batch, c.pp)
+    got = cache.get(key)
+    if got is None:
+        costs = pricer.costs
+        lookup = dict(costs.graph.blocks)
+        layer_pos = [i for i, k in enumerate(costs.unit_keys) if lookup[k].kind == "layer"]
+        width = -(-n_layers // c.pp)
+        comps = {
+            costs.composition(layer_pos[i], layer_pos[i + width - 1] + 1)
+            for i in range(len(layer_pos) - width + 1)
+        }
+        got = cache[key] = min(
+            pricer.stage_memory(
+                comp,
+                tp=c.tp,
+                cp=c.cp,
+                ep=c.ep,
+                dp=c.dp,
+                zero=c.zero,
+                recompute=c.recompute,
+                sp=c.sequence_parallel,
+                micro_batch=c.micro_batch,
+            ).peak(1)[0]
+            for comp in comps
+        )
+    return got
+
+
+def _distinct_stage_times(pricer: Pricer, cand: Candidate, ranges, groups, cache: dict):
+    """(per distinct stage: {group: u}, how many stages each, {group: (U_g, S_g)}), memoised
+    in `cache` (dp and ZeRO do not change stage times)."""
+    key = ("times", cand.tp, cand.cp, cand.ep, cand.sequence_parallel, cand.micro_batch)
+    key += (cand.recompute, tuple(ranges), tuple(groups))
+    got = cache.get(key)
+    if got is not None:
+        return got
     costs = pricer.costs
     distinct: dict = {}
     for first, last in ranges:
@@ -406,31 +780,235 @@ def _memory_free_bound(pricer: Pricer, cand: Candidate, ranges, groups) -> tuple
         }
         for comp in distinct
     ]
+    counts = list(distinct.values())
+    per_group = {
+        g: (max(st[g] for st in stage_times), sum(n * st[g] for st, n in zip(stage_times, counts)))
+        for g in groups
+    }
+    got = cache[key] = (stage_times, counts, per_group)
+    return got
+
+
+def _memory_free_bound(
+    pricer: Pricer, cand: Candidate, ranges, groups, cache: dict
+) -> tuple[float, float, float, float]:
+    """Lower-bound pieces of every placement before any table (memory ignored, capacity
+    respected), over the distinct stages: (U, S) of `_stage_bound` for lock-step placements,
+    and (rate, fill) of `_share_rate_bound` for group-pure pipelines with uneven shares."""
+    stage_times, counts, per_group = _distinct_stage_times(pricer, cand, ranges, groups, cache)
     capacity = {g: replica_capacity(pricer.groups[g], cand.tp, cand.cp) for g in groups}
-    return _stage_bound(stage_times, list(distinct.values()), capacity, cand.dp)
+    big_u, total = _stage_bound(stage_times, counts, capacity, cand.dp)
+    rate, fill = _share_rate_bound(per_group, capacity, cand.pp, cand.dp, cand.virtual_stages)
+    return big_u, total, rate, fill
+
+
+def _share_rate_bound(
+    per_group: Mapping[str, tuple[float, float]],
+    capacity: Mapping[str, int],
+    pp: int,
+    dp: int,
+    v: int,
+) -> tuple[float, float]:
+    """(rate, fill) such that every group-pure placement with uneven shares has a pipeline term
+    of at least M / rate + fill (M micro-batches in all): a group's pipelines run at best one
+    micro-batch per U_g (its slowest stage), so M <= T * sum_g n_g / U_g, and the best
+    sum_g n_g / U_g over n_g <= R[g] // pp, sum_g n_g = dp fills the fastest groups first;
+    every pipeline also pays at least the smallest fill (S_g - U_g) / v. (0, inf) when the
+    groups cannot hold dp pipelines or fewer than two groups can host one."""
+    hosts = [g for g in per_group if capacity[g] >= pp and per_group[g][0] > 0]
+    if len(hosts) < 2:
+        return 0.0, math.inf
+    rate, left = 0.0, dp
+    for g in sorted(hosts, key=lambda g: (per_group[g][0], g)):
+        take = min(left, capacity[g] // pp)
+        rate += take / per_group[g][0]
+        left -= take
+        if not left:
+            break
+    if left:
+        return 0.0, math.inf
+    fill = min((per_group[g][1] - per_group[g][0]) / v for g in hosts)
+    return rate, fill
+
+
+def _pipeline_bound(big_u: float, total: float, m: int, v: int) -> float:
+    """m U + (S - U) / v, increasing in U and S, so it bounds with lower bounds of both
+    (infinite when the groups cannot hold the replicas)."""
+    if math.isinf(big_u) or math.isinf(total):
+        return math.inf
+    return m * big_u + (total - big_u) / v
+
+
+def _exposed_and_optimizer(t: PlanTables, allowed: list[list[str]], crossing: int = 0) -> float:
+    """Lower bound of rep * exposed DP traffic + optimizer: each at its cheapest allowed group
+    (pair). `crossing` > 0: every stage's replicas span two groups, that many stages at once
+    (group-pure pipelines in several groups), so only cross-group rings count."""
+    exposed = 0.0
+    for s in range(t.pp):
+        comm = math.inf if crossing else min(t.dp_single[s][g] for g in allowed[s])
+        pairs = [(a, b) for a, b in t.dp_cross[s] if a in allowed[s] and b in allowed[s]]
+        if pairs:
+            comm = min(comm, min(t.dp_cross[s][k].time(max(1, crossing)) for k in pairs))
+        if math.isinf(comm):
+            return math.inf
+        window = max(t.window[s][g] for g in allowed[s])
+        exposed = max(exposed, comm - OVERLAP_EFFICIENCY * min(comm, window))
+    opt = max(min(t.optimizer[s][g] for g in allowed[s]) for s in range(t.pp))
+    return t.rep * exposed + opt
 
 
 def _lower_bound(t: PlanTables, allowed: list[list[str]]) -> float:
-    """A lower bound on `evaluate(t, placement)` over every placement that respects memory and
-    capacity: stage times by `_stage_bound`, boundaries, DP traffic and optimizer at their
-    cheapest allowed group (pair)."""
-    pp, m = t.pp, t.m
+    """A lower bound on `evaluate(t, placement)` over every lock-step placement that respects
+    memory and capacity: stage times by `_stage_bound`, boundaries, DP traffic and optimizer
+    at their cheapest allowed group (pair)."""
+    pp, m, v = t.pp, t.m, t.chunks
     stage_times = [{g: t.time[s][g].total for g in allowed[s]} for s in range(pp)]
     big_u, total = _stage_bound(stage_times, [1] * pp, t.replica_capacity, t.parallel.dp)
     p2p = max(
         (min(t.p2p[s][(a, b)] for a in allowed[s] for b in allowed[s + 1]) for s in range(pp - 1)),
         default=0.0,
     )
-    exposed = 0.0
-    for s in range(pp):
-        comm = min(t.dp_single[s][g] for g in allowed[s])
-        pairs = [(a, b) for a, b in t.dp_cross[s] if a in allowed[s] and b in allowed[s]]
-        if pairs:
-            comm = min(comm, min(t.dp_cross[s][k].time(1) for k in pairs))
-        window = max(t.window[s][g] for g in allowed[s])
-        exposed = max(exposed, comm - OVERLAP_EFFICIENCY * min(comm, window))
-    opt = max(min(t.optimizer[s][g] for g in allowed[s]) for s in range(pp))
-    return (m - 1) * big_u + total + (m + pp - 1) * p2p + t.rep * exposed + opt
+    return (
+        _pipeline_bound(big_u, total, m, v)
+        + (m * v + pp - 1) * p2p
+        + _exposed_and_optimizer(t, allowed)
+    )
+
+
+def _share_hosts(t: PlanTables, allowed: list[list[str]]) -> list[str]:
+    """Groups that can host whole pipelines: every stage fits and pp replicas fit."""
+    return [
+        g
+        for g in t.groups
+        if all(g in allowed[s] for s in range(t.pp)) and t.replica_capacity[g] >= t.pp
+    ]
+
+
+def _share_cap(t: PlanTables) -> int:
+    """The largest per-replica micro-batch count that keeps every stage's in-flight activations
+    (hence `t.fits`) as they are: unbounded where the schedule's warm-up depth is saturated."""
+    p, big = t.parallel, 1 << 30
+    same = all(
+        in_flight_microbatches(p.schedule, s, t.pp, big, t.chunks)
+        == in_flight_microbatches(p.schedule, s, t.pp, t.m, t.chunks)
+        for s in range(t.pp)
+    )
+    return big if same else t.m
+
+
+def _share_terms(t: PlanTables, g: str) -> tuple[float, float]:
+    """(slope, const) of group g's pipeline term f_g(m) = slope * m + const."""
+    pp, v = t.pp, t.chunks
+    us = [t.time[s][g].total for s in range(pp)]
+    p2p = max((t.p2p[s][(g, g)] for s in range(pp - 1)), default=0.0)
+    big_u = max(us)
+    return big_u + v * p2p, (sum(us) - big_u) / v + (pp - 1) * p2p
+
+
+def _share_bound(t: PlanTables, allowed: list[list[str]]) -> float:
+    """A lower bound on `evaluate` over group-pure placements with uneven shares (infinite
+    when there are none): `_share_rate_bound` over the host groups plus the DP and optimizer
+    bounds."""
+    if t.parallel.zero == 3 or _share_cap(t) <= t.m:
+        return math.inf
+    hosts = _share_hosts(t, allowed)
+    terms = {g: _share_terms(t, g) for g in hosts}
+    per_group = {g: (a, b + a) for g, (a, b) in terms.items()}  # (U_g, S_g) with v = 1
+    rate, _ = _share_rate_bound(per_group, t.replica_capacity, t.pp, t.parallel.dp, 1)
+    if rate <= 0:
+        return math.inf
+    fill = min(terms[g][1] for g in hosts)
+    return t.parallel.dp * t.m / rate + fill + _exposed_and_optimizer(t, allowed, t.pp)
+
+
+def _pair_shares(
+    fa: tuple[float, float], fb: tuple[float, float], na: int, nb: int, total: int, cap: int
+) -> tuple[int, int] | None:
+    """Integer (m_a, m_b) >= 1, <= cap, with na m_a + nb m_b = total minimising
+    max(fa(m_a), fb(m_b)) for increasing linear fa, fb: the feasible m_a nearest the crossing
+    point on either side (feasible m_a repeat every nb / gcd(na, nb))."""
+    (sa, ca), (sb, cb) = fa, fb
+    lo = max(1, -(-(total - nb * cap) // na))
+    hi = min(cap, (total - nb) // na)
+    if lo > hi:
+        return None
+    x = (sb * total / nb + cb - ca) / (sa + sb * na / nb)
+    period = nb // math.gcd(na, nb)
+    picks = []
+    down = min(hi, max(lo, math.floor(x)))
+    for ma in range(down, max(lo, down - period) - 1, -1):
+        if (total - na * ma) % nb == 0:
+            picks.append(ma)
+            break
+    up = max(lo, min(hi, math.ceil(x)))
+    for ma in range(up, min(hi, up + period) + 1):
+        if (total - na * ma) % nb == 0:
+            picks.append(ma)
+            break
+    if not picks:
+        return None
+    ma = min(picks, key=lambda a: (max(sa * a + ca, sb * ((total - na * a) // nb) + cb), a))
+    return ma, (total - na * ma) // nb
+
+
+def _share_placements(t: PlanTables, allowed: list[list[str]], prune: bool = True):
+    """Group-pure placements with uneven shares: ([(placement, shares)], exact).
+
+    For every pair of host groups (a, b) and n_a + n_b = dp pipelines, the best shares come
+    from `_pair_shares`. With `prune` (objectives that rank by step time) the n_a are visited
+    in order of their continuous bound T(n_a) = (M + sum_g n_g c_g / s_g) / (sum_g n_g / s_g)
+    and the visit stops once T(n_a) reaches the best integer pipeline term found: exact for
+    every pair. Without it (cost: the group mix changes the price) every n_a is tried up to
+    dp = SHARE_EXHAUSTIVE_DP, a window around the fastest-first split beyond. `exact` says that
+    every group-pure placement was covered (at most two host groups, no window)."""
+    if t.parallel.zero == 3:
+        return [], True
+    cap = _share_cap(t)
+    if cap <= t.m:
+        return [], True
+    hosts = _share_hosts(t, allowed)
+    if len(hosts) < 2:
+        return [], True
+    dp, pp, total = t.parallel.dp, t.pp, t.parallel.dp * t.m
+    terms = {g: _share_terms(t, g) for g in hosts}
+    out = []
+    exact = len(hosts) == 2 and (prune or dp <= SHARE_EXHAUSTIVE_DP)
+    for a, b in itertools.combinations(hosts, 2):
+        (sa, ca), (sb, cb) = terms[a], terms[b]
+        ra, rb = t.replica_capacity[a] // pp, t.replica_capacity[b] // pp
+        lo, hi = max(1, dp - rb), min(dp - 1, ra)
+        if lo > hi:
+            continue
+        if prune:
+            order = sorted(
+                range(lo, hi + 1),
+                key=lambda na: (
+                    (total + na * ca / sa + (dp - na) * cb / sb) / (na / sa + (dp - na) / sb),
+                    na,
+                ),
+            )
+        elif dp <= SHARE_EXHAUSTIVE_DP:
+            order = list(range(lo, hi + 1))
+        else:
+            centre = hi if sa <= sb else lo
+            order = list(range(max(lo, centre - SHARE_WINDOW), min(hi, centre + SHARE_WINDOW) + 1))
+        best_pipe = math.inf
+        for na in order:
+            nb = dp - na
+            if prune:
+                bound = (total + na * ca / sa + nb * cb / sb) / (na / sa + nb / sb)
+                if bound >= best_pipe * (1 - 1e-12):
+                    break
+            got = _pair_shares(terms[a], terms[b], na, nb, total, cap)
+            if got is None:
+                continue
+            pipe = max(sa * got[0] + ca, sb * got[1] + cb)
+            if prune and pipe >= best_pipe:
+                continue
+            best_pipe = min(best_pipe, pipe)
+            placement = [[(a, na), (b, nb)] for _ in range(pp)]
+            out.append((placement, {a: got[0], b: got[1]}))
+    return out, exact
 
 
 def _largest_stage(pricer: Pricer, c: Candidate, ranges, global_batch: int) -> tuple[int, int]:
@@ -454,15 +1032,17 @@ def _largest_stage(pricer: Pricer, c: Candidate, ranges, global_batch: int) -> t
             sp=c.sequence_parallel,
             micro_batch=c.micro_batch,
         )
-        peak, _ = mem.peak(in_flight_microbatches(c.schedule, s, len(ranges), m))
+        held = in_flight_microbatches(c.schedule, s, len(ranges), m, c.virtual_stages)
+        peak, _ = mem.peak(held)
         worst = max(worst, (peak, s))
     return worst
 
 
 def _greedy_placements(t: PlanTables, allowed: list[list[str]], order: Sequence[str]):
-    """Warm-start placements: (1) rank order, as `place_stages` fills GPUs; (2) heaviest stage
-    first, each into its fastest group that can hold all its replicas, else split fastest
-    first; (3) everything in one group when that group holds it all."""
+    """Warm-start placements: (1) rank order over the groups as listed, fastest first and
+    slowest first (as the splits of `_splits` assume); (2) heaviest stage first, each into its
+    fastest group that can hold all its replicas, else split fastest first; (3) everything in
+    one group when that group holds it all."""
     dp, pp = t.parallel.dp, t.pp
 
     def fill(stage_order, group_order_of):
@@ -489,90 +1069,221 @@ def _greedy_placements(t: PlanTables, allowed: list[list[str]], order: Sequence[
             out[s] = reps
         return out
 
-    tries = [fill(range(pp), lambda s: order)]
+    speed = sorted(order, key=lambda g: (sum(t.time[s][g].total for s in range(pp)), g))
+    tries = [fill(range(pp), lambda s, o=o: o) for o in (list(order), speed, speed[::-1])]
     heavy = sorted(range(pp), key=lambda s: -max(t.time[s][g].total for g in allowed[s]))
     tries.append(fill(heavy, lambda s: sorted(order, key=lambda g: t.time[s][g].total)))
     for g in order:
         tries.append(fill(range(pp), lambda s, g=g: [g]))
-    return [p for p in tries if p is not None]
+    out = []
+    for p in tries:
+        if p is not None and p not in out:
+            out.append(p)
+    return out
+
+
+Placement = list[list[tuple[str, int]]]
+
+
+class _Scorer:
+    """The objective in numbers: a placement's score (step seconds, or dollars per step for
+    "cost") and the factor that turns a step-time bound into a score bound."""
+
+    def __init__(self, objective: Objective, cluster: Cluster) -> None:
+        self.cost = objective.kind == "cost"
+        self.price = objective.price_per_gpu_s(cluster) if self.cost else {}
+        self.uniform = len(set(self.price.values())) <= 1
+
+    def score(self, c: Candidate, step: float, placement: Placement) -> float:
+        """Objective value of a placed plan with this step time."""
+        if not self.cost:
+            return step
+        per = c.tp * c.cp
+        return step * sum(per * n * self.price[g] for reps in placement for g, n in reps)
+
+    def factor(self, c: Candidate, capacity: Mapping[str, int]) -> float:
+        """Score per second of step time at best: the cheapest GPUs that could hold c."""
+        if not self.cost:
+            return 1.0
+        left, rate = c.pp * c.dp, 0.0
+        for g in sorted(capacity, key=lambda g: (self.price[g], g)):
+            take = min(left, capacity[g])
+            rate += take * c.tp * c.cp * self.price[g]
+            left -= take
+        return rate
+
+
+@dataclass(slots=True)
+class _Priced:
+    cand: Candidate
+    layers: tuple[int, ...]
+    tables: PlanTables
+    allowed: list[list[str]]  # [stage] groups whose memory fits and that can hold a replica
+    lower: float  # score bound of every placement (lock-step or with shares)
+    lock_lower: float  # score bound of lock-step placements
+    share_open: float  # score bound of share placements not searched exactly (inf: none)
+    greedy_placement: Placement | None  # best lock-step warm start
+    greedy_score: float
+    best: tuple[float, Placement, dict | None] | None = None  # (score, placement, shares)
+    factor: float = 1.0
 
 
 def _screen(
-    pricer: Pricer, graph: Graph, cands: list[Candidate], global_batch: int, deadline: float, say
-) -> tuple[list[_Priced], int, str | None, float]:
-    """Price candidates in lower-bound order until the bound passes the best greedy plan.
+    pricer: Pricer,
+    graph: Graph,
+    cands: list[Candidate],
+    global_batch: int,
+    deadline: float,
+    scorer: _Scorer,
+    limit: float,
+    say,
+    incumbent: float = math.inf,
+) -> tuple[list[_Priced], int, int, tuple | None, float]:
+    """Price (candidate, split) pairs in bound order until the bound passes the best plan.
 
-    Returns (priced candidates that may still win, how many were priced in full, the memory
-    message if none fits, the bound of the first candidate left unpriced when the deadline
-    cut the screen short, else infinity)."""
+    Returns (priced pairs that may still win, pairs bounded, pairs priced in full, the
+    smallest memory need (bytes, stage, candidate) when nothing fits, the bound of the first
+    pair left unpriced when the deadline cut the screen short, else infinity). Pairs whose
+    bound exceeds `limit` are dropped (min_gpus: the target step time)."""
     cluster = pricer.cluster
     order = [g.name for g in cluster.groups]
-    ranges_of: dict[int, tuple[tuple[int, int], ...]] = {}
-    bound_of: dict[tuple, tuple[float, float]] = {}
-    keyed = []
-    for c in cands:
-        ranges = ranges_of.get(c.pp)
-        if ranges is None:
-            ranges = ranges_of[c.pp] = even_stages(graph, c.pp)
-        # zero does not change stage times, and the bound is linear in m: key without both
-        bkey = (c.tp, c.cp, c.ep, c.sequence_parallel, c.pp, c.dp, c.micro_batch, c.recompute)
-        ab = bound_of.get(bkey)
-        if ab is None:
-            groups = [g for g in order if replica_capacity(pricer.groups[g], c.tp, c.cp)]
-            ab = bound_of[bkey] = _memory_free_bound(pricer, c, ranges, groups)
-        if math.isinf(ab[0]):
-            continue  # the groups cannot hold pp * dp replicas of tp * cp GPUs
-        m = global_batch // (c.dp * c.micro_batch)
-        keyed.append(((m - 1) * ab[0] + ab[1], c.sort_key, c))
-    keyed.sort(key=lambda k: (k[0], k[1]))
-    say(f"bounded {len(cands)} configurations; pricing in bound order")
+    n_layers = len(graph.layer_units)
+    ranges_of: dict[tuple[int, ...], tuple[tuple[int, int], ...]] = {}
+    splits_of: dict[tuple, list[tuple[int, ...]]] = {}
+    bound_of: dict[tuple, tuple[float, float, float, float]] = {}
+    groups_of: dict[tuple[int, int], list[str]] = {}
+    factor_of: dict[tuple, float] = {}
+    cache: dict = {}
 
-    best = math.inf
+    def groups_for(c: Candidate) -> list[str]:
+        got = groups_of.get((c.tp, c.cp))
+        if got is None:
+            got = groups_of[(c.tp, c.cp)] = [
+                g for g in order if replica_capacity(pricer.groups[g], c.tp, c.cp)
+            ]
+        return got
+
+    # Best-first over candidates, then over their splits: a candidate enters with a bound that
+    # holds for every split (`_split_free_bound`) and is expanded into (candidate, split) pairs
+    # with their own bounds only when it reaches the front.
+    heap = []
+    for c in cands:
+        groups = groups_for(c)
+        m = global_batch // (c.dp * c.micro_batch)
+        lb = _split_free_bound(pricer, c, groups, m, cache)
+        if math.isinf(lb) or lb > limit * (1 + 1e-9):
+            continue
+        fkey = (c.tp, c.cp, c.pp, c.dp)
+        factor = factor_of.get(fkey)
+        if factor is None:
+            capacity = {g: replica_capacity(pricer.groups[g], c.tp, c.cp) for g in groups}
+            factor = factor_of[fkey] = scorer.factor(c, capacity)
+        heap.append((lb * factor, c.sort_key, (), c, factor))
+    # Megatron-style warm starts go first (bound -1): a strong incumbent early prunes the rest.
+    top_memory = max(g.gpu.memory_bytes for g in cluster.groups)
+
+    def may_fit(c: Candidate) -> bool:
+        return _split_free_memory(pricer, c, n_layers, cache) <= top_memory
+
+    for c in _megatron_seeds(cands, may_fit):
+        base, extra = divmod(n_layers, c.pp)
+        even = tuple(base + (1 if s < extra else 0) for s in range(c.pp))
+        ranges_of.setdefault(even, stages_of(graph, even))
+        fkey = (c.tp, c.cp, c.pp, c.dp)
+        if fkey not in factor_of:
+            capacity = {g: replica_capacity(pricer.groups[g], c.tp, c.cp) for g in groups_for(c)}
+            factor_of[fkey] = scorer.factor(c, capacity)
+        heap.append((-1.0, c.sort_key, even, c, factor_of[fkey]))
+    heapq.heapify(heap)
+    say(f"bounded {len(heap)} configurations; pricing in bound order")
+    done: set[tuple[Candidate, tuple[int, ...]]] = set()
+
+    best = incumbent
     kept: list[_Priced] = []
-    priced = 0
-    smallest: tuple[float, int, Candidate] | None = None  # (bytes, stage, candidate)
+    priced = pairs = 0
+    smallest: tuple[int, int, Candidate] | None = None  # (bytes, stage, candidate)
     cut = math.inf
-    for lb0, _, c in keyed:
+    while heap:
+        lb0, sort_key, split, c, factor = heapq.heappop(heap)
         if lb0 > best * (1 + 1e-9):
             break
         # Past the deadline, stop once there is a plan to return. Without one, go on: the
         # memory check below makes pricing a candidate that fits nowhere cheap.
-        if math.isfinite(best) and time.perf_counter() > deadline:
+        if lb0 >= 0 and math.isfinite(best) and time.perf_counter() > deadline:
             cut = lb0
             break
-        groups = [g for g in order if replica_capacity(pricer.groups[g], c.tp, c.cp)]
-        need, stage = _largest_stage(pricer, c, ranges_of[c.pp], global_batch)
+        groups = groups_for(c)
+        if not split:  # expand the candidate into its splits
+            need = _split_free_memory(pricer, c, n_layers, cache)
+            if need > max(pricer.groups[g].gpu.memory_bytes for g in groups):
+                if smallest is None or need < smallest[0]:
+                    smallest = (need, c.pp - 1, c)
+                continue  # no split fits: some stage holds ceil(L / pp) layers
+            skey = (c.tp, c.cp, c.ep, c.sequence_parallel, c.pp, c.dp, c.micro_batch)
+            skey += (c.recompute, c.schedule == Schedule.INTERLEAVED_1F1B)
+            splits = splits_of.get(skey)
+            if splits is None:
+                splits = splits_of[skey] = _splits(pricer, c, groups, n_layers, cache)
+            m = global_batch // (c.dp * c.micro_batch)
+            for sp_ in splits:
+                ranges = ranges_of.get(sp_)
+                if ranges is None:
+                    ranges = ranges_of[sp_] = stages_of(graph, sp_)
+                # zero does not change stage times, and the bound is linear in m
+                bkey = (*skey[:-1], sp_)
+                ab = bound_of.get(bkey)
+                if ab is None:
+                    ab = bound_of[bkey] = _memory_free_bound(pricer, c, ranges, groups, cache)
+                big_u, total, rate, fill = ab
+                lb = _pipeline_bound(big_u, total, m, c.virtual_stages)
+                if c.zero <= 2 and rate > 0:
+                    lb = min(lb, c.dp * m / rate + fill)
+                if math.isinf(lb) or lb > limit * (1 + 1e-9):
+                    continue
+                pairs += 1
+                heapq.heappush(heap, (lb * factor, sort_key, sp_, c, factor))
+            continue
+        if (c, split) in done:
+            continue  # a warm start priced already
+        done.add((c, split))
+        ranges = ranges_of[split]
+        need, stage = _largest_stage(pricer, c, ranges, global_batch)
         if need > max(pricer.groups[g].gpu.memory_bytes for g in groups):
             if smallest is None or need < smallest[0]:
                 smallest = (need, stage, c)
             continue  # some stage fits on no GPU: no tables needed to know
         priced += 1
-        t = plan_tables(pricer, c.parallel(global_batch), ranges_of[c.pp], groups)
+        t = plan_tables(pricer, c.parallel(global_batch), ranges, groups)
         allowed = [[g for g in groups if t.fits[s][g]] for s in range(t.pp)]
-        lower = _lower_bound(t, allowed)
+        if any(not a for a in allowed):
+            continue
+        lock_lower = _lower_bound(t, allowed) * factor
+        share_lower = _share_bound(t, allowed) * factor
+        lower = min(lock_lower, share_lower)
         if lower > best * (1 + 1e-9):
             continue
-        g_best, g_time = None, math.inf
+        pr = _Priced(c, split, t, allowed, lower, lock_lower, math.inf, None, math.inf)
+        pr.factor = factor
         for pl in _greedy_placements(t, allowed, order):
-            ev = evaluate(t, pl)
-            if ev.step_time_s < g_time:
-                g_best, g_time = pl, ev.step_time_s
-        best = min(best, g_time)
-        kept.append(_Priced(c, t, allowed, lower, g_best, g_time))
+            sc = scorer.score(c, evaluate(t, pl).step_time_s, pl)
+            if sc < pr.greedy_score:
+                pr.greedy_placement, pr.greedy_score = pl, sc
+        if pr.greedy_placement is not None:
+            pr.best = (pr.greedy_score, pr.greedy_placement, None)
+        if share_lower < (pr.best[0] if pr.best else math.inf) * (1 - 1e-9):
+            options, exact = _share_placements(t, allowed, prune=not scorer.cost)
+            for pl, shares in options:
+                sc = scorer.score(c, evaluate(t, pl, shares).step_time_s, pl)
+                if pr.best is None or sc < pr.best[0] * (1 - 1e-12):
+                    pr.best = (sc, pl, shares)
+            if not exact:
+                pr.share_open = share_lower
+        if pr.best is not None:
+            best = min(best, pr.best[0])
+        kept.append(pr)
     kept = [k for k in kept if k.lower <= best * (1 + 1e-9)]
-    kept.sort(key=lambda k: (k.lower, k.greedy_time, k.cand.sort_key))
-    message = None
-    if not kept and smallest is not None:
-        need, stage, c = smallest
-        biggest = max(cluster.groups, key=lambda g: g.gpu.memory_bytes)
-        # GiB, the unit meshplan.ir.hardware stores a datasheet's "80 GB" in, so the capacity
-        # shows as the number users know.
-        message = (
-            f"no plan fits: the smallest configuration needs {need / GiB:.1f} GiB per GPU on "
-            f"stage {stage} ({c.describe()}) and the largest GPU, {biggest.gpu.name}, has "
-            f"{biggest.gpu.memory_bytes / GiB:.1f} GiB; add GPUs or use a larger-memory GPU type"
-        )
-    return kept, priced, message, cut
+    kept.sort(key=lambda k: (k.lower, k.best[0] if k.best else math.inf, k.cand.sort_key))
+    return kept, pairs, priced, smallest, cut
 
 
 # ---------------------------------------------------------------------------------------------
@@ -591,7 +1302,8 @@ class _Scale:
 
 
 class _PlacementModel:
-    """The model of the module docstring restricted to x[c] = 1 for one candidate c."""
+    """The model of the module docstring restricted to one (candidate, split): lock-step
+    placements, objective min T (step seconds)."""
 
     def __init__(self, pr: _Priced, cluster: Cluster, scale: _Scale, cutoff_s: float) -> None:
         self.m = cp_model.CpModel()
@@ -602,14 +1314,15 @@ class _PlacementModel:
         self.variables()
         self.replicas()
         self.capacity()
-        step = (
-            (self.t.m - 1) * self.stage_times()
+        t, v = self.t, self.t.chunks
+        step_v = (
+            (v * t.m - 1) * self.stage_times()
             + sum(self.us)
-            + (self.t.m + self.t.pp - 1) * self.boundaries()
-            + self.t.rep * self.data_parallel()
-            + self.optimizer()
+            + v * (t.m * v + t.pp - 1) * self.boundaries()
+            + v * t.rep * self.data_parallel()
+            + v * self.optimizer()
         )
-        self.step_time(step, cutoff_s)
+        self.step_time(step_v, cutoff_s)
         self.m.Minimize(self.T)
 
     def _upper(self) -> int:
@@ -622,7 +1335,8 @@ class _PlacementModel:
             comm = max(comm, max(t.dp_single[s].values(), default=0.0))
             comm = max([comm] + [ct.time(t.pp) for ct in t.dp_cross[s].values()])
         opt = max(max(row.values()) for row in t.optimizer)
-        return q((t.m - 1 + t.pp) * big_u + (t.m + t.pp - 1) * p2p + t.rep * comm + opt) + 1
+        pipe = (t.m + t.pp) * big_u + (t.m * t.chunks + t.pp - 1) * p2p
+        return q(pipe + t.rep * comm + opt) + 1
 
     def variables(self) -> None:
         """n[s,g], b[s,g] only where stage s fits in g's memory (the memory family), T."""
@@ -729,13 +1443,14 @@ class _PlacementModel:
                 self.m.Add(opt >= self.q(self.t.optimizer[s][g]) * bv)
         return opt
 
-    def step_time(self, step, cutoff_s: float) -> None:
-        """T >= step time; T <= the incumbent (a placement that cannot beat it is useless)."""
-        self.m.Add(self.T >= step).WithName("step_time")
+    def step_time(self, step_v, cutoff_s: float) -> None:
+        """v T >= v * step time; T <= the incumbent (a placement that cannot beat it is
+        useless)."""
+        self.m.Add(self.t.chunks * self.T >= step_v).WithName("step_time")
         if math.isfinite(cutoff_s):
             self.m.Add(self.T <= self.q(cutoff_s) + 1).WithName("cutoff")
 
-    def hint(self, placement: list[list[tuple[str, int]]]) -> None:
+    def hint(self, placement: Placement) -> None:
         """Warm start from a greedy placement."""
         for s, n_s in enumerate(self.n):
             chosen = dict(placement[s])
@@ -764,6 +1479,121 @@ class _PlacementModel:
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass
+class _Outcome:
+    """What `_search` found: the best (pair, placement, shares) and the search's accounting."""
+
+    best: tuple[float, _Priced, Placement, dict | None] | None
+    lowest_open: float
+    pairs: int
+    priced: int
+    models: int
+    smallest: tuple | None
+    kept: list[_Priced] = field(default_factory=list)
+
+
+def _search(
+    pricer: Pricer,
+    graph: Graph,
+    cands: list[Candidate],
+    global_batch: int,
+    start: float,
+    time_limit_s: float,
+    scorer: _Scorer,
+    say,
+    limit: float = math.inf,
+    incumbent: float = math.inf,
+) -> _Outcome:
+    """Steps 2-3 of the module docstring over `cands`: screen, then placement models.
+    `incumbent`: the score of a plan known from elsewhere (`_single_group_seed`); only pairs
+    that can beat it are priced, and `best` stays None when none does."""
+    deadline = start + time_limit_s
+    # The screen gets two thirds of the budget and the placement models the rest; but the
+    # screen goes on until it has found some plan (or shown that none fits).
+    kept, pairs, priced, smallest, cut = _screen(
+        pricer,
+        graph,
+        cands,
+        global_batch,
+        start + time_limit_s * 2 / 3,
+        scorer,
+        limit,
+        say,
+        incumbent,
+    )
+    best: tuple[float, _Priced, Placement, dict | None] | None = None
+
+    def better(score: float, pr: _Priced) -> bool:
+        """Better, or as good (to 1e-9) with less memory (e.g. ZeRO-2 over ZeRO-1)."""
+        if best is None or score < best[0] * (1 - 1e-9):
+            return True
+        return score <= best[0] * (1 + 1e-9) and _peak(pr) < _peak(best[1])
+
+    for pr in kept:
+        if pr.best is not None and pr.best[0] < incumbent and better(pr.best[0], pr):
+            best = (pr.best[0], pr, pr.best[1], pr.best[2])
+    open_bounds: list[float] = [pr.share_open for pr in kept]
+    models = 0
+    seed = incumbent
+    for i, pr in enumerate(kept):
+        incumbent = min(best[0] if best else math.inf, seed)
+        if pr.lower >= incumbent * (1 - 1e-9):
+            break  # sorted by bound: nothing further can win
+        if pr.lock_lower >= incumbent * (1 - 1e-9):
+            continue  # only share placements could win, and those were searched
+        if pr.greedy_placement is not None and pr.greedy_score <= pr.lock_lower * (1 + 1e-9):
+            continue  # the warm start already meets this pair's bound
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            open_bounds += [k.lower for k in kept[i:] if k.lower < incumbent]
+            break
+        if scorer.cost and not scorer.uniform:
+            # min T is not min cost when groups differ in price: the warm starts and share
+            # placements stand, and what they leave open counts in the gap.
+            if pr.best is None or pr.best[0] > pr.lock_lower * (1 + 1e-9):
+                open_bounds.append(pr.lock_lower)
+            continue
+        step_cut = incumbent / pr.factor if scorer.cost else incumbent
+        if pr.greedy_placement is not None:
+            reference = evaluate(pr.tables, pr.greedy_placement).step_time_s
+        else:
+            reference = step_cut if math.isfinite(step_cut) else 2 * pr.lock_lower / pr.factor
+        # uniform prices: cost = step x price of the candidate's GPUs, so the step cut holds
+        sub = _PlacementModel(pr, pricer.cluster, _Scale(reference), step_cut)
+        if pr.greedy_placement is not None:
+            sub.hint(pr.greedy_placement)
+        status, placement, bound = sub.solve(left / 2)
+        models += 1
+        if placement is not None:
+            score = scorer.score(pr.cand, evaluate(pr.tables, placement).step_time_s, placement)
+            if better(score, pr) and score < seed:
+                best = (score, pr, placement, None)
+        if status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE):
+            open_bounds.append(max(pr.lock_lower, bound * pr.factor))
+    lowest_open = min([cut, *open_bounds])
+    return _Outcome(best, lowest_open, pairs, priced, models, smallest, kept)
+
+
+def _decode(
+    graph: Graph, cluster: Cluster, out: _Outcome, global_batch: int, dtype: str
+) -> tuple[Parallel, tuple[StagePlacement, ...], Prediction]:
+    """The best placement as `Parallel` + `StagePlacement`s, re-priced by `predict`."""
+    assert out.best is not None
+    _, pr, placement, shares = out.best
+    if shares and all(k == pr.tables.m for k in shares.values()):
+        shares = None  # equal shares: a lock-step placement
+    order = [g.name for g in cluster.groups]
+    stages = []
+    for s, (a, b) in enumerate(pr.tables.ranges):
+        reps = tuple(sorted(placement[s], key=lambda gn: order.index(gn[0])))
+        micro = tuple((g, shares[g]) for g, _ in reps) if shares else ()
+        stages.append(StagePlacement(s, a, b, reps, micro))
+    parallel = pr.cand.parallel(global_batch)
+    prediction = predict(graph, cluster, parallel, tuple(stages), dtype=dtype)
+    assert prediction.fits, "solver placed a stage where it does not fit"
+    return parallel, tuple(stages), prediction
+
+
 def solve(
     graph: Graph,
     cluster: Cluster,
@@ -774,94 +1604,72 @@ def solve(
     progress: Progress = None,
     dtype: str = "bfloat16",
     export_model: str | None = None,
+    objective: Objective | None = None,
 ) -> SolveResult:
-    """The fastest configuration and placement that fits, honouring the fields of `pinned`.
+    """The best configuration and placement that fits, honouring the fields of `pinned`.
 
-    Returns the plan re-priced by `predict`. `time_limit_s` bounds the search once some plan is
-    known (the first one is always looked for to the end); when it runs out the best plan so
-    far comes back with status "feasible" and its relative gap.
-    `export_model` writes the winning candidate's placement model (CP-SAT text proto) for
-    debugging. Raises InfeasibleError with the binding constraint when nothing fits.
+    `objective` (default throughput) as in the module docstring. Returns the plan re-priced by
+    `predict`. `time_limit_s` bounds the search once some plan is known (the first one is
+    always looked for to the end); when it runs out the best plan so far comes back with status
+    "feasible" and its relative gap. `export_model` writes the winning (configuration, split)'s
+    placement model (CP-SAT text proto) for debugging. Raises InfeasibleError with the binding
+    constraint and by how much when nothing fits.
     """
+    objective = objective or Objective()
     start = time.perf_counter()
-    deadline = start + time_limit_s
     say = progress or (lambda _msg: None)
     pricer = pricer_for(graph, cluster, dtype)
     cands = enumerate_candidates(graph, cluster, pinned, global_batch)
     say(f"enumerated {len(cands)} candidate configurations")
-    # The screen gets two thirds of the budget and the placement models the rest; but the
-    # screen goes on until it has found some plan (or shown that none fits).
-    kept, priced, message, cut = _screen(
-        pricer, graph, cands, global_batch, start + time_limit_s * 2 / 3, say
-    )
-    if not kept:
-        if message:
-            raise InfeasibleError(message)
-        raise InfeasibleError(
-            "no plan fits: no candidate configuration could be placed on the device groups' "
-            f"GPUs ({_capacity_summary(cluster)})"
+    tokens = global_batch * (graph.info.seq_len or 1)
+    seed: SolveResult | None = None
+    if objective.kind == "min_gpus":
+        out = _min_gpus(pricer, graph, cands, global_batch, start, time_limit_s, say, objective)
+    else:
+        scorer = _Scorer(objective, cluster)
+        if objective.kind == "throughput" and len(cluster.groups) > 1:
+            seed = _single_group_seed(graph, cluster, pinned, global_batch, time_limit_s, dtype)
+        out = _search(
+            pricer,
+            graph,
+            cands,
+            global_batch,
+            time.perf_counter(),
+            max(0.5, start + time_limit_s - time.perf_counter()),
+            scorer,
+            say,
+            incumbent=seed.prediction.step_time_s if seed else math.inf,
         )
-    best: tuple[float, _Priced, list] | None = None
-
-    def better(step: float, pr: _Priced) -> bool:
-        """Faster, or as fast (to 1e-9) with less memory (e.g. ZeRO-2 over ZeRO-1)."""
-        if best is None or step < best[0] * (1 - 1e-9):
-            return True
-        return step <= best[0] * (1 + 1e-9) and _peak(pr) < _peak(best[1])
-
-    for pr in kept:
-        if pr.greedy_placement is not None and better(pr.greedy_time, pr):
-            best = (pr.greedy_time, pr, pr.greedy_placement)
-    open_bounds: list[float] = []
-    models = 0
-    for i, pr in enumerate(kept):
-        incumbent = best[0] if best else math.inf
-        if pr.lower >= incumbent * (1 - 1e-9):
-            break  # sorted by bound: nothing further can win
-        if pr.greedy_placement is not None and pr.greedy_time <= pr.lower * (1 + 1e-9):
-            continue  # the warm start already meets this candidate's bound
-        left = deadline - time.perf_counter()
-        if left <= 0:
-            open_bounds += [k.lower for k in kept[i:] if k.lower < incumbent]
-            break
-        reference = pr.greedy_time if pr.greedy_placement is not None else incumbent
-        if not math.isfinite(reference):
-            reference = 2 * pr.lower
-        sub = _PlacementModel(pr, cluster, _Scale(reference), incumbent)
-        if pr.greedy_placement is not None:
-            sub.hint(pr.greedy_placement)
-        status, placement, bound = sub.solve(left / 2)
-        models += 1
-        if placement is not None:
-            step = evaluate(pr.tables, placement).step_time_s
-            if better(step, pr):
-                best = (step, pr, placement)
-        if status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE):
-            open_bounds.append(max(pr.lower, bound))
-    if best is None:
-        raise InfeasibleError(_placement_message(kept, cluster))
-    step_s, pr, placement = best
-    say(f"priced {priced} configurations, solved {models} placement models")
-
-    order = [g.name for g in cluster.groups]
-    stages = tuple(
-        StagePlacement(
-            index=s,
-            first_unit=a,
-            last_unit=b,
-            replicas=tuple(sorted(placement[s], key=lambda gn: order.index(gn[0]))),
+    if out.best is None and seed is not None:
+        optimal = out.lowest_open >= seed.prediction.step_time_s * (1 - 1e-9)
+        gap = 0.0 if optimal else 1 - out.lowest_open / seed.prediction.step_time_s
+        return dataclasses.replace(
+            seed,
+            prediction=predict(graph, cluster, seed.parallel, seed.stages, dtype=dtype),
+            status="optimal" if optimal and seed.status == "optimal" else "feasible",
+            gap=max(gap, seed.gap),
+            wall_s=time.perf_counter() - start,
+            candidates=len(cands),
+            explored=seed.explored + out.priced,
+            placement_models=seed.placement_models + out.models,
+            splits=seed.splits + out.pairs,
         )
-        for s, (a, b) in enumerate(pr.tables.ranges)
-    )
-    parallel = pr.cand.parallel(global_batch)
-    prediction = predict(graph, cluster, parallel, stages, dtype=dtype)
-    assert prediction.fits, "solver placed a stage where it does not fit"
+    if out.best is None:
+        raise InfeasibleError(_why_nothing_fits(out, cluster))
+    parallel, stages, prediction = _decode(graph, cluster, out, global_batch, dtype)
+    score, pr = out.best[0], out.best[1]
+    say(f"priced {out.priced} (configuration, split) pairs, solved {out.models} placement models")
     if export_model:
-        _PlacementModel(pr, cluster, _Scale(step_s), math.inf).m.ExportToFile(export_model)
-
-    lowest_open = min([cut, *open_bounds])  # the best any unfinished candidate could do
-    optimal = lowest_open >= step_s * (1 - 1e-9)
-    gap = 0.0 if optimal else (step_s - min(lowest_open, step_s)) / step_s
+        _PlacementModel(pr, cluster, _Scale(prediction.step_time_s), math.inf).m.ExportToFile(
+            export_model
+        )
+    optimal = out.lowest_open >= score * (1 - 1e-9)
+    gap = 0.0 if optimal else (score - min(out.lowest_open, score)) / score
+    value = {
+        "throughput": prediction.step_time_s,
+        "cost": score / tokens,
+        "min_gpus": float(pr.cand.gpus),
+    }[objective.kind]
     wall = time.perf_counter() - start
     say(
         f"{'optimal' if optimal else 'feasible'} plan in {wall:.2f} s: {pr.cand.describe()}, "
@@ -875,8 +1683,116 @@ def solve(
         gap=gap,
         wall_s=wall,
         candidates=len(cands),
-        explored=priced,
-        placement_models=models,
+        explored=out.priced,
+        placement_models=out.models,
+        objective=objective.kind,
+        objective_value=value,
+        splits=out.pairs,
+    )
+
+
+def _single_group_seed(
+    graph: Graph,
+    cluster: Cluster,
+    pinned: Parallel,
+    global_batch: int,
+    time_limit_s: float,
+    dtype: str,
+) -> SolveResult | None:
+    """The best plan inside one device group, over every group: the incumbent of a mixed
+    cluster's search. A homogeneous group's bounds are exact, so each of these is quick, and a
+    strong first incumbent prunes the (weaker-bounded) mixed placements early."""
+    seed = None
+    for g in cluster.groups:
+        sub = dataclasses.replace(cluster, name=f"{cluster.name}/{g.name}", groups=(g,))
+        sub = dataclasses.replace(sub, group_links=())
+        try:
+            r = solve(
+                graph,
+                sub,
+                pinned,
+                global_batch=global_batch,
+                time_limit_s=0.6 * time_limit_s / len(cluster.groups),
+                dtype=dtype,
+            )
+        except (InfeasibleError, ValueError):
+            continue
+        if seed is None or r.prediction.step_time_s < seed.prediction.step_time_s:
+            seed = r
+    return seed
+
+
+def _min_gpus(
+    pricer: Pricer,
+    graph: Graph,
+    cands: list[Candidate],
+    global_batch: int,
+    start: float,
+    time_limit_s: float,
+    say,
+    objective: Objective,
+) -> _Outcome:
+    """Fewest GPUs meeting the target: a throughput search per GPU count, in increasing order,
+    restricted to plans at least as fast as the target step time."""
+    tokens = global_batch * (pricer.costs.graph.info.seq_len or 1)
+    target_step = tokens / objective.target_tokens_per_s
+    scorer = _Scorer(Objective(), pricer.cluster)
+    by_gpus: dict[int, list[Candidate]] = {}
+    for c in cands:
+        by_gpus.setdefault(c.gpus, []).append(c)
+    fastest: _Outcome | None = None
+    pairs = priced = models = 0
+    for gpus in sorted(by_gpus):
+        left = start + time_limit_s - time.perf_counter()
+        out = _search(
+            pricer,
+            graph,
+            by_gpus[gpus],
+            global_batch,
+            time.perf_counter(),
+            max(left, 0.5),
+            scorer,
+            say,
+            limit=target_step,
+        )
+        pairs, priced, models = pairs + out.pairs, priced + out.priced, models + out.models
+        if out.best is not None and out.best[0] <= target_step * (1 + 1e-9):
+            say(f"{gpus} GPUs meet {objective.target_tokens_per_s:,.0f} tokens/s")
+            # The count is minimal; the step within it is optimal or carries its gap.
+            return _Outcome(out.best, out.lowest_open, pairs, priced, models, None, out.kept)
+        if out.best is not None and (fastest is None or out.best[0] < fastest.best[0]):
+            fastest = out
+    # Nothing meets the target: say how far the fastest plan is from it.
+    full = _search(pricer, graph, cands, global_batch, time.perf_counter(), 5.0, scorer, say)
+    if full.best is None:
+        raise InfeasibleError(_why_nothing_fits(full, pricer.cluster))
+    reach = tokens / full.best[0]
+    need = objective.target_tokens_per_s
+    raise InfeasibleError(
+        f"no plan meets the target: the fastest plan ({full.best[1].cand.describe()}, "
+        f"{full.best[1].cand.gpus} GPUs) reaches {reach:,.0f} tokens/s, "
+        f"{(1 - reach / need) * 100:.1f}% short of {need:,.0f} tokens/s; add GPUs or "
+        "lower the target"
+    )
+
+
+def export_model(
+    graph: Graph,
+    cluster: Cluster,
+    pinned: Parallel,
+    path: str,
+    *,
+    global_batch: int,
+    time_limit_s: float = 10.0,
+) -> SolveResult:
+    """Solve, then write the winning placement model (CP-SAT text proto) to `path`."""
+    return solve(
+        graph,
+        cluster,
+        pinned,
+        global_batch=global_batch,
+        time_limit_s=time_limit_s,
+        export_model=path,
     )
 
 
@@ -884,18 +1800,43 @@ def _peak(pr: _Priced) -> int:
     return max(peak for peak, _ in pr.tables.memory)
 
 
-def _placement_message(kept: list[_Priced], cluster: Cluster) -> str:
-    """Why configurations that fit in memory could not be placed: the one needing the least
-    memory still needs more large-enough GPUs than the cluster has."""
-    pr = min(kept, key=lambda k: (_peak(k), k.cand.sort_key))
-    need = _peak(pr)
-    big = [g for g in cluster.groups if g.gpu.memory_bytes >= need]
-    c = pr.cand
+def _why_nothing_fits(out: _Outcome, cluster: Cluster) -> str:
+    """The binding constraint, by how much: memory (the smallest need against the largest GPU)
+    or GPU count (the smallest configuration that fits against the large-enough GPUs)."""
+    if not out.kept and out.smallest is not None:
+        need, stage, c = out.smallest
+        biggest = max(cluster.groups, key=lambda g: g.gpu.memory_bytes)
+        cap = biggest.gpu.memory_bytes
+        hints = []
+        if c.recompute != Recompute.FULL:
+            hints.append("allow recomputation")
+        if c.zero != 3 and c.dp > 1:
+            hints.append("allow ZeRO-3")
+        hints += ["add GPUs", "use a larger-memory GPU type"]
+        # GiB, the unit meshplan.ir.hardware stores a datasheet's "80 GB" in, so the capacity
+        # shows as the number users know.
+        return (
+            f"no plan fits: the smallest configuration needs {need / GiB:.1f} GiB per GPU on "
+            f"stage {stage} ({c.describe()}) and the largest GPU, {biggest.gpu.name}, has "
+            f"{cap / GiB:.1f} GiB ({(need - cap) / GiB:.1f} GiB short); "
+            + ", ".join(hints[:-1])
+            + f" or {hints[-1]}"
+        )
+    if out.kept:
+        pr = min(out.kept, key=lambda k: (_peak(k), k.cand.sort_key))
+        need = _peak(pr)
+        big = [g for g in cluster.groups if g.gpu.memory_bytes >= need]
+        c = pr.cand
+        have = sum(g.num_gpus for g in big)
+        return (
+            f"no plan fits: the smallest configuration that fits in memory ({c.describe()}) "
+            f"needs {c.gpus} GPUs with {need / GiB:.1f} GiB, and the cluster has {have} such "
+            f"GPUs ({_capacity_summary(cluster)}), {c.gpus - have} too few; add GPUs or use a "
+            "larger-memory GPU type"
+        )
     return (
-        f"no plan fits: the smallest configuration that fits in memory ({c.describe()}) needs "
-        f"{c.pp * c.dp * c.tp * c.cp} GPUs with {need / GiB:.1f} GiB, and the cluster has "
-        f"{sum(g.num_gpus for g in big)} such GPUs ({_capacity_summary(cluster)}); add GPUs "
-        f"or use a larger-memory GPU type"
+        "no plan fits: no candidate configuration could be placed on the device groups' GPUs "
+        f"({_capacity_summary(cluster)})"
     )
 
 

@@ -63,6 +63,13 @@ _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped
 
 def check_model(model: nn.Module, plan: Plan) -> None:
     """Fail with one line when `model` is not the model the plan's units describe."""
+    for stage in plan.stages:
+        if len({n for _, n in stage.microbatches}) > 1:
+            raise RuntimePlanError(
+                f"runtime: stage {stage.index} gives device groups different micro-batch "
+                f"counts ({dict(stage.microbatches)}); uneven data-parallel shares are planned "
+                "but not executed yet: re-plan with one GPU type per stage or pin dp"
+            )
     missing = []
     for unit in plan.model.units:
         if unit.startswith("<"):

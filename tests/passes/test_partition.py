@@ -53,3 +53,39 @@ def test_place_stages_errors():
         place_stages(c, Parallel(tp=4, pp=2, dp=4), even_stages(g, 2))
     with pytest.raises(ValueError, match="tp=3 does not divide gpus_per_node=8"):
         place_stages(c, Parallel(tp=3, pp=1, dp=1), even_stages(g, 1))
+
+
+def test_stages_of_follows_the_even_split_rules_for_any_counts():
+    from meshplan.passes.partition import layer_counts, stages_of
+
+    graph = transformer_graph(6, 256, 4, 4, 1024, 1000, 128, 1)
+    ranges = stages_of(graph, (1, 3, 2))
+    assert ranges[0][0] == 0 and ranges[-1][1] == len(graph.units)
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert layer_counts(graph, ranges) == (1, 3, 2)
+    assert stages_of(graph, (2, 2, 2)) == even_stages(graph, 3)
+    with pytest.raises(ValueError, match="add up to the 6 layers"):
+        stages_of(graph, (1, 1))
+
+
+def test_compositions_are_every_split():
+    from meshplan.passes.partition import compositions, count_compositions
+
+    got = list(compositions(5, 3))
+    assert len(got) == count_compositions(5, 3) == 6
+    assert all(sum(c) == 5 and min(c) >= 1 for c in got) and len(set(got)) == 6
+
+
+def test_balanced_counts_minimise_the_slowest_stage():
+    from meshplan.passes.partition import balanced_counts, compositions
+
+    # a fast group (1.0 per layer) and a slow one (2.5), an LM head of 4 layers' time at the end
+    layer, fixed = [1.0, 1.0, 2.5, 2.5], [0.5, 0.0, 0.0, 4.0]
+    got = balanced_counts(20, layer, fixed)
+
+    def slowest(c):
+        return max(f + n * a for f, n, a in zip(fixed, c, layer))
+
+    assert sum(got) == 20
+    assert slowest(got) == min(slowest(c) for c in compositions(20, 4))
+    assert got[0] > got[2] and got[3] < got[2]  # faster GPUs and the head's stage

@@ -98,3 +98,18 @@ def test_rejects_edited_cluster_spec(plan, tmp_path):
     d["cluster"]["spec"]["groups"][0]["nodes"] += 1
     with pytest.raises(PlanError, match="fingerprint"):
         Plan.from_json(_write(tmp_path, d))
+
+
+def test_uneven_microbatch_shares_round_trip(plan, tmp_path):
+    """Per-group micro-batch shares (uneven DP across GPU types) survive the JSON."""
+    import dataclasses
+
+    stage = plan.stages[0]
+    group = stage.replicas[0][0]
+    shares = ((group, plan.parallel.num_microbatches),)
+    edited = dataclasses.replace(
+        plan, stages=(dataclasses.replace(stage, microbatches=shares),) + plan.stages[1:]
+    )
+    loaded = Plan.from_json(edited.to_json())
+    assert loaded.stages[0].microbatches == shares
+    assert json.loads(edited.to_json())["stages"][0]["microbatches"] == [list(shares[0])]

@@ -15,8 +15,9 @@ import random
 
 import pytest
 from meshplan.cost_model import evaluate, plan_tables, predict, pricer_for
+from meshplan.cost_model.memory import in_flight_microbatches
 from meshplan.ir import Parallel, Recompute
-from meshplan.passes.partition import even_stages, replica_capacity
+from meshplan.passes.partition import compositions, replica_capacity, stages_of
 from meshplan.solver import InfeasibleError, solve
 
 from tests.synthetic import A100_40, H100, h100_cluster, mixed_cluster, transformer_graph
@@ -25,8 +26,8 @@ GiB = 2**30
 
 
 def _placements(tables, cap):
-    """Every placement: per stage, dp replicas over the groups that fit it; groups' capacity
-    respected over all stages."""
+    """Every lock-step placement: per stage, dp replicas over the groups that fit it; groups'
+    capacity respected over all stages."""
     dp, groups = tables.parallel.dp, tables.groups
     per_stage = []
     for s in range(tables.pp):
@@ -43,50 +44,107 @@ def _placements(tables, cap):
             yield [[(g, n) for g, n in zip(groups, c) if n] for c in combo]
 
 
+def _share_placements(tables, cap):
+    """Every group-pure placement with uneven shares (ZeRO <= 2): n_g whole pipelines in group
+    g (every stage fits there), each replica running m_g >= 1 micro-batches, sum n_g m_g =
+    dp * m, and no m_g past the point where a stage would hold more in-flight micro-batches
+    than with m (the model's rule: shares never raise activation memory)."""
+    p, pp, m = tables.parallel, tables.pp, tables.m
+    if p.zero == 3:
+        return
+    big = 1 << 30
+    if any(
+        in_flight_microbatches(p.schedule, s, pp, big, tables.chunks)
+        != in_flight_microbatches(p.schedule, s, pp, m, tables.chunks)
+        for s in range(pp)
+    ):
+        return
+    hosts = [g for g in tables.groups if all(tables.fits[s][g] for s in range(pp))]
+    total = p.dp * m
+    for counts in itertools.product(range(p.dp + 1), repeat=len(hosts)):
+        used = [(g, n) for g, n in zip(hosts, counts) if n]
+        if sum(counts) != p.dp or len(used) < 2 or any(n * pp > cap[g] for g, n in used):
+            continue
+        for ms in itertools.product(range(1, total + 1), repeat=len(used)):
+            if sum(n * k for (_, n), k in zip(used, ms)) == total:
+                yield [list(used) for _ in range(pp)], {g: k for (g, _), k in zip(used, ms)}
+
+
+def _cps(seq_len):
+    return [1] + [c for c in range(2, 33) if seq_len % (2 * c) == 0 and seq_len // c >= 1024]
+
+
+def _schedules(pp, n_layers, m):
+    out = [("1f1b", None)]
+    if pp >= 2 and n_layers % pp == 0 and m % pp == 0:
+        out += [("interleaved_1f1b", v) for v in range(2, 9) if (n_layers // pp) % v == 0]
+    return out
+
+
 def brute_force(graph, cluster, global_batch, pinned=None):
-    """(best step time, its Parallel, its placement) over every configuration and placement."""
+    """(best step time, its Parallel, its placement) over every configuration (tp, cp, ep, pp,
+    dp, micro-batch, ZeRO, recompute, schedule and virtual stages), every layer split (all of
+    them for 1F1B, the even one for interleaved 1F1B) and every placement (lock-step, and
+    group-pure with uneven micro-batch shares)."""
     pinned = pinned or Parallel()
     info, pricer = graph.info, pricer_for(graph, cluster)
     n_layers = len(graph.layer_units)
     best = (math.inf, None, None)
-    for tp in (1, 2, 4, 8, 16):
+    eps = [e for e in range(1, info.experts + 1) if info.experts % e == 0] or [1]
+    for tp, cp in itertools.product((1, 2, 4, 8, 16), _cps(info.seq_len)):
         if info.heads % tp or info.kv_heads % tp:
             continue
         if not any(g.gpus_per_node % tp == 0 for g in cluster.groups):
             continue
         for pp in range(1, n_layers + 1):
-            for dp in range(1, cluster.world_size // (tp * pp) + 1):
+            for dp in range(1, cluster.world_size // (tp * pp * cp) + 1):
                 if global_batch % dp:
                     continue
                 for mb in range(1, min(16, global_batch // dp) + 1):
                     if (global_batch // dp) % mb:
                         continue
-                    for zero in (0, 1, 2, 3) if dp > 1 else (0,):
-                        for rc in Recompute:
-                            p = Parallel(
-                                dp=dp,
-                                tp=tp,
-                                pp=pp,
-                                cp=1,
-                                ep=1,
-                                micro_batch=mb,
-                                global_batch=global_batch,
-                                recompute=rc,
-                                zero=zero,
-                                schedule="1f1b",
-                                sequence_parallel=tp > 1,
-                            )
-                            if any(
-                                getattr(pinned, k) not in (None, getattr(p, k))
-                                for k in ("tp", "pp", "dp", "micro_batch", "zero", "recompute")
-                            ):
-                                continue
-                            t = plan_tables(pricer, p, even_stages(graph, pp))
-                            cap = {g: replica_capacity(cluster.group(g), tp, 1) for g in t.groups}
+                    m = global_batch // (dp * mb)
+                    for zero, rc, ep, (sched, v) in itertools.product(
+                        (0, 1, 2, 3) if dp > 1 else (0,),
+                        Recompute,
+                        [e for e in eps if dp % e == 0],
+                        _schedules(pp, n_layers, m),
+                    ):
+                        p = Parallel(
+                            dp=dp,
+                            tp=tp,
+                            pp=pp,
+                            cp=cp,
+                            ep=ep,
+                            micro_batch=mb,
+                            global_batch=global_batch,
+                            recompute=rc,
+                            zero=zero,
+                            schedule=sched,
+                            sequence_parallel=tp > 1,
+                            virtual_stages=v,
+                        )
+                        if any(
+                            getattr(pinned, k) not in (None, getattr(p, k))
+                            for k in ("tp", "pp", "dp", "cp", "micro_batch", "zero", "recompute")
+                        ):
+                            continue
+                        splits = (
+                            list(compositions(n_layers, pp))
+                            if sched == "1f1b"
+                            else [tuple([n_layers // pp] * pp)]
+                        )
+                        cap = {g.name: replica_capacity(g, tp, cp) for g in cluster.groups}
+                        for split in splits:
+                            t = plan_tables(pricer, p, stages_of(graph, split))
                             for pl in _placements(t, cap):
                                 step = evaluate(t, pl).step_time_s
                                 if step < best[0]:
                                     best = (step, p, pl)
+                            for pl, shares in _share_placements(t, cap):
+                                step = evaluate(t, pl, shares).step_time_s
+                                if step < best[0]:
+                                    best = (step, p, (pl, shares))
     return best
 
 
@@ -261,17 +319,23 @@ def test_infeasible_memory_names_the_bytes_needed_and_available():
     needed = float(msg.split("needs ")[1].split(" GiB")[0])
     assert needed > 80.0
     assert "H100, has 80.0 GiB" in msg and "on stage 0 (tp=" in msg
+    short = float(msg.split("GiB (")[1].split(" GiB short")[0])
+    assert short == pytest.approx(needed - 80.0, abs=0.11)
 
 
 def test_infeasible_capacity_names_the_gpus_needed_and_available():
-    # fits in memory only on the H100s, and there are too few of them
+    # without a pipeline the model fits in memory only on the H100s, and there are too few
     graph = transformer_graph(64, 8192, 64, 8, 32768, 32000, 4096, 1)
     cluster = mixed_cluster(1, 1, a100=A100_40)
     with pytest.raises(InfeasibleError) as err:
-        solve(graph, cluster, Parallel(), global_batch=16)
+        solve(graph, cluster, Parallel(pp=1), global_batch=16)
     msg = str(err.value)
     assert msg.startswith("no plan fits: the smallest configuration that fits in memory (tp=")
-    assert "and the cluster has 8 such GPUs (h100: 8 x H100, a100: 8 x A100-40GB)" in msg
+    assert "and the cluster has 8 such GPUs (h100: 8 x H100, a100: 8 x A100-40GB), 8 too few" in msg
+    # with a free pipeline depth, an uneven split puts fewer layers on the 40 GB A100s
+    result = solve(graph, cluster, Parallel(), global_batch=16)
+    layers = {st.replicas[0][0]: st.last_unit - st.first_unit for st in result.stages}
+    assert result.prediction.fits and layers["a100"] < layers["h100"]
 
 
 def test_infeasible_divisibility_and_pins_are_explained():
@@ -287,8 +351,12 @@ def test_infeasible_divisibility_and_pins_are_explained():
         solve(graph, cluster, Parallel(dp=2), global_batch=7)
     with pytest.raises(InfeasibleError, match="pp=9 but the model has 4 layers"):
         solve(graph, cluster, Parallel(pp=9), global_batch=8)
-    with pytest.raises(InfeasibleError, match="interleaved_1f1b"):
-        solve(graph, cluster, Parallel(schedule="interleaved_1f1b"), global_batch=8)
+    with pytest.raises(InfeasibleError, match="zero_bubble"):
+        solve(graph, cluster, Parallel(schedule="zero_bubble"), global_batch=8)
+    with pytest.raises(InfeasibleError, match="cp=3 does not divide seq_len=1024"):
+        solve(graph, cluster, Parallel(cp=3), global_batch=8)
+    with pytest.raises(InfeasibleError, match="ep=2 but the model has no experts"):
+        solve(graph, cluster, Parallel(ep=2), global_batch=8)
 
 
 def test_memory_pressure_brings_in_memory_savers():

@@ -1,0 +1,111 @@
+"""Planner speed (issue 4, item 5): trace time and solve time on the reference scenarios.
+
+    python benchmarks/planner_speed.py             # all scenarios
+    python benchmarks/planner_speed.py --only 8b   # scenarios whose name contains "8b"
+
+Scenarios and targets (solve time, on the 2-core development machine):
+
+- Llama-3-8B on 64 homogeneous H100 (8 DGX H100 nodes)                     <= 2 s
+- Llama-3-70B on 512 GPUs, 256 H100 + 256 A100, over three link tiers
+  (NVLink inside nodes, InfiniBand NDR / HDR between nodes of a group, 100 GbE between
+  the two groups)                                                            <= 10 s
+- Llama-3-405B and DeepSeekMoE-16B on 4,096 GPUs, 2,048 H100 + 2,048 A100,
+  same three tiers                                                           <= 60 s
+
+Tracing (fake tensors, once per model) is timed apart from the solve. Each solve runs with
+`time_limit_s` equal to its target, so a solve that needs the whole budget shows as status
+"feasible" with its proven gap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+GLOBAL_BATCH = {"llama3-8b": 512, "llama3-70b": 1024, "llama3-405b": 2048, "deepseek-moe-16b": 2048}
+
+
+def mixed(gpus: int):
+    """Half H100 (DGX H100: NVLink4, 8 x NDR), half A100-80GB (DGX A100: NVLink3, 8 x HDR),
+    the two halves joined by 100 GbE."""
+    from meshplan.ir import Cluster, DeviceGroup, GroupLink
+    from meshplan.ir.hardware import LINK_TIERS, gpu_spec
+
+    nodes = gpus // 16
+    groups = (
+        DeviceGroup("h100", gpu_spec("H100"), nodes, 8, "nvlink4", "ib-ndr", 8, site="a"),
+        DeviceGroup("a100", gpu_spec("A100-80GB"), nodes, 8, "nvlink3", "ib-hdr", 8, site="b"),
+    )
+    tiers = ("nvlink4", "nvlink3", "ib-ndr", "ib-hdr", "100gbe")
+    return Cluster(
+        f"mixed-{gpus}",
+        groups,
+        tuple(LINK_TIERS[t] for t in tiers),
+        (GroupLink("a", "b", "100gbe"),),
+    )
+
+
+def homogeneous(gpus: int):
+    from meshplan.ir import Cluster
+
+    return Cluster.preset("dgx-h100", gpus=gpus)
+
+
+SCENARIOS = [
+    ("llama3-8b on 64 H100", "llama3-8b", lambda: homogeneous(64), 2.0),
+    ("llama3-70b on 512 H100+A100", "llama3-70b", lambda: mixed(512), 10.0),
+    ("llama3-405b on 4096 H100+A100", "llama3-405b", lambda: mixed(4096), 60.0),
+    ("deepseek-moe-16b on 4096 H100+A100", "deepseek-moe-16b", lambda: mixed(4096), 60.0),
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", help="run the scenarios whose name contains this")
+    args = ap.parse_args(argv)
+    import meshplan
+    from meshplan.api import as_graph
+    from meshplan.ir import Parallel
+    from meshplan.solver import solve
+
+    graphs: dict[str, object] = {}
+    rows = []
+    for name, preset, make, target in SCENARIOS:
+        if args.only and args.only not in name:
+            continue
+        t0 = time.perf_counter()
+        if preset not in graphs:
+            model, inputs = meshplan.models.get(preset)
+            graphs[preset] = as_graph(model, inputs, name=preset)
+        trace_s = time.perf_counter() - t0
+        graph, cluster = graphs[preset], make()
+        t1 = time.perf_counter()
+        r = solve(
+            graph, cluster, Parallel(), global_batch=GLOBAL_BATCH[preset], time_limit_s=target
+        )
+        solve_s = time.perf_counter() - t1
+        rows.append((name, trace_s, solve_s, target, r))
+        p = r.parallel
+        mb = r.stages[0].shares
+        print(
+            f"{name:38s} trace {trace_s:6.2f} s  solve {solve_s:6.2f} s (target {target:4.0f} s, "
+            f"{'ok' if solve_s <= target else 'MISSED'})  {r.status} gap {r.gap * 100:.2f}%  "
+            f"{r.candidates:,} configs, {r.splits:,} (config, split) pairs bounded, "
+            f"{r.explored} priced, {r.placement_models} CP-SAT models",
+            flush=True,
+        )
+        layers = [st.last_unit - st.first_unit for st in r.stages]
+        print(
+            f"{'':38s} tp{p.tp} pp{p.pp} dp{p.dp} cp{p.cp} ep{p.ep} mb{p.micro_batch} "
+            f"ZeRO-{p.zero} {p.recompute.value} {p.schedule.value}"
+            f"{f' v{p.virtual_stages}' if p.virtual_stages else ''}; units/stage "
+            f"{layers if len(layers) <= 8 else str(layers[:8])[:-1] + ', ...]'}; "
+            f"shares {mb or 'equal'}; step {r.prediction.step_time_s:.3f} s, "
+            f"MFU {r.prediction.mfu * 100:.1f}%",
+            flush=True,
+        )
+    return 0 if all(s <= t for _, _, s, t, _ in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

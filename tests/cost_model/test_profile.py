@@ -1,0 +1,137 @@
+"""The operator profiler: robust timing, op replay, and the versioned, appendable dataset."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+import torch
+from meshplan.cost_model import profile as P
+from meshplan.ir import OpKind, TensorMeta
+
+
+def test_robust_median_drops_outliers():
+    med, dropped, spread = P.robust_median([1.0, 1.01, 0.99, 1.02, 0.98, 50.0])
+    assert med == pytest.approx(1.0, abs=0.011)
+    assert dropped == 1
+    assert spread < 0.05
+
+
+def test_measure_returns_positive_time():
+    m = P.measure(lambda: torch.ones(64).sum(), torch.device("cpu"), max_seconds=0.01)
+    assert m.seconds > 0 and m.samples >= 3
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "dims", "keep"),
+    [
+        ((2, 128, 256), (2, 128, 1), [2], True),
+        ((256, 2, 256), (256, 256), [1], False),
+        ((512, 4), (512,), [1], False),
+        ((640, 1), (640, 1), [1], True),
+    ],
+)
+def test_reduced_dims(src, dst, dims, keep):
+    assert P._reduced_dims(src, dst) == (dims, keep)
+
+
+def test_synth_op_counts_flops_like_the_tracer():
+    op = P.synth_op(
+        "mm",
+        OpKind.MATMUL,
+        "aten.mm.default",
+        (TensorMeta((8, 16), "float32"), TensorMeta((16, 4), "float32")),
+    )
+    assert op.fwd_flops == 2 * 8 * 16 * 4
+    assert op.bwd_flops == 2 * op.fwd_flops
+    assert op.fwd_bytes == 4 * (8 * 16 + 16 * 4 + 8 * 4)
+    assert op.outputs == (TensorMeta((8, 4), "float32"),)
+
+
+def test_synth_op_backward_matches_the_tracer():
+    """The tracer charges no backward to an add (autograd passes the gradient through)."""
+    x = TensorMeta((32, 64), "float32")
+    assert P.synth_op("add", OpKind.ELEMENTWISE, "aten.add.Tensor", (x, x)).bwd_bytes == 0
+    assert P.synth_op("mul", OpKind.ELEMENTWISE, "aten.mul.Tensor", (x, x)).bwd_bytes > 0
+
+
+def test_every_op_of_a_traced_model_replays():
+    """Each op the tracer emits for a small dense and a small MoE model has a recipe."""
+    from meshplan import models
+    from meshplan.ir import trace
+
+    for kw in (dict(), dict(experts=4, top_k=2)):
+        m, inputs = models.transformer(
+            layers=1,
+            hidden=64,
+            heads=4,
+            kv_heads=2,
+            ffn=96,
+            vocab=128,
+            seq_len=16,
+            dtype="float32",
+            **kw,
+        )
+        g = trace(m, *inputs)
+        for _, block in g.blocks:
+            for op in block.ops:
+                timed = P.time_op(op, torch.device("cpu"), max_seconds=0.002)
+                assert timed.fwd is not None and timed.fwd.seconds > 0, op.name
+
+
+def _records(path):
+    with gzip.open(path, "rt") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_tiny_profile_writes_then_appends(tmp_path):
+    out = tmp_path / "cpu.jsonl.gz"
+    kw = dict(
+        families=["sweep"], dtypes=("float32",), quick=True, max_seconds=0.002, progress=False
+    )
+    path, n1, skipped = P.run_profile(out, **kw)
+    assert path == out and n1 > 0 and skipped == 0
+    recs = _records(out)
+    dev = [r for r in recs if r["type"] == "device"]
+    assert len(dev) == 1 and dev[0]["schema"] == P.SCHEMA_VERSION
+    d = dev[0]["device"]
+    assert d["name"] == "CPU" and d["cores"] >= 1 and d["torch_version"] == torch.__version__
+    assert dict(d["peak_flops"])["float32"] > 0 and d["mem_bandwidth"] > 0
+    rows = [r for r in recs if r["type"] == "row"]
+    assert all(r["seconds"] > 0 and r["family"] == "sweep" for r in rows)
+    assert {"op", "dtype", "flops", "bytes", "backward", "model"} <= set(rows[0])
+
+    _, n2, _ = P.run_profile(out, **kw)
+    ds = P.load_dataset(out)
+    assert len(ds) == n1 + n2
+    assert len([r for r in _records(out) if r["type"] == "device"]) == 2
+    s = ds.samples[0]
+    assert s.device.name == "CPU" and s.op.outputs  # ops round-trip through the dataset
+
+
+def test_newer_schema_is_rejected(tmp_path):
+    out = tmp_path / "x.jsonl.gz"
+    with gzip.open(out, "wt") as f:
+        f.write(
+            json.dumps({"type": "device", "schema": P.SCHEMA_VERSION + 1, "id": "a", "device": {}})
+            + "\n"
+        )
+    with pytest.raises(ValueError, match="schema"):
+        P.load_dataset(out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_replay_and_descriptor():
+    dev = torch.device("cuda")
+    op = P.synth_op(
+        "mm",
+        OpKind.MATMUL,
+        "aten.mm.default",
+        (TensorMeta((256, 512), "bfloat16"), TensorMeta((512, 128), "bfloat16")),
+    )
+    timed = P.time_op(op, dev, max_seconds=0.01)
+    assert timed.fwd.seconds > 0 and timed.bwd.seconds > 0
+    desc = P.describe_device(dev, ("bfloat16",), quick=True)
+    assert desc.backend == "cuda" and desc.timer == "wall" and desc.cores > 0
