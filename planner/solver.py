@@ -298,6 +298,21 @@ class SolveResult:
 # ---------------------------------------------------------------------------------------------
 
 
+def _stage_memory(pricer, comp, c):
+    """Memory of one stage made of `comp` under candidate `c` (all of c's memory knobs)."""
+    return pricer.stage_memory(
+        comp,
+        tp=c.tp,
+        cp=c.cp,
+        ep=c.ep,
+        dp=c.dp,
+        zero=c.zero,
+        recompute=c.recompute,
+        sp=c.sequence_parallel,
+        micro_batch=c.micro_batch,
+    )
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -734,20 +749,7 @@ def _split_free_memory(pricer: Pricer, c: Candidate, n_layers: int, cache: dict)
             costs.composition(layer_pos[i], layer_pos[i + width - 1] + 1)
             for i in range(len(layer_pos) - width + 1)
         }
-        got = cache[key] = min(
-            pricer.stage_memory(
-                comp,
-                tp=c.tp,
-                cp=c.cp,
-                ep=c.ep,
-                dp=c.dp,
-                zero=c.zero,
-                recompute=c.recompute,
-                sp=c.sequence_parallel,
-                micro_batch=c.micro_batch,
-            ).peak(1)[0]
-            for comp in comps
-        )
+        got = cache[key] = min(_stage_memory(pricer, comp, c).peak(1)[0] for comp in comps)
     return got
 
 
@@ -1021,17 +1023,7 @@ def _largest_stage(pricer: Pricer, c: Candidate, ranges, global_batch: int) -> t
         if comp in seen:
             continue
         seen.add(comp)
-        mem = pricer.stage_memory(
-            comp,
-            tp=c.tp,
-            cp=c.cp,
-            ep=c.ep,
-            dp=c.dp,
-            zero=c.zero,
-            recompute=c.recompute,
-            sp=c.sequence_parallel,
-            micro_batch=c.micro_batch,
-        )
+        mem = _stage_memory(pricer, comp, c)
         held = in_flight_microbatches(c.schedule, s, len(ranges), m, c.virtual_stages)
         peak, _ = mem.peak(held)
         worst = max(worst, (peak, s))
