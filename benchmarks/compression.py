@@ -17,6 +17,15 @@ Sections (all on CPU unless a GPU is present; select with --only):
   `simulate_quantized_all_reduce`, bit-identical to the gloo collective): loss after
   --steps steps (mean of the last 20) and on held-out batches.
 
+- passes: HBM bytes per raw byte and eager ops per call of the codec and the int8 quantizer
+  (a TorchDispatchMode counts every op's inputs and outputs): the input of the GPU estimate
+  in `cost_model/compression.py`.
+- planner: predicted step time with and without compression (`meshplan.plan`, compress
+  "auto" vs "off", same pinned configuration) of a ~2.8B-parameter synthetic decoder with its
+  data-parallel ring across two sites joined by a 10/25/50/100 Gb/s WAN, and on a 100GbE
+  cluster, with the codec at the GPU estimate and at the measured CPU speed; and the
+  per-collective decisions on an NVLink + IB cluster (left raw where coding does not pay).
+
     python benchmarks/compression.py                  # everything, 300 training steps
     python benchmarks/compression.py --only ratios,throughput
     python benchmarks/compression.py --steps 30 --json /tmp/compression.json
@@ -34,7 +43,7 @@ from meshplan import models
 from meshplan.runtime import codec
 from meshplan.runtime import quantize as Q
 
-SECTIONS = ("ratios", "throughput", "collectives", "memory", "loss")
+SECTIONS = ("ratios", "throughput", "passes", "planner", "collectives", "memory", "loss")
 
 try:  # optional: only for the comparison column
     import zstandard
@@ -178,6 +187,143 @@ def bench_throughput(repeats: int = 5) -> dict:
                     f"decompress {out[key]['decompress_GBps']:7.3f}  ratio {c.ratio:.3f}"
                 )
     torch.set_num_threads(default_threads)
+    return out
+
+
+# -- passes ---------------------------------------------------------------------------------
+
+_VIEWS = {"view", "_unsafe_view", "slice", "select", "as_strided", "t", "transpose"}
+_VIEWS |= {"unsqueeze", "squeeze", "expand", "alias", "detach", "split", "_reshape_alias"}
+
+
+def _count(fn) -> tuple[int, int, int]:
+    """(HBM bytes touched, kernels, host syncs) of `fn()`, counted per dispatched aten op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        bytes = ops = syncs = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = str(func.overloadpacket).split(".")[-1]
+            if name in _VIEWS:
+                return out
+            self.ops += 1
+            self.syncs += name in ("_local_scalar_dense", "nonzero", "item")
+            for x in [*args, *(kwargs or {}).values(), out]:
+                for y in x if isinstance(x, (list, tuple)) else [x]:
+                    if isinstance(y, torch.Tensor):
+                        self.bytes += y.numel() * y.element_size()
+            return out
+
+    with Count() as c:
+        fn()
+    return c.bytes, c.ops, c.syncs
+
+
+def bench_passes(numel: int = 1 << 22) -> dict:
+    print("\n## HBM bytes per raw byte, eager ops and syncs per call (dispatch count)")
+    out = {}
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = (torch.randn(numel, generator=torch.Generator().manual_seed(0)) * 1e-3).to(dtype)
+        raw = x.numel() * x.element_size()
+        c = codec.compress(x)
+        eb, eo, es = _count(lambda x=x: codec.compress(x))
+        db, do, ds = _count(lambda c=c: codec.decompress(c))
+        key = str(dtype).split(".")[-1]
+        out[key] = {"compress": [eb / raw, eo, es], "decompress": [db / raw, do, ds]}
+        print(
+            f"{key:9s} compress {eb / raw:5.1f} B/B {eo:4d} ops {es} syncs | "
+            f"decompress {db / raw:5.1f} B/B {do:4d} ops {ds} syncs"
+        )
+    x = torch.randn(numel).bfloat16()
+    q = Q.quantize(x, 8)
+    qb, qo, _ = _count(lambda: Q.quantize(x, 8))
+    db, do, _ = _count(lambda: Q.dequantize(q))
+    out["int8"] = {"quantize": [qb / (2 * numel), qo], "dequantize": [db / (2 * numel), do]}
+    print(
+        f"int8 (bf16 in) quantize {qb / (2 * numel):5.1f} B/B {qo} ops | dequantize "
+        f"{db / (2 * numel):5.1f} B/B {do} ops"
+    )
+    return out
+
+
+# -- planner --------------------------------------------------------------------------------
+
+
+def two_sites(wan_gbps: float, gpus: int = 32):
+    """Two sites of DGX H100 nodes (NVLink4, 8 x NDR per node) joined by one WAN link of
+    `wan_gbps` Gb/s (efficiency and latency of meshplan's WAN tier)."""
+    import dataclasses
+
+    from meshplan import Cluster
+    from meshplan.ir import LinkKind, LinkTier
+    from meshplan.ir.hardware import DEFAULT_EFFICIENCY, DEFAULT_LATENCY
+
+    base = Cluster.preset("two-sites", gpus=gpus)
+    wan = LinkTier(
+        f"wan-{wan_gbps:g}g",
+        LinkKind.WAN,
+        wan_gbps * 1e9 / 8,
+        DEFAULT_LATENCY[LinkKind.WAN],
+        DEFAULT_EFFICIENCY[LinkKind.WAN],
+    )
+    links = tuple(t for t in base.links if t.kind != LinkKind.WAN) + (wan,)
+    gl = tuple(dataclasses.replace(g, link=wan.name) for g in base.group_links)
+    return dataclasses.replace(base, name=f"two-sites-{wan_gbps:g}g", links=links, group_links=gl)
+
+
+def bench_planner() -> dict:
+    import sys
+    from pathlib import Path
+
+    import meshplan
+    from meshplan import Cluster, Parallel
+    from meshplan.cost_model.compression import CPU_CODEC
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from synthetic import transformer_graph
+
+    g = transformer_graph(16, 4096, 32, 8, 14336, 32000, 4096, 1, name="decoder-2.8b")
+    cases = [(f"two sites, {w} Gb/s WAN", two_sites(w)) for w in (10, 25, 50, 100)]
+    cases.append(("100GbE cluster (RTX 4090, PCIe)", Cluster.preset("rtx4090-ethernet", gpus=32)))
+    cases.append(("NVLink + IB (DGX H100)", Cluster.preset("dgx-h100", gpus=32)))
+    out = {}
+    print(
+        "\n## Predicted step time with compression (decoder-2.8b, dp=32, ZeRO-2, full "
+        "recompute, global batch 256)"
+    )
+    print(f"{'cluster':34s} {'codec':22s} {'off s':>8s} {'auto s':>8s} {'gain':>6s}  coded")
+    for name, c in cases:
+        mem = "RTX" in name
+        pin = Parallel(
+            dp=32, tp=1, pp=1, cp=1, micro_batch=1, zero=3 if mem else 2, recompute="full"
+        )
+        off = meshplan.plan(g, cluster=c, parallel=pin, global_batch=256, compress="off")
+        for label, codec_speed in (("GPU estimate", None), ("CPU measured (1 core)", CPU_CODEC)):
+            on = meshplan.plan(
+                g, cluster=c, parallel=pin, global_batch=256, compress="auto", codec=codec_speed
+            )
+            coded = sorted(
+                {
+                    f"{d.group.split(' ')[0]} {d.collective} {d.method}"
+                    for d in on.compression.decisions
+                }
+            )
+            gain = off.predicted.step_time_s / on.predicted.step_time_s
+            print(
+                f"{name:34s} {label:22s} {off.predicted.step_time_s:8.3f} "
+                f"{on.predicted.step_time_s:8.3f} {gain:6.3f}  {'; '.join(coded)}"
+            )
+            out[f"{name} / {label}"] = {
+                "off_s": off.predicted.step_time_s,
+                "auto_s": on.predicted.step_time_s,
+                "gain": gain,
+                "decisions": [
+                    [d.group, d.collective, d.method, d.raw_s, d.lossless_s, d.chunks]
+                    for d in on.compression.decisions
+                ],
+            }
     return out
 
 
@@ -362,6 +508,10 @@ def main() -> None:
         results["ratios"] = bench_ratios()
     if "throughput" in chosen:
         results["throughput"] = bench_throughput()
+    if "passes" in chosen:
+        results["passes"] = bench_passes()
+    if "planner" in chosen:
+        results["planner"] = bench_planner()
     if "collectives" in chosen:
         results["collectives"] = bench_collectives()
     if "memory" in chosen:

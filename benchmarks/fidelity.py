@@ -32,10 +32,12 @@ How each source's rows are read (see also docs/fidelity.md):
 - **torchtitan** (Grand Teton H100 96GB HBM2e @500W, 8/node, 400 Gb/s RDMA per GPU; A100
   rows: DGX A100): `tokens_per_sec_per_gpu` -> step = global_batch * seq / (tps * gpus).
   Llama 3.1 presets. FSDP -> ZeRO-3; 2D -> TP (with sequence parallel) x FSDP. The micro-batch
-  column is torchtitan's local batch (no gradient accumulation). torchtitan "selective"
-  (op-level SAC, which also recomputes every other matmul) and "selective (layer)" are priced
-  as meshplan's selective recompute. `peak_mem_GiB` is torch's max *reserved* memory, which
-  excludes the CUDA context: it is compared with the predicted peak minus `CONTEXT_BYTES`.
+  column is torchtitan's local batch (no gradient accumulation). torchtitan "selective" and
+  "selective (op)" (its default op-level SAC: saves every other matmul of a layer) are priced
+  with the `torchtitan_op` policy, "selective (layer)" (every second layer checkpointed) with
+  `every_other_layer` (`meshplan.cost_model.recompute`). `peak_mem_GiB` is torch's max
+  *reserved* memory, which excludes the CUDA context: it is compared with the predicted peak
+  minus `CONTEXT_BYTES`.
 
 Excluded (listed with the reason in the output): rows without a parallel configuration,
 Float8 rows and async-TP rows (not modelled). bf16 rows with torch.compile are not counted in
@@ -106,6 +108,7 @@ class Case:
     cluster: str = ""  # key of CLUSTERS
     parallel: dict = field(default_factory=dict)
     dtype: str = "bfloat16"
+    selective_policy: str = "keep_linear"  # meshplan.cost_model.recompute.SelectivePolicy
     measured_step_s: float = math.nan
     conversion: str = ""
     measured_mem_gib: float | None = None
@@ -233,6 +236,10 @@ def interpret(i: int, r: dict[str, str]) -> Case:
         case.arch = Arch(f"llama3-{size}")
         case.cluster = "dgx-a100" if "A100" in r["gpu_type"] else "grand-teton"
         rc = "full" if rc_raw.startswith("full") else "selective"
+        # torchtitan's selective AC: "op" (its default) saves every other mm; "layer"
+        # checkpoints every second layer (meshplan.cost_model.recompute).
+        if rc == "selective":
+            case.selective_policy = "every_other_layer" if "layer" in rc_raw else "torchtitan_op"
         par |= {"micro_batch": mb or gb // dp, "recompute": rc, "zero": 3}
         case.measured_step_s = gb * seq / (case.value * gpus)
         case.conversion = "global_batch * seq / (tokens/s/GPU * gpus)"
@@ -356,15 +363,17 @@ def run_case(case: Case, cache_dir: Path | None) -> None:
     graph = graph_for(case.arch, case.seq_len, cache_dir)
     cluster = build_cluster(case.cluster, case.gpus)
     par = Parallel(**case.parallel)
-    if case.dtype == "bfloat16":
+    if case.dtype == "bfloat16" and case.selective_policy == "keep_linear":
         pred = meshplan.estimate(graph, (), cluster, par)
-    else:  # estimate prices bf16; fp16 rows (V100) call the cost model with their dtype
+    else:  # estimate prices bf16 and meshplan's selective policy: call the cost model
         from meshplan.api import check_config, complete_parallel
 
         p = complete_parallel(graph, cluster, par)
         check_config(graph, cluster, p, par)
         stages = place_stages(cluster, p, even_stages(graph, p.pp))
-        pred = predict(graph, cluster, p, stages, dtype=case.dtype)
+        pred = predict(
+            graph, cluster, p, stages, dtype=case.dtype, selective_policy=case.selective_policy
+        )
     case.predicted_step_s = pred.step_time_s
     case.breakdown = {k: round(v, 6) for k, v in pred.breakdown}
     if case.measured_mem_gib is not None:

@@ -21,10 +21,22 @@ planner's inner loop free of per-op Python.
 
 Efficiencies are per GPU type (`KERNEL_EFFICIENCY`), each with the source or the published
 runs that set it; docs/fidelity.md has the results against those runs.
+
+Learned op times (issue 7, docs/op_latency.md): when the shipped learned latency model
+(`learned.load_for_device`) was trained on measurements of the GPU type (device descriptor
+name, e.g. "CPU" for the `cpu` cluster preset), `block_compute` prices every op with it
+instead: the learned time splits into work (physics roofline / learned efficiency, never
+below the roofline, scaled by the op's share of the data like the analytic term) and a
+per-call overhead (in place of `KERNEL_FLOOR_S`, not scaled). `MESHPLAN_LEARNED_LATENCY=0`
+turns it off; `latency_source` says which model priced a GPU type. Predictions are cached
+per op shape and direction (`_LEARNED_PARTS`), so each distinct op is priced once per
+process; the variable is read when a graph is first priced on a GPU type.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 from meshplan.ir import Block, GpuSpec, Op, OpKind
@@ -82,8 +94,18 @@ MEMORY_EFFICIENCY = DEFAULT_EFFICIENCY.memory
 
 
 def kernel_efficiency(gpu: GpuSpec) -> KernelEfficiency:
-    """The efficiency constants of `gpu`'s type (`DEFAULT_EFFICIENCY` when not calibrated)."""
-    return KERNEL_EFFICIENCY.get(gpu.name, DEFAULT_EFFICIENCY)
+    """The efficiency constants of `gpu`'s type (`DEFAULT_EFFICIENCY` when not calibrated);
+    a GEMM efficiency measured by `meshplan calibrate` (`GpuSpec.gemm_efficiency`, set by
+    `Cluster.with_profile`) replaces the table's."""
+    base = KERNEL_EFFICIENCY.get(gpu.name, DEFAULT_EFFICIENCY)
+    if gpu.gemm_efficiency is None:
+        return base
+    return _measured(base, gpu.gemm_efficiency)
+
+
+@functools.lru_cache(maxsize=64)
+def _measured(base: KernelEfficiency, gemm: float) -> KernelEfficiency:
+    return dataclasses.replace(base, gemm=gemm, source=f"{base.source}; GEMM: meshplan calibrate")
 
 
 # Kinds whose FLOPs run on tensor cores (matrix multiplies and fused attention).
@@ -185,6 +207,8 @@ class BlockCompute:
     `sel_*` are the forward times of the ops selective recomputation repeats
     (`kept_by_selective` is False). `n_*` count the
     kernels (each pays `KERNEL_FLOOR_S`). Times are at the traced micro-batch, in seconds.
+    `floor_*` are the per-call overheads in total (None: `n_* * KERNEL_FLOOR_S`; the learned
+    model's own overheads otherwise) and `source` names the model that priced the block.
     """
 
     fwd_tp: float
@@ -196,6 +220,10 @@ class BlockCompute:
     n_fwd: int
     n_bwd: int
     n_sel: int
+    floor_fwd: float | None = None
+    floor_bwd: float | None = None
+    floor_sel: float | None = None
+    source: str = "analytic"
 
     def times(
         self, *, tp: int, cp: int, sequence_parallel: bool, scale: float
@@ -207,14 +235,90 @@ class BlockCompute:
         """
         r_tp = scale / (tp * cp)
         r_sp = scale / ((tp if sequence_parallel else 1) * cp)
-        fwd = r_tp * self.fwd_tp + r_sp * self.fwd_sp + self.n_fwd * KERNEL_FLOOR_S
-        bwd = r_tp * self.bwd_tp + r_sp * self.bwd_sp + self.n_bwd * KERNEL_FLOOR_S
-        sel = r_tp * self.sel_tp + r_sp * self.sel_sp + self.n_sel * KERNEL_FLOOR_S
+        fl_f = self.n_fwd * KERNEL_FLOOR_S if self.floor_fwd is None else self.floor_fwd
+        fl_b = self.n_bwd * KERNEL_FLOOR_S if self.floor_bwd is None else self.floor_bwd
+        fl_s = self.n_sel * KERNEL_FLOOR_S if self.floor_sel is None else self.floor_sel
+        fwd = r_tp * self.fwd_tp + r_sp * self.fwd_sp + fl_f
+        bwd = r_tp * self.bwd_tp + r_sp * self.bwd_sp + fl_b
+        sel = r_tp * self.sel_tp + r_sp * self.sel_sp + fl_s
         return fwd, bwd, sel
 
 
+def latency_model(gpu: GpuSpec):
+    """The learned latency model covering `gpu`'s type (`learned.LatencyModel`), else None.
+
+    None too when `MESHPLAN_LEARNED_LATENCY=0` or the shipped model cannot be read (a
+    model file of another feature layout: `latency_source` says so).
+    """
+    from .learned import load_for_device
+
+    try:
+        return load_for_device(gpu.name)
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def latency_source(gpu: GpuSpec) -> str:
+    """Which model prices ops on `gpu`: "learned (<file>, trained on <devices>, <n> ops)" or
+    "analytic roofline" (with the reason when a learned model exists but is not used)."""
+    import os
+
+    from .learned import DEFAULT_MODEL, load_for_device
+
+    if os.environ.get("MESHPLAN_LEARNED_LATENCY", "1") in ("0", "off", "false"):
+        return "analytic roofline (MESHPLAN_LEARNED_LATENCY=0)"
+    try:
+        model = load_for_device(gpu.name)
+    except (OSError, ValueError, KeyError) as e:
+        return f"analytic roofline ({DEFAULT_MODEL.name} unusable: {e})"
+    if model is None:
+        return "analytic roofline"
+    return f"learned ({model.describe()})"
+
+
+# Learned (work, overhead) seconds per (model, GPU type, dtype, op shape, direction): the
+# planner prices the same block shapes on every stage and configuration.
+_LEARNED_PARTS: dict[tuple, tuple[float, float]] = {}
+_LEARNED_CACHE_MAX = 200_000
+
+
+def _learned_parts(model, block: Block, gpu: GpuSpec, dtype: str) -> list[tuple[float, float]]:
+    """(work, overhead) seconds of every (op, direction) of `block`, forward then backward."""
+    items = [(op, bwd) for op in block.ops for bwd in (False, True)]
+    keys = [
+        (
+            id(model),
+            gpu.name,
+            dtype,
+            op.target,
+            op.kind,
+            op.inputs,
+            op.outputs,
+            op.attrs,
+            op.fwd_flops,
+            op.bwd_flops,
+            op.fwd_bytes,
+            op.bwd_bytes,
+            bwd,
+        )
+        for op, bwd in items
+    ]
+    missing = [i for i, k in enumerate(keys) if k not in _LEARNED_PARTS]
+    if missing:
+        if len(_LEARNED_PARTS) > _LEARNED_CACHE_MAX:
+            _LEARNED_PARTS.clear()
+        parts = model.predict_parts_many([items[i] for i in missing], gpu, dtype)
+        for i, (work, overhead) in zip(missing, parts, strict=True):
+            _LEARNED_PARTS[keys[i]] = (float(work), float(overhead))
+    return [_LEARNED_PARTS[k] for k in keys]
+
+
 def block_compute(block: Block, gpu: GpuSpec, dtype: str) -> BlockCompute:
-    """Aggregate the roofline times of `block`'s ops on `gpu` (one pass over its ops)."""
+    """Aggregate the op times of `block` on `gpu` (one pass over its ops): the learned model's
+    when it covers `gpu` (`latency_model`), else the analytic roofline's."""
+    model = latency_model(gpu)
+    if model is not None:
+        return _learned_block_compute(model, block, gpu, dtype)
     acc = {k: 0.0 for k in ("fwd_tp", "fwd_sp", "bwd_tp", "bwd_sp", "sel_tp", "sel_sp")}
     n_fwd = n_bwd = n_sel = 0
     for op in block.ops:
@@ -230,3 +334,52 @@ def block_compute(block: Block, gpu: GpuSpec, dtype: str) -> BlockCompute:
             acc["bwd_" + cls] += roofline_time(op, gpu, dtype, backward=True)
             n_bwd += 1
     return BlockCompute(**acc, n_fwd=n_fwd, n_bwd=n_bwd, n_sel=n_sel)
+
+
+def op_parts(
+    op: Op, gpu: GpuSpec, dtype: str = "bfloat16", *, backward: bool = False
+) -> tuple[float, float]:
+    """(work, overhead) seconds of one op at its traced size, by the model `block_compute`
+    uses for `gpu`: the learned split when it covers `gpu`, else (`roofline_time`,
+    `KERNEL_FLOOR_S`). Work scales with the op's share of the data, overhead does not; an op
+    with no work in that direction costs (0, 0)."""
+    if not (op.bwd_flops or op.bwd_bytes if backward else op.fwd_flops or op.fwd_bytes):
+        return 0.0, 0.0
+    model = latency_model(gpu)
+    if model is None:
+        return roofline_time(op, gpu, dtype, backward=backward), KERNEL_FLOOR_S
+    work, overhead = model.predict_parts_many([(op, backward)], gpu, dtype)[0]
+    return float(work), float(overhead)
+
+
+def _learned_block_compute(model, block: Block, gpu: GpuSpec, dtype: str) -> BlockCompute:
+    """`block_compute` with learned op times: work by split class, overheads summed."""
+    acc = {k: 0.0 for k in ("fwd_tp", "fwd_sp", "bwd_tp", "bwd_sp", "sel_tp", "sel_sp")}
+    floor = {"fwd": 0.0, "bwd": 0.0, "sel": 0.0}
+    n_fwd = n_bwd = n_sel = 0
+    parts = iter(_learned_parts(model, block, gpu, dtype))
+    for op in block.ops:
+        cls = "tp" if splits_with_tp(op, block.kind) else "sp"
+        (w_f, o_f), (w_b, o_b) = next(parts), next(parts)
+        if op.fwd_flops or op.fwd_bytes:
+            acc["fwd_" + cls] += w_f
+            floor["fwd"] += o_f
+            n_fwd += 1
+            if not kept_by_selective(op):
+                acc["sel_" + cls] += w_f
+                floor["sel"] += o_f
+                n_sel += 1
+        if op.bwd_flops or op.bwd_bytes:
+            acc["bwd_" + cls] += w_b
+            floor["bwd"] += o_b
+            n_bwd += 1
+    return BlockCompute(
+        **acc,
+        n_fwd=n_fwd,
+        n_bwd=n_bwd,
+        n_sel=n_sel,
+        floor_fwd=floor["fwd"],
+        floor_bwd=floor["bwd"],
+        floor_sel=floor["sel"],
+        source="learned",
+    )

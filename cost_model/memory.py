@@ -26,9 +26,11 @@ s*b*h*(34 + 5*a*s/h) per layer without TP and s*b*h*(10 + 24/t + 5*a*s/(h*t)) wi
 SP: our per-op split gives (4 + 30/t) instead of (10 + 24/t) for the s*b*h term, because the
 replicated inputs of the column-parallel linears and the dropout masks after the row-parallel
 ones are counted as sharded (documented approximation; with SP both are exactly /t).
-Recompute: selective (op-level, `compute.kept_by_selective`) keeps each layer's input and the
-outputs of its linear layers, fused attention and experts, and recomputes the rest (norms,
-activations, RoPE, an unfused attention's scores/softmax/dropout); full keeps only each
+Recompute: selective (op-level, `compute.kept_by_selective`; the other documented policies,
+e.g. torchtitan's every-other-matmul, are in `meshplan.cost_model.recompute`) keeps each
+layer's input and the outputs of its linear layers, fused attention and experts, and
+recomputes the rest (norms, activations, RoPE, an unfused attention's scores/softmax/dropout);
+full keeps only each
 layer's input (`Block.inputs`). Either adds one layer's recomputed activations while that
 layer's backward runs. Prologue/epilogue blocks are never recomputed.
 
@@ -45,6 +47,7 @@ from dataclasses import dataclass
 from meshplan.ir import Block, OpKind, Recompute
 
 from .compute import kept_by_selective, splits_with_tp
+from .recompute import kept_ops
 
 WEIGHT_BYTES = 2  # bf16 weights (hardware.md)
 GRAD_BYTES = 2  # bf16 gradients (ZeRO paper convention, see the module docstring)
@@ -95,22 +98,38 @@ class BlockMemory:
     input_bytes: int
     max_output_tp: int
     max_output_sp: int
+    # Kept outputs under torchtitan's op-level policy (`recompute.SelectivePolicy`).
+    torchtitan_kept_tp: int = 0
+    torchtitan_kept_sp: int = 0
 
     def params_per_rank(self, tp: int, ep: int) -> float:
         """Parameters of one instance that one rank holds before ZeRO sharding."""
         return self.params_tp / tp + self.params_rep + self.params_expert / (tp * ep)
 
     def activations(
-        self, *, tp: int, cp: int, sequence_parallel: bool, scale: float, recompute: Recompute
+        self,
+        *,
+        tp: int,
+        cp: int,
+        sequence_parallel: bool,
+        scale: float,
+        recompute: Recompute,
+        policy: str = "keep_linear",
     ) -> float:
-        """Saved bytes of one micro-batch of this block on one rank."""
+        """Saved bytes of one micro-batch of this block on one rank. `policy` says how
+        selective recomputation keeps outputs (`meshplan.cost_model.recompute`)."""
         r_tp = scale / (tp * cp)
         r_sp = scale / ((tp if sequence_parallel else 1) * cp)
         if self.kind == "layer" and recompute == Recompute.FULL:
             return self.input_bytes * r_sp  # the layer input is sequence-sharded under SP
         saved = self.saved_tp * r_tp + self.saved_sp * r_sp
         if self.kind == "layer" and recompute == Recompute.SELECTIVE:
-            kept = self.selective_kept_tp * r_tp + self.selective_kept_sp * r_sp
+            if policy == "every_other_layer":  # half the layers full, half none
+                return 0.5 * (saved + self.input_bytes * r_sp)
+            if policy == "torchtitan_op":
+                kept = self.torchtitan_kept_tp * r_tp + self.torchtitan_kept_sp * r_sp
+            else:
+                kept = self.selective_kept_tp * r_tp + self.selective_kept_sp * r_sp
             return min(saved, kept + self.input_bytes * r_sp)
         return saved
 
@@ -128,8 +147,10 @@ def block_memory(block: Block) -> BlockMemory:
     seen: set[str] = set()
     saved = {"tp": 0, "sp": 0}
     kept = {"tp": 0, "sp": 0}
+    kept_tt = {"tp": 0, "sp": 0}
+    tt_ops = kept_ops(block, "torchtitan_op")
     out_max = {"tp": 0, "sp": 0}
-    for op in block.ops:
+    for i, op in enumerate(block.ops):
         split = splits_with_tp(op, block.kind)
         cls = "tp" if split else "sp"
         seen.update(op.params)
@@ -140,6 +161,8 @@ def block_memory(block: Block) -> BlockMemory:
         saved[cls] += op.saved_bytes
         if kept_by_selective(op):
             kept[cls] += sum(t.nbytes for t in op.outputs)
+        if i in tt_ops:
+            kept_tt[cls] += sum(t.nbytes for t in op.outputs)
         out_max[cls] = max(out_max[cls], sum(t.nbytes for t in op.outputs))
     p_tp = p_rep = p_exp = 0
     for p in block.params:
@@ -161,6 +184,8 @@ def block_memory(block: Block) -> BlockMemory:
         input_bytes=sum(t.nbytes for t in block.inputs),
         max_output_tp=out_max["tp"],
         max_output_sp=out_max["sp"],
+        torchtitan_kept_tp=kept_tt["tp"],
+        torchtitan_kept_sp=kept_tt["sp"],
     )
 
 
@@ -204,21 +229,29 @@ def stage_memory(
     recompute: Recompute,
     sequence_parallel: bool,
     scale: float,
+    policy: str = "keep_linear",
 ) -> StageMemory:
-    """Memory of one rank of a stage made of `blocks` ((block, instance count) pairs)."""
+    """Memory of one rank of a stage made of `blocks` ((block, instance count) pairs);
+    `policy` is the selective-recomputation policy (`meshplan.cost_model.recompute`)."""
     dense = sum(n * (b.params_tp / tp + b.params_rep) for b, n in blocks)
     experts = sum(n * b.params_expert / (tp * ep) for b, n in blocks)
-    w_d, g_d, o_d = state_bytes_per_param(zero, dp)
-    w_e, g_e, o_e = state_bytes_per_param(zero, dp // ep if dp >= ep else 1)
+    # ZeRO shards over the dp * cp ranks that hold the same weights (Megatron-LM's distributed
+    # optimizer uses the data-parallel group with CP; torchtitan's FSDP mesh is dp_shard x cp).
+    dcp = dp * cp
+    w_d, g_d, o_d = state_bytes_per_param(zero, dcp)
+    w_e, g_e, o_e = state_bytes_per_param(zero, dcp // ep if dcp >= ep else 1)
     act_kw = {"tp": tp, "cp": cp, "sequence_parallel": sequence_parallel, "scale": scale}
-    per_mb = sum(n * b.activations(**act_kw, recompute=recompute) for b, n in blocks)
+    per_mb = sum(n * b.activations(**act_kw, recompute=recompute, policy=policy) for b, n in blocks)
+    # A layer that is recomputed rebuilds what its policy dropped (a whole layer's worth for
+    # the layer-level policy, whose checkpointed layers are fully recomputed).
+    rc_kept = Recompute.FULL if policy == "every_other_layer" else recompute
     layers = [b for b, _ in blocks if b.kind == "layer"]
     workspace = 0.0
     if recompute != Recompute.NONE and layers:
         # The layer being recomputed holds what recomputation rebuilt until its backward ends.
         workspace = max(
             b.activations(**act_kw, recompute=Recompute.NONE)
-            - b.activations(**act_kw, recompute=recompute)
+            - b.activations(**act_kw, recompute=rc_kept, policy=policy)
             for b in layers
         )
     gather = 0.0
@@ -243,9 +276,14 @@ def in_flight_microbatches(schedule: str, stage: int, pp: int, m: int, chunks: i
     rank (Megatron-LM `forward_backward_pipelining_with_interleaving`) runs
     2 (p - i - 1) + (v - 1) p warm-up chunk forwards plus the first steady-state one before its
     first backward, each 1/v of the stage's layers: (2 (p - i - 1) + (v - 1) p + 1) / v, at most
-    m micro-batches. Interleaving with one chunk is plain 1F1B."""
+    m micro-batches. Interleaving with one chunk is plain 1F1B. ZB-V (`zero_bubble`, torch's
+    `ScheduleZBVZeroBubble`) peaks at 2 p chunk activations (half a stage each) on every rank
+    (counted over torch's action order: forwards minus weight-gradient steps): p micro-batches,
+    at most m."""
     if schedule == "gpipe":
         return m
+    if schedule == "zero_bubble":
+        return min(pp, m)
     if schedule == "interleaved_1f1b" and chunks > 1:
         warm = 2 * (pp - stage - 1) + (chunks - 1) * pp + 1
         return min(warm, m * chunks) / chunks

@@ -37,8 +37,10 @@ folded per op into the fastest (`aggregate_runs`) for training and evaluation.
 Dataset format (`SCHEMA_VERSION`): gzipped JSON lines. A run appends one `device` record
 (schema version, descriptor: name, processor, cores/threads, clock, caches, torch version,
 and the host's measured peak GEMM FLOP/s per dtype and memory bandwidth) followed by its
-`row` records, each carrying the id of its device record. gzip members concatenate, so
-appending is opening the file in append mode; `load_dataset` reads every member.
+`row` records, each carrying the id of its device record. Since schema 2 a row also holds
+`timed`: the FLOPs and bytes of what its replay ran (`ReplayCounts`), which for traced ops
+can be less than the IR charges. gzip members concatenate, so appending is opening the file
+in append mode; `load_dataset` reads every member (and schema 1 rows, without `timed`).
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ from meshplan.ir.flops import ATTENTION_TARGETS, is_metadata_op, op_bytes, op_fl
 from meshplan.ir.graph import TensorMeta
 from torch.utils._python_dispatch import TorchDispatchMode
 
-SCHEMA_VERSION = 1
+# 1: first release. 2: rows carry `timed` (the replay's own FLOPs and bytes).
+SCHEMA_VERSION = 2
 
 # Repository folder of the shipped datasets and trained weights (outside the package).
 DATA_DIR = Path(
@@ -707,6 +710,51 @@ class _Counter(TorchDispatchMode):
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class ReplayCounts:
+    """FLOPs and bytes of what a replay actually runs, by the tracer's rules (`_Counter`).
+
+    For a synthetic op they are the op's own counts. For a traced op they can differ from
+    the IR's: the tracer charges an op the backward work of the metadata ops folded into it
+    (e.g. the gradient copy of a `view` that feeds MoE's combine `sum`, or a bias gradient's
+    reduction) and the gradient accumulation of its parameters, which replaying the op alone
+    does not run. The learned model trains on the computation that was timed (`Sample.
+    measured_op`); the planner prices the IR's counts.
+    """
+
+    outputs: tuple[TensorMeta, ...]
+    fwd_flops: int
+    bwd_flops: int
+    fwd_bytes: int
+    bwd_bytes: int
+
+    def to_dict(self) -> dict:
+        return {
+            "fwd_flops": self.fwd_flops,
+            "bwd_flops": self.bwd_flops,
+            "fwd_bytes": self.fwd_bytes,
+            "bwd_bytes": self.bwd_bytes,
+        }
+
+
+def replay_counts(op: Op) -> ReplayCounts:
+    """Run `op`'s recipe once on the CPU, forward and backward, counting FLOPs and bytes."""
+    gen = torch.Generator().manual_seed(0)
+    run, grads = _recipe(op, torch.device("cpu"), gen)
+    fwd = _Counter()
+    with fwd:
+        out = run()
+    outs = (out,) if isinstance(out, torch.Tensor) else tuple(out)
+    out_meta = tuple(TensorMeta(tuple(o.shape), str(o.dtype).replace("torch.", "")) for o in outs)
+    bwd = _Counter()
+    grads = [g for g in grads if g.requires_grad]
+    if grads and outs[0].requires_grad:
+        seed = torch.ones_like(outs[0])  # made outside the counter: the tracer's loss grad is
+        with bwd:  # not charged to the op either
+            torch.autograd.grad(outs[0], grads, seed)
+    return ReplayCounts(out_meta, fwd.flops, bwd.flops, fwd.bytes, bwd.bytes)
+
+
 def synth_op(
     name: str,
     kind: OpKind,
@@ -719,32 +767,18 @@ def synth_op(
 
     `outputs` is needed only where the recipe reads the output shape (reductions, cat).
     """
-    proto = Op(name, kind, target, "", inputs, outputs, attrs=attrs)
-    gen = torch.Generator().manual_seed(0)
-    cpu = torch.device("cpu")
-    run, grads = _recipe(proto, cpu, gen)
-    fwd = _Counter()
-    with fwd:
-        out = run()
-    outs = (out,) if isinstance(out, torch.Tensor) else tuple(out)
-    out_meta = tuple(TensorMeta(tuple(o.shape), str(o.dtype).replace("torch.", "")) for o in outs)
-    bwd = _Counter()
-    grads = [g for g in grads if g.requires_grad]
-    if grads and outs[0].requires_grad:
-        seed = torch.ones_like(outs[0])  # made outside the counter: the tracer's loss grad is
-        with bwd:  # not charged to the op either
-            torch.autograd.grad(outs[0], grads, seed)
+    c = replay_counts(Op(name, kind, target, "", inputs, outputs, attrs=attrs))
     return Op(
         name,
         kind,
         target,
         "",
         inputs,
-        out_meta,
-        fwd_flops=fwd.flops,
-        bwd_flops=bwd.flops,
-        fwd_bytes=fwd.bytes,
-        bwd_bytes=bwd.bytes,
+        c.outputs,
+        fwd_flops=c.fwd_flops,
+        bwd_flops=c.bwd_flops,
+        fwd_bytes=c.fwd_bytes,
+        bwd_bytes=c.bwd_bytes,
         attrs=attrs,
     )
 
@@ -1056,6 +1090,20 @@ class Sample:
     spread: float
     device: DeviceDescriptor
     runs: int = 1  # measurements folded into `seconds` (see `aggregate_runs`)
+    timed: tuple[int, int, int, int] | None = None  # replay's (fwd/bwd FLOPs, fwd/bwd bytes)
+
+    @property
+    def measured_op(self) -> Op:
+        """The op with the FLOPs and bytes of what was timed (`ReplayCounts`).
+
+        Rows of schema 1 datasets did not record them: the IR's counts stand in.
+        """
+        if self.timed is None:
+            return self.op
+        ff, bf, fb, bb = self.timed
+        return dataclasses.replace(
+            self.op, fwd_flops=ff, bwd_flops=bf, fwd_bytes=fb, bwd_bytes=bb
+        )
 
     @property
     def flops(self) -> int:
@@ -1128,6 +1176,85 @@ def append_dataset(path: Path, device: DeviceDescriptor, rows: list[dict]) -> No
             )
 
 
+def _timed(d: dict | None) -> tuple[int, int, int, int] | None:
+    if d is None:
+        return None
+    return (int(d["fwd_flops"]), int(d["bwd_flops"]), int(d["fwd_bytes"]), int(d["bwd_bytes"]))
+
+
+def backfill_timed_counts(path: Path) -> int:
+    """Add `timed` (the replay's counts, `replay_counts`) to every row of `path` lacking it.
+
+    Rewrites the file (one gzip member per device record, as written). Counting runs each
+    distinct op once on the CPU without timing it. Returns the number of rows filled.
+    """
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        recs = [json.loads(line) for line in f]
+    cache: dict[str, dict] = {}
+    filled = 0
+    for rec in recs:
+        if rec["type"] != "row" or "timed" in rec:
+            continue
+        key = json.dumps(rec["op"], sort_keys=True)
+        if key not in cache:
+            cache[key] = replay_counts(op_from_dict(rec["op"])).to_dict()
+        rec["timed"] = cache[key]
+        rec["v"] = SCHEMA_VERSION
+        filled += 1
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as raw:
+        member: list[str] = []
+        for rec in [*recs, None]:
+            if rec is None or (rec["type"] == "device" and member):
+                raw.write(gzip.compress("".join(member).encode()))
+                member = []
+            if rec is not None:
+                member.append(json.dumps(rec) + "\n")
+    tmp.replace(path)
+    return filled
+
+
+def bound_devices(samples: list[Sample]) -> list[Sample]:
+    """One descriptor per device type whose roofline bounds every one of `samples`.
+
+    Runs appended at different times each measured their own peaks; this folds them into
+    one descriptor per device name (what `DeviceFeatures` and the physics roofline read):
+    the highest peak FLOP/s per dtype and the highest cache bandwidth of any run, each
+    raised to the best any sample reached (FLOP/s, and essential bytes per second: on the
+    profiled CPU an `add` in L1/L2 and a GEMV stream 90-103 GB/s where `copy_` reached 72). This is
+    the empirical roofline (Lo et al. 2014, "Roofline Model Toolkit"); large-copy bandwidth
+    is the median of the runs. Samples keep everything else.
+    """
+    from .features import effective_flops, essential_bytes, op_dtype
+
+    by_name: dict[str, list[Sample]] = {}
+    for s in samples:
+        by_name.setdefault(s.device.name, []).append(s)
+    bounded: dict[str, DeviceDescriptor] = {}
+    for name, group in by_name.items():
+        descs = list({id(s.device): s.device for s in group}.values())
+        peaks: dict[str, float] = {}
+        for d in descs:
+            for dt, v in d.peak_flops:
+                peaks[dt] = max(peaks.get(dt, 0.0), v)
+        cache_bw = max(d.cache_bandwidth for d in descs)
+        for s in group:
+            op = s.measured_op
+            flops = effective_flops(op, s.backward)
+            dt = op_dtype(op, s.dtype)
+            if flops:
+                key = dt if dt in peaks else "float32"
+                peaks[key] = max(peaks.get(key, 0.0), flops / s.seconds)
+            cache_bw = max(cache_bw, essential_bytes(op, s.backward) / s.seconds)
+        bounded[name] = dataclasses.replace(
+            descs[-1],  # the latest run's facts (caches, clock, versions)
+            peak_flops=tuple(sorted(peaks.items())),
+            cache_bandwidth=cache_bw,
+            mem_bandwidth=statistics.median(d.mem_bandwidth for d in descs),
+        )
+    return [dataclasses.replace(s, device=bounded[s.device.name]) for s in samples]
+
+
 def load_dataset(paths: Iterable[Path] | Path | None = None) -> Dataset:
     """Read datasets (default: every `*.jsonl.gz` under `DATA_DIR`); rejects newer schemas."""
     if paths is None:
@@ -1157,6 +1284,7 @@ def load_dataset(paths: Iterable[Path] | Path | None = None) -> Dataset:
                             float(rec["seconds"]),
                             float(rec.get("spread", 0.0)),
                             dev,
+                            timed=_timed(rec.get("timed")),
                         )
                     )
     return ds
@@ -1237,6 +1365,7 @@ def run_profile(
                 bar.update(task, advance=1, description=f"{job.model}:{job.op.name}")
             try:
                 timed = time_op(job.op, dev, max_seconds=max_seconds)
+                counts = replay_counts(job.op).to_dict()
             except NoRecipe:
                 skipped += 1
                 continue
@@ -1257,6 +1386,7 @@ def run_profile(
                         "spread": round(m.spread, 4),
                         "min_seconds": m.min_seconds,
                         "op": _op_dict(job.op),
+                        "timed": counts,
                     }
                 )
     finally:

@@ -21,6 +21,17 @@ pipeline depth pp, m = global_batch / (dp * micro_batch) micro-batches per pipel
   drain shrink by v, so the bubble
   is (sum_s u_s - U) / v + (pp - 1) * P, a fraction (p - 1) / (v m + p - 1) for equal stages,
   and every chunk boundary sends, so the p2p term is m * v * P.
+- Zero bubble (`Schedule.ZERO_BUBBLE`): ZB-V (Qi et al., "Pipeline Parallelism with
+  Controllable Memory", 2024; torch's `ScheduleZBVZeroBubble`, what the runtime runs). Each rank
+  holds two chunks in a V; backward is split into B (input gradient) and W (weight gradient),
+  and W fills the bubbles. With per-chunk times f, b, w (half the stage's forward,
+  backward-for-inputs incl. recomputation, weight gradient; communication split evenly between
+  forward and backward) the pipeline term is m U + (pp - 1) Z + (2 m + pp - 1) P with
+  Z = max_s max(f_s, b_s, 2 (b_s - w_s)). The form was fitted to an event simulation of torch's
+  own ZB-V action order (tests/cost_model/test_zero_bubble.py): exact for f = b = w, within 4%
+  of the pipeline time for b / f in 0.8-2.5 and w / f in 0.1-1.2 (transformer layers: w ~ f,
+  b >= f); it under-prices W much larger than B, which layers do not have. W is the weight-gradient
+  share of backward: dW costs the forward FLOPs of every op with parameters (`BlockFacts`).
 - Uneven DP batch shares across GPU types (`StagePlacement.microbatches`): the pipelines are
   group-pure (every stage has the same replicas per group) and each replica in group g runs
   m_g micro-batches, sum_g n_g m_g = dp * m. The pipeline term is then the maximum over the
@@ -70,7 +81,7 @@ from meshplan.ir import (
     Schedule,
     StagePlacement,
 )
-from meshplan.passes.partition import replica_capacity
+from meshplan.passes.partition import layer_counts, rank_chunks, replica_capacity
 from meshplan.passes.sharding import row_parallel_ops
 
 from .collectives import (
@@ -82,8 +93,18 @@ from .collectives import (
     cross_group_path,
     group_collective_time,
     group_path,
+    inter_node_path,
     intra_node_path,
-    nic_share,
+)
+from .compression import (
+    CommChoice,
+    CommOptions,
+    choose,
+    coded_cross,
+    quantize_time,
+    quantized_block_memory,
+    quantized_share,
+    tensor_of,
 )
 from .compute import BlockCompute, block_compute, kernel_efficiency
 from .memory import (
@@ -95,6 +116,7 @@ from .memory import (
     in_flight_microbatches,
     stage_memory,
 )
+from .recompute import SelectivePolicy, recompute_forward_time
 
 # Fraction of overlapped communication that is actually hidden behind compute (the rest slows
 # the compute down or waits). Assumption (Echo / dPRO, PAPERS.md: overlapped communication
@@ -107,8 +129,13 @@ OVERLAP_EFFICIENCY = 0.8
 OPTIMIZER_BYTES_PER_PARAM = 20
 
 # Schedules the planner searches (the CP-SAT model encodes their step formula) and `predict`
-# prices. Zero-bubble schedules are not modelled yet.
-SUPPORTED_SCHEDULES = (Schedule.ONE_F_ONE_B, Schedule.GPIPE, Schedule.INTERLEAVED_1F1B)
+# prices.
+SUPPORTED_SCHEDULES = (
+    Schedule.ONE_F_ONE_B,
+    Schedule.GPIPE,
+    Schedule.INTERLEAVED_1F1B,
+    Schedule.ZERO_BUBBLE,
+)
 PRICED_SCHEDULES = SUPPORTED_SCHEDULES
 
 BREAKDOWN_PARTS = (
@@ -151,6 +178,7 @@ class BlockFacts:
     kv_bytes: int  # K and V of every attention op (context-parallel all-gather)
     a2a_bytes: int  # top_k * tokens * hidden * 2 if the block routes tokens to experts
     output_bytes: int  # the activation leaving one instance (pipeline boundary)
+    wgrad_fraction: float = 0.0  # share of backward FLOPs that are weight gradients (ZB-V's W)
 
 
 def _hidden(graph: Graph) -> int:
@@ -210,6 +238,10 @@ def _block_facts(graph: Graph, block: Block, hidden: int) -> BlockFacts:
         top_k = max(1, info.top_k)
         tokens = max(1, info.micro_batch) * max(1, info.seq_len)
         a2a = top_k * tokens * hidden * WEIGHT_BYTES
+    # The weight gradient of an op with parameters (Linear, expert GEMMs, norms, embedding)
+    # costs its forward FLOPs (dW = dY^T X); the rest of backward is the input gradient.
+    bwd = sum(op.bwd_flops for op in block.ops)
+    wgrad = sum(op.fwd_flops for op in block.ops if op.params)
     return BlockFacts(
         key=block.key,
         kind=block.kind,
@@ -218,6 +250,7 @@ def _block_facts(graph: Graph, block: Block, hidden: int) -> BlockFacts:
         kv_bytes=kv,
         a2a_bytes=a2a,
         output_bytes=sum(t.nbytes for t in block.outputs),
+        wgrad_fraction=min(1.0, wgrad / bwd) if bwd else 0.0,
     )
 
 
@@ -239,7 +272,7 @@ class ModelCosts:
             k: _block_facts(graph, self.blocks[k], self.hidden) for k in used
         }
         self._compute: dict[tuple, BlockCompute] = {}
-        self._comps: dict[tuple[int, int], Composition] = {}
+        self._comps: dict[tuple, Composition | tuple[Composition, ...]] = {}
 
     def compute(self, key: str, gpu: GpuSpec, dtype: str) -> BlockCompute:
         """Roofline aggregates of block `key` on `gpu` (computed once per GPU type)."""
@@ -258,6 +291,22 @@ class ModelCosts:
             for k in self.unit_keys[first:last]:
                 counts[k] = counts.get(k, 0) + 1
             got = self._comps[ck] = tuple(sorted(counts.items()))
+        return got
+
+    def chunked_compositions(self, pp: int, chunks: int, v_shape: bool) -> tuple[Composition, ...]:
+        """Per pipeline rank, the blocks of every model chunk it runs (`rank_chunks`: interleaved
+        1F1B, or ZB-V's V shape, where rank 0 holds both the embedding and the LM head)."""
+        ck = ("chunks", pp, chunks, v_shape)
+        got = self._comps.get(ck)
+        if got is None:
+            out = []
+            for ranges in rank_chunks(self.graph, pp, chunks, v_shape):
+                counts: dict[str, int] = {}
+                for a, b in ranges:
+                    for k, n in self.composition(a, b):
+                        counts[k] = counts.get(k, 0) + n
+                out.append(tuple(sorted(counts.items())))
+            got = self._comps[ck] = tuple(out)
         return got
 
     def boundary_key(self, last: int) -> str:
@@ -298,11 +347,22 @@ class StageTime:
     tp_comm: float
     cp_comm: float
     ep_comm: float
+    wgrad: float = 0.0  # the weight-gradient part of `backward` (ZB-V's W)
 
     @property
     def compute(self) -> float:
         """Forward + backward compute."""
         return self.forward + self.backward
+
+    @property
+    def zb_bubble(self) -> float:
+        """ZB-V's per-rank bubble unit max(f, b, 2 (b - w)) over the rank's two chunks (half the
+        stage each), communication split evenly between forward and backward."""
+        comm = (self.tp_comm + self.cp_comm + self.ep_comm) / 2
+        f = self.forward + comm
+        w = self.wgrad
+        b = self.backward - w + self.recompute + comm
+        return max(f, b, 2 * (b - w)) / 2
 
     @property
     def total(self) -> float:
@@ -335,21 +395,42 @@ class CrossTraffic:
     unshared: float
     latency: float
     per_stage: float | None  # None when no shared GroupLink bounds it
+    # The same traffic coded (lossless / int8 gradients, `compression.coded_cross`), in the
+    # same form; `time` takes the faster of the two.
+    coded: CrossTraffic | None = None
 
-    def time(self, crossing_stages: int) -> float:
-        """Seconds when `crossing_stages` stages' DP rings cross between groups at once."""
+    def raw_time(self, crossing_stages: int) -> float:
+        """Seconds uncoded when `crossing_stages` stages' DP rings cross at once."""
         if self.per_stage is None:
             return self.unshared
         return max(self.unshared, self.latency + self.per_stage * max(1, crossing_stages))
+
+    def time(self, crossing_stages: int) -> float:
+        """Seconds when `crossing_stages` stages' DP rings cross between groups at once."""
+        raw = self.raw_time(crossing_stages)
+        return raw if self.coded is None else min(raw, self.coded.raw_time(crossing_stages))
 
 
 class Pricer:
     """Caches the pricing pieces of one graph on one cluster for one compute dtype."""
 
-    def __init__(self, costs: ModelCosts, cluster: Cluster, dtype: str = "bfloat16") -> None:
+    def __init__(
+        self,
+        costs: ModelCosts,
+        cluster: Cluster,
+        dtype: str = "bfloat16",
+        comm: CommOptions | None = None,
+        selective_policy: str = "keep_linear",
+    ) -> None:
         self.costs = costs
         self.cluster = cluster
         self.dtype = dtype
+        # How Recompute.SELECTIVE keeps outputs (recompute.SelectivePolicy): meshplan's and
+        # Megatron's keep-every-linear by default; torchtitan's op or layer policies on request.
+        self.selective_policy = SelectivePolicy(selective_policy).value
+        # What the planner may do to traffic (compression.py): every collective is priced at
+        # its fastest allowed method (raw, lossless, int8 gradients). None: raw only.
+        self.comm = comm
         self.groups: dict[str, DeviceGroup] = {g.name: g for g in cluster.groups}
         self._time: dict[tuple, StageTime] = {}
         self._block_time: dict[tuple, StageTime] = {}
@@ -368,13 +449,15 @@ class Pricer:
         sp: bool,
         micro_batch: int,
         recompute: Recompute,
+        quantize: bool = False,
     ) -> StageTime:
         """Forward/backward/recompute compute and TP/CP/EP traffic of one micro-batch: the sum
-        over the stage's blocks of `block_time` times their instance counts."""
-        key = (comp, group, tp, cp, ep, sp, micro_batch, recompute)
+        over the stage's blocks of `block_time` times their instance counts. `quantize`: saved
+        activations are quantized (AGoQ), which adds quantize/dequantize time."""
+        key = (comp, group, tp, cp, ep, sp, micro_batch, recompute, quantize)
         got = self._time.get(key)
         if got is None:
-            parts = [0.0] * 6
+            parts = [0.0] * 7
             for bkey, count in comp:
                 t = self.block_time(
                     bkey,
@@ -385,9 +468,10 @@ class Pricer:
                     sp=sp,
                     micro_batch=micro_batch,
                     recompute=recompute,
+                    quantize=quantize,
                 )
                 for i, v in enumerate(
-                    (t.forward, t.backward, t.recompute, t.tp_comm, t.cp_comm, t.ep_comm)
+                    (t.forward, t.backward, t.recompute, t.tp_comm, t.cp_comm, t.ep_comm, t.wgrad)
                 ):
                     parts[i] += count * v
             got = self._time[key] = StageTime(*parts)
@@ -404,9 +488,10 @@ class Pricer:
         sp: bool,
         micro_batch: int,
         recompute: Recompute,
+        quantize: bool = False,
     ) -> StageTime:
         """One instance of block `bkey`, one micro-batch, on one rank of `group`."""
-        key = (bkey, group, tp, cp, ep, sp, micro_batch, recompute)
+        key = (bkey, group, tp, cp, ep, sp, micro_batch, recompute, quantize)
         got = self._block_time.get(key)
         if got is not None:
             return got
@@ -416,27 +501,73 @@ class Pricer:
         fwd, bwd, sel = self.costs.compute(bkey, g.gpu, self.dtype).times(
             tp=tp, cp=cp, sequence_parallel=sp, scale=scale
         )
-        t_fwd, t_bwd = self._tp_traffic(facts, tp, cp, sp, scale, intra_node_path(self.cluster, g))
+        t_fwd, t_bwd = self._tp_traffic(
+            facts, tp, cp, sp, scale, intra_node_path(self.cluster, g), g.gpu
+        )
         c_fwd, c_bwd = self._cp_traffic(facts, g, tp, cp, scale)
         e_fwd, e_bwd = self._ep_traffic(facts, g, tp, cp, ep, sp, scale)
         rc = 0.0
+        policy = self.selective_policy
         if facts.kind == "layer" and recompute == Recompute.SELECTIVE:
-            rc = sel  # the attention core only: no TP traffic inside it
+            if policy == SelectivePolicy.EVERY_OTHER_LAYER:  # half the layers: full recompute
+                rc = 0.5 * (fwd + t_fwd + c_fwd + e_fwd)
+            elif policy == SelectivePolicy.TORCHTITAN_OP:  # its recomputed mms: no TP traffic
+                rc = recompute_forward_time(
+                    self.costs.blocks[bkey],
+                    g.gpu,
+                    self.dtype,
+                    policy,
+                    tp=tp,
+                    cp=cp,
+                    sequence_parallel=sp,
+                    scale=scale,
+                )
+            else:
+                rc = sel  # the attention core only: no TP traffic inside it
         elif facts.kind == "layer" and recompute == Recompute.FULL:
             rc = fwd + t_fwd + c_fwd + e_fwd  # the whole forward again, traffic included
+        if quantize:  # AGoQ: quantize what is saved in forward, dequantize it in backward
+            share, calls = quantized_share(self.costs.blocks[bkey])
+            saved = facts.memory.activations(
+                tp=tp, cp=cp, sequence_parallel=sp, scale=scale, recompute=recompute
+            )
+            q_fwd, q_bwd = quantize_time(saved * share, g.gpu, calls)
+            fwd, bwd = fwd + q_fwd, bwd + q_bwd
         got = self._block_time[key] = StageTime(
-            fwd, bwd, rc, t_fwd + t_bwd, c_fwd + c_bwd, e_fwd + e_bwd
+            fwd, bwd, rc, t_fwd + t_bwd, c_fwd + c_bwd, e_fwd + e_bwd, bwd * facts.wgrad_fraction
         )
         return got
 
-    def _tp_traffic(self, facts, tp, cp, sp, scale, intra: Path) -> tuple[float, float]:
+    def comm_choice(
+        self, kind: Collective, size: float, n: int, path: Path, gpu: GpuSpec, tensor: str
+    ) -> CommChoice:
+        """`kind` of `size` bytes over n ranks on `path`, at its fastest allowed method."""
+        return choose(
+            kind,
+            size,
+            n,
+            lambda x: collective_time(kind, x, n, path),
+            self.comm,
+            gpu,
+            self.dtype,
+            tensor,
+        )
+
+    def _tp_traffic(
+        self, facts, tp, cp, sp, scale, intra: Path, gpu: GpuSpec | None = None
+    ) -> tuple[float, float]:
         if tp <= 1:
             return 0.0, 0.0
         out = {"fwd": 0.0, "bwd": 0.0}
         for c in facts.tp_collectives:
             size = c.size_bytes * scale / cp
             for kind in c.with_sp if sp else c.without_sp:
-                out[c.phase] += collective_time(kind, size, tp, intra)
+                if self.comm is None or gpu is None:
+                    out[c.phase] += collective_time(kind, size, tp, intra)
+                else:
+                    out[c.phase] += self.comm_choice(
+                        kind, size, tp, intra, gpu, "activations"
+                    ).time_s
         return out["fwd"], out["bwd"]
 
     def _cp_traffic(self, facts, g: DeviceGroup, tp, cp, scale) -> tuple[float, float]:
@@ -448,8 +579,10 @@ class Pricer:
         size = facts.kv_bytes * scale / tp
         path = group_path(self.cluster, g, cp, max(1, g.gpus_per_node // tp))
         return (
-            collective_time(Collective.ALL_GATHER, size, cp, path),
-            collective_time(Collective.REDUCE_SCATTER, size, cp, path),
+            self.comm_choice(Collective.ALL_GATHER, size, cp, path, g.gpu, "activations").time_s,
+            self.comm_choice(
+                Collective.REDUCE_SCATTER, size, cp, path, g.gpu, "activations"
+            ).time_s,
         )
 
     def _ep_traffic(self, facts, g: DeviceGroup, tp, cp, ep, sp, scale) -> tuple[float, float]:
@@ -459,7 +592,7 @@ class Pricer:
             return 0.0, 0.0
         size = facts.a2a_bytes * scale / (cp * (tp if sp else 1))
         path = group_path(self.cluster, g, ep, max(1, g.gpus_per_node // (tp * cp)))
-        t = collective_time(Collective.ALL_TO_ALL, size, ep, path)
+        t = self.comm_choice(Collective.ALL_TO_ALL, size, ep, path, g.gpu, "activations").time_s
         return 2 * t, 2 * t
 
     # -- per stage composition (group-independent) ---------------------------------------------
@@ -475,12 +608,26 @@ class Pricer:
         recompute: Recompute,
         sp: bool,
         micro_batch: int,
+        quantize: bool = False,
+        stage: int = 0,
+        num_stages: int = 1,
     ) -> StageMemory:
-        """Memory of one rank of a stage, but for the in-flight multiplier (cached)."""
-        key = (comp, tp, cp, ep, dp, zero, recompute, sp, micro_batch)
+        """Memory of one rank of a stage, but for the in-flight multiplier (cached).
+
+        `quantize`: saved activations at the AGoQ widths of pipeline stage `stage` of
+        `num_stages` (`compression.quantized_block_memory`); stage 0's widths are the
+        smallest, so the default is a lower bound for any stage."""
+        early = 2 * (num_stages - stage) > num_stages  # attention at 4 bits (compression.py)
+        key = (comp, tp, cp, ep, dp, zero, recompute, sp, micro_batch, quantize and early)
+        key += (quantize,)
         got = self._mem.get(key)
         if got is None:
             blocks = [(self.costs.facts[k].memory, n) for k, n in comp]
+            if quantize:
+                blocks = [
+                    (quantized_block_memory(self.costs.blocks[k], b, stage, num_stages), n)
+                    for (b, n), (k, _) in zip(blocks, comp)
+                ]
             got = self._mem[key] = stage_memory(
                 blocks,
                 tp=tp,
@@ -491,21 +638,28 @@ class Pricer:
                 recompute=recompute,
                 sequence_parallel=sp,
                 scale=micro_batch / self.costs.traced_micro_batch,
+                policy=self.selective_policy,
             )
         return got
 
-    def dp_traffic(self, comp: Composition, *, tp: int, ep: int, dp: int, zero: int) -> DpTraffic:
+    def dp_traffic(
+        self, comp: Composition, *, tp: int, ep: int, dp: int, zero: int, cp: int = 1
+    ) -> DpTraffic:
         """Per-occurrence DP collectives of a stage (bf16 gradients and weights, GRAD_BYTES /
         WEIGHT_BYTES per parameter): ZeRO-0 all-reduces gradients; ZeRO-1/2 reduce-scatter
         gradients and all-gather updated weights; ZeRO-3 (per micro-batch) all-gathers weights
-        for forward and for backward and reduce-scatters gradients. Expert parameters use the
-        dp / ep ranks that hold the same experts."""
+        for forward and for backward and reduce-scatters gradients. Context-parallel ranks hold
+        the same weights and their gradients are reduced with the data-parallel ones, so the
+        group is dp * cp ranks (Megatron-LM's data-parallel group "with CP", torchtitan's FSDP
+        mesh dp_shard x cp). Expert parameters use the dp * cp / ep ranks that hold the same
+        experts."""
         facts = [(self.costs.facts[k].memory, n) for k, n in comp]
         dense = sum(n * (b.params_tp / tp + b.params_rep) for b, n in facts)
         experts = sum(n * b.params_expert / (tp * ep) for b, n in facts)
         AR, AG, RS = Collective.ALL_REDUCE, Collective.ALL_GATHER, Collective.REDUCE_SCATTER
         out: list[tuple[Collective, float, int]] = []
-        for params, n in ((dense, dp), (experts, dp // ep if dp >= ep else 1)):
+        dcp = dp * cp
+        for params, n in ((dense, dcp), (experts, dcp // ep if dcp >= ep else 1)):
             if params <= 0 or n <= 1:
                 continue
             if zero == 0:
@@ -518,12 +672,32 @@ class Pricer:
 
     def dp_single(self, traffic: DpTraffic, group: str, *, tp: int, cp: int) -> float:
         """DP traffic time when all replicas of the stage sit in one group, packed into nodes."""
+        return sum(c.time_s for c in self.dp_single_choices(traffic, group, tp=tp, cp=cp))
+
+    def dp_single_choices(
+        self, traffic: DpTraffic, group: str, *, tp: int, cp: int
+    ) -> list[CommChoice]:
+        """The priced methods of each collective of `dp_single` (gradients reduced, weights
+        gathered)."""
         g = self.groups[group]
-        per_node = max(1, g.gpus_per_node // (tp * cp))
-        return sum(
-            group_collective_time(k, s, self.cluster, g, n, min(n, per_node))
+        # The DP x CP group's ranks on one node: every rank of the node outside TP (cp sits
+        # inside dp in the mesh order pp, dp, cp, ep, tp).
+        per_node = max(1, g.gpus_per_node // tp)
+        return [
+            choose(
+                k,
+                s,
+                n,
+                lambda x, k=k, n=n: group_collective_time(
+                    k, x, self.cluster, g, n, min(n, per_node)
+                ),
+                self.comm,
+                g.gpu,
+                self.dtype,
+                tensor_of(k),
+            )
             for k, s, n in traffic.collectives
-        )
+        ]
 
     def cross_path(self, a: str, b: str, ranks_a: int, ranks_b: int) -> CrossPath:
         """`collectives.cross_group_path`, cached."""
@@ -535,7 +709,8 @@ class Pricer:
 
     def dp_cross(self, traffic: DpTraffic, a: str, b: str, *, tp: int, cp: int) -> CrossTraffic:
         """DP traffic time of a flat ring spanning groups a and b (replicas packed in nodes).
-        Each crossing stage has tp * cp rings (one per TP/CP rank) on a shared GroupLink."""
+        Each crossing stage has tp rings (one per TP rank, each over the dp * cp ranks that
+        hold the same weights) on a shared GroupLink."""
         # Ranks of one DP ring per node: the replicas a node holds, at most dp. Placement-
         # independent on purpose (the planner prices it before placing): optimistic when one
         # side holds fewer replicas than fit in a node.
@@ -544,29 +719,47 @@ class Pricer:
         path = self.cross_path(
             a,
             b,
-            max(1, min(dp, ga.gpus_per_node // (tp * cp))),
-            max(1, min(dp, gb.gpus_per_node // (tp * cp))),
+            max(1, min(dp, ga.gpus_per_node // tp)),
+            max(1, min(dp, gb.gpus_per_node // tp)),
         )
         vol, alpha = traffic.volume, traffic.count * path.latency
         per_stage = None
         if path.shared_bandwidth is not None:
-            per_stage = vol * tp * cp / path.shared_bandwidth
-        return CrossTraffic(alpha + vol / path.bandwidth, alpha, per_stage)
+            per_stage = vol * tp / path.shared_bandwidth
+        coded = coded_cross(
+            traffic.collectives,
+            Path(path.bandwidth, path.latency),
+            path.shared_bandwidth,
+            tp,
+            self.comm,
+            _slower_gpu(ga.gpu, gb.gpu),
+            self.dtype,
+        )
+        return CrossTraffic(
+            alpha + vol / path.bandwidth,
+            alpha,
+            per_stage,
+            CrossTraffic(*coded) if coded is not None else None,
+        )
 
     def p2p(self, size: float, a: str, b: str, streams: int) -> float:
         """Forward send + backward send of one boundary activation of `size` bytes per rank
         between a stage on group a and the next on group b; `streams` ranks send at once."""
+        return 2 * self.p2p_choice(size, a, b, streams).time_s
+
+    def p2p_choice(self, size: float, a: str, b: str, streams: int) -> CommChoice:
+        """One boundary send of `p2p` at its fastest allowed method."""
         if a == b:
             g = self.groups[a]
             if g.nodes == 1:
                 path = intra_node_path(self.cluster, g)
             else:
                 # Consecutive stages sit on different nodes (stages fill nodes in order).
-                tier = self.cluster.link(g.inter_link)
-                path = Path(nic_share(g, tier), tier.latency)
+                path = inter_node_path(self.cluster, g)
         else:
             path = self.cross_path(a, b, 1, 1).path(streams)
-        return 2 * collective_time(Collective.P2P, size, 2, path)
+        gpu = _slower_gpu(self.groups[a].gpu, self.groups[b].gpu)
+        return self.comm_choice(Collective.P2P, size, 2, path, gpu, "activations")
 
     def optimizer_time(
         self, comp: Composition, group: str, *, tp: int, ep: int, dp: int, zero: int
@@ -584,17 +777,29 @@ class Pricer:
         return (dense + experts) * OPTIMIZER_BYTES_PER_PARAM / hbm
 
 
+def _slower_gpu(a: GpuSpec, b: GpuSpec) -> GpuSpec:
+    """The GPU with less streaming bandwidth (the codec's end that sets its speed)."""
+    return a if a.hbm_bandwidth <= b.hbm_bandwidth else b
+
+
 _PRICER_CACHE: OrderedDict[tuple, tuple[Graph, Cluster, Pricer]] = OrderedDict()
 
 
-def pricer_for(graph: Graph, cluster: Cluster, dtype: str = "bfloat16") -> Pricer:
-    """A cached `Pricer` for (graph, cluster, dtype), by identity (entries hold both objects)."""
-    key = (id(graph), id(cluster), dtype)
+def pricer_for(
+    graph: Graph,
+    cluster: Cluster,
+    dtype: str = "bfloat16",
+    comm: CommOptions | None = None,
+    selective_policy: str = "keep_linear",
+) -> Pricer:
+    """A cached `Pricer` for (graph, cluster, dtype, comm, selective policy), by identity
+    (entries hold both objects)."""
+    key = (id(graph), id(cluster), dtype, comm, selective_policy)
     hit = _PRICER_CACHE.get(key)
     if hit is not None and hit[0] is graph and hit[1] is cluster:
         _PRICER_CACHE.move_to_end(key)
         return hit[2]
-    pricer = Pricer(model_costs(graph), cluster, dtype)
+    pricer = Pricer(model_costs(graph), cluster, dtype, comm, selective_policy)
     _PRICER_CACHE[key] = (graph, cluster, pricer)
     while len(_PRICER_CACHE) > _CACHE_SIZE:
         _PRICER_CACHE.popitem(last=False)
@@ -626,12 +831,22 @@ class PlanTables:
     dp_single: list[dict[str, float]]  # [stage][group]: all replicas in that group
     dp_cross: list[dict[tuple[str, str], CrossTraffic]]  # [stage][(a, b)], a before b
     p2p: list[dict[tuple[str, str], float]] = field(default_factory=list)  # [boundary][(a, b)]
-    chunks: int = 1  # model chunks per pipeline rank (interleaved 1F1B), else 1
+    chunks: int = 1  # model chunks per pipeline rank (interleaved 1F1B, ZB-V), else 1
+    zero_bubble: bool = False  # ZB-V: the fill is (pp - 1) Z, not (S - U) / v
 
     @property
     def pp(self) -> int:
         """Pipeline stages."""
         return len(self.ranges)
+
+    @property
+    def fill(self) -> float:
+        """Coefficient of (S - U) in the pipeline term: 1 / v, or 0 under ZB-V."""
+        return 0.0 if self.zero_bubble else 1.0 / self.chunks
+
+    def bubble_unit(self, s: int, g: str) -> float:
+        """ZB-V's z[s, g] (0 for other schedules): the fill is (pp - 1) max_s z[s, g]."""
+        return self.time[s][g].zb_bubble if self.zero_bubble else 0.0
 
 
 def _dp_window(t: StageTime, zero: int) -> float:
@@ -661,17 +876,23 @@ def plan_tables(
     names = tuple(groups) if groups is not None else tuple(pricer.groups)
     tp, cp, ep, dp, mb = p.tp, p.cp, p.ep, p.dp, p.micro_batch
     sp, zero, rc = bool(p.sequence_parallel), p.zero, Recompute(p.recompute)
+    quant = bool(p.quantize_activations)
     m = p.global_batch // (dp * mb)
     pp = len(ranges)
     costs = pricer.costs
-    comps = [costs.composition(a, b) for a, b in ranges]
+    if pp > 1 and p.chunks > 1:  # each rank runs its chunks (ranges is the even split)
+        comps = list(costs.chunked_compositions(pp, p.chunks, p.schedule == Schedule.ZERO_BUBBLE))
+    else:
+        comps = [costs.composition(a, b) for a, b in ranges]
     uniq: dict[Composition, dict] = {}
     for comp in comps:
         if comp in uniq:
             continue
-        traffic = pricer.dp_traffic(comp, tp=tp, ep=ep, dp=dp, zero=zero)
+        traffic = pricer.dp_traffic(comp, tp=tp, ep=ep, dp=dp, zero=zero, cp=cp)
         times = {
-            g: pricer.stage_time(comp, g, tp=tp, cp=cp, ep=ep, sp=sp, micro_batch=mb, recompute=rc)
+            g: pricer.stage_time(
+                comp, g, tp=tp, cp=cp, ep=ep, sp=sp, micro_batch=mb, recompute=rc, quantize=quant
+            )
             for g in names
         }
         cross = {}
@@ -682,7 +903,8 @@ def plan_tables(
             "time": times,
             "window": {g: _dp_window(t, zero) for g, t in times.items()},
             "opt": {
-                g: pricer.optimizer_time(comp, g, tp=tp, ep=ep, dp=dp, zero=zero) for g in names
+                g: pricer.optimizer_time(comp, g, tp=tp, ep=ep, dp=dp * cp, zero=zero)
+                for g in names
             },
             "single": {g: pricer.dp_single(traffic, g, tp=tp, cp=cp) for g in names},
             "cross": cross,
@@ -692,15 +914,33 @@ def plan_tables(
         }
     capacity = {g: replica_capacity(pricer.groups[g], tp, cp) for g in names}
     time, window, opt, memory, fits, single, cross = [], [], [], [], [], [], []
-    peaks: dict[tuple[Composition, int], tuple] = {}
+    peaks: dict[tuple, tuple] = {}
     for s, comp in enumerate(comps):
         u = uniq[comp]
         held = in_flight_microbatches(p.schedule, s, pp, max_microbatches or m, p.chunks)
-        got = peaks.get((comp, held))
+        # Quantized activations: the AGoQ widths depend on the stage (early: attention 4 bits).
+        early = quant and 2 * (pp - s) > pp
+        got = peaks.get((comp, held, early))
         if got is None:
-            peak = u["mem"].peak(held)
+            mem = u["mem"]
+            if quant:
+                mem = pricer.stage_memory(
+                    comp,
+                    tp=tp,
+                    cp=cp,
+                    ep=ep,
+                    dp=dp,
+                    zero=zero,
+                    recompute=rc,
+                    sp=sp,
+                    micro_batch=mb,
+                    quantize=True,
+                    stage=s,
+                    num_stages=pp,
+                )
+            peak = mem.peak(held)
             fit = {g: peak[0] <= pricer.groups[g].gpu.memory_bytes for g in names}
-            got = peaks[(comp, held)] = (peak, fit)
+            got = peaks[(comp, held, early)] = (peak, fit)
         time.append(u["time"])
         window.append(u["window"])
         opt.append(u["opt"])
@@ -739,6 +979,7 @@ def plan_tables(
         dp_cross=cross,
         p2p=p2p,
         chunks=p.chunks if pp > 1 else 1,
+        zero_bubble=p.schedule == Schedule.ZERO_BUBBLE and pp > 1,
     )
 
 
@@ -755,10 +996,14 @@ class Evaluation:
 Placement = Sequence[Sequence[tuple[str, int]]]  # [stage] -> ((group, replicas), ...)
 
 
-def _pipeline(tables: PlanTables, stage_u: list[float], m: int, p2p: float) -> float:
-    """m U + (sum_s u_s - U) / v + (m v + pp - 1) P: the pipeline term of one pipeline."""
+def _pipeline(
+    tables: PlanTables, stage_u: list[float], m: int, p2p: float, z: float = 0.0
+) -> float:
+    """m U + (sum_s u_s - U) / v + (pp - 1) Z + (m v + pp - 1) P: the pipeline term of one
+    pipeline (Z, ZB-V's bubble unit, is 0 for the other schedules and 1/v is then 0)."""
     v, big_u = tables.chunks, max(stage_u)
-    return m * big_u + (sum(stage_u) - big_u) / v + (m * v + tables.pp - 1) * p2p
+    fill = (sum(stage_u) - big_u) * tables.fill + (tables.pp - 1) * z
+    return m * big_u + fill + (m * v + tables.pp - 1) * p2p
 
 
 def evaluate(
@@ -779,7 +1024,8 @@ def evaluate(
         def group_term(g: str) -> float:
             us = [tables.time[s][g].total for s in range(pp)]
             p = max((tables.p2p[s][(g, g)] for s in range(pp - 1)), default=0.0)
-            return _pipeline(tables, us, shares[g], p)
+            z = max(tables.bubble_unit(s, g) for s in range(pp))
+            return _pipeline(tables, us, shares[g], p, z)
 
         slow = max(sorted(shares), key=group_term)
         m = shares[slow]
@@ -820,6 +1066,7 @@ def evaluate(
     optimizer = max(tables.optimizer[s][g] for s in range(pp) for g in used[s])
     t = tables.time[s_star][stage_g[s_star]]
     v = tables.chunks
+    z = max(tables.bubble_unit(s, g) for s in range(pp) for g in used_pipe[s])
     parts = {
         "compute": m * t.compute,
         "recompute": m * t.recompute,
@@ -827,7 +1074,7 @@ def evaluate(
         "cp_comm": m * t.cp_comm,
         "ep_comm": m * t.ep_comm,
         "pp_p2p": m * v * p2p,
-        "pp_bubble": (sum(stage_u) - big_u) / v + (pp - 1) * p2p,
+        "pp_bubble": (sum(stage_u) - big_u) * tables.fill + (pp - 1) * (z + p2p),
         "dp_comm_exposed": tables.rep * exposed,
         "optimizer": optimizer,
     }
@@ -864,6 +1111,11 @@ def check_parallel(
         )
     if p.ep > 1 and p.dp % p.ep:
         raise ValueError(f"ep={p.ep} must divide dp={p.dp} (expert ranks reuse DP ranks)")
+    if p.schedule == Schedule.ZERO_BUBBLE and p.num_microbatches < 2 * p.pp - 1:
+        raise ValueError(
+            f"schedule 'zero_bubble' (ZB-V) needs at least 2*pp - 1 = {2 * p.pp - 1} "
+            f"micro-batches, got {p.num_microbatches}; raise global_batch or lower micro_batch"
+        )
     if len(stages) != p.pp:
         raise ValueError(f"pp={p.pp} but {len(stages)} stage placements were given")
     shares = stages[0].microbatches if stages else ()
@@ -886,6 +1138,15 @@ def check_parallel(
             raise ValueError(
                 f"micro-batch shares add up to {total} micro-batches, but dp * num_microbatches "
                 f"= {p.dp}*{p.num_microbatches} = {p.dp * p.num_microbatches}"
+            )
+    if p.pp > 1 and p.chunks > 1:
+        counts = layer_counts(graph, [(st.first_unit, st.last_unit) for st in stages])
+        n_layers = sum(counts)
+        if n_layers % (p.pp * p.chunks) or len(set(counts)) > 1:
+            raise ValueError(
+                f"schedule {p.schedule.value!r} runs {p.chunks} equal chunks per rank: it needs "
+                f"the even split of the {n_layers} layers over pp={p.pp} into a multiple of "
+                f"{p.pp * p.chunks} (stages hold {list(counts)} layers)"
             )
     expect = 0
     for i, st in enumerate(stages):
@@ -924,6 +1185,8 @@ def predict(
     stages: Sequence[StagePlacement],
     *,
     dtype: str = "bfloat16",
+    comm: CommOptions | None = None,
+    selective_policy: str = "keep_linear",
 ) -> Prediction:
     """Predict step time, throughput, MFU and per-(stage, group) peak memory of a placed config.
 
@@ -932,11 +1195,15 @@ def predict(
     graph's costs are for `graph.info.micro_batch` sequences of `graph.info.seq_len` tokens;
     `parallel.micro_batch` scales them linearly. MFU counts the model's FLOPs
     (`graph.total_flops(training=True)`, scaled to the global batch, recomputation excluded)
-    over the dense peak of every GPU the plan uses.
+    over the dense peak of every GPU the plan uses. `comm` (compression.CommOptions): what
+    may be done to traffic (lossless coding, int8 gradients), each collective at its fastest
+    allowed method; None prices raw collectives (what published runs did).
+    `selective_policy` (`meshplan.cost_model.recompute.SelectivePolicy`): how selective
+    recomputation keeps outputs; the default is meshplan's (keep every linear).
     """
     check_parallel(graph, cluster, parallel, stages)
     p = parallel
-    pricer = pricer_for(graph, cluster, dtype)
+    pricer = pricer_for(graph, cluster, dtype, comm, selective_policy)
     ranges = [(st.first_unit, st.last_unit) for st in stages]
     names = tuple(
         g.name for g in cluster.groups if any(g.name == r for st in stages for r, _ in st.replicas)
@@ -976,6 +1243,8 @@ def predict(
         notes.append("graph.info.seq_len is unknown: tokens/s counts sequences")
     bottleneck = f"bottleneck: stage {ev.bottleneck_stage} on {ev.bottleneck_group}"
     notes.append(bottleneck)
+    latency = _latency_sources([pricer.groups[g].gpu for g in names])
+    notes.append(f"op latency: {latency}")
     step = ev.step_time_s
     return Prediction(
         step_time_s=step,
@@ -987,4 +1256,15 @@ def predict(
         breakdown=ev.breakdown,
         memory=memory,
         notes=tuple(notes),
+        latency_source=latency,
     )
+
+
+def _latency_sources(gpus: Sequence[GpuSpec]) -> str:
+    """The op-latency model of each GPU type used (one text when they all agree)."""
+    from .compute import latency_source
+
+    by_type = {g.name: latency_source(g) for g in gpus}
+    if len(set(by_type.values())) == 1:
+        return next(iter(by_type.values()))
+    return "; ".join(f"{name}: {src}" for name, src in sorted(by_type.items()))

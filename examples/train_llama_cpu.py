@@ -75,13 +75,26 @@ def main() -> None:
     for k in ("dp", "tp", "pp", "micro-batch", "global-batch"):
         ap.add_argument(f"--{k}", type=int, default=None)
     ap.add_argument("--zero", type=int, default=None)
+    ap.add_argument("--virtual-stages", type=int, default=None)
+    ap.add_argument(
+        "--schedule", default=None, help="gpipe, 1f1b, interleaved_1f1b or zero_bubble (with --pp)"
+    )
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--plan", default=os.environ.get("MESHPLAN_PLAN"), help="plan JSON")
     args = ap.parse_args()
     if args.make_plan:
         fields = {
             k: getattr(args, k.replace("-", "_"))
-            for k in ("dp", "tp", "pp", "micro-batch", "global-batch", "zero")
+            for k in (
+                "dp",
+                "tp",
+                "pp",
+                "micro-batch",
+                "global-batch",
+                "zero",
+                "virtual-stages",
+                "schedule",
+            )
         }
         make_plan(
             args.make_plan,

@@ -13,6 +13,13 @@ seconds, memory in bytes. Intra-node bandwidth is per GPU; inter-node bandwidth 
 Ranks are numbered group by group, node by node, GPU by GPU (row-major), which is also how
 `meshplan launch` assigns them.
 
+A cluster may carry a `ClusterProfile`: what `meshplan calibrate` measured on real machines
+(collective time against message size per link tier, GEMM throughput per GPU type).
+`Cluster.with_profile` applies it: the measured tiers' bandwidth and latency replace the
+datasheet defaults, each measured GPU type gets its measured GEMM efficiency, and the cost
+model prices collectives on those tiers with the measured curves
+(`meshplan.cost_model.collectives`).
+
 Loading from YAML/JSON and the presets live in `meshplan.ir.cluster_io`; this module only
 holds the types and topology queries.
 """
@@ -23,6 +30,7 @@ import dataclasses
 import enum
 import hashlib
 import json
+import statistics
 from dataclasses import dataclass
 
 
@@ -51,12 +59,20 @@ class GpuSpec:
     sms: int  # streaming multiprocessors (or compute units / cores)
     nvlink_bandwidth: float  # bytes/s per GPU, one direction; 0 when the GPU has none
     source: str = ""
+    # Fraction of the dense peak that GEMMs reached when `meshplan calibrate` measured this GPU
+    # type (`ClusterProfile.gemm_efficiency`); None: the cost model's table value.
+    gemm_efficiency: float | None = None
 
     def __post_init__(self) -> None:
         if self.memory_bytes <= 0 or self.hbm_bandwidth <= 0:
             raise ValueError(f"GpuSpec {self.name}: memory and bandwidth must be positive")
         if not self.peak_flops:
             raise ValueError(f"GpuSpec {self.name}: no peak FLOP/s given")
+        if self.gemm_efficiency is not None and not self.gemm_efficiency > 0:
+            raise ValueError(
+                f"GpuSpec {self.name}: gemm_efficiency must be positive, got "
+                f"{self.gemm_efficiency!r}"
+            )
 
     def peak(self, dtype: str) -> float:
         """Peak dense FLOP/s for `dtype`; falls back to fp16 for bf16 on GPUs without bf16."""
@@ -132,6 +148,165 @@ class GroupLink:
     link: str
 
 
+# --------------------------------------------------------------------------------------------
+# Calibration profile (what `meshplan calibrate` measured)
+# --------------------------------------------------------------------------------------------
+
+PROFILE_VERSION = 1
+PROFILE_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveCurve:
+    """Measured time of one collective on one tier against its buffer size.
+
+    `points` are (size in bytes, seconds) with strictly increasing sizes; the size is the
+    nccl-tests one (the all-reduced buffer, the gathered output, the scattered input, the
+    all-to-all buffer, the bytes sent). `ranks` took part, `ranks_per_node` of them per node.
+    """
+
+    collective: str
+    ranks: int
+    points: tuple[tuple[int, float], ...]
+
+    def __post_init__(self) -> None:
+        if self.collective not in PROFILE_COLLECTIVES:
+            raise ValueError(
+                f"unknown collective {self.collective!r}; one of {', '.join(PROFILE_COLLECTIVES)}"
+            )
+        if self.ranks < 2:
+            raise ValueError(f"{self.collective}: a curve needs at least 2 ranks")
+        if not self.points:
+            raise ValueError(f"{self.collective}: no measurements")
+        sizes = [s for s, _ in self.points]
+        if any(b <= a for a, b in zip(sizes, sizes[1:], strict=False)) or sizes[0] <= 0:
+            raise ValueError(f"{self.collective}: sizes must be positive and increasing")
+        if any(not t > 0 for _, t in self.points):
+            raise ValueError(f"{self.collective}: times must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class TierProfile:
+    """The curves measured on one link tier (by tier name), and where they were measured:
+    `gpus_per_node` devices and `nics_per_node` NICs per node on the calibrating machines,
+    `ranks_per_node` ranks of each measured communicator per node (1 for an inter-node tier
+    measured with one rank per node; all ranks for an intra-node tier)."""
+
+    tier: str
+    intra_node: bool
+    gpus_per_node: int
+    nics_per_node: int
+    ranks_per_node: int
+    curves: tuple[CollectiveCurve, ...]
+
+    def __post_init__(self) -> None:
+        if not self.curves:
+            raise ValueError(f"tier {self.tier}: no curves")
+        kinds = [c.collective for c in self.curves]
+        if len(kinds) != len(set(kinds)):
+            raise ValueError(f"tier {self.tier}: one curve per collective")
+        if min(self.gpus_per_node, self.nics_per_node, self.ranks_per_node) < 1:
+            raise ValueError(f"tier {self.tier}: per-node counts must be >= 1")
+
+    def curve(self, collective: str) -> CollectiveCurve | None:
+        """The curve of `collective`, or None when it was not measured."""
+        for c in self.curves:
+            if c.collective == collective:
+                return c
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class GemmMeasurement:
+    """One timed GEMM (m x k) @ (k x n) in `dtype` on `gpu` against that type's dense peak."""
+
+    gpu: str
+    dtype: str
+    m: int
+    n: int
+    k: int
+    seconds: float
+    peak_flops: float
+
+    def __post_init__(self) -> None:
+        if min(self.m, self.n, self.k) < 1 or not self.seconds > 0 or not self.peak_flops > 0:
+            raise ValueError(f"GEMM {self.m}x{self.n}x{self.k}: sizes, time and peak must be > 0")
+
+    @property
+    def achieved_flops(self) -> float:
+        """2 m n k / seconds."""
+        return 2.0 * self.m * self.n * self.k / self.seconds
+
+    @property
+    def efficiency(self) -> float:
+        """Achieved over the datasheet dense peak."""
+        return self.achieved_flops / self.peak_flops
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterProfile:
+    """A calibration of real machines: collective curves per link tier and GEMM throughput
+    per GPU type (written by `meshplan calibrate`, read by `meshplan.ir.cluster_io`)."""
+
+    tiers: tuple[TierProfile, ...] = ()
+    gemm: tuple[GemmMeasurement, ...] = ()
+    version: int = PROFILE_VERSION
+    source: str = ""  # host, backend, torch version, date
+
+    def __post_init__(self) -> None:
+        if self.version != PROFILE_VERSION:
+            raise ValueError(
+                f"profile version {self.version} is not supported (this meshplan reads "
+                f"version {PROFILE_VERSION}); run `meshplan calibrate` again"
+            )
+        names = [t.tier for t in self.tiers]
+        if len(names) != len(set(names)):
+            raise ValueError("profile: one entry per link tier")
+
+    def tier(self, name: str) -> TierProfile | None:
+        """The measurements of tier `name`, or None."""
+        for t in self.tiers:
+            if t.tier == name:
+                return t
+        return None
+
+    def gemm_efficiency(self, gpu: str, dtype: str | None = None) -> float | None:
+        """Median efficiency over the measured shapes of `gpu` (in `dtype`, or in the dtype with
+        the most measurements when None); None when `gpu` was not measured."""
+        rows = [g for g in self.gemm if g.gpu == gpu]
+        if dtype is None and rows:
+            counts: dict[str, int] = {}
+            for g in rows:
+                counts[g.dtype] = counts.get(g.dtype, 0) + 1
+            dtype = max(counts, key=lambda d: (counts[d], d == "bfloat16"))
+        effs = [g.efficiency for g in rows if g.dtype == dtype]
+        return statistics.median(effs) if effs else None
+
+
+def busbw_factor(collective: str, n: int) -> float:
+    """nccl-tests' bus-bandwidth factor (doc/PERFORMANCE.md): 2(n-1)/n for all-reduce,
+    (n-1)/n for all-gather, reduce-scatter and all-to-all, 1 for send/recv."""
+    if collective == "p2p":
+        return 1.0
+    if n <= 1:
+        return 0.0
+    return (2.0 if collective == "all_reduce" else 1.0) * (n - 1) / n
+
+
+def measured_busbw(curve: CollectiveCurve) -> tuple[float, ...]:
+    """Bus bandwidth (bytes/s) at each measured size: size * factor(n) / time."""
+    f = busbw_factor(curve.collective, curve.ranks)
+    return tuple(s * f / t for s, t in curve.points)
+
+
+def tier_peak_busbw(tier: TierProfile) -> float:
+    """The tier's large-message bus bandwidth: the all-reduce curve's best, else the best of
+    any measured curve (the reference the cost model scales every curve of the tier by)."""
+    ar = tier.curve("all_reduce")
+    curves = [ar] if ar is not None else list(tier.curves)
+    return max(max(measured_busbw(c)) for c in curves)
+
+
 @dataclass(frozen=True, slots=True)
 class RankInfo:
     rank: int
@@ -140,12 +315,17 @@ class RankInfo:
     local_rank: int  # GPU index within the node
 
 
+# Optional calibration fields that `Cluster.to_dict` leaves out while unset.
+_OMITTED_WHEN_UNSET = frozenset({"profile", "gemm_efficiency"})
+
+
 @dataclass(frozen=True, slots=True)
 class Cluster:
     name: str
     groups: tuple[DeviceGroup, ...]
     links: tuple[LinkTier, ...]
     group_links: tuple[GroupLink, ...] = ()
+    profile: ClusterProfile | None = None  # set by `with_profile`
 
     def __post_init__(self) -> None:
         if not self.groups:
@@ -215,6 +395,57 @@ class Cluster:
         candidates = [self.link(g.inter_link or g.intra_link) for g in (ga, gb)]
         return min(candidates, key=lambda t: t.effective_bandwidth)
 
+    def with_profile(self, profile: ClusterProfile | None) -> Cluster:
+        """This cluster calibrated by `profile` (None: unchanged).
+
+        Every link tier the profile measured (matched by name) gets the measured large-message
+        bus bandwidth, efficiency 1 and, where send/recv was measured, its smallest time as
+        the per-hop latency. The bandwidth is per GPU for a tier measured inside one node; for
+        a tier measured across nodes with `ranks_per_node` ranks on nodes of `gpus_per_node`
+        GPUs and `nics_per_node` NICs it is per NIC, peak * gpus_per_node / (ranks_per_node *
+        nics_per_node), the inverse of the cost model's NIC sharing
+        (`meshplan.cost_model.collectives.group_path`), so that pricing the measured
+        configuration gives back the measured bandwidth. Every GPU type the profile measured
+        gets the median measured GEMM efficiency. The cost model also prices collectives on
+        measured tiers with the measured curves (size dependence included).
+
+        Raises ValueError (one line) when the profile measured none of this cluster's tiers
+        and none of its GPU types.
+        """
+        if profile is None:
+            return self
+        links = []
+        matched: list[str] = []
+        for t in self.links:
+            tp = profile.tier(t.name)
+            if tp is None:
+                links.append(t)
+                continue
+            matched.append(t.name)
+            peak = tier_peak_busbw(tp)
+            bw = peak
+            if not tp.intra_node:
+                bw = peak * tp.gpus_per_node / (tp.ranks_per_node * tp.nics_per_node)
+            p2p = tp.curve("p2p")
+            latency = p2p.points[0][1] if p2p is not None else t.latency
+            links.append(LinkTier(t.name, t.kind, bw, latency, 1.0))
+        groups = []
+        for g in self.groups:
+            eff = profile.gemm_efficiency(g.gpu.name)
+            if eff is not None:
+                matched.append(g.gpu.name)
+                g = dataclasses.replace(g, gpu=dataclasses.replace(g.gpu, gemm_efficiency=eff))
+            groups.append(g)
+        if not matched:
+            measured = [t.tier for t in profile.tiers] + sorted({m.gpu for m in profile.gemm})
+            raise ValueError(
+                f"the profile measured {', '.join(measured) or 'nothing'}, none of which is a "
+                f"link tier ({', '.join(t.name for t in self.links)}) or GPU type "
+                f"({', '.join(sorted({g.gpu.name for g in self.groups}))}) of cluster "
+                f"{self.name}; calibrate with --intra-link/--inter-link/--gpu naming them"
+            )
+        return dataclasses.replace(self, links=tuple(links), groups=tuple(groups), profile=profile)
+
     def fingerprint(self) -> str:
         h = hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode())
         return h.hexdigest()[:16]
@@ -227,6 +458,8 @@ class Cluster:
                 out = {}
                 for f in dataclasses.fields(obj):
                     value = getattr(obj, f.name)
+                    if value is None and f.name in _OMITTED_WHEN_UNSET:
+                        continue  # uncalibrated clusters keep their layout and fingerprint
                     # float fields given as ints (bandwidth=50e9 vs 50_000_000_000) must
                     # serialise, and so fingerprint, identically.
                     if f.type in ("float", "float | None") and isinstance(value, int):

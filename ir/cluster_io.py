@@ -50,6 +50,18 @@ Fields, units and defaults:
   number of bytes. FLOP/s: "989TFLOP/s", "989 TFLOPS" or a number. Bare numbers may be
   written "50e9" (PyYAML reads that as a string; it is parsed like any quantity).
 
+- `profile`: a cluster profile written by `meshplan calibrate` (a path, relative to the
+  cluster file, or the profile mapping itself). The measured tiers and GPU types replace the
+  datasheet defaults (`Cluster.with_profile`); `meshplan plan/estimate --profile FILE` does the
+  same for any cluster or preset.
+
+Profile files (`load_profile`, `dump_profile`; JSON or YAML, checked against
+`PROFILE_SCHEMA`): `version` (1), `source`, `tiers[]` with `tier`, `intra_node`,
+`gpus_per_node`, `nics_per_node`, `ranks_per_node` and `curves[]` of `collective`
+(all_reduce, all_gather, reduce_scatter, all_to_all, p2p), `ranks` and `points` ([bytes,
+seconds] pairs, sizes increasing); `gemm[]` with `gpu`, `dtype`, `m`, `n`, `k`, `seconds`,
+`peak_flops`. Errors raise `ProfileError`, one line, as for cluster files.
+
 Errors raise `ClusterError`, one line: `<file>: <field path>: <what is wrong and what to do>`.
 
 The layout `Cluster.to_dict()` produces is also accepted (a GPU as a full spec mapping,
@@ -74,7 +86,20 @@ import jsonschema
 import jsonschema.exceptions
 import yaml
 
-from .cluster import Cluster, DeviceGroup, GpuSpec, GroupLink, LinkKind, LinkTier
+from .cluster import (
+    PROFILE_COLLECTIVES,
+    PROFILE_VERSION,
+    Cluster,
+    ClusterProfile,
+    CollectiveCurve,
+    DeviceGroup,
+    GemmMeasurement,
+    GpuSpec,
+    GroupLink,
+    LinkKind,
+    LinkTier,
+    TierProfile,
+)
 from .graph import DTYPE_BYTES
 from .hardware import (
     DEFAULT_EFFICIENCY,
@@ -91,12 +116,18 @@ from .hardware import (
 __all__ = [
     "CLUSTER_SCHEMA",
     "EXAMPLE_PRICE_PER_GPU_HOUR",
+    "PROFILE_SCHEMA",
     "ClusterError",
+    "ProfileError",
     "cluster_from_dict",
     "cluster_to_file_dict",
     "dump_cluster",
+    "dump_profile",
     "list_presets",
     "load_cluster",
+    "load_profile",
+    "profile_from_dict",
+    "profile_to_dict",
     "parse_bandwidth",
     "parse_flops",
     "parse_latency",
@@ -106,6 +137,18 @@ __all__ = [
 ]
 
 _EXTENSIONS = (".yaml", ".yml", ".json")
+
+
+class ProfileError(ValueError):
+    """A cluster profile file or field that cannot be used (one line: `<file>: <field>:
+    <reason>`)."""
+
+    def __init__(self, reason: str, *, source: str | None = None, field: str | None = None):
+        self.reason = reason
+        self.source = source
+        self.field = field
+        parts = [p for p in (source, field) if p] + [reason]
+        super().__init__(": ".join(parts))
 
 
 class ClusterError(ValueError):
@@ -335,6 +378,11 @@ _GPU_SCHEMA: dict = {
         "sms": {"type": "integer", "minimum": 0, "description": "a non-negative integer"},
         "nvlink_bandwidth": _quantity(_BANDWIDTH_WHAT + " (0 for none)"),
         "source": {"type": "string", "description": "a string"},
+        "gemm_efficiency": {
+            "type": "number",
+            "exclusiveMinimum": 0,
+            "description": "a positive fraction of the dense peak (measured by calibrate)",
+        },
     },
     "additionalProperties": False,
 }
@@ -409,11 +457,96 @@ CLUSTER_SCHEMA: dict = {
             "items": _GROUP_LINK_SCHEMA,
             "description": "a list of group links",
         },
+        "profile": {
+            "type": ["string", "object"],
+            "minLength": 1,
+            "description": "a cluster profile file (from `meshplan calibrate`) or its contents",
+        },
     },
     "additionalProperties": False,
 }
 
 _VALIDATOR = jsonschema.Draft202012Validator(CLUSTER_SCHEMA)
+
+_COUNT = {"type": "integer", "minimum": 1, "description": "a positive integer"}
+_CURVE_SCHEMA: dict = {
+    "type": "object",
+    "description": "a mapping with collective, ranks and points",
+    "required": ["collective", "ranks", "points"],
+    "properties": {
+        "collective": {"enum": list(PROFILE_COLLECTIVES)},
+        "ranks": {"type": "integer", "minimum": 2, "description": "an integer >= 2"},
+        "points": {
+            "type": "array",
+            "minItems": 1,
+            "description": "a non-empty list of [bytes, seconds] pairs",
+            "items": {
+                "type": "array",
+                "minItems": 2,
+                "maxItems": 2,
+                "description": "a [bytes, seconds] pair",
+                "prefixItems": [
+                    {"type": "integer", "minimum": 1, "description": "a positive byte count"},
+                    {"type": "number", "exclusiveMinimum": 0, "description": "positive seconds"},
+                ],
+            },
+        },
+    },
+    "additionalProperties": False,
+}
+_TIER_PROFILE_SCHEMA: dict = {
+    "type": "object",
+    "description": "a mapping with tier, intra_node, per-node counts and curves",
+    "required": ["tier", "intra_node", "gpus_per_node", "nics_per_node", "ranks_per_node"],
+    "properties": {
+        "tier": _NAME,
+        "intra_node": {"type": "boolean", "description": "true or false"},
+        "gpus_per_node": _COUNT,
+        "nics_per_node": _COUNT,
+        "ranks_per_node": _COUNT,
+        "curves": {
+            "type": "array",
+            "minItems": 1,
+            "items": _CURVE_SCHEMA,
+            "description": "a non-empty list of curves",
+        },
+    },
+    "additionalProperties": False,
+}
+_GEMM_SCHEMA: dict = {
+    "type": "object",
+    "description": "a mapping with gpu, dtype, m, n, k, seconds and peak_flops",
+    "required": ["gpu", "dtype", "m", "n", "k", "seconds", "peak_flops"],
+    "properties": {
+        "gpu": _NAME,
+        "dtype": {"enum": sorted(DTYPE_BYTES)},
+        "m": _COUNT,
+        "n": _COUNT,
+        "k": _COUNT,
+        "seconds": {"type": "number", "exclusiveMinimum": 0, "description": "positive seconds"},
+        "peak_flops": {
+            "type": "number",
+            "exclusiveMinimum": 0,
+            "description": "a positive FLOP/s rate",
+        },
+    },
+    "additionalProperties": False,
+}
+PROFILE_SCHEMA: dict = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": "meshplan cluster profile",
+    "type": "object",
+    "description": "a mapping with version, tiers and gemm",
+    "required": ["version"],
+    "properties": {
+        "version": {"const": PROFILE_VERSION, "description": f"{PROFILE_VERSION}"},
+        "source": {"type": "string", "description": "a string"},
+        "tiers": {"type": "array", "items": _TIER_PROFILE_SCHEMA, "description": "a list"},
+        "gemm": {"type": "array", "items": _GEMM_SCHEMA, "description": "a list"},
+    },
+    "additionalProperties": False,
+}
+_PROFILE_VALIDATOR = jsonschema.Draft202012Validator(PROFILE_SCHEMA)
 
 
 def _path(parts: Iterable[object]) -> str:
@@ -484,16 +617,21 @@ def load_cluster(path: str | os.PathLike[str]) -> Cluster:
         raise ClusterError(
             f"not valid {file.suffix[1:].upper()}: {reason}", source=source
         ) from None
-    return cluster_from_dict(data, source=source, default_name=file.stem)
+    return cluster_from_dict(data, source=source, default_name=file.stem, base_dir=file.parent)
 
 
 def cluster_from_dict(
-    data: object, *, source: str = "<dict>", default_name: str = "cluster"
+    data: object,
+    *,
+    source: str = "<dict>",
+    default_name: str = "cluster",
+    base_dir: str | os.PathLike[str] | None = None,
 ) -> Cluster:
     """Validate and build a cluster from the parsed contents of a cluster file.
 
     `source` names the origin in error messages; `default_name` is used when the data has no
-    `name`.
+    `name`; a `profile` given as a relative path is read from `base_dir` (default: the
+    current directory).
     """
     errors = list(_VALIDATOR.iter_errors(data))
     error = jsonschema.exceptions.best_match(errors)
@@ -613,7 +751,7 @@ def cluster_from_dict(
     _check_sites_connected(groups, group_links, fail)
 
     try:
-        return Cluster(
+        cluster = Cluster(
             name=data.get("name", default_name),
             groups=tuple(groups),
             links=tuple(used.values()),
@@ -621,6 +759,23 @@ def cluster_from_dict(
         )
     except ValueError as e:  # pragma: no cover - the checks above run first
         raise fail("(cluster)", str(e)) from None
+    if "profile" not in data:
+        return cluster
+    raw_profile = data["profile"]
+    try:
+        if isinstance(raw_profile, str):
+            file = Path(raw_profile)
+            if not file.is_absolute() and base_dir is not None:
+                file = Path(base_dir) / file
+            profile = load_profile(file)
+        else:
+            profile = profile_from_dict(raw_profile, source=f"{source}: profile")
+    except ProfileError as e:
+        raise fail("profile", str(e)) from None
+    try:
+        return cluster.with_profile(profile)
+    except ValueError as e:
+        raise fail("profile", str(e)) from None
 
 
 def _field(raw: Mapping, key: str, parse: Callable[[object], Any], at: str, fail) -> Any:
@@ -700,6 +855,8 @@ def _resolve_gpu(value: object, at: str, fail) -> tuple[GpuSpec, str | None]:
     if "sms" in value:
         fields["sms"] = int(value["sms"])
         overridden.append("sms")
+    if "gemm_efficiency" in value:
+        fields["gemm_efficiency"] = float(value["gemm_efficiency"])
     if "source" in value:
         fields["source"] = value["source"]
     elif base is not None and overridden:
@@ -768,6 +925,8 @@ def cluster_to_file_dict(cluster: Cluster) -> dict:
     out: dict[str, Any] = {"name": cluster.name, "links": links, "groups": groups}
     if cluster.group_links:
         out["group_links"] = [{"a": gl.a, "b": gl.b, "link": gl.link} for gl in cluster.group_links]
+    if cluster.profile is not None:
+        out["profile"] = profile_to_dict(cluster.profile)
     return out
 
 
@@ -788,6 +947,8 @@ def _gpu_entry(spec: GpuSpec) -> str | dict:
         _human_bandwidth(spec.nvlink_bandwidth) if spec.nvlink_bandwidth else 0
     )
     entry["source"] = spec.source
+    if spec.gemm_efficiency is not None:
+        entry["gemm_efficiency"] = spec.gemm_efficiency
     return entry
 
 
@@ -808,12 +969,161 @@ def dump_cluster(cluster: Cluster, path: str | os.PathLike[str]) -> None:
         # Links and group links one per line (flow style), groups as blocks: short to scan.
         text = f"# meshplan cluster: {cluster.summary()}\n"
         text += yaml.safe_dump({"name": data["name"]}, sort_keys=False)
-        for key in ("links", "groups", "group_links"):
+        for key in ("links", "groups", "group_links", "profile"):
             if key in data:
-                flow = None if key != "groups" else False
+                flow = None if key not in ("groups", "profile") else False
                 text += yaml.safe_dump(
                     {key: data[key]}, sort_keys=False, default_flow_style=flow, width=120
                 )
+    fd, tmp = tempfile.mkstemp(dir=file.parent or ".", prefix=f".{file.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(text)
+        os.replace(tmp, file)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# --------------------------------------------------------------------------------------------
+# Cluster profiles (`meshplan calibrate`)
+# --------------------------------------------------------------------------------------------
+
+
+def profile_to_dict(profile: ClusterProfile) -> dict:
+    """The profile in file layout (what `profile_from_dict` reads back equal)."""
+    return {
+        "version": profile.version,
+        "source": profile.source,
+        "tiers": [
+            {
+                "tier": t.tier,
+                "intra_node": t.intra_node,
+                "gpus_per_node": t.gpus_per_node,
+                "nics_per_node": t.nics_per_node,
+                "ranks_per_node": t.ranks_per_node,
+                "curves": [
+                    {
+                        "collective": c.collective,
+                        "ranks": c.ranks,
+                        "points": [[int(b), float(sec)] for b, sec in c.points],
+                    }
+                    for c in t.curves
+                ],
+            }
+            for t in profile.tiers
+        ],
+        "gemm": [
+            {
+                "gpu": g.gpu,
+                "dtype": g.dtype,
+                "m": g.m,
+                "n": g.n,
+                "k": g.k,
+                "seconds": g.seconds,
+                "peak_flops": g.peak_flops,
+            }
+            for g in profile.gemm
+        ],
+    }
+
+
+def profile_from_dict(data: object, *, source: str = "<dict>") -> ClusterProfile:
+    """Validate (`PROFILE_SCHEMA`, then the types' own checks) and build a profile.
+
+    Raises `ProfileError` naming `source`, the field and the problem."""
+    error = jsonschema.exceptions.best_match(_PROFILE_VALIDATOR.iter_errors(data))
+    if error is not None:
+        where, reason = _schema_error(error)
+        if where == "version":
+            reason = (
+                f"profile version {_short(error.instance)} is not supported (this meshplan "
+                f"reads version {PROFILE_VERSION}); run `meshplan calibrate` again"
+            )
+        raise ProfileError(reason, source=source, field=where)
+    assert isinstance(data, dict)
+    at = "(profile)"
+    try:
+        tiers = []
+        for i, t in enumerate(data.get("tiers", [])):
+            at = f"tiers[{i}]"
+            curves = []
+            for j, c in enumerate(t.get("curves", [])):
+                at = f"tiers[{i}].curves[{j}]"
+                pts = tuple((int(b), float(sec)) for b, sec in c["points"])
+                curves.append(CollectiveCurve(c["collective"], int(c["ranks"]), pts))
+            at = f"tiers[{i}]"
+            tiers.append(
+                TierProfile(
+                    tier=t["tier"],
+                    intra_node=bool(t["intra_node"]),
+                    gpus_per_node=int(t["gpus_per_node"]),
+                    nics_per_node=int(t["nics_per_node"]),
+                    ranks_per_node=int(t["ranks_per_node"]),
+                    curves=tuple(curves),
+                )
+            )
+        gemm = []
+        for i, g in enumerate(data.get("gemm", [])):
+            at = f"gemm[{i}]"
+            gemm.append(
+                GemmMeasurement(
+                    g["gpu"], g["dtype"], g["m"], g["n"], g["k"], g["seconds"], g["peak_flops"]
+                )
+            )
+        at = "(profile)"
+        return ClusterProfile(
+            tiers=tuple(tiers),
+            gemm=tuple(gemm),
+            version=int(data["version"]),
+            source=str(data.get("source", "")),
+        )
+    except ValueError as e:
+        raise ProfileError(str(e), source=source, field=at) from None
+
+
+def load_profile(path: str | os.PathLike[str]) -> ClusterProfile:
+    """Read and validate a cluster profile (JSON, or YAML by extension)."""
+    source = str(path)
+    file = Path(path)
+    if file.suffix.lower() not in _EXTENSIONS:
+        raise ProfileError(
+            f"unknown extension {file.suffix or '(none)'!r}; profiles end in "
+            f"{', '.join(_EXTENSIONS)}",
+            source=source,
+        )
+    try:
+        text = file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ProfileError(
+            "no such file; write one with `meshplan calibrate --out FILE`", source=source
+        ) from None
+    except OSError as e:
+        raise ProfileError(f"cannot read: {e.strerror or e}", source=source) from None
+    try:
+        data = json.loads(text) if file.suffix.lower() == ".json" else yaml.safe_load(text)
+    except (yaml.YAMLError, json.JSONDecodeError) as e:
+        reason = " ".join(str(e).split())
+        raise ProfileError(
+            f"not valid {file.suffix[1:].upper()}: {reason}", source=source
+        ) from None
+    return profile_from_dict(data, source=source)
+
+
+def dump_profile(profile: ClusterProfile, path: str | os.PathLike[str]) -> None:
+    """Write `profile` as JSON (or YAML for .yaml/.yml), atomically."""
+    file = Path(path)
+    suffix = file.suffix.lower()
+    if suffix not in _EXTENSIONS:
+        raise ProfileError(
+            f"unknown extension {file.suffix or '(none)'!r}; use {', '.join(_EXTENSIONS)}",
+            source=str(path),
+        )
+    data = profile_to_dict(profile)
+    if suffix == ".json":
+        text = json.dumps(data, indent=1) + "\n"
+    else:
+        text = yaml.safe_dump(data, sort_keys=False, width=120)
     fd, tmp = tempfile.mkstemp(dir=file.parent or ".", prefix=f".{file.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as out:

@@ -39,7 +39,7 @@ class Schedule(enum.StrEnum):
 
 
 # Fields `Parallel.is_complete` does not require.
-_OPTIONAL_FIELDS = frozenset({"virtual_stages"})
+_OPTIONAL_FIELDS = frozenset({"virtual_stages", "quantize_activations"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +51,14 @@ class Parallel:
     1 = sharded optimizer states, 2 = + gradients, 3 = FSDP / + parameters).
     `virtual_stages` is the number of model chunks each pipeline rank runs under the
     interleaved 1F1B schedule (Megatron-LM's virtual pipeline stages, Narayanan et al. SC'21);
-    it is optional (None reads as 1) and is not needed for `is_complete`.
+    it is optional (None reads as 1) and is not needed for `is_complete`. The zero-bubble
+    schedule is ZB-V (Qi et al., "Pipeline Parallelism with Controllable Memory", 2024; torch's
+    `ScheduleZBVZeroBubble`): always two chunks per rank, rank r holding chunks r and
+    2 pp - 1 - r, so its `virtual_stages` is 2 (or None).
+    `quantize_activations`: saved activations stored at AGoQ widths (4/8 bits by layer kind
+    and stage, `meshplan.cost_model.compression.activation_bits`). It changes numerics, so
+    None reads as False and the planner only turns it on when asked (`plan(quantize=...)`);
+    not needed for `is_complete`.
     """
 
     dp: int | None = None
@@ -66,6 +73,7 @@ class Parallel:
     schedule: Schedule | None = None
     sequence_parallel: bool | None = None
     virtual_stages: int | None = None
+    quantize_activations: bool | None = None
 
     def __post_init__(self) -> None:
         for f in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "global_batch", "virtual_stages"):
@@ -90,6 +98,11 @@ class Parallel:
                 raise ValueError(
                     f"Parallel.schedule must be one of {choices}, got {self.schedule!r}"
                 ) from None
+        if self.schedule == Schedule.ZERO_BUBBLE and self.virtual_stages not in (None, 2):
+            raise ValueError(
+                "Parallel.virtual_stages must be 2 (or unset) with schedule 'zero_bubble' "
+                f"(ZB-V runs two chunks per rank), got {self.virtual_stages}"
+            )
 
     @property
     def is_complete(self) -> bool:
@@ -102,9 +115,12 @@ class Parallel:
 
     @property
     def chunks(self) -> int:
-        """Model chunks per pipeline rank: `virtual_stages` under interleaved 1F1B, else 1."""
+        """Model chunks per pipeline rank: `virtual_stages` under interleaved 1F1B, 2 under the
+        zero-bubble schedule (ZB-V: two chunks per rank in a V shape), else 1."""
         if self.schedule == Schedule.INTERLEAVED_1F1B:
             return self.virtual_stages or 1
+        if self.schedule == Schedule.ZERO_BUBBLE:
+            return 2
         return 1
 
     @property
@@ -142,6 +158,11 @@ class StagePlacement:
     in that group runs per step), one entry per group of `replicas`. The pipelines are then
     group-pure: every stage has the same `replicas` and `microbatches`, and the shares add up,
     sum over groups of replicas * micro-batches = dp * num_microbatches.
+
+    `chunks` (optional; empty = the one range [first_unit, last_unit)) lists, in model order,
+    the unit ranges of the model chunks this pipeline rank runs under interleaved 1F1B or ZB-V
+    (`meshplan.passes.partition.rank_chunks`); [first_unit, last_unit) is then the rank's part
+    of the even split, which holds as many layers.
     """
 
     index: int
@@ -149,6 +170,7 @@ class StagePlacement:
     last_unit: int
     replicas: tuple[tuple[str, int], ...]
     microbatches: tuple[tuple[str, int], ...] = ()
+    chunks: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.last_unit <= self.first_unit:
@@ -163,6 +185,8 @@ class StagePlacement:
                     f"stage {self.index}: micro-batch shares must name exactly the groups "
                     "of its replicas"
                 )
+        if any(b <= a for a, b in self.chunks):
+            raise ValueError(f"stage {self.index}: empty chunk range in {list(self.chunks)}")
 
     @property
     def num_units(self) -> int:
@@ -210,6 +234,9 @@ class Prediction:
     breakdown: tuple[tuple[str, float], ...]
     memory: tuple[RankMemory, ...]
     notes: tuple[str, ...] = ()
+    # Which op-latency model priced compute: "learned (<file>, trained on <device>, <n> ops)"
+    # or "analytic roofline" (cost_model.compute.latency_source); "" when not recorded.
+    latency_source: str = ""
 
     def breakdown_dict(self) -> dict[str, float]:
         return dict(self.breakdown)

@@ -78,6 +78,64 @@ class SolverInfo:
     objective: str = "throughput"
 
 
+COMM_METHODS = ("raw", "lossless", "int8")
+_DECISION_KEYS = ("group", "collective", "tensor", "method", "raw_s", "lossless_s", "int8_s")
+_DECISION_KEYS += ("ratio", "chunks", "reason")
+
+
+@dataclass(frozen=True, slots=True)
+class CommDecision:
+    """How one collective group's traffic travels and why (`cost_model.compression`).
+
+    `group` names where it runs ("dp stage 0 in h100", "dp stage 0 across a+b",
+    "pp boundary 0 a->b", "tp in h100", "cp in h100", "ep in h100"); `method` is "raw",
+    "lossless" (ZipCCL-style coding, bit-exact) or "int8" (AGoQ block-scaled gradients);
+    times are the predicted seconds of one occurrence for each method (None: not allowed);
+    `ratio` and `chunks` those of the chosen method (the runtime pipelines that many chunks)."""
+
+    group: str
+    collective: str
+    tensor: str
+    method: str
+    raw_s: float
+    lossless_s: float | None
+    int8_s: float | None
+    ratio: float = 1.0
+    chunks: int = 1
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if self.method not in COMM_METHODS:
+            raise PlanError(f"plan: compression method must be one of {COMM_METHODS}")
+
+
+@dataclass(frozen=True, slots=True)
+class CompressionPlan:
+    """Traffic decisions of a plan: `mode` "off" (raw everywhere, plan JSON v1's default) or
+    "auto" (each collective at its fastest allowed method); `codec` the codec speed assumed."""
+
+    mode: str = "off"
+    codec: str = ""
+    decisions: tuple[CommDecision, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizationPlan:
+    """Numerics-changing decisions (off unless the user enabled them).
+
+    `mode`: "off", "auto", "activations" or "gradients" (what the planner was allowed).
+    `activation_bits`: per pipeline stage, (layer kind, bits or None = exact) pairs; empty
+    when activations are kept exact. `gradient_bits`: 8 when some data-parallel gradient
+    reduction runs int8 (see the "int8" entries of the compression decisions), else None.
+    `error`: (bits, relative RMS error of block quantization of a Gaussian) pairs."""
+
+    mode: str = "off"
+    activation_bits: tuple[tuple[int, tuple[tuple[str, int | None], ...]], ...] = ()
+    gradient_bits: int | None = None
+    error: tuple[tuple[int, float], ...] = ()
+    reason: str = ""
+
+
 @dataclass(frozen=True, slots=True)
 class Plan:
     """A complete, placed, predicted parallel configuration."""
@@ -91,6 +149,8 @@ class Plan:
     solver: SolverInfo
     placements: tuple[tuple[str, str], ...] = ()  # (block/op, placement string) pairs
     version: str = PLAN_VERSION
+    compression: CompressionPlan = CompressionPlan()
+    quantization: QuantizationPlan = QuantizationPlan()
 
     def __post_init__(self) -> None:
         if not self.parallel.is_complete:
@@ -147,6 +207,8 @@ class Plan:
                     "replicas": [{"group": g, "count": n} for g, n in s.replicas],
                     # micro-batches per replica by group; [] = the same on every replica
                     "microbatches": [[g, n] for g, n in s.microbatches],
+                    # unit ranges of the chunks this rank runs (interleaved 1F1B, ZB-V); [] = one
+                    "chunks": [[a, b] for a, b in s.chunks],
                 }
                 for s in self.stages
             ],
@@ -160,8 +222,9 @@ class Plan:
             "virtual_stages": p.virtual_stages,
             "placements": {k: v for k, v in self.placements},
             # v1 records the decisions explicitly even while they are always off.
-            "quantization": {"activations": "none", "gradients": "none"},
-            "compression": {"collectives": "none"},
+            # "none" when off: the v1 form, so plans without these decisions read as before.
+            "quantization": _quantization_json(self.quantization),
+            "compression": _compression_json(self.compression),
             "predicted": {
                 "step_time_s": pr.step_time_s,
                 "tokens_per_s": pr.tokens_per_s,
@@ -234,7 +297,7 @@ class Plan:
             f"mesh {dict(zip(MESH_AXES, self.mesh_shape))}",
             f"  batch: global {p.global_batch} = dp {p.dp} x micro-batch {p.micro_batch} x "
             f"{p.num_microbatches} micro-batches; schedule {p.schedule}"
-            f"{f' x{p.virtual_stages} virtual stages' if p.chunks > 1 else ''}; recompute "
+            f"{f' ({p.chunks} chunks per rank)' if p.chunks > 1 else ''}; recompute "
             f"{p.recompute}; ZeRO-{p.zero}; "
             f"sequence parallel {'on' if p.sequence_parallel else 'off'}",
             "  stages:",
@@ -247,11 +310,16 @@ class Plan:
                     + ", ".join(f"{g} {n}" for g, n in s.microbatches)
                     + ")"
                 )
-            lines.append(
-                f"    stage {s.index}: units {s.first_unit}..{s.last_unit - 1} "
-                f"({self.model.units[s.first_unit]} .. {self.model.units[s.last_unit - 1]}), "
-                f"{s.dp} replica(s) on {where}"
-            )
+            if s.chunks:
+                held = "chunks " + ", ".join(
+                    f"{self.model.units[a]} .. {self.model.units[b - 1]}" for a, b in s.chunks
+                )
+            else:
+                held = (
+                    f"units {s.first_unit}..{s.last_unit - 1} "
+                    f"({self.model.units[s.first_unit]} .. {self.model.units[s.last_unit - 1]})"
+                )
+            lines.append(f"    stage {s.index}: {held}, {s.dp} replica(s) on {where}")
         lines.append("  memory per rank (peak / capacity):")
         for m in pr.memory:
             parts = ", ".join(f"{k} {v / gib:.1f}" for k, v in m.breakdown if v)
@@ -266,6 +334,7 @@ class Plan:
         total = pr.step_time_s or 1.0
         for k, v in pr.breakdown:
             lines.append(f"    {k:<18} {v:9.4f} s  {100 * v / total:5.1f}%")
+        lines += _explain_decisions(self.compression, self.quantization)
         for note in pr.notes:
             lines.append(f"  note: {note}")
         lines.append(
@@ -444,6 +513,15 @@ PLAN_SCHEMA: dict = {
                             "maxItems": 2,
                         },
                     },
+                    "chunks": {
+                        "type": "array",
+                        "items": {
+                            "type": "array",
+                            "prefixItems": [{"type": "integer", "minimum": 0}, _POS_INT],
+                            "minItems": 2,
+                            "maxItems": 2,
+                        },
+                    },
                 },
             },
         },
@@ -467,8 +545,157 @@ PLAN_SCHEMA: dict = {
             ],
         },
         "solver": {"type": "object", "required": ["status", "gap", "candidates"]},
+        # Optional (v1 plans written before these decisions say "none" or lack them).
+        "quantization": {
+            "type": "object",
+            "properties": {
+                "mode": {"enum": ["off", "auto", "activations", "gradients"]},
+                "activations": {
+                    "if": {"type": "string"},
+                    "then": {"const": "none"},
+                    "else": {
+                        "type": "object",
+                        "required": ["stages"],
+                        "properties": {
+                            "stages": {
+                                "type": "array",
+                                "items": {
+                                    "type": "object",
+                                    "required": ["stage", "bits"],
+                                    "properties": {
+                                        "stage": {"type": "integer", "minimum": 0},
+                                        "bits": {
+                                            "type": "object",
+                                            "additionalProperties": {"enum": [4, 8, None]},
+                                        },
+                                    },
+                                },
+                            }
+                        },
+                    },
+                },
+                "gradients": {
+                    "if": {"type": "string"},
+                    "then": {"const": "none"},
+                    "else": {"type": "object", "properties": {"bits": {"enum": [8]}}},
+                },
+            },
+        },
+        "compression": {
+            "type": "object",
+            "properties": {
+                "mode": {"enum": ["off", "auto"]},
+                "collectives": {
+                    "if": {"type": "string"},
+                    "then": {"const": "none"},
+                    "else": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "required": list(_DECISION_KEYS),
+                            "properties": {
+                                "method": {"enum": list(COMM_METHODS)},
+                                "raw_s": {"type": "number", "minimum": 0},
+                                "lossless_s": {"type": ["number", "null"]},
+                                "int8_s": {"type": ["number", "null"]},
+                                "ratio": {"type": "number", "minimum": 1},
+                                "chunks": _POS_INT,
+                            },
+                        },
+                    },
+                },
+            },
+        },
     },
 }
+
+
+def _quantization_json(q: QuantizationPlan) -> dict:
+    out: dict = {"activations": "none", "gradients": "none"}
+    if q.mode != "off":
+        out["mode"] = q.mode
+        out["reason"] = q.reason
+        out["error"] = {str(b): e for b, e in q.error}
+    if q.activation_bits:
+        out["activations"] = {
+            "stages": [{"stage": s, "bits": dict(bits)} for s, bits in q.activation_bits]
+        }
+    if q.gradient_bits is not None:
+        out["gradients"] = {"bits": q.gradient_bits}
+    return out
+
+
+def _quantization_from_json(d: dict | None) -> QuantizationPlan:
+    if not d:
+        return QuantizationPlan()
+    acts = d.get("activations", "none")
+    grads = d.get("gradients", "none")
+    return QuantizationPlan(
+        mode=d.get("mode", "off"),
+        activation_bits=tuple(
+            (st["stage"], tuple(sorted(st["bits"].items()))) for st in acts.get("stages", [])
+        )
+        if isinstance(acts, dict)
+        else (),
+        gradient_bits=grads.get("bits") if isinstance(grads, dict) else None,
+        error=tuple(sorted((int(b), float(e)) for b, e in d.get("error", {}).items())),
+        reason=d.get("reason", ""),
+    )
+
+
+def _compression_json(c: CompressionPlan) -> dict:
+    if c.mode == "off" and not c.decisions:
+        return {"collectives": "none"}
+    return {
+        "mode": c.mode,
+        "codec": c.codec,
+        "collectives": [{k: getattr(d, k) for k in _DECISION_KEYS} for d in c.decisions],
+    }
+
+
+def _compression_from_json(d: dict | None) -> CompressionPlan:
+    if not d or d.get("collectives", "none") == "none":
+        return CompressionPlan()
+    return CompressionPlan(
+        mode=d.get("mode", "auto"),
+        codec=d.get("codec", ""),
+        decisions=tuple(
+            CommDecision(**{k: x[k] for k in _DECISION_KEYS}) for x in d["collectives"]
+        ),
+    )
+
+
+def _explain_decisions(c: CompressionPlan, q: QuantizationPlan) -> list[str]:
+    """The explain() lines of the compression and quantization decisions."""
+    lines = []
+    if c.mode != "off" or c.decisions:
+        coded = sum(1 for d in c.decisions if d.method != "raw")
+        lines.append(
+            f"  compression ({c.mode}; codec {c.codec}): {coded} of {len(c.decisions)} "
+            "collective groups coded"
+        )
+        for d in c.decisions:
+            alt = [f"raw {d.raw_s * 1e3:.3f} ms"]
+            if d.lossless_s is not None:
+                alt.append(f"lossless {d.lossless_s * 1e3:.3f} ms")
+            if d.int8_s is not None:
+                alt.append(f"int8 {d.int8_s * 1e3:.3f} ms")
+            how = d.method if d.method == "raw" else f"{d.method} {d.ratio:.2f}x, {d.chunks} chunks"
+            lines.append(
+                f"    {d.group}: {d.collective} of {d.tensor} -> {how} ({', '.join(alt)}): "
+                f"{d.reason}"
+            )
+    if q.mode != "off":
+        lines.append(f"  quantization ({q.mode}): {q.reason}")
+        for s, bits in q.activation_bits:
+            shown = ", ".join(f"{k} {b if b is not None else 'exact'}" for k, b in bits)
+            lines.append(f"    stage {s} activation bits: {shown}")
+        if q.gradient_bits is not None:
+            lines.append(f"    gradients: int{q.gradient_bits} block-scaled where marked int8")
+        if q.error:
+            shown = ", ".join(f"{b}-bit {e * 100:.2f}%" for b, e in q.error)
+            lines.append(f"    error proxy (relative RMS, Gaussian, 64-value blocks): {shown}")
+    return lines
 
 
 def _schema_error(data: dict, where: str) -> str | None:
@@ -528,6 +755,9 @@ def plan_from_dict(data: object, *, where: str = "plan", cluster: Cluster | None
         schedule=Schedule(data["schedule"]),
         sequence_parallel=data["sequence_parallel"],
         virtual_stages=data.get("virtual_stages"),
+        quantize_activations=(
+            True if isinstance((data.get("quantization") or {}).get("activations"), dict) else None
+        ),
     )
     try:
         stages = tuple(
@@ -537,6 +767,7 @@ def plan_from_dict(data: object, *, where: str = "plan", cluster: Cluster | None
                 s["last_unit"],
                 tuple((r["group"], r["count"]) for r in s["replicas"]),
                 microbatches=tuple((g, n) for g, n in s.get("microbatches", [])),
+                chunks=tuple((a, b) for a, b in s.get("chunks", [])),
             )
             for s in data["stages"]
         )
@@ -595,6 +826,8 @@ def plan_from_dict(data: object, *, where: str = "plan", cluster: Cluster | None
             ),
             placements=tuple(sorted(data.get("placements", {}).items())),
             version=version,
+            compression=_compression_from_json(data.get("compression")),
+            quantization=_quantization_from_json(data.get("quantization")),
         )
     except PlanError as e:
         raise PlanError(f"{where}: {str(e).removeprefix('plan: ')}") from None

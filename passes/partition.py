@@ -81,6 +81,32 @@ def stages_of(graph: Graph, counts: Sequence[int]) -> tuple[tuple[int, int], ...
     return tuple(ranges)
 
 
+def rank_chunks(
+    graph: Graph, pp: int, chunks: int, v_shape: bool = False
+) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """The unit ranges each pipeline rank runs when the layers are cut into pp * chunks equal
+    model chunks (interleaved 1F1B and ZB-V), per rank in model order.
+
+    Chunk k (ranges from `stages_of` with equal layer counts; the prologue goes with chunk 0,
+    the epilogue with the last) runs on rank k mod pp (Megatron-LM's interleaved layout,
+    Narayanan et al. SC'21), or with `v_shape` on rank k for k < pp and 2 pp - 1 - k after
+    (ZB-V, Qi et al. 2024; torch `ScheduleZBVZeroBubble`), so rank 0 holds both the embedding
+    and the LM head. Requires pp * chunks to divide the layers."""
+    n_layers = len(_layer_positions(graph))
+    total = pp * chunks
+    if n_layers % total:
+        raise ValueError(
+            f"{total} equal model chunks (pp={pp} x {chunks} per rank) need the "
+            f"{n_layers} layers to be a multiple of {total}"
+        )
+    ranges = stages_of(graph, [n_layers // total] * total)
+    out: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
+    for k, r in enumerate(ranges):
+        rank = (k if k < pp else total - 1 - k) if v_shape else k % pp
+        out[rank].append(r)
+    return tuple(tuple(c) for c in out)
+
+
 def layer_counts(graph: Graph, ranges: Sequence[tuple[int, int]]) -> tuple[int, ...]:
     """The layers per stage of a split given as unit ranges."""
     layer_pos = _layer_positions(graph)

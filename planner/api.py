@@ -25,11 +25,26 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from meshplan.cost_model import predict
-from meshplan.ir import Cluster, Graph, Parallel, Prediction, Recompute, Schedule
-from meshplan.ir.plan import ModelRef, Plan, SolverInfo, assign_ranks
+from meshplan.cost_model import predict, pricer_for
+from meshplan.cost_model.compression import (
+    QUANT_MODES,
+    CodecSpeed,
+    CommOptions,
+    plan_decisions,
+    quantization_plan,
+)
+from meshplan.ir import (
+    Cluster,
+    Graph,
+    Parallel,
+    Prediction,
+    Recompute,
+    Schedule,
+    StagePlacement,
+)
+from meshplan.ir.plan import CompressionPlan, ModelRef, Plan, SolverInfo, assign_ranks
 from meshplan.ir.trace import trace
-from meshplan.passes.partition import even_stages, place_stages
+from meshplan.passes.partition import even_stages, place_stages, rank_chunks
 from meshplan.passes.sharding import tp_param_placements
 
 from .solver import Objective, solve
@@ -126,13 +141,18 @@ def check_config(
     if n_layers and p.pp > n_layers:  # type: ignore[operator]
         raise ValueError(f"pp={p.pp} exceeds the model's {n_layers} layers (pp <= layers)")
     if p.virtual_stages and p.virtual_stages > 1:
-        if p.schedule != Schedule.INTERLEAVED_1F1B:
+        if p.schedule not in (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE):
             raise ValueError(f"virtual_stages={p.virtual_stages} needs schedule='interleaved_1f1b'")
         if n_layers and p.pp * p.virtual_stages > n_layers:  # type: ignore[operator]
             raise ValueError(
                 f"pp*virtual_stages = {p.pp}*{p.virtual_stages} exceeds the model's "
                 f"{n_layers} layers"
             )
+    if p.schedule == Schedule.ZERO_BUBBLE and n_layers and not 2 <= p.pp <= n_layers // 2:
+        raise ValueError(
+            f"schedule 'zero_bubble' (ZB-V, two chunks per rank) needs 2 <= pp <= layers / 2; "
+            f"got pp={p.pp} with {n_layers} layers"
+        )
     for what, n in (("heads", info.heads), ("kv_heads", info.kv_heads)):
         if n and n % p.tp:  # type: ignore[operator]
             raise ValueError(f"tp={p.tp} does not divide the model's {what} ({n})")
@@ -175,6 +195,17 @@ def estimate(
     return estimate_plan(model, example_inputs, cluster, parallel, progress=progress).predicted
 
 
+def with_chunks(
+    graph: Graph, p: Parallel, stages: tuple[StagePlacement, ...]
+) -> tuple[StagePlacement, ...]:
+    """Record on each stage the chunk ranges its rank runs when the schedule has several chunks
+    per rank (interleaved 1F1B, ZB-V), so the runtime reads them from the plan."""
+    if p.pp is None or p.pp < 2 or p.chunks < 2:
+        return stages
+    per_rank = rank_chunks(graph, p.pp, p.chunks, p.schedule == Schedule.ZERO_BUBBLE)
+    return tuple(dataclasses.replace(st, chunks=per_rank[st.index]) for st in stages)
+
+
 def estimate_plan(
     model: torch.nn.Module | Graph,
     example_inputs: tuple | torch.Tensor | None = (),
@@ -189,6 +220,7 @@ def estimate_plan(
     p = complete_parallel(graph, cluster, parallel or Parallel())
     check_config(graph, cluster, p, parallel)
     stages = place_stages(cluster, p, even_stages(graph, p.pp))  # type: ignore[arg-type]
+    stages = with_chunks(graph, p, stages)
     prediction = predict(graph, cluster, p, stages)
     return Plan(
         model=_model_ref(graph),
@@ -214,6 +246,9 @@ def plan(
     objective: str = "throughput",
     target_tokens_per_s: float | None = None,
     prices: dict[str, float] | None = None,
+    compress: str = "auto",
+    quantize: str = "off",
+    codec: CodecSpeed | None = None,
 ) -> Plan:
     """The fastest plan for `model` on `cluster` that fits in memory.
 
@@ -222,8 +257,17 @@ def plan(
     `objective`: "throughput" (default), "cost" (least dollars per token; prices from the
     groups' `price_per_gpu_hour` or `prices`, $ per GPU-hour by group or GPU type name) or
     "min_gpus" (fewest GPUs reaching `target_tokens_per_s`).
+    `compress`: "auto" (default) codes a collective losslessly (ZipCCL-style, bit-exact)
+    wherever the cost model says it is faster, "off" never. `quantize` (changes numerics, so
+    "off" by default): "activations" lets the search store saved activations at AGoQ widths
+    (4/8 bits by layer kind and stage) where that gives a faster plan or one that fits,
+    "gradients" lets data-parallel gradient reductions run int8 where faster, "auto" both.
+    `codec`: the codec speed to assume (`meshplan.cost_model.compression.measure_codec_speed`
+    or `CPU_CODEC`); default the per-GPU estimate. The decisions and why are in
+    `plan.compression` / `plan.quantization`, the plan JSON and `plan.explain()`.
     Raises `InfeasibleError` with the binding constraint when no plan fits.
     """
+    comm, quant_acts = comm_options(compress, quantize, codec)
     cluster = cluster or Cluster.preset("default")
     graph = as_graph(model, example_inputs, progress=progress)
     pinned = parallel or Parallel()
@@ -245,17 +289,51 @@ def plan(
         time_limit_s=time_limit_s,
         progress=progress,
         objective=goal,
+        comm=comm,
+        quantize=quant_acts,
     )
+    decisions = ()
+    if comm is not None:
+        pricer = pricer_for(graph, cluster, "bfloat16", comm)
+        decisions = plan_decisions(pricer, result.parallel, result.stages)
+    source = ""
+    if comm is not None and comm.lossless:
+        source = comm.codec.source if comm.codec else "per-GPU estimate (compression.py)"
     return Plan(
         model=_model_ref(graph),
         cluster=cluster,
         parallel=result.parallel,
-        stages=result.stages,
+        stages=with_chunks(graph, result.parallel, result.stages),
         ranks=assign_ranks(cluster, result.parallel, result.stages),
         predicted=result.prediction,
-        solver=SolverInfo(status=result.status, gap=result.gap, candidates=result.candidates),
+        solver=SolverInfo(
+            status=result.status,
+            gap=result.gap,
+            candidates=result.candidates,
+            objective=result.objective,
+        ),
         placements=_placements(graph, result.parallel),
+        compression=CompressionPlan(compress, source, decisions),
+        quantization=quantization_plan(result.parallel, result.stages, quantize, decisions),
     )
+
+
+COMPRESS_MODES = ("auto", "off")
+
+
+def comm_options(
+    compress: str, quantize: str, codec: CodecSpeed | None = None
+) -> tuple[CommOptions | None, bool]:
+    """(traffic options for the pricer, whether activation quantization is a search knob)
+    from `plan`'s `compress` and `quantize` arguments; one-line ValueError on a bad value."""
+    if compress not in COMPRESS_MODES:
+        raise ValueError(f"compress must be one of {', '.join(COMPRESS_MODES)}, got {compress!r}")
+    if quantize not in QUANT_MODES:
+        raise ValueError(f"quantize must be one of {', '.join(QUANT_MODES)}, got {quantize!r}")
+    lossless = compress == "auto"
+    int8 = quantize in ("auto", "gradients")
+    comm = CommOptions(lossless, int8, codec) if lossless or int8 else None
+    return comm, quantize in ("auto", "activations")
 
 
 # -- user models ----------------------------------------------------------------------------

@@ -4,6 +4,8 @@
     meshplan plan --model llama3-70b --cluster dgx-h100 --gpus 256 --global-batch 512 -o plan.json
     meshplan estimate --model llama3-8b --cluster dgx-h100 --gpus 64 --tp 2 --pp 1 --zero 1
     meshplan validate plan.json
+    meshplan calibrate --nproc 4 -o profile.json   # measure links and GEMMs on this host
+    meshplan estimate --profile profile.json ...   # price with the measurements
     meshplan models
     meshplan clusters
 
@@ -23,6 +25,7 @@ from typing import Annotated, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 app = typer.Typer(
@@ -85,6 +88,12 @@ BatchOpt = Annotated[
     int | None, typer.Option("--global-batch", help="Sequences per optimizer step.")
 ]
 IntOpt = Annotated[int | None, typer.Option()]
+ProfileOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--profile", help="Cluster profile from `meshplan calibrate` (measured links and GEMMs)."
+    ),
+]
 
 
 def _load(
@@ -93,6 +102,7 @@ def _load(
     gpus: int | None,
     seq_len: int | None,
     micro_batch: int = 1,
+    profile: Path | None = None,
 ):
     from meshplan.ir import Cluster
     from meshplan.models import DEFAULT_MODEL
@@ -109,6 +119,10 @@ def _load(
         c = Cluster.load(cluster_spec)
     else:
         c = Cluster.preset(cluster_spec, gpus=gpus)
+    if profile is not None:  # measured by `meshplan calibrate`
+        from meshplan.ir.cluster_io import load_profile
+
+        c = c.with_profile(load_profile(profile))
     m, inputs = load_model(name, seq_len=seq_len, micro_batch=micro_batch)
     return name, m, inputs, c
 
@@ -121,7 +135,9 @@ def _trace(name: str, model, inputs):
     return graph
 
 
-def _pins(dp, tp, pp, cp, ep, micro_batch, global_batch, recompute, zero):
+def _pins(
+    dp, tp, pp, cp, ep, micro_batch, global_batch, recompute, zero, schedule=None, virtual=None
+):
     from meshplan.ir import Parallel
 
     return Parallel(
@@ -134,7 +150,19 @@ def _pins(dp, tp, pp, cp, ep, micro_batch, global_batch, recompute, zero):
         global_batch=global_batch,
         recompute=recompute,
         zero=zero,
+        schedule=schedule,
+        virtual_stages=virtual,
     )
+
+
+ScheduleOpt = Annotated[
+    str | None,
+    typer.Option(help="Pipeline schedule: 1f1b, interleaved_1f1b, zero_bubble or gpipe."),
+]
+VirtualOpt = Annotated[
+    int | None,
+    typer.Option("--virtual-stages", help="Model chunks per pipeline rank (interleaved 1F1B)."),
+]
 
 
 def _print_plan(plan, as_json: bool) -> None:
@@ -215,6 +243,10 @@ def _print_plan(plan, as_json: bool) -> None:
     )
     for note in pr.notes:
         out.print(f"note: {note}")
+    # the compression / quantization decisions, in the words of `Plan.explain()`
+    for line in plan.explain().splitlines():
+        if line.startswith(("  compression", "  quantization")):
+            out.print(escape(line.strip()))
     out.print(
         f"solver: {plan.solver.status}, gap {plan.solver.gap * 100:.2f}%, "
         f"{plan.solver.candidates} configurations priced"
@@ -240,21 +272,69 @@ def plan(
     micro_batch: Annotated[int | None, typer.Option("--micro-batch")] = None,
     recompute: Annotated[str | None, typer.Option(help="none, selective or full")] = None,
     zero: Annotated[int | None, typer.Option(help="ZeRO stage 0-3")] = None,
+    schedule: ScheduleOpt = None,
+    virtual_stages: VirtualOpt = None,
     time_limit: Annotated[float, typer.Option("--time-limit", help="Solver seconds.")] = 10.0,
+    objective: Annotated[
+        str,
+        typer.Option(
+            help="throughput (fastest), cost (least $ per token, needs prices) or min_gpus "
+            "(fewest GPUs reaching --target-tokens-per-s)."
+        ),
+    ] = "throughput",
+    target_tokens_per_s: Annotated[
+        float | None,
+        typer.Option("--target-tokens-per-s", help="Throughput to reach (objective min_gpus)."),
+    ] = None,
+    price: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--price",
+            help="GPU=$ per GPU-hour, e.g. H100=2.5 (repeatable; overrides the cluster's).",
+        ),
+    ] = None,
+    profile: ProfileOpt = None,
+    compress: Annotated[
+        str,
+        typer.Option(
+            help="auto: code collectives losslessly (bit-exact) where it is faster; off: never."
+        ),
+    ] = "auto",
+    quantize: Annotated[
+        str,
+        typer.Option(
+            help="off (default), activations (AGoQ 4/8-bit saved activations), gradients "
+            "(int8 DP reductions) or auto (both); quantization changes numerics."
+        ),
+    ] = "off",
     as_json: Annotated[bool, typer.Option("--json", help="Print plan JSON.")] = False,
 ) -> None:
-    """Find the fastest plan that fits (default: the default model on the default cluster).
+    """Find the best plan that fits (default: the default model on the default cluster).
 
-    --dp/--tp/--pp/... pin those choices; the solver fills the rest.
+    --dp/--tp/--pp/... pin those choices; the solver fills the rest. --objective picks what
+    "best" means: throughput (default), cost per token, or the fewest GPUs for a target.
     """
     from .api import plan as make_plan
+    from .whatif import parse_price
 
-    name, m, inputs, c = _load(model, cluster, gpus, seq_len)
+    name, m, inputs, c = _load(model, cluster, gpus, seq_len, profile=profile)
     graph = _trace(name, m, inputs)
-    pins = _pins(dp, tp, pp, cp, ep, micro_batch, global_batch, recompute, zero)
+    pins = _pins(
+        dp, tp, pp, cp, ep, micro_batch, global_batch, recompute, zero, schedule, virtual_stages
+    )
+    prices = dict(parse_price(x) for x in price or [])
     with status("solving") as update:
         result = make_plan(
-            graph, cluster=c, parallel=pins, time_limit_s=time_limit, progress=update
+            graph,
+            cluster=c,
+            parallel=pins,
+            time_limit_s=time_limit,
+            progress=update,
+            objective=objective,
+            target_tokens_per_s=target_tokens_per_s,
+            prices=prices or None,
+            compress=compress,
+            quantize=quantize,
         )
     _print_plan(result, as_json)
     if output:
@@ -278,17 +358,22 @@ def estimate(
     micro_batch: Annotated[int | None, typer.Option("--micro-batch")] = None,
     recompute: Annotated[str | None, typer.Option(help="none, selective or full")] = None,
     zero: Annotated[int | None, typer.Option(help="ZeRO stage 0-3")] = None,
+    schedule: ScheduleOpt = None,
+    virtual_stages: VirtualOpt = None,
     output: Annotated[
         Path | None, typer.Option("--output", "-o", help="Write plan JSON here.")
     ] = None,
+    profile: ProfileOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print plan JSON.")] = False,
 ) -> None:
     """Predict step time, throughput, MFU and memory of a configuration you choose."""
     from .api import estimate_plan
 
-    name, m, inputs, c = _load(model, cluster, gpus, seq_len)
+    name, m, inputs, c = _load(model, cluster, gpus, seq_len, profile=profile)
     graph = _trace(name, m, inputs)
-    pins = _pins(dp, tp, pp, cp, ep, micro_batch, global_batch, recompute, zero)
+    pins = _pins(
+        dp, tp, pp, cp, ep, micro_batch, global_batch, recompute, zero, schedule, virtual_stages
+    )
     result = estimate_plan(graph, cluster=c, parallel=pins)
     _print_plan(result, as_json)
     if not result.predicted.fits:
@@ -585,6 +670,78 @@ def profile(
     )
     note = f" ({skipped} ops had no recipe)" if skipped else ""
     out.print(f"appended {rows} rows to {path}{note}")
+
+
+@app.command()
+@user_errors
+def calibrate(
+    output: Annotated[Path, typer.Option("--output", "-o", help="Profile to write (.json/.yaml).")],
+    nproc: Annotated[int, typer.Option("--nproc", help="Ranks to start on this host.")] = 2,
+    min_size: Annotated[str, typer.Option(help="Smallest message, e.g. 4KiB.")] = "4KiB",
+    max_size: Annotated[str, typer.Option(help="Largest message, e.g. 64MiB.")] = "64MiB",
+    collectives: Annotated[
+        str,
+        typer.Option(help="Comma-separated: all_reduce,all_gather,reduce_scatter,all_to_all,p2p."),
+    ] = "all_reduce,all_gather,reduce_scatter,all_to_all,p2p",
+    iters: Annotated[int, typer.Option(help="Timed calls per size.")] = 5,
+    warmup: Annotated[int, typer.Option(help="Untimed calls per size.")] = 2,
+    backend: Annotated[str, typer.Option(help="auto, gloo (CPU) or nccl (CUDA).")] = "auto",
+    gpu: Annotated[
+        str | None, typer.Option(help="GPU type of this host (default: detected; CPU for gloo).")
+    ] = None,
+    intra_link: Annotated[
+        str | None, typer.Option(help="Tier name inside a node (default: the GPU type's).")
+    ] = None,
+    inter_link: Annotated[
+        str | None, typer.Option(help="Tier name between nodes (when ranks span hosts).")
+    ] = None,
+    nics_per_node: Annotated[int, typer.Option(help="NICs per node on this machine.")] = 1,
+    gemm: Annotated[bool, typer.Option(help="Measure the GEMM-efficiency table.")] = True,
+    gemm_shapes: Annotated[
+        str | None, typer.Option(help="MxNxK list, e.g. 4096x4096x4096,8192x4096x14336.")
+    ] = None,
+    gemm_dtypes: Annotated[
+        str | None, typer.Option(help="Comma-separated (default bfloat16 on GPU, float32 on CPU).")
+    ] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds before the ranks are stopped.")] = 600.0,
+) -> None:
+    """Measure collective bandwidth curves per link tier and GEMM efficiency on this host and
+    write a cluster profile for `plan --profile` / `estimate --profile`."""
+    from meshplan.cost_model.calibrate import (
+        CalibrateConfig,
+        parse_shapes,
+        parse_size,
+        summary,
+    )
+    from meshplan.cost_model.calibrate import calibrate as run_calibration
+    from meshplan.ir.cluster_io import dump_profile
+    from meshplan.runtime.errors import RankFailure
+
+    if Path(output).suffix.lower() not in (".json", ".yaml", ".yml"):
+        raise ValueError(f"--output {output}: a profile file ends in .json, .yaml or .yml")
+    cfg = CalibrateConfig(
+        min_size=parse_size(min_size),
+        max_size=parse_size(max_size),
+        collectives=tuple(c.strip() for c in collectives.split(",") if c.strip()),
+        warmup=warmup,
+        iters=iters,
+        backend=backend,
+        gpu=gpu,
+        intra_link=intra_link,
+        inter_link=inter_link,
+        nics_per_node=nics_per_node,
+        gemm=gemm,
+        gemm_shapes=parse_shapes(gemm_shapes) if gemm_shapes else None,
+        gemm_dtypes=tuple(gemm_dtypes.split(",")) if gemm_dtypes else None,
+    )
+    try:
+        result = run_calibration(nproc, cfg, timeout_s=timeout)
+    except RankFailure as e:  # the rank's own one-line cause (a bad flag, a timeout)
+        raise ValueError(f"calibration failed on rank {e.rank}: {e.cause}") from None
+    dump_profile(result, output)
+    for line in summary(result):
+        out.print(line)
+    out.print(f"wrote {output}")
 
 
 def main() -> None:

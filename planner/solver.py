@@ -2,14 +2,15 @@
 
 Sets
     c in C      candidate global configurations (tp, pp, dp, cp, ep, micro_batch, ZeRO stage,
-                recomputation, schedule with its virtual stages v, sequence parallel),
+                recomputation, schedule with its virtual stages v: 1F1B, interleaved 1F1B,
+                zero-bubble ZB-V with v = 2; sequence parallel),
                 `enumerate_candidates`
     l in L(c)   per-stage layer counts of c (uneven splits), `_splits`: every split when there
                 are at most EXHAUSTIVE_SPLITS, else the even split, one balanced split per device
                 group (stages holding the embedding / LM head take fewer layers,
                 `passes.partition.balanced_counts`) and, on mixed clusters, splits balanced
                 for the groups the stages fill fastest-first and slowest-first (more layers
-                on faster GPUs); interleaved 1F1B uses the even split only
+                on faster GPUs); interleaved 1F1B and ZB-V use the even split only
     s < pp_c    pipeline stages;   g in G  device groups
 
 Data (seconds and bytes, from `meshplan.cost_model.plan_tables`, integerised by `_Scale`)
@@ -33,9 +34,11 @@ Constraints (each family added by the named method of `_PlacementModel`)
     data_parallel   `data_parallel`: cross, k, comm[s] >= d or e(k), W[s] = max_g w b,
                     E >= comm[s] - eta W[s],  E >= (1 - eta) comm[s]
     optimizer       `optimizer`: O >= o[s,g] * b[s,g]
+    bubble          `bubble` (ZB-V only): Z >= z[s,g] * b[s,g], z = `StageTime.zb_bubble`
     step_time       `step_time`: v T >= (v m - 1) U + sum_s us[s] + v (m v + pp - 1) P
                                         + v rep E + v O      (interleaved 1F1B: m U +
-                    (sum_s us - U) / v + (m v + pp - 1) P; v = 1 is plain 1F1B), T <= cutoff
+                    (sum_s us - U) / v + (m v + pp - 1) P; v = 1 is plain 1F1B); ZB-V:
+                    T >= m U + (pp - 1) Z + (2 m + pp - 1) P + rep E + O; T <= cutoff
     objective       minimise T (objective "throughput"; "cost" and "min_gpus" below)
 
 Divisibility (in `enumerate_candidates`, each with its own InfeasibleError message): tp divides
@@ -106,6 +109,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 
+from meshplan.cost_model.compression import CommOptions
 from meshplan.cost_model.memory import in_flight_microbatches
 from meshplan.cost_model.simulate import (
     OVERLAP_EFFICIENCY,
@@ -165,6 +169,9 @@ GiB = 2**30
 Progress = Callable[[str], None] | None
 
 
+_ZB = Schedule.ZERO_BUBBLE  # a module constant: enum attribute access is slow in hot loops
+
+
 class InfeasibleError(ValueError):
     """No configuration fits; the message names the binding constraint and its numbers."""
 
@@ -217,6 +224,7 @@ class Candidate:
     schedule: Schedule
     sequence_parallel: bool
     virtual_stages: int = 1
+    quantize_activations: bool = False  # AGoQ widths for saved activations (numerics change)
 
     def parallel(self, global_batch: int) -> Parallel:
         """The complete `Parallel` of this candidate."""
@@ -233,9 +241,17 @@ class Candidate:
             schedule=self.schedule,
             sequence_parallel=self.sequence_parallel,
             virtual_stages=(
-                self.virtual_stages if self.schedule == Schedule.INTERLEAVED_1F1B else None
+                self.virtual_stages
+                if self.schedule in (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE)
+                else None
             ),
+            quantize_activations=self.quantize_activations or None,
         )
+
+    @property
+    def fill(self) -> float:
+        """Coefficient of (S - U) in the pipeline term: 1 / v, 0 under ZB-V (`PlanTables.fill`)."""
+        return 0.0 if self.schedule is _ZB else 1.0 / self.virtual_stages
 
     @property
     def gpus(self) -> int:
@@ -253,8 +269,12 @@ class Candidate:
         parts += [f"micro_batch={self.micro_batch}", rc, f"ZeRO-{self.zero}"]
         if self.schedule == Schedule.INTERLEAVED_1F1B:
             parts.append(f"interleaved 1F1B v={self.virtual_stages}")
+        elif self.schedule == Schedule.ZERO_BUBBLE:
+            parts.append("zero-bubble (ZB-V)")
         elif self.schedule != Schedule.ONE_F_ONE_B:
             parts.append(self.schedule.value)
+        if self.quantize_activations:
+            parts.append("AGoQ-quantized activations")
         return ", ".join(parts)
 
     @property
@@ -272,6 +292,7 @@ class Candidate:
             self.schedule.value,
             self.virtual_stages,
             self.sequence_parallel,
+            self.quantize_activations,
         )
 
 
@@ -310,6 +331,7 @@ def _stage_memory(pricer, comp, c):
         recompute=c.recompute,
         sp=c.sequence_parallel,
         micro_batch=c.micro_batch,
+        quantize=c.quantize_activations,
     )
 
 
@@ -335,14 +357,19 @@ def cp_options(seq_len: int) -> list[int]:
 def schedule_options(
     pinned: Parallel, pp: int, n_layers: int, m: int
 ) -> list[tuple[Schedule, int]]:
-    """(schedule, virtual stages) pairs: 1F1B, and interleaved 1F1B with every v in
+    """(schedule, virtual stages) pairs: 1F1B, interleaved 1F1B with every v in
     2..MAX_VIRTUAL_STAGES dividing n_layers / pp when pp >= 2, pp divides n_layers and pp
-    divides the micro-batch count m (Megatron-LM's requirement). A pinned schedule or
+    divides the micro-batch count m (Megatron-LM's requirement), and ZB-V (two chunks per rank)
+    when pp >= 2, 2 pp divides n_layers (equal chunks) and m >= 2 pp - 1 (torch's
+    `ScheduleZBVZeroBubble` fills its warm-up with 2 pp - 1 micro-batches). A pinned schedule or
     virtual_stages restricts the list; GPipe only when pinned (it is never faster than 1F1B
     under this cost model, and holds more activations)."""
     sched, pv = pinned.schedule, pinned.virtual_stages
-    if sched in (Schedule.GPIPE, Schedule.ZERO_BUBBLE):
+    if sched == Schedule.GPIPE:
         return [(sched, 1)]
+    zb_ok = pp >= 2 and n_layers % (2 * pp) == 0 and m >= 2 * pp - 1 and pv in (None, 2)
+    if sched == Schedule.ZERO_BUBBLE:
+        return [(sched, 2)] if zb_ok else []
     out: list[tuple[Schedule, int]] = []
     if sched in (None, Schedule.ONE_F_ONE_B) and pv in (None, 1):
         out.append((Schedule.ONE_F_ONE_B, 1))
@@ -357,11 +384,13 @@ def schedule_options(
         out += [(Schedule.INTERLEAVED_1F1B, v) for v in vs if v >= 2 and per % v == 0]
     if sched == Schedule.INTERLEAVED_1F1B and pv in (None, 1):
         out.append((Schedule.INTERLEAVED_1F1B, 1))  # one chunk: plain 1F1B, always valid
+    if sched is None and zb_ok:
+        out.append((Schedule.ZERO_BUBBLE, 2))
     return out
 
 
 def enumerate_candidates(
-    graph: Graph, cluster: Cluster, pinned: Parallel, global_batch: int
+    graph: Graph, cluster: Cluster, pinned: Parallel, global_batch: int, *, quantize: bool = False
 ) -> list[Candidate]:
     """Every configuration the planner considers, honouring each pinned field of `pinned`.
 
@@ -389,11 +418,7 @@ def enumerate_candidates(
     if (
         p.virtual_stages
         and p.virtual_stages > 1
-        and p.schedule
-        not in (
-            None,
-            Schedule.INTERLEAVED_1F1B,
-        )
+        and p.schedule not in (None, Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE)
     ):
         raise InfeasibleError(
             f"no plan: virtual_stages={p.virtual_stages} needs schedule 'interleaved_1f1b'"
@@ -442,6 +467,11 @@ def enumerate_candidates(
                 f"no plan: global_batch={global_batch} is not divisible by {what}={shown}"
             )
     rcs = [Recompute(p.recompute)] if p.recompute is not None else list(Recompute)
+    # Activation quantization changes numerics: off unless pinned or `quantize` allows it.
+    if p.quantize_activations is not None:
+        qas = [bool(p.quantize_activations)]
+    else:
+        qas = [False, True] if quantize else [False]
     out: list[Candidate] = []
     why_none = "no configuration fits the cluster's GPU count"
     for tp, cp, pp in itertools.product(tps, cps, pps):
@@ -474,13 +504,17 @@ def enumerate_candidates(
                         continue
                     scheds = schedule_options(p, pp, n_layers, global_batch // (dp * mb))
                     if not scheds:
+                        m_ = global_batch // (dp * mb)
                         why_none = (
-                            f"interleaved 1F1B needs pp >= 2 dividing the {n_layers} layers and "
-                            f"the micro-batch count (pp={pp}, {global_batch // (dp * mb)} "
+                            f"zero_bubble (ZB-V) needs pp >= 2 with 2*pp dividing the {n_layers} "
+                            f"layers and at least 2*pp - 1 micro-batches (pp={pp}, {m_} "
                             "micro-batches)"
+                            if p.schedule == Schedule.ZERO_BUBBLE
+                            else f"interleaved 1F1B needs pp >= 2 dividing the {n_layers} layers "
+                            f"and the micro-batch count (pp={pp}, {m_} micro-batches)"
                         )
-                    for zero, rc, (sched, v) in itertools.product(zeros, rcs, scheds):
-                        out.append(Candidate(tp, pp, dp, cp, ep, mb, zero, rc, sched, sp, v))
+                    for zero, rc, (sched, v), qa in itertools.product(zeros, rcs, scheds, qas):
+                        out.append(Candidate(tp, pp, dp, cp, ep, mb, zero, rc, sched, sp, v, qa))
     if not out:
         raise InfeasibleError(f"no plan: {why_none}")
     return out
@@ -553,8 +587,8 @@ def _splits(
     even = tuple(base + (1 if s < extra else 0) for s in range(pp))
     if pp == 1:
         return [even]
-    if c.schedule == Schedule.INTERLEAVED_1F1B:
-        return [even]  # every virtual stage holds the same number of layers
+    if c.schedule in (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE):
+        return [even]  # every virtual stage (chunk) holds the same number of layers
     if count_compositions(n_layers, pp) <= EXHAUSTIVE_SPLITS:
         return [even] + [x for x in compositions(n_layers, pp) if x != even]
     out = [even]
@@ -690,13 +724,17 @@ def _split_free_bound(
         whole = {g: sum(n * per[(k, g)] for k, n in counts.items()) for g in groups}
         got = cache[key] = (s_min, whole)
     s_min, whole = got
-    v, pp = c.virtual_stages, c.pp
-    lock = (m - 1 / v) * s_min / pp + s_min / v
+    pp = c.pp
+    # m U + fill (S - U) with U >= S / pp (increasing in U since m >= fill)
+    lock = m * s_min / pp + c.fill * s_min * (1 - 1 / pp)
     if c.zero > 2:
         return lock
-    capacity = {g: replica_capacity(pricer.groups[g], c.tp, c.cp) for g in groups}
-    per_group = {g: (w / pp, w / pp) for g, w in whole.items()}
-    rate, _ = _share_rate_bound(per_group, capacity, pp, c.dp, v)
+    rkey = key + (pp, c.dp)  # ZeRO, schedule and m do not change the rate: memoise it
+    rate = cache.get(rkey)
+    if rate is None:
+        capacity = {g: replica_capacity(pricer.groups[g], c.tp, c.cp) for g in groups}
+        per_group = {g: (w / pp, w / pp) for g, w in whole.items()}
+        rate = cache[rkey] = _share_rate_bound(per_group, capacity, pp, c.dp)[0]
     return min(lock, c.dp * m / rate) if rate > 0 else lock
 
 
@@ -738,7 +776,7 @@ def _split_free_memory(pricer: Pricer, c: Candidate, n_layers: int, cache: dict)
     ceil(L / pp) consecutive layers and at least one micro-batch in flight, so it needs at least
     the least memory of such a window (over every window of the layer units)."""
     key = ("mem", c.tp, c.cp, c.ep, c.dp, c.zero, c.recompute, c.sequence_parallel)
-    key += (c.micro_batch, c.pp)
+    key += (c.micro_batch, c.pp, c.quantize_activations)
     got = cache.get(key)
     if got is None:
         costs = pricer.costs
@@ -800,7 +838,7 @@ def _memory_free_bound(
     stage_times, counts, per_group = _distinct_stage_times(pricer, cand, ranges, groups, cache)
     capacity = {g: replica_capacity(pricer.groups[g], cand.tp, cand.cp) for g in groups}
     big_u, total = _stage_bound(stage_times, counts, capacity, cand.dp)
-    rate, fill = _share_rate_bound(per_group, capacity, cand.pp, cand.dp, cand.virtual_stages)
+    rate, fill = _share_rate_bound(per_group, capacity, cand.pp, cand.dp)
     return big_u, total, rate, fill
 
 
@@ -809,14 +847,14 @@ def _share_rate_bound(
     capacity: Mapping[str, int],
     pp: int,
     dp: int,
-    v: int,
 ) -> tuple[float, float]:
     """(rate, fill) such that every group-pure placement with uneven shares has a pipeline term
-    of at least M / rate + fill (M micro-batches in all): a group's pipelines run at best one
-    micro-batch per U_g (its slowest stage), so M <= T * sum_g n_g / U_g, and the best
-    sum_g n_g / U_g over n_g <= R[g] // pp, sum_g n_g = dp fills the fastest groups first;
-    every pipeline also pays at least the smallest fill (S_g - U_g) / v. (0, inf) when the
-    groups cannot hold dp pipelines or fewer than two groups can host one."""
+    of at least M / rate + fill * c (M micro-batches in all, c the schedule's fill coefficient,
+    `Candidate.fill`): a group's pipelines run at best one micro-batch per U_g (its slowest
+    stage), so M <= T * sum_g n_g / U_g, and the best sum_g n_g / U_g over n_g <= R[g] // pp,
+    sum_g n_g = dp fills the fastest groups first; every pipeline also pays at least the
+    smallest fill (S_g - U_g) c. (0, inf) when the groups cannot hold dp pipelines or fewer
+    than two groups can host one."""
     hosts = [g for g in per_group if capacity[g] >= pp and per_group[g][0] > 0]
     if len(hosts) < 2:
         return 0.0, math.inf
@@ -829,32 +867,47 @@ def _share_rate_bound(
             break
     if left:
         return 0.0, math.inf
-    fill = min((per_group[g][1] - per_group[g][0]) / v for g in hosts)
+    fill = min(per_group[g][1] - per_group[g][0] for g in hosts)
     return rate, fill
 
 
-def _pipeline_bound(big_u: float, total: float, m: int, v: int) -> float:
-    """m U + (S - U) / v, increasing in U and S, so it bounds with lower bounds of both
-    (infinite when the groups cannot hold the replicas)."""
+def _pipeline_bound(big_u: float, total: float, m: int, fill: float) -> float:
+    """m U + fill (S - U) (fill = 1 / v, or 0 under ZB-V), increasing in U and S, so it bounds
+    with lower bounds of both (infinite when the groups cannot hold the replicas)."""
     if math.isinf(big_u) or math.isinf(total):
         return math.inf
-    return m * big_u + (total - big_u) / v
+    return m * big_u + (total - big_u) * fill
 
 
 def _exposed_and_optimizer(t: PlanTables, allowed: list[list[str]], crossing: int = 0) -> float:
     """Lower bound of rep * exposed DP traffic + optimizer: each at its cheapest allowed group
     (pair). `crossing` > 0: every stage's replicas span two groups, that many stages at once
     (group-pure pipelines in several groups), so only cross-group rings count."""
+    dp, cap = t.parallel.dp, t.replica_capacity
+    # Stages that must span groups: a group-pure stage needs dp replicas in one group, so at
+    # most sum_g floor(R[g] / dp) stages are group-pure and the rest cross (their DP rings
+    # share the links between groups: `CrossTraffic.time(k)` rises with k).
+    forced = crossing or max(0, t.pp - sum(cap[g] // dp for g in t.groups))
     exposed = 0.0
+    crossing_lb: list[float] = []
     for s in range(t.pp):
-        comm = math.inf if crossing else min(t.dp_single[s][g] for g in allowed[s])
+        window = max(t.window[s][g] for g in allowed[s])
+
+        def expose(comm: float) -> float:
+            return comm - OVERLAP_EFFICIENCY * min(comm, window)
+
+        single = math.inf
+        if not crossing:
+            single = min((t.dp_single[s][g] for g in allowed[s] if cap[g] >= dp), default=math.inf)
         pairs = [(a, b) for a, b in t.dp_cross[s] if a in allowed[s] and b in allowed[s]]
-        if pairs:
-            comm = min(comm, min(t.dp_cross[s][k].time(max(1, crossing)) for k in pairs))
+        cross = min((t.dp_cross[s][k].time(max(1, forced)) for k in pairs), default=math.inf)
+        comm = min(single, cross)
         if math.isinf(comm):
             return math.inf
-        window = max(t.window[s][g] for g in allowed[s])
-        exposed = max(exposed, comm - OVERLAP_EFFICIENCY * min(comm, window))
+        exposed = max(exposed, expose(comm))
+        crossing_lb.append(expose(cross))
+    if 0 < forced <= t.pp:  # the forced-th cheapest crossing stage is among those that cross
+        exposed = max(exposed, sorted(crossing_lb)[forced - 1])
     opt = max(min(t.optimizer[s][g] for g in allowed[s]) for s in range(t.pp))
     return t.rep * exposed + opt
 
@@ -870,8 +923,10 @@ def _lower_bound(t: PlanTables, allowed: list[list[str]]) -> float:
         (min(t.p2p[s][(a, b)] for a in allowed[s] for b in allowed[s + 1]) for s in range(pp - 1)),
         default=0.0,
     )
+    z = max(min(t.bubble_unit(s, g) for g in allowed[s]) for s in range(pp))
     return (
-        _pipeline_bound(big_u, total, m, v)
+        _pipeline_bound(big_u, total, m, t.fill)
+        + (pp - 1) * z
         + (m * v + pp - 1) * p2p
         + _exposed_and_optimizer(t, allowed)
     )
@@ -903,8 +958,9 @@ def _share_terms(t: PlanTables, g: str) -> tuple[float, float]:
     pp, v = t.pp, t.chunks
     us = [t.time[s][g].total for s in range(pp)]
     p2p = max((t.p2p[s][(g, g)] for s in range(pp - 1)), default=0.0)
+    z = max(t.bubble_unit(s, g) for s in range(pp))
     big_u = max(us)
-    return big_u + v * p2p, (sum(us) - big_u) / v + (pp - 1) * p2p
+    return big_u + v * p2p, (sum(us) - big_u) * t.fill + (pp - 1) * (p2p + z)
 
 
 def _share_bound(t: PlanTables, allowed: list[list[str]]) -> float:
@@ -916,7 +972,7 @@ def _share_bound(t: PlanTables, allowed: list[list[str]]) -> float:
     hosts = _share_hosts(t, allowed)
     terms = {g: _share_terms(t, g) for g in hosts}
     per_group = {g: (a, b + a) for g, (a, b) in terms.items()}  # (U_g, S_g) with v = 1
-    rate, _ = _share_rate_bound(per_group, t.replica_capacity, t.pp, t.parallel.dp, 1)
+    rate, _ = _share_rate_bound(per_group, t.replica_capacity, t.pp, t.parallel.dp)
     if rate <= 0:
         return math.inf
     fill = min(terms[g][1] for g in hosts)
@@ -1158,25 +1214,42 @@ def _screen(
     # Best-first over candidates, then over their splits: a candidate enters with a bound that
     # holds for every split (`_split_free_bound`) and is expanded into (candidate, split) pairs
     # with their own bounds only when it reaches the front.
+    # Candidates that differ only in ZeRO stage and schedule form a family, bounded once by its
+    # loosest member (the least fill, ZeRO <= 2 when there is one: `_split_free_bound` is
+    # increasing in the fill and only ZeRO <= 2 gets the share bound) and expanded into its
+    # members when it reaches the front. Ties break by enumeration order (deterministic).
+    families: dict[tuple, list[tuple[int, Candidate]]] = {}
+    for i, c in enumerate(cands):
+        fam = (c.tp, c.cp, c.pp, c.dp, c.ep, c.micro_batch, c.recompute, c.sequence_parallel)
+        families.setdefault(fam + (c.quantize_activations,), []).append((i, c))
     heap = []
-    for c in cands:
+
+    def bounded(c: Candidate) -> tuple[float, float] | None:
+        """(bound x factor, factor) of c, or None when it cannot win (`limit`)."""
         groups = groups_for(c)
         m = global_batch // (c.dp * c.micro_batch)
         lb = _split_free_bound(pricer, c, groups, m, cache)
         if math.isinf(lb) or lb > limit * (1 + 1e-9):
-            continue
+            return None
         fkey = (c.tp, c.cp, c.pp, c.dp)
         factor = factor_of.get(fkey)
         if factor is None:
             capacity = {g: replica_capacity(pricer.groups[g], c.tp, c.cp) for g in groups}
             factor = factor_of[fkey] = scorer.factor(c, capacity)
-        heap.append((lb * factor, c.sort_key, (), c, factor))
+        return lb * factor, factor
+
+    for members in families.values():
+        loosest = min(members, key=lambda ic: (ic[1].fill, ic[1].zero > 2, ic[0]))[1]
+        got = bounded(loosest)
+        if got is not None:
+            heap.append((got[0], members[0][0], None, members, got[1]))
     # Megatron-style warm starts go first (bound -1): a strong incumbent early prunes the rest.
     top_memory = max(g.gpu.memory_bytes for g in cluster.groups)
 
     def may_fit(c: Candidate) -> bool:
         return _split_free_memory(pricer, c, n_layers, cache) <= top_memory
 
+    index = {id(c): i for i, c in enumerate(cands)}
     for c in _megatron_seeds(cands, may_fit):
         base, extra = divmod(n_layers, c.pp)
         even = tuple(base + (1 if s < extra else 0) for s in range(c.pp))
@@ -1185,9 +1258,9 @@ def _screen(
         if fkey not in factor_of:
             capacity = {g: replica_capacity(pricer.groups[g], c.tp, c.cp) for g in groups_for(c)}
             factor_of[fkey] = scorer.factor(c, capacity)
-        heap.append((-1.0, c.sort_key, even, c, factor_of[fkey]))
+        heap.append((-1.0, index[id(c)], even, c, factor_of[fkey]))
     heapq.heapify(heap)
-    say(f"bounded {len(heap)} configurations; pricing in bound order")
+    say(f"bounded {len(cands)} configurations in {len(families)} families; pricing in bound order")
     done: set[tuple[Candidate, tuple[int, ...]]] = set()
 
     best = incumbent
@@ -1204,6 +1277,12 @@ def _screen(
         if lb0 >= 0 and math.isfinite(best) and time.perf_counter() > deadline:
             cut = lb0
             break
+        if split is None:  # a family: bound and queue its members
+            for i, member in c:
+                got = bounded(member)
+                if got is not None:
+                    heapq.heappush(heap, (got[0], i, (), member, got[1]))
+            continue
         groups = groups_for(c)
         if not split:  # expand the candidate into its splits
             need = _split_free_memory(pricer, c, n_layers, cache)
@@ -1212,7 +1291,7 @@ def _screen(
                     smallest = (need, c.pp - 1, c)
                 continue  # no split fits: some stage holds ceil(L / pp) layers
             skey = (c.tp, c.cp, c.ep, c.sequence_parallel, c.pp, c.dp, c.micro_batch)
-            skey += (c.recompute, c.schedule == Schedule.INTERLEAVED_1F1B)
+            skey += (c.recompute, c.schedule in (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE))
             splits = splits_of.get(skey)
             if splits is None:
                 splits = splits_of[skey] = _splits(pricer, c, groups, n_layers, cache)
@@ -1227,9 +1306,9 @@ def _screen(
                 if ab is None:
                     ab = bound_of[bkey] = _memory_free_bound(pricer, c, ranges, groups, cache)
                 big_u, total, rate, fill = ab
-                lb = _pipeline_bound(big_u, total, m, c.virtual_stages)
+                lb = _pipeline_bound(big_u, total, m, c.fill)
                 if c.zero <= 2 and rate > 0:
-                    lb = min(lb, c.dp * m / rate + fill)
+                    lb = min(lb, c.dp * m / rate + fill * c.fill)
                 if math.isinf(lb) or lb > limit * (1 + 1e-9):
                     continue
                 pairs += 1
@@ -1307,14 +1386,24 @@ class _PlacementModel:
         self.replicas()
         self.capacity()
         t, v = self.t, self.t.chunks
-        step_v = (
-            (v * t.m - 1) * self.stage_times()
-            + sum(self.us)
-            + v * (t.m * v + t.pp - 1) * self.boundaries()
-            + v * t.rep * self.data_parallel()
-            + v * self.optimizer()
-        )
-        self.step_time(step_v, cutoff_s)
+        if t.zero_bubble:  # m U + (pp - 1) Z + (2 m + pp - 1) P + rep E + O, T >= it
+            step_v = (
+                t.m * self.stage_times()
+                + (t.pp - 1) * self.bubble()
+                + (t.m * v + t.pp - 1) * self.boundaries()
+                + t.rep * self.data_parallel()
+                + self.optimizer()
+            )
+            v = 1
+        else:
+            step_v = (
+                (v * t.m - 1) * self.stage_times()
+                + sum(self.us)
+                + v * (t.m * v + t.pp - 1) * self.boundaries()
+                + v * t.rep * self.data_parallel()
+                + v * self.optimizer()
+            )
+        self.step_time(step_v, cutoff_s, v)
         self.m.Minimize(self.T)
 
     def _upper(self) -> int:
@@ -1373,6 +1462,17 @@ class _PlacementModel:
             m.Add(big_u >= self.us[s])
         return big_u
 
+    def bubble(self) -> cp_model.IntVar:
+        """ZB-V only: Z >= z[s,g] * b[s,g] (`StageTime.zb_bubble`). Returns Z."""
+        t, q, m = self.t, self.q, self.m
+        big_z = m.NewIntVar(0, self.hi, "Z")
+        for s, b_s in enumerate(self.b):
+            for g, bv in b_s.items():
+                v = q(t.bubble_unit(s, g))
+                if v:
+                    m.Add(big_z >= v * bv).WithName(f"bubble[{s},{g}]")
+        return big_z
+
     def boundaries(self) -> cp_model.IntVar:
         """P >= q[s,a,b] * (b[s,a] + b[s+1,b] - 1). Returns P."""
         t, q, m = self.t, self.q, self.m
@@ -1415,11 +1515,19 @@ class _PlacementModel:
                 for c in order[j + 1 :]:
                     ct = t.dp_cross[s][(a, c)]
                     both = b_s[a] + b_s[c] - 1
-                    m.Add(comm >= q(ct.unshared) * both).WithName(f"dp_cross[{s},{a},{c}]")
-                    if ct.per_stage is not None:
-                        lat, per = q(ct.latency), q(ct.per_stage)
-                        big_m = lat + per * t.pp
-                        m.Add(comm >= lat + per * k - big_m * (1 - both))
+                    # Raw or coded traffic (`CrossTraffic.coded`): comm covers the one chosen.
+                    pieces: list = [(ct, [])]
+                    if ct.coded is not None:
+                        z = m.NewBoolVar(f"coded[{s},{a},{c}]")
+                        pieces = [(ct, [z.Not()]), (ct.coded, [z])]
+                    for piece, when in pieces:
+                        m.Add(comm >= q(piece.unshared) * both).WithName(
+                            f"dp_cross[{s},{a},{c}]"
+                        ).OnlyEnforceIf(when)
+                        if piece.per_stage is not None:
+                            lat, per = q(piece.latency), q(piece.per_stage)
+                            big_m = lat + per * t.pp
+                            m.Add(comm >= lat + per * k - big_m * (1 - both)).OnlyEnforceIf(when)
             window = m.NewIntVar(0, self.hi, f"W[{s}]")
             m.AddMaxEquality(window, [q(t.window[s][g]) * bv for g, bv in b_s.items()])
             # E >= comm - eta * min(comm, W) = max(comm - eta * W, (1 - eta) * comm)
@@ -1435,10 +1543,10 @@ class _PlacementModel:
                 self.m.Add(opt >= self.q(self.t.optimizer[s][g]) * bv)
         return opt
 
-    def step_time(self, step_v, cutoff_s: float) -> None:
+    def step_time(self, step_v, cutoff_s: float, v: int) -> None:
         """v T >= v * step time; T <= the incumbent (a placement that cannot beat it is
         useless)."""
-        self.m.Add(self.t.chunks * self.T >= step_v).WithName("step_time")
+        self.m.Add(v * self.T >= step_v).WithName("step_time")
         if math.isfinite(cutoff_s):
             self.m.Add(self.T <= self.q(cutoff_s) + 1).WithName("cutoff")
 
@@ -1567,7 +1675,12 @@ def _search(
 
 
 def _decode(
-    graph: Graph, cluster: Cluster, out: _Outcome, global_batch: int, dtype: str
+    graph: Graph,
+    cluster: Cluster,
+    out: _Outcome,
+    global_batch: int,
+    dtype: str,
+    comm: CommOptions | None = None,
 ) -> tuple[Parallel, tuple[StagePlacement, ...], Prediction]:
     """The best placement as `Parallel` + `StagePlacement`s, re-priced by `predict`."""
     assert out.best is not None
@@ -1581,7 +1694,7 @@ def _decode(
         micro = tuple((g, shares[g]) for g, _ in reps) if shares else ()
         stages.append(StagePlacement(s, a, b, reps, micro))
     parallel = pr.cand.parallel(global_batch)
-    prediction = predict(graph, cluster, parallel, tuple(stages), dtype=dtype)
+    prediction = predict(graph, cluster, parallel, tuple(stages), dtype=dtype, comm=comm)
     assert prediction.fits, "solver placed a stage where it does not fit"
     return parallel, tuple(stages), prediction
 
@@ -1597,8 +1710,14 @@ def solve(
     dtype: str = "bfloat16",
     export_model: str | None = None,
     objective: Objective | None = None,
+    comm: CommOptions | None = None,
+    quantize: bool = False,
 ) -> SolveResult:
     """The best configuration and placement that fits, honouring the fields of `pinned`.
+
+    `comm`: what may be done to traffic (lossless coding, int8 gradients; each collective
+    priced at its fastest allowed method, `cost_model.compression`); None: raw traffic.
+    `quantize`: activation quantization (AGoQ) becomes a knob of the search, like recompute.
 
     `objective` (default throughput) as in the module docstring. Returns the plan re-priced by
     `predict`. `time_limit_s` bounds the search once some plan is known (the first one is
@@ -1610,8 +1729,8 @@ def solve(
     objective = objective or Objective()
     start = time.perf_counter()
     say = progress or (lambda _msg: None)
-    pricer = pricer_for(graph, cluster, dtype)
-    cands = enumerate_candidates(graph, cluster, pinned, global_batch)
+    pricer = pricer_for(graph, cluster, dtype, comm)
+    cands = enumerate_candidates(graph, cluster, pinned, global_batch, quantize=quantize)
     say(f"enumerated {len(cands)} candidate configurations")
     tokens = global_batch * (graph.info.seq_len or 1)
     seed: SolveResult | None = None
@@ -1620,7 +1739,9 @@ def solve(
     else:
         scorer = _Scorer(objective, cluster)
         if objective.kind == "throughput" and len(cluster.groups) > 1:
-            seed = _single_group_seed(graph, cluster, pinned, global_batch, time_limit_s, dtype)
+            seed = _single_group_seed(
+                graph, cluster, pinned, global_batch, time_limit_s, dtype, comm, quantize
+            )
         out = _search(
             pricer,
             graph,
@@ -1637,7 +1758,7 @@ def solve(
         gap = 0.0 if optimal else 1 - out.lowest_open / seed.prediction.step_time_s
         return dataclasses.replace(
             seed,
-            prediction=predict(graph, cluster, seed.parallel, seed.stages, dtype=dtype),
+            prediction=predict(graph, cluster, seed.parallel, seed.stages, dtype=dtype, comm=comm),
             status="optimal" if optimal and seed.status == "optimal" else "feasible",
             gap=max(gap, seed.gap),
             wall_s=time.perf_counter() - start,
@@ -1648,7 +1769,7 @@ def solve(
         )
     if out.best is None:
         raise InfeasibleError(_why_nothing_fits(out, cluster))
-    parallel, stages, prediction = _decode(graph, cluster, out, global_batch, dtype)
+    parallel, stages, prediction = _decode(graph, cluster, out, global_batch, dtype, comm)
     score, pr = out.best[0], out.best[1]
     say(f"priced {out.priced} (configuration, split) pairs, solved {out.models} placement models")
     if export_model:
@@ -1690,6 +1811,8 @@ def _single_group_seed(
     global_batch: int,
     time_limit_s: float,
     dtype: str,
+    comm: CommOptions | None = None,
+    quantize: bool = False,
 ) -> SolveResult | None:
     """The best plan inside one device group, over every group: the incumbent of a mixed
     cluster's search. A homogeneous group's bounds are exact, so each of these is quick, and a
@@ -1706,6 +1829,8 @@ def _single_group_seed(
                 global_batch=global_batch,
                 time_limit_s=0.6 * time_limit_s / len(cluster.groups),
                 dtype=dtype,
+                comm=comm,
+                quantize=quantize,
             )
         except (InfeasibleError, ValueError):
             continue

@@ -3,8 +3,9 @@
 The order of the transformations is fixed, and matters (as in torchtitan's parallelize):
 
     0. mesh         the plan's DeviceMesh (pp, dp, cp, tp) and this rank's coordinates
-    1. pipeline     keep only this rank's stage (units [first, last)): everything after sees
-                    only the stage's modules and parameters
+    1. pipeline     keep only this rank's chunk-stages (one, or v under interleaved 1F1B / 2
+                    under ZB-V; `pipeline_parallel`): every later step runs once per chunk
+                    and sees only that chunk's modules and parameters
     1b. context p.  attention of the stage works on this rank's sequence share (forward
                     wrapped; K/V all-gather or ring); before TP/recompute so they wrap the
                     changed attention, and checkpointed regions re-run its collectives
@@ -26,10 +27,18 @@ The order of the transformations is fixed, and matters (as in torchtitan's paral
     7. schedule     torch.distributed.pipelining around the wrapped stage
 
 Semantics of `Runner.step(inputs, targets)`: `inputs`/`targets` hold the *global* batch
-(`plan.global_batch` rows, the same on every rank) or this dp replica's share
-(`global_batch / dp` rows); each dp replica takes its rows, splits them into the plan's
-micro-batches, and the returned loss is the mean over the global batch, identical on every
-rank. `loss_fn(outputs, targets)` must return the mean loss of one micro-batch.
+(`plan.global_batch` rows, the same on every rank) or this dp replica's share; each dp
+replica takes its rows, splits them into micro-batches of `micro_batch` rows, and the
+returned loss is the mean over the global batch, identical on every rank.
+`loss_fn(outputs, targets)` must return the mean loss of one micro-batch.
+
+How the global batch is split over dp replicas: replica d runs m_d micro-batches (the plan's
+`num_microbatches`, or under uneven shares `StagePlacement.microbatches` of d's device group)
+and takes the m_d * micro_batch consecutive rows after those of replicas 0..d-1 (dp index
+order, which is the plan's group order). A replica's share of rows is also accepted. With
+uneven shares each replica's loss is weighted by its share of the samples, dp * m_d / M with
+M = sum_d m_d, before the data-parallel gradient average (which divides by dp), so the
+gradients and the returned loss are those of one process over the whole global batch.
 With cp > 1 each cp rank takes its share of every sequence (inputs and targets alike,
 `context_parallel.sequence_positions`), so `loss_fn` sees this rank's tokens only and the
 cp ranks' losses are averaged (equal token counts).
@@ -41,6 +50,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
+from meshplan.ir.parallel import Schedule
 from meshplan.ir.plan import Plan
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -50,7 +60,14 @@ from .data_parallel import apply_data_parallel, gradient_sync
 from .errors import RuntimePlanError
 from .expert_parallel import ExpertParallel, apply_expert_parallel
 from .mesh import RankContext, build_mesh, data_parallel_context
-from .pipeline_parallel import build_schedule, stage_module
+from .pipeline_parallel import (
+    build_schedule,
+    check_schedule,
+    chunk_unit_paths,
+    chunks_per_rank,
+    rank_chunks,
+    stage_module,
+)
 from .recompute import apply_recompute
 from .tensor_parallel import apply_tensor_parallel
 
@@ -63,13 +80,6 @@ _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped
 
 def check_model(model: nn.Module, plan: Plan) -> None:
     """Fail with one line when `model` is not the model the plan's units describe."""
-    for stage in plan.stages:
-        if len({n for _, n in stage.microbatches}) > 1:
-            raise RuntimePlanError(
-                f"runtime: stage {stage.index} gives device groups different micro-batch "
-                f"counts ({dict(stage.microbatches)}); uneven data-parallel shares are planned "
-                "but not executed yet: re-plan with one GPU type per stage or pin dp"
-            )
     missing = []
     for unit in plan.model.units:
         if unit.startswith("<"):
@@ -91,43 +101,104 @@ def check_model(model: nn.Module, plan: Plan) -> None:
         )
 
 
-def stage_unit_paths(plan: Plan, stage_index: int) -> list[str]:
-    """Module paths of the repeated units that stage `stage_index` runs."""
-    s = plan.stages[stage_index]
-    return [u for u in plan.model.units[s.first_unit : s.last_unit] if not u.startswith("<")]
+def replica_microbatches(plan: Plan) -> list[int]:
+    """Micro-batches each dp replica runs per step, by dp index (see the module docstring).
+
+    Even plans give every replica `num_microbatches`. Uneven shares
+    (`StagePlacement.microbatches`) give each replica its device group's count; they need
+    group-pure pipelines (every stage the same shares, a dp index in one group) and no
+    collective whose count depends on the micro-batches across replicas (ZeRO-3's per
+    micro-batch gathers; expert all-to-alls across groups): refused otherwise, one line.
+    """
+    p = plan.parallel
+    dp, m = p.dp or 1, p.num_microbatches
+    shares = [s.shares for s in plan.stages]
+    if not any(shares):
+        return [m] * dp
+    if any(s != shares[0] for s in shares):
+        raise RuntimePlanError(
+            "runtime: uneven micro-batch shares differ between pipeline stages "
+            f"({[dict(s) for s in shares]}); every stage of a pipeline must run the same count"
+        )
+    group_of: dict[int, set[str]] = {}
+    for r in plan.ranks:
+        if r.coords is not None:
+            group_of.setdefault(r.coords[1], set()).add(r.group)
+    counts = []
+    for d in range(dp):
+        groups = group_of.get(d, set())
+        if len(groups) != 1:
+            raise RuntimePlanError(
+                f"runtime: dp replica {d} spans device groups {sorted(groups)}; uneven "
+                "micro-batch shares need each pipeline inside one group"
+            )
+        counts.append(shares[0][groups.pop()])
+    if sum(counts) * p.micro_batch != p.global_batch:
+        raise RuntimePlanError(
+            f"runtime: micro-batch shares {counts} x micro_batch {p.micro_batch} do not add up "
+            f"to the global batch {p.global_batch}"
+        )
+    if len(set(counts)) > 1 and (p.zero or 0) == 3:
+        raise RuntimePlanError(
+            "runtime: uneven micro-batch shares with ZeRO-3 (FSDP gathers parameters for every "
+            "micro-batch, so replicas would run different collectives); use zero <= 2"
+        )
+    ep = p.ep or 1
+    for j in range(0, dp, ep):
+        if len(set(counts[j : j + ep])) > 1:
+            raise RuntimePlanError(
+                f"runtime: ep group of dp replicas {j}..{j + ep - 1} mixes micro-batch shares "
+                f"{counts[j : j + ep]}; its all-to-alls need equal counts"
+            )
+    return counts
 
 
 class Runner:
-    """A model prepared for one plan on this rank; `step` trains one global batch."""
+    """A model prepared for one plan on this rank; `step` trains one global batch.
+
+    `modules` holds this rank's model chunks (one, or several pipeline chunk-stages);
+    `module` is the first of them (the whole prepared model when there is no pipeline).
+    """
 
     def __init__(
         self,
         ctx: RankContext,
-        module: nn.Module,
+        modules: list[nn.Module],
         optimizer: torch.optim.Optimizer,
         loss_fn: LossFn,
         schedule=None,
         cp: ContextParallel | None = None,
         ep: ExpertParallel | None = None,
+        chunks: list[int] | None = None,
+        num_chunks: int = 1,
     ) -> None:
-        self.ctx, self.module, self.optimizer, self.loss_fn = ctx, module, optimizer, loss_fn
+        self.ctx, self.modules, self.optimizer, self.loss_fn = ctx, modules, optimizer, loss_fn
+        self.module = modules[0]
         self.schedule = schedule
         self.cp, self.ep = cp, ep
         p = ctx.plan.parallel
         self.dp, self.dp_rank = ctx.size("dp"), ctx.coord("dp")
-        self.n_microbatches = p.num_microbatches
+        self.micro_batch = p.micro_batch
+        counts = replica_microbatches(ctx.plan)
+        self.n_microbatches = counts[self.dp_rank]
+        self.row_offset = sum(counts[: self.dp_rank]) * p.micro_batch
         self.global_batch = p.global_batch
+        # Weight of this replica's mean loss: its share of the samples x dp (1 when even).
+        self.weight = self.dp * self.n_microbatches / sum(counts)
+        chunks = chunks if chunks is not None else [ctx.stage_index]
+        self.holds_first = 0 in chunks
+        self.holds_last = num_chunks - 1 in chunks
 
     # -- one step -------------------------------------------------------------------------
     def _local(self, x: torch.Tensor, what: str) -> torch.Tensor:
         rows = x.shape[0]
-        share = self.global_batch // self.dp
+        share = self.n_microbatches * self.micro_batch
         if rows == self.global_batch:
-            x = x[self.dp_rank * share : (self.dp_rank + 1) * share]
+            x = x[self.row_offset : self.row_offset + share]
         elif rows != share:
             raise RuntimePlanError(
                 f"runtime: {what} has {rows} rows; the plan's global batch is "
-                f"{self.global_batch} ({share} per dp replica)"
+                f"{self.global_batch} ({share} for dp replica {self.dp_rank})"
             )
         if self.cp is not None:
             x = self.cp.shard(x, dim=1)
@@ -153,28 +224,30 @@ class Runner:
                 f"runtime: {x.shape[0]} rows do not split into {n} micro-batches"
             )
         total = 0.0
+        scale = self.weight / n
+        zero_1_2 = (self.ctx.plan.parallel.zero or 0) in (1, 2)
         for i, (xi, yi) in enumerate(zip(x.chunk(n), y.chunk(n))):
-            with gradient_sync(self.module, enabled=i == n - 1):
-                loss = self.loss_fn(self.module(xi), yi) / n
+            with gradient_sync(self.module, enabled=i == n - 1, keep_gathered=zero_1_2):
+                loss = self.loss_fn(self.module(xi), yi) * scale
                 loss.backward()
             total += float(_local_value(loss))
         return total
 
     def _pipeline(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        ctx = self.ctx
         losses: list[torch.Tensor] = []
-        args = (x,) if ctx.is_first_stage else ()
-        target = y if ctx.is_last_stage else None
+        args = (x,) if self.holds_first else ()
+        target = y if self.holds_last else None
         self.schedule.step(*args, target=target, losses=losses)
-        if not ctx.is_last_stage:
+        if not self.holds_last:
             return 0.0
-        return float(sum(float(_local_value(v)) for v in losses) / len(losses))
+        # The schedule's losses are already weighted by dp / M (see `apply`).
+        return float(sum(float(_local_value(v)) for v in losses))
 
     def _global_mean(self, local: float) -> float:
-        """Every dp replica's last stage contributes its loss once (tp peers hold copies; cp
-        peers each hold the mean over their share of the tokens)."""
+        """Every dp replica's last stage contributes its weighted mean loss once (tp peers
+        hold copies; cp peers each hold the mean over their share of the tokens)."""
         ctx = self.ctx
-        contributes = ctx.is_last_stage and ctx.coord("tp") == 0
+        contributes = self.holds_last and ctx.coord("tp") == 0
         t = torch.tensor([local if contributes else 0.0], dtype=torch.float64)
         dist.all_reduce(t)
         return float(t.item()) / (self.dp * ctx.size("cp"))
@@ -187,12 +260,13 @@ class Runner:
         """
         ctx = self.ctx
         mine: dict[str, torch.Tensor] = {}
-        for name, p in self.module.named_parameters():
-            if self.ep is not None and self.ep.owns(p):
-                t = self.ep.full_tensor(p)  # expert shards gathered over the ep group
-            else:
-                t = p.full_tensor() if isinstance(p, DTensor) else p
-            mine[clean_name(name)] = t.detach().cpu().clone()
+        for module in self.modules:
+            for name, p in module.named_parameters():
+                if self.ep is not None and self.ep.owns(p):
+                    t = self.ep.full_tensor(p)  # expert shards gathered over the ep group
+                else:
+                    t = p.full_tensor() if isinstance(p, DTensor) else p
+                mine[clean_name(name)] = t.detach().cpu().clone()
         holder = ctx.coord("dp") == 0 and ctx.coord("tp") == 0 and ctx.coord("cp") == 0
         gathered: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(mine if holder else None, gathered, dst=0)
@@ -218,6 +292,13 @@ def _local_value(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor().detach() if isinstance(t, DTensor) else t.detach()
 
 
+def _weighted(loss_fn: LossFn, weight: float) -> LossFn:
+    def weighted(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return loss_fn(outputs, targets) * weight
+
+    return weighted
+
+
 def apply(
     model: nn.Module,
     plan: Plan,
@@ -239,21 +320,58 @@ def apply(
     ctx = build_mesh(plan, device)  # 0
     check_model(model, plan)
     p = plan.parallel
-    module = model
-    units = stage_unit_paths(plan, ctx.stage_index)
-    if ctx.num_stages > 1:  # 1
-        module = stage_module(model, plan, ctx.stage_index)
-    module.to(ctx.device)
-    cp = apply_context_parallel(module, ctx, cp_attention)  # 1b (None when cp == 1)
-    ep = apply_expert_parallel(module, ctx, ep_dispatch)  # 1c (None when ep == 1)
-    if (p.tp or 1) > 1:  # 2
-        apply_tensor_parallel(module, plan, ctx.submesh("tp"))
-    apply_recompute(module, plan, units)  # 3
-    if ep is not None:
-        ep.ignore_in_ddp(module)  # names as DDP will see them (after recompute wrappers)
-    module = apply_data_parallel(module, data_parallel_context(ctx), units)  # 5
-    optimizer = optimizer_factory(module.parameters())  # 6
+    counts = replica_microbatches(plan)  # refuses unsupported uneven shares early
+    check_schedule(plan)
+    pipelined = ctx.num_stages > 1
+    if pipelined:  # 1
+        chunks = rank_chunks(plan, ctx.stage_index)
+        modules = [stage_module(model, plan, c) for c in chunks]
+        units = [chunk_unit_paths(plan, c) for c in chunks]
+        num_chunks = ctx.num_stages * chunks_per_rank(plan)
+    else:
+        chunks, modules, num_chunks = [0], [model], 1
+        units = [[u for u in plan.model.units if not u.startswith("<")]]
+    for m in modules:
+        m.to(ctx.device)
+    cp = None
+    for m, u in zip(modules, units):  # 1b (None when cp == 1)
+        cp = apply_context_parallel(m, ctx, cp_attention, has_layers=bool(u)) or cp
+    # 1c (None when ep == 1); one handle for all chunks (it creates the ep groups once)
+    ep = apply_expert_parallel(
+        modules[0] if len(modules) == 1 else nn.ModuleList(modules), ctx, ep_dispatch
+    )
+    for m, u in zip(modules, units):
+        if (p.tp or 1) > 1:  # 2
+            apply_tensor_parallel(m, plan, ctx.submesh("tp"))
+        apply_recompute(m, plan, u)  # 3
+    dp_ctx = data_parallel_context(ctx)
+    wrapped = []
+    for m, u in zip(modules, units):  # 5
+        if ep is not None:
+            ep.ignore_in_ddp(m)  # names as DDP will see them (after recompute wrappers)
+        ignored = {q for q in m.parameters() if ep is not None and ep.owns(q)}
+        split = pipelined and p.schedule == Schedule.ZERO_BUBBLE
+        wrapped.append(apply_data_parallel(m, dp_ctx, u, ignored=ignored, split_backward=split))
+    params = [q for m in wrapped for q in m.parameters()]
+    optimizer = optimizer_factory(params)  # 6
     schedule = None
-    if ctx.num_stages > 1:  # 7
-        schedule = build_schedule(module, ctx, loss_fn, p.num_microbatches)
-    return Runner(ctx, module, optimizer, loss_fn, schedule, cp=cp, ep=ep)
+    if pipelined:  # 7
+        # Each micro-batch's loss x dp / M (M = micro-batches of all replicas): the replica's
+        # share of the samples and the mean over its micro-batches in one factor, applied
+        # before DP reduces (the schedule's own 1/m scaling runs after DDP/FSDP have reduced,
+        # which is wrong when replicas run different m).
+        weight = p.dp / sum(counts)
+        schedule = build_schedule(
+            wrapped, chunks, ctx, _weighted(loss_fn, weight), counts[ctx.coord("dp")]
+        )
+    return Runner(
+        ctx,
+        wrapped,
+        optimizer,
+        loss_fn,
+        schedule,
+        cp=cp,
+        ep=ep,
+        chunks=chunks,
+        num_chunks=num_chunks,
+    )

@@ -404,3 +404,33 @@ def recv(
         previous[0].wait()
         parts.append(_decode(previous[1], stats))
     return _join(parts)
+
+
+# -- plan-driven hooks ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LosslessHookState:
+    """State of `lossless_allreduce_hook`: the process group and the chunk count the plan
+    chose (`CommDecision.chunks`)."""
+
+    group: dist.ProcessGroup | None = None
+    chunks: int = 1
+
+
+def lossless_allreduce_hook(
+    state: LosslessHookState | None, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: average the bucket with the losslessly coded `all_reduce` (bit-exact
+    with `reduce_reference`), in the plan's number of pipelined chunks. Synchronous, the
+    Future returned completed (gloo, see RUNTIME_NOTES)."""
+    state = state or LosslessHookState()
+    buf = bucket.buffer()
+    chunk = max(1, -(-buf.numel() // max(1, state.chunks)))
+    buf.copy_(all_reduce(buf, state.group, op="avg", chunk_numel=chunk))
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(buf)
+    return fut
+
+
+__all__ += ["LosslessHookState", "lossless_allreduce_hook"]

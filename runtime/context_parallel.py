@@ -395,12 +395,18 @@ def _wrap_positions(embedding: nn.Embedding, cp: ContextParallel) -> None:
 
 
 def apply_context_parallel(
-    module: nn.Module, ctx: RankContext, mode: str = "allgather"
+    module: nn.Module,
+    ctx: RankContext,
+    mode: str = "allgather",
+    *,
+    has_layers: bool = True,
 ) -> ContextParallel | None:
     """Make `module`'s attention work on this rank's sequence share (see module docstring).
 
     Returns the handle the runner uses to shard inputs and targets (None when cp == 1).
-    Raises `RuntimePlanError` when cp > 1 and no attention module is found.
+    Raises `RuntimePlanError` when cp > 1 and no attention module is found although
+    `module` runs repeated units (`has_layers`; a pipeline chunk of only the prologue or
+    epilogue has no attention).
     """
     size = ctx.size("cp")
     if size == 1:
@@ -418,15 +424,10 @@ def apply_context_parallel(
     if isinstance(pos_embed, nn.Embedding):
         _wrap_positions(pos_embed, cp)
     # A pipeline stage of only the prologue/epilogue has no attention to shard.
-    if not (hooked or wrapped) and _stage_has_layers(ctx):
+    if not (hooked or wrapped) and has_layers:
         raise RuntimePlanError(
             f"runtime: cp={size} but {type(module).__name__} has no attention module this "
             "runtime can shard: give attention modules q_proj/k_proj/v_proj children calling "
             "F.scaled_dot_product_attention, or a `context_parallel_attention(cp)` method"
         )
     return cp
-
-
-def _stage_has_layers(ctx: RankContext) -> bool:
-    s = ctx.plan.stages[ctx.stage_index]
-    return any(not u.startswith("<") for u in ctx.plan.model.units[s.first_unit : s.last_unit])

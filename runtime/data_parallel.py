@@ -4,7 +4,8 @@ How the plan's ZeRO stage maps onto torch (honestly: torch has no separate ZeRO-
 
     zero=0  DistributedDataParallel (gradients all-reduced in buckets). With tensor
             parallelism the parameters are DTensors, which DDP does not take; the FSDP2-based
-            `replicate()` does the same all-reduce on the dp axis instead.
+            `replicate()` does the same all-reduce on the dp axis instead (also under the
+            zero-bubble schedule, see `apply_data_parallel`).
     zero=1  FSDP2 `fully_shard(reshard_after_forward=False)`: parameters, gradients and
     zero=2  optimizer states are sharded between steps; the parameters stay gathered from
             forward to the end of backward, so per micro-batch there is one all-gather and
@@ -41,15 +42,30 @@ def has_dtensor_params(module: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in module.parameters())
 
 
-def apply_data_parallel(module: nn.Module, ctx: RankContext, unit_paths: list[str]) -> nn.Module:
-    """Wrap `module` for the plan's dp degree and ZeRO stage (see module docstring)."""
+def apply_data_parallel(
+    module: nn.Module,
+    ctx: RankContext,
+    unit_paths: list[str],
+    *,
+    ignored: set[nn.Parameter] | None = None,
+    split_backward: bool = False,
+) -> nn.Module:
+    """Wrap `module` for the plan's dp degree and ZeRO stage (see module docstring).
+
+    `ignored` parameters (expert shards, reduced by expert parallelism over their own
+    replicas) stay out of FSDP (`fully_shard(ignored_params=...)`); DDP is told by name
+    beforehand (`ExpertParallel.ignore_in_ddp`). `split_backward` (zero-bubble schedules,
+    which run the input and the weight gradients as separate passes) uses `replicate()` for
+    zero=0: torch's pipeline stage drives FSDP2-style modules through split backwards, while
+    its DDP path arms the reducer on the wrong pass (measured: gradients off by ~1e-2).
+    """
     plan = ctx.plan
     if (plan.parallel.dp or 1) == 1:
         return module
     zero = plan.parallel.zero or 0
     dp_mesh = ctx.submesh("dp")
     if zero == 0:
-        if has_dtensor_params(module):
+        if has_dtensor_params(module) or split_backward:
             from torch.distributed._composable.replicate_with_fsdp import replicate
 
             return replicate(module, mesh=dp_mesh)
@@ -57,19 +73,28 @@ def apply_data_parallel(module: nn.Module, ctx: RankContext, unit_paths: list[st
         # rank, as FSDP2 also assumes) and FSDP2 does not broadcast them either.
         return DistributedDataParallel(module, process_group=ctx.group("dp"), **_NO_BUFFER_SYNC)
     reshard = zero == 3
+    ignored = set(ignored or ())
     for path in unit_paths:
-        fully_shard(module.get_submodule(path), mesh=dp_mesh, reshard_after_forward=reshard)
-    fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard)
+        unit = module.get_submodule(path)
+        mine = {p for p in unit.parameters() if p in ignored}
+        fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=mine or None)
+    fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored or None)
     return module
 
 
-def gradient_sync(module: nn.Module, enabled: bool):
+def gradient_sync(module: nn.Module, enabled: bool, *, keep_gathered: bool = False):
     """A context in which backward does (or skips) the dp gradient reduction.
 
-    Used for gradient accumulation over micro-batches: only the last one reduces.
+    Used for gradient accumulation over micro-batches: only the last one reduces. With
+    `keep_gathered` (ZeRO-1/2) FSDP also keeps the parameters gathered after a backward that
+    does not reduce, so a step runs one all-gather and one reduce-scatter whatever its number
+    of micro-batches (as ZeRO-1/2 are priced, and as replicas with uneven micro-batch shares
+    need: their collectives must pair up).
     """
     if isinstance(module, DistributedDataParallel):
         return contextlib.nullcontext() if enabled else module.no_sync()
     if isinstance(module, FSDPModule) or hasattr(module, "set_requires_gradient_sync"):
         module.set_requires_gradient_sync(enabled)
+        if keep_gathered and hasattr(module, "set_reshard_after_backward"):
+            module.set_reshard_after_backward(enabled)
     return contextlib.nullcontext()

@@ -29,9 +29,9 @@ parameters are left out of DDP; after backward, `ExpertParallel.finish_gradients
 expert gradient over the ranks holding the same shard (dp/ep x cp of them) and divides by
 dp*cp: the gradient a shard owner accumulates already sums the contributions of all ep ranks'
 tokens (they flow back through the all-to-all), so the sum over replicas counts every dp x cp
-rank's mean loss once. With ZeRO > 0 (FSDP2) expert parameters would need `fully_shard(...,
-ignored_params=...)`, which `data_parallel.py` does not pass yet: refused. EP with TP is
-refused too (not implemented).
+rank's mean loss once. With ZeRO > 0 the dense parameters are sharded by FSDP2 over dp (x cp)
+and the expert parameters are left out of it (`fully_shard(ignored_params=...)`): they are
+already sharded over ep and reduced as above. EP with TP is refused (not implemented).
 """
 
 from __future__ import annotations
@@ -217,11 +217,6 @@ def apply_expert_parallel(
         return None
     if mode not in MODES:
         raise RuntimePlanError(f"runtime: ep dispatch must be one of {MODES}, got {mode!r}")
-    if (p.zero or 0) > 0:
-        raise RuntimePlanError(
-            f"runtime: expert parallelism with ZeRO-{p.zero} (FSDP2) is not supported yet "
-            "(expert parameters must stay out of FSDP); use zero=0"
-        )
     if (p.tp or 1) > 1:
         raise RuntimePlanError("runtime: expert parallelism with tp > 1 is not implemented")
     groups = expert_groups(ctx, ep)

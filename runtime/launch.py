@@ -195,6 +195,8 @@ def run_local(
 
     Returns each rank's result (pickled back). Raises `RankFailure` naming the first rank
     that failed (by time) with its exception; the other ranks are killed so nothing hangs.
+    When the only failures are peers timing out while a rank is still running (it never
+    reached the collective they wait in), that rank is named ("never arrived").
     Each rank sees RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* like under torchrun.
     """
     port = free_port()
@@ -221,6 +223,9 @@ def run_local(
         pids[pid] = rank
     failures: list[tuple[float, int, str, str]] = []
     deadline = time.monotonic() + timeout_s
+    # After a first failure, how long the others get to report theirs (a peer blocked on the
+    # failed rank fails within one collective timeout) before they are killed.
+    grace_s = min(10.0, collective_timeout_s + 2.0)
     alive = dict(pids)
     try:
         while alive:
@@ -232,7 +237,7 @@ def run_local(
                             (time.monotonic(), r, f"timed out after {timeout_s:.0f} s", "")
                         )
                     break
-                if failures and time.monotonic() > failures[0][0] + 10.0:
+                if failures and time.monotonic() > failures[0][0] + grace_s:
                     break  # the rest are blocked on the failed peer: stop waiting
                 time.sleep(0.02)
                 continue
@@ -253,6 +258,15 @@ def run_local(
     if failures:
         failures.sort(key=lambda f: (_is_secondary(f[2]), f[0]))
         _, rank, cause, detail = failures[0]
+        stuck = sorted(r for r in alive.values() if not any(f[1] == r for f in failures))
+        if stuck and _is_secondary(cause):
+            # The failures are peers timing out on a rank that never arrived: name that rank.
+            raise RankFailure(
+                stuck[0],
+                f"never arrived: still running after rank {rank} gave up waiting for its "
+                f"peers ({cause})",
+                detail,
+            )
         raise RankFailure(rank, cause, detail)
     results = []
     for rank in range(world_size):

@@ -54,7 +54,17 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None =
         return
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    try:
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    except Exception as e:  # torch's DistStoreError / gloo timeouts: say which rank and why
+        rank, world = os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?")
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+            raise RuntimeError(
+                f"rank {rank}: a peer never arrived: the process group of {world} ranks did "
+                f"not form within {timeout_s:.0f} s ({first})"
+            ) from e
+        raise RuntimeError(f"rank {rank}: cannot join the process group: {first}") from e
 
 
 @dataclass(frozen=True)

@@ -1,19 +1,41 @@
 """Pipeline parallelism: cut the model at the plan's stage boundaries, run torch's schedules.
 
-A stage runs the plan's units `[first_unit, last_unit)` (uneven stages are fine). The cut is
-manual: torch's tracer frontend (`pipeline()`) fails on skip connections such as RoPE tables
-built in stage 0 (see RUNTIME_NOTES), and a manual stage keeps the user's modules and their
-parameter names, so state dicts and plan placements match the unsplit model.
+Chunk-stages. A schedule with one model chunk per pipeline rank (GPipe, 1F1B) runs pp stages;
+interleaved 1F1B runs v = `virtual_stages` chunks per rank and ZB-V exactly 2, so the model is
+cut into pp * v chunk-stages, numbered in model order. Which rank holds which:
 
-How a model is cut:
+    gpipe, 1f1b         rank r holds stage r
+    interleaved_1f1b    rank r holds chunk-stages r, r + pp, ..., r + (v-1) pp (Megatron-LM's
+                        interleaved layout, Narayanan et al. SC'21; torch's
+                        ScheduleInterleaved1F1B)
+    zero_bubble         ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR'24; torch's
+                        ScheduleZBVZeroBubble): rank r holds chunk-stages r and 2 pp - 1 - r, a V
+                        (rank 0 holds the first and the last chunk; rank pp-1 the two middle
+                        ones, which pass activations to each other without communication)
+
+Where the chunk-stages' unit ranges come from (`chunk_ranges`): the plan has one stage entry
+per pipeline rank; under interleaved 1F1B and ZB-V, `StagePlacement.chunks` lists the unit
+ranges of the rank's chunks in model order (the planner's `passes.partition.rank_chunks`),
+which the runtime checks tile the model in the layout above. A plan without `chunks` (made
+before they were recorded, or by hand) gives each rank its number of units: rank r's range
+is split into v chunks as evenly as possible (earlier chunks take the remainder) and laid
+out in the schedule's order, so every rank runs as many units as the plan gave it.
+
+The cut is manual: torch's tracer frontend (`pipeline()`) fails on skip connections such as
+RoPE tables built in stage 0 (see RUNTIME_NOTES), and a manual stage keeps the user's modules
+and their parameter names, so state dicts and plan placements match the unsplit model.
+
+How a model is cut (`stage_module`):
 - a model may define `pipeline_stage(first_unit, last_unit, units) -> nn.Module` itself;
 - the built-in zoo `Transformer` (and models of the same shape: `embed`, optional
   `pos_embed`, `layers`, `norm`, `lm_head`, optional `rope_cos`/`rope_sin` buffers) is cut by
   `TransformerStage`;
+- HuggingFace decoder-only models (`LlamaForCausalLM` and the like: `model.embed_tokens`,
+  `model.layers`, `model.norm`, `model.rotary_emb`, `lm_head`) are cut by `HFDecoderStage`;
 - anything else is refused with a one-line reason.
 
-Each stage keeps only its own modules; the rest are dropped, so the optimizer and data
-parallelism only see this stage's parameters.
+Each chunk keeps only its own modules; the rest are dropped, so the optimizer and data
+parallelism only see this rank's parameters.
 """
 
 from __future__ import annotations
@@ -22,10 +44,120 @@ import torch
 from meshplan.ir.parallel import Schedule
 from meshplan.ir.plan import Plan
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
+from torch.nn.parallel import DistributedDataParallel
 
 from .errors import RuntimePlanError
 from .mesh import RankContext
+
+# ZB-V runs exactly two chunks per rank (the V); the planner records virtual_stages=2 with it.
+ZBV_CHUNKS = 2
+
+
+# -- which units each chunk-stage runs, and which rank holds it ---------------------------------
+
+
+def chunks_per_rank(plan: Plan) -> int:
+    """Model chunks each pipeline rank runs under the plan's schedule (1, v, or 2 for ZB-V)."""
+    p = plan.parallel
+    if (p.pp or 1) == 1:
+        return 1
+    if p.schedule == Schedule.ZERO_BUBBLE:
+        if p.virtual_stages not in (None, ZBV_CHUNKS):
+            raise RuntimePlanError(
+                f"runtime: schedule zero_bubble runs ZB-V with exactly 2 chunks per rank, but "
+                f"the plan has virtual_stages={p.virtual_stages}"
+            )
+        return ZBV_CHUNKS
+    if p.schedule == Schedule.INTERLEAVED_1F1B:
+        return p.virtual_stages or 1
+    return 1
+
+
+def check_schedule(plan: Plan) -> None:
+    """Refuse, with one line, schedule combinations that do not train correctly here."""
+    p = plan.parallel
+    if (p.pp or 1) > 1 and p.schedule == Schedule.ZERO_BUBBLE and (p.zero or 0) == 3:
+        # Measured on torch 2.13 / gloo: ZB-V x FSDP2 reshard_after_forward=True gives
+        # gradients off by ~1e-2 after one step (ZeRO-2 and replicate() match one process).
+        raise RuntimePlanError(
+            "runtime: schedule zero_bubble with ZeRO-3 gives wrong gradients in torch's "
+            "ZB-V + FSDP2 (measured); use zero <= 2 or schedule 1f1b / interleaved_1f1b"
+        )
+
+
+def rank_chunks(plan: Plan, pp_rank: int) -> list[int]:
+    """The chunk-stage indices pipeline rank `pp_rank` holds, in its schedule's order."""
+    pp, v = plan.parallel.pp or 1, chunks_per_rank(plan)
+    if plan.parallel.schedule == Schedule.ZERO_BUBBLE and pp > 1:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(v)]
+
+
+def chunk_ranges(plan: Plan) -> list[tuple[int, int]]:
+    """Unit ranges `[first, last)` of the pp * v chunk-stages, in model order (see the module
+    docstring for how the plan records them)."""
+    pp, v = plan.parallel.pp or 1, chunks_per_rank(plan)
+    stages = sorted(plan.stages, key=lambda s: s.index)
+    if len(stages) != pp:
+        raise RuntimePlanError(f"runtime: the plan lists {len(stages)} stages but pp={pp}")
+    out: dict[int, tuple[int, int]] = {}
+    for r, s in enumerate(stages):
+        listed = tuple(getattr(s, "chunks", ()) or ())
+        if v == 1:
+            out[r] = (s.first_unit, s.last_unit)
+            continue
+        if listed:
+            if len(listed) != v:
+                raise RuntimePlanError(
+                    f"runtime: stage {s.index} lists {len(listed)} chunks but "
+                    f"{plan.parallel.schedule} runs {v} per rank"
+                )
+            ranges = [tuple(c) for c in listed]
+        else:  # one range per rank: split it into v chunks, earlier chunks take the remainder
+            n = s.num_units
+            if n < v:
+                raise RuntimePlanError(
+                    f"runtime: stage {s.index} has {n} units, fewer than the {v} chunks per "
+                    f"rank that {plan.parallel.schedule} needs"
+                )
+            sizes = [n // v + (1 if k < n % v else 0) for k in range(v)]
+            ranges = [(0, size) for size in sizes]  # placed in model order below
+        for c, rng in zip(rank_chunks(plan, r), ranges):
+            out[c] = rng
+    ordered = [out[c] for c in range(pp * v)]
+    if v > 1 and not any(getattr(s, "chunks", ()) for s in stages):
+        first, placed = 0, []
+        for _, size in ordered:
+            placed.append((first, first + size))
+            first += size
+        ordered = placed
+    first = 0
+    for c, (a, b) in enumerate(ordered):
+        if a != first or b <= a:
+            raise RuntimePlanError(
+                f"runtime: chunk-stage {c} runs units [{a}, {b}) but the previous one ends at "
+                f"{first}; the plan's chunks must tile the model in order"
+            )
+        first = b
+    if first != len(plan.model.units):
+        raise RuntimePlanError("runtime: the plan's stages do not cover the model's units")
+    return ordered
+
+
+def chunk_unit_paths(plan: Plan, chunk: int) -> list[str]:
+    """Module paths of the repeated units chunk-stage `chunk` runs."""
+    first, last = chunk_ranges(plan)[chunk]
+    return [u for u in plan.model.units[first:last] if not u.startswith("<")]
+
+
+# -- cutting a model ------------------------------------------------------------------------
 
 
 class TransformerStage(nn.Module):
@@ -45,15 +177,7 @@ class TransformerStage(nn.Module):
             self.embed = model.embed
             if self.gpt_positions:
                 self.pos_embed = model.pos_embed
-        kept = {}
-        for u in units[first:last]:
-            if u.startswith("<"):
-                continue
-            if not u.startswith(container + "."):
-                raise RuntimePlanError(f"runtime: unit {u!r} is not inside {container!r}")
-            kept[u[len(container) + 1 :]] = model.get_submodule(u)
-        # A ModuleDict keyed by the original indices keeps names like "layers.5.attn...".
-        setattr(self, container, nn.ModuleDict(kept))
+        _keep_units(self, model, container, units[first:last])
         self._container = container
         if self.has_epilogue:
             self.norm = model.norm
@@ -69,11 +193,74 @@ class TransformerStage(nn.Module):
             if self.gpt_positions:
                 x = x + self.pos_embed(torch.arange(tokens.shape[1], device=tokens.device))
         rope = (self.rope_cos, self.rope_sin) if hasattr(self, "rope_cos") else None
-        for layer in getattr(self, self._container).values():
+        for layer in _get_path(self, self._container).values():
             x = layer(x, rope)
         if self.has_epilogue:
             x = self.lm_head(self.norm(x))
         return x
+
+
+class HFDecoderStage(nn.Module):
+    """Units `[first, last)` of a HuggingFace decoder-only LM (`LlamaForCausalLM` shape:
+    `model.embed_tokens`, `model.layers`, `model.norm`, `model.rotary_emb`, `lm_head`).
+
+    Module paths equal the model's (`model.layers.3.self_attn...`, `lm_head`), so parameter
+    names and the plan's placements match. Every stage recomputes the rotary tables from the
+    positions (they are a function of the sequence length, not activations), and passes no
+    attention mask: HF's SDPA attention is then causal (`is_causal`), as the unsplit model
+    is for a batch without padding. Padding masks are not supported across stages.
+    """
+
+    def __init__(self, model: nn.Module, first: int, last: int, units: tuple[str, ...]) -> None:
+        super().__init__()
+        container = _container_name(units)  # "model.layers"
+        self.has_prologue = first == 0 and units[0] == "<prologue>"
+        self.has_epilogue = last == len(units) and units[-1] == "<epilogue>"
+        inner = nn.Module()
+        self.model = inner
+        if self.has_prologue:
+            inner.embed_tokens = model.model.embed_tokens
+        inner.rotary_emb = model.model.rotary_emb
+        _keep_units(self, model, container, units[first:last])
+        self._container = container
+        if self.has_epilogue:
+            inner.norm = model.model.norm
+            self.lm_head = model.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.has_prologue:
+            x = self.model.embed_tokens(x)
+        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        rope = self.model.rotary_emb(x, positions)
+        for layer in _get_path(self, self._container).values():
+            out = layer(x, attention_mask=None, position_ids=positions, position_embeddings=rope)
+            x = out[0] if isinstance(out, tuple) else out
+        if self.has_epilogue:
+            x = self.lm_head(self.model.norm(x))
+        return x
+
+
+def _keep_units(stage: nn.Module, model: nn.Module, container: str, units) -> None:
+    """Put the given units under `container` in `stage`, in a ModuleDict keyed by the original
+    indices, so names like "layers.5.attn..." survive."""
+    kept = {}
+    for u in units:
+        if u.startswith("<"):
+            continue
+        if not u.startswith(container + "."):
+            raise RuntimePlanError(f"runtime: unit {u!r} is not inside {container!r}")
+        kept[u[len(container) + 1 :]] = model.get_submodule(u)
+    parent = stage
+    *heads, last = container.split(".")
+    for h in heads:
+        if not hasattr(parent, h):
+            setattr(parent, h, nn.Module())
+        parent = getattr(parent, h)
+    setattr(parent, last, nn.ModuleDict(kept))
+
+
+def _get_path(module: nn.Module, path: str) -> nn.Module:
+    return module.get_submodule(path)
 
 
 def _container_name(units: tuple[str, ...]) -> str:
@@ -86,50 +273,89 @@ def _container_name(units: tuple[str, ...]) -> str:
     return heads.pop()
 
 
-def stage_module(model: nn.Module, plan: Plan, stage_index: int) -> nn.Module:
-    """The module this pipeline stage runs (see module docstring for how models are cut)."""
-    s = plan.stages[stage_index]
+def _is_hf_decoder(model: nn.Module) -> bool:
+    inner = getattr(model, "model", None)
+    return (
+        inner is not None
+        and hasattr(model, "lm_head")
+        and all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb"))
+    )
+
+
+def stage_module(model: nn.Module, plan: Plan, chunk: int) -> nn.Module:
+    """The module chunk-stage `chunk` runs (see module docstring for how models are cut)."""
+    first, last = chunk_ranges(plan)[chunk]
     units = plan.model.units
     if hasattr(model, "pipeline_stage"):
-        return model.pipeline_stage(s.first_unit, s.last_unit, units)
+        return model.pipeline_stage(first, last, units)
+    if _is_hf_decoder(model):
+        return HFDecoderStage(model, first, last, units)
     zoo_shape = all(hasattr(model, a) for a in ("embed", "norm", "lm_head"))
     if not zoo_shape:
         raise RuntimePlanError(
             f"runtime: cannot cut {type(model).__name__} into pipeline stages: define "
             "`pipeline_stage(first_unit, last_unit, units) -> nn.Module` on the model"
         )
-    return TransformerStage(model, s.first_unit, s.last_unit, units)
+    return TransformerStage(model, first, last, units)
+
+
+# -- schedules --------------------------------------------------------------------------------
+
+
+class _Stage(PipelineStage):
+    """torch's PipelineStage, with its first-step shape inference kept away from DDP's reducer.
+
+    torch infers the stage's input/output shapes by calling the (DDP-wrapped) module once with
+    gradients enabled and outside `no_sync`. DDP then arms its reducer (`prepare_for_backward`)
+    although no backward of that forward will reach the parameters, so the first micro-batch's
+    backward, meant to accumulate locally, all-reduces and records the gradient order for
+    DDP's bucket rebuild; the last micro-batch's backward records it again. When no forward
+    runs between those two backwards (exactly 2 micro-batches on stage 0 of 1F1B), DDP's next
+    forward finds the order recorded twice and fails ("rebuilt parameter indices size is not
+    same as original model parameters size"). Running the inference forward under `no_sync`
+    leaves the reducer untouched (and saves step 0 one spurious all-reduce).
+    """
+
+    def _compute_outputs(self, *args, module: nn.Module, **kwargs):
+        if isinstance(module, DistributedDataParallel):
+            with module.no_sync():
+                return module(*args, **kwargs)
+        return module(*args, **kwargs)
 
 
 def build_schedule(
-    module: nn.Module,
+    modules: list[nn.Module],
+    chunks: list[int],
     ctx: RankContext,
     loss_fn,
     n_microbatches: int,
 ):
-    """torch's PipelineStage for this rank's stage and the plan's schedule around it.
+    """torch's PipelineStage for each of this rank's chunk-stages and the plan's schedule.
 
-    The plan has one stage per pp rank, so only single-stage-per-rank schedules apply: GPipe
-    and 1F1B. Interleaved and zero-bubble plans need several stages per rank and are refused
-    rather than silently run with another schedule.
+    `modules[i]` runs chunk-stage `chunks[i]` of `pp * v`. `loss_fn` must already be scaled
+    for the mean over micro-batches (the runner weights it): torch's `scale_grads` divides
+    after DDP/FSDP have reduced, which is wrong when replicas run different counts.
     """
     plan = ctx.plan
-    stage = PipelineStage(
-        module,
-        ctx.stage_index,
-        ctx.num_stages,
-        ctx.device,
-        group=ctx.group("pp"),
-    )
+    total = (plan.parallel.pp or 1) * chunks_per_rank(plan)
+    stages = [
+        _Stage(m, c, total, ctx.device, group=ctx.group("pp")) for m, c in zip(modules, chunks)
+    ]
     kind = plan.parallel.schedule
-    if kind == Schedule.GPIPE:
-        cls = ScheduleGPipe
-    elif kind == Schedule.ONE_F_ONE_B:
-        cls = Schedule1F1B
+    if kind in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
+        cls = ScheduleGPipe if kind == Schedule.GPIPE else Schedule1F1B
+        return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    if kind == Schedule.INTERLEAVED_1F1B:
+        pp = plan.parallel.pp or 1
+        rounds = max(1, n_microbatches // pp)
+        if n_microbatches % rounds:
+            raise RuntimePlanError(
+                f"runtime: interleaved 1F1B with pp={pp} needs micro-batches in whole rounds of "
+                f"{pp} (torch's ScheduleInterleaved1F1B); the plan has {n_microbatches}"
+            )
+        cls = ScheduleInterleaved1F1B
+    elif kind == Schedule.ZERO_BUBBLE:
+        cls = ScheduleZBVZeroBubble
     else:
-        raise RuntimePlanError(
-            f"runtime: schedule {kind} needs several stages per rank; plans with one stage per "
-            "rank run gpipe or 1f1b"
-        )
-    # scale_grads: the schedule divides gradients by n_microbatches, matching a mean loss.
-    return cls(stage, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+        raise RuntimePlanError(f"runtime: schedule {kind} is not supported")
+    return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)

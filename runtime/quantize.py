@@ -548,3 +548,84 @@ class QuantizedReduceScatter(_ReduceScatter):
         out = quantized_reduce_scatter(padded, group, bits=self.bits, block=self.block, op=name)
         output_tensor.copy_(out[:shard].view_as(output_tensor))
         return None
+
+
+# -- reading a plan's decisions ---------------------------------------------------------------
+
+
+def plan_activation_bits(plan, model: nn.Module, stage: int = 0) -> dict[str, int | None] | None:
+    """Module path -> bits for `model` on pipeline stage `stage` of `plan` (the widths the
+    planner recorded per layer kind, `plan.quantization.activation_bits`), or None when the
+    plan keeps activations exact. Modules are classified by `layer_kind`."""
+    per_stage = dict(plan.quantization.activation_bits).get(stage)
+    if not per_stage:
+        return None
+    kinds = dict(per_stage)
+    bits: dict[str, int | None] = {"": kinds.get("head", 8)}
+    for path, module in model.named_modules():
+        kind = layer_kind(path, module) if path else None
+        if kind is not None:
+            bits[path] = kinds.get(kind, kinds.get("other", 8))
+    return bits
+
+
+def plan_gradient_method(plan, stage: int = 0) -> tuple[str, int]:
+    """(method, chunks) of stage `stage`'s data-parallel gradient reduction in `plan`:
+    "raw", "lossless" or "int8" (the first gradient decision of that stage's DP group)."""
+    prefix = f"dp stage {stage} "
+    for d in plan.compression.decisions:
+        if d.group.startswith(prefix) and d.tensor == "gradients":
+            return d.method, d.chunks
+    return "raw", 1
+
+
+@dataclass
+class PlanHooks:
+    """What `install_from_plan` set up: `activations` is a context manager to run forward
+    passes under (saved-activation quantization, or a no-op), `gradients` the DP gradient
+    method installed ("raw": nothing installed)."""
+
+    activations: object
+    gradients: str = "raw"
+
+
+def install_from_plan(
+    plan, model: nn.Module, *, stage: int = 0, ddp=None, fsdp_modules=(), group=None
+) -> PlanHooks:
+    """Apply `plan`'s quantization and DP-gradient compression decisions to one rank.
+
+    - saved activations: returns `PlanHooks.activations`, an `ActivationQuantizer` with the
+      plan's widths for `stage` (enter it around each forward), or a no-op context;
+    - DP gradients: on `ddp` (a DistributedDataParallel) registers `quantized_allreduce_hook`
+      (int8) or `compressed.lossless_allreduce_hook` (lossless, the plan's chunk count); on
+      each FSDP2 module of `fsdp_modules` sets `QuantizedReduceScatter` (int8; lossless
+      FSDP2 reduce-scatter is not provided: those stay raw).
+    Other traffic (PP send/recv, TP/CP/EP) is for the runtime's own modules to read with
+    `plan.compression.decisions`."""
+    import contextlib
+
+    from . import compressed as cc
+
+    bits = plan_activation_bits(plan, model, stage)
+    acts = ActivationQuantizer(model, bits) if bits else contextlib.nullcontext()
+    method, chunks = plan_gradient_method(plan, stage)
+    installed = "raw"
+    if method == "int8":
+        if ddp is not None:
+            ddp.register_comm_hook(QuantHookState(group), quantized_allreduce_hook)
+            installed = "int8"
+        for m in fsdp_modules:
+            m.set_custom_reduce_scatter(QuantizedReduceScatter())
+            installed = "int8"
+    elif method == "lossless" and ddp is not None:
+        ddp.register_comm_hook(cc.LosslessHookState(group, chunks), cc.lossless_allreduce_hook)
+        installed = "lossless"
+    return PlanHooks(acts, installed)
+
+
+__all__ += [
+    "PlanHooks",
+    "install_from_plan",
+    "plan_activation_bits",
+    "plan_gradient_method",
+]

@@ -128,3 +128,68 @@ def test_peak_adds_allocator_margin_and_context():
             ALLOCATOR_MARGIN * subtotal + CONTEXT_BYTES, abs=8
         )
         assert parts["peak"] == sum(v for k, v in parts.items() if k != "peak")
+
+
+def _run_policy(policy: str, tp: int = 2):
+    g, c = graph(), h100_cluster(4)
+    p = Parallel(
+        dp=4, tp=tp, pp=1, cp=1, ep=1, micro_batch=B, global_batch=4 * B, recompute="selective",
+        zero=0, schedule="1f1b", sequence_parallel=True,
+    )  # fmt: skip
+    pred = predict(g, c, p, place_stages(c, p, even_stages(g, 1)), selective_policy=policy)
+    return dict(pred.memory[0].breakdown), pred.breakdown_dict()
+
+
+def test_torchtitan_op_policy_keeps_every_other_linear():
+    """torchtitan's op-level SAC saves the 1st, 3rd, ... mm of each layer (qkv, up here) and
+    the attention output; o and down are recomputed. By hand, per layer, bf16, /tp under SP:
+    input h + qkv 3h + attention h + up f."""
+    tp = 2
+    none = run(tp=tp, pp=1)
+    edges = none[0]["activations"] - 2 * korthikanti_layer(tp)
+    mem, step = _run_policy("torchtitan_op", tp)
+    kept = 2 * B * S * (H + 3 * H + H + F) / tp
+    assert mem["activations"] == pytest.approx(edges + 2 * kept, abs=2)
+    assert mem["recompute_workspace"] == pytest.approx(korthikanti_layer(tp) - kept, abs=2)
+    # It recomputes more than meshplan's keep-every-linear policy (o and down again).
+    _, default = _run_policy("keep_linear", tp)
+    assert step["recompute"] > default["recompute"] > 0
+
+
+def test_every_other_layer_policy_is_half_full_half_none():
+    tp = 2
+    none, full = run(tp=tp, pp=1), run(tp=tp, pp=1, recompute="full")
+    mem, step = _run_policy("every_other_layer", tp)
+    expect = (none[0]["activations"] + full[0]["activations"]) / 2
+    assert mem["activations"] == pytest.approx(expect, abs=2)
+    assert mem["recompute_workspace"] == pytest.approx(full[0]["recompute_workspace"], abs=2)
+    full_step = predict(
+        graph(), h100_cluster(4),
+        Parallel(dp=4, tp=tp, pp=1, cp=1, ep=1, micro_batch=B, global_batch=4 * B,
+                 recompute="full", zero=0, schedule="1f1b", sequence_parallel=True),
+        place_stages(h100_cluster(4), Parallel(dp=4, tp=tp, pp=1, cp=1), even_stages(graph(), 1)),
+    ).breakdown_dict()  # fmt: skip
+    assert step["recompute"] == pytest.approx(full_step["recompute"] / 2, rel=1e-9)
+
+
+def test_context_parallel_ranks_share_zero_shards_and_gradient_reduction():
+    """CP ranks hold the same weights: ZeRO shards and gradient reductions span dp * cp
+    (Megatron's data-parallel group with CP, torchtitan's dp_shard x cp mesh)."""
+    from meshplan.cost_model.collectives import Collective
+    from meshplan.cost_model.simulate import pricer_for
+
+    g, c = graph(), h100_cluster(4)
+    dp, cp = 2, 2
+    p = Parallel(
+        dp=dp, tp=1, pp=1, cp=cp, ep=1, micro_batch=B, global_batch=dp * B, recompute="none",
+        zero=3, schedule="1f1b", sequence_parallel=False,
+    )  # fmt: skip
+    pred = predict(g, c, p, place_stages(c, p, even_stages(g, 1)))
+    params = V * H + 2 * layer_params_per_rank(1) + V * H + H  # embed, 2 layers, head, norm
+    mem = dict(pred.memory[0].breakdown)
+    states = mem["weights"] + mem["grads"] + mem["optimizer"]
+    assert states == pytest.approx(16 * params / (dp * cp), abs=4)
+    pricer = pricer_for(g, c)
+    comp = pricer.costs.composition(0, len(g.units))
+    z0 = pricer.dp_traffic(comp, tp=1, ep=1, dp=dp, zero=0, cp=cp).collectives
+    assert z0 == ((Collective.ALL_REDUCE, pytest.approx(2 * params, abs=4), dp * cp),)

@@ -643,3 +643,31 @@ def test_unknown_link_tier() -> None:
     with pytest.raises(UnknownLinkError) as info:
         link_tier("nvlink9")
     assert all(name in str(info.value) for name in known_links())
+
+
+def test_profile_fields_stay_out_of_uncalibrated_clusters_and_round_trip(tmp_path):
+    """An uncalibrated cluster's layout (and so its fingerprint) has no profile fields; a
+    calibrated one carries its profile and measured GEMM efficiency through dump/load and
+    to_dict/from_dict."""
+    from meshplan.ir.cluster import ClusterProfile, CollectiveCurve, GemmMeasurement, TierProfile
+    from meshplan.ir.cluster_io import cluster_from_dict, dump_cluster, load_cluster
+
+    c = Cluster.preset("dgx-h100", 16)
+    d = c.to_dict()
+    assert "profile" not in d and "gemm_efficiency" not in d["groups"][0]["gpu"]
+    prof = ClusterProfile(
+        tiers=(
+            TierProfile(
+                "nvlink4", True, 8, 8, 8, (CollectiveCurve("all_gather", 8, ((2**20, 5e-5),)),)
+            ),
+        ),
+        gemm=(GemmMeasurement("H100", "bfloat16", 4096, 4096, 4096, 2e-4, 989e12),),
+    )
+    cal = c.with_profile(prof)
+    assert cal.groups[0].gpu.gemm_efficiency == pytest.approx(2 * 4096**3 / 2e-4 / 989e12)
+    assert cal.link("nvlink4").bandwidth == pytest.approx(2**20 * 7 / 8 / 5e-5)
+    assert cal.fingerprint() != c.fingerprint()
+    assert cluster_from_dict(cal.to_dict()) == cal
+    for name in ("c.yaml", "c.json"):
+        dump_cluster(cal, tmp_path / name)
+        assert load_cluster(tmp_path / name) == cal

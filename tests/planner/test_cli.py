@@ -189,3 +189,60 @@ def test_estimate_with_nondividing_tp_is_a_user_error():
         run("estimate", "--model", "tiny", "--cluster", "dgx-h100", "--gpus", "8", "--tp", "3"),
         "tp=3",
     )
+
+
+def test_objective_flags_reach_the_solver():
+    # min_gpus: the fewest GPUs whose plan meets the target; with a target this low, one node
+    # of the 16 is plenty and the plan must use fewer GPUs than the cluster has
+    args = ("plan", "--model", "tiny", "--cluster", "dgx-h100", "--gpus", "16", "--json")
+    r = run(*args, "--objective", "min_gpus", "--target-tokens-per-s", "1000")
+    assert r.exit_code == 0, r.output + r.stderr
+    data = json.loads(r.stdout)
+    used = sum(1 for row in data["ranks"] if len(row) == 8)
+    assert used < 16 and data["predicted"]["tokens_per_s"] >= 1000
+    assert data["solver"]["objective"] == "min_gpus"
+    assert_user_error(run(*args, "--objective", "fastest"), "objective must be one of")
+    assert_user_error(run(*args, "--objective", "min_gpus"), "target_tokens_per_s")
+    assert_user_error(run(*args, "--price", "H100"), "--price wants GPU=DOLLARS")
+
+
+def test_schedule_pin_gives_zero_bubble_with_its_chunks(tmp_path):
+    path = tmp_path / "zb.json"
+    r = run(
+        "plan",
+        "--model",
+        "tiny",
+        "--cluster",
+        "dgx-h100",
+        "--gpus",
+        "8",
+        "--pp",
+        "2",
+        "--schedule",
+        "zero_bubble",
+        "--global-batch",
+        "16",
+        "-o",
+        str(path),
+    )
+    assert r.exit_code == 0, r.output + r.stderr
+    data = json.loads(path.read_text())
+    assert data["schedule"] == "zero_bubble" and data["virtual_stages"] == 2
+    # ZB-V's V shape: rank 0 runs the first and the last chunk (embedding and LM head)
+    first, last = data["stages"][0]["chunks"]
+    assert first[0] == 0 and last[1] == len(data["model"]["units"])
+    assert_user_error(
+        run("plan", "--model", "tiny", "--pp", "3", "--schedule", "zero_bubble"), "zero_bubble"
+    )
+
+
+def test_compress_and_quantize_flags_reach_the_plan():
+    args = ("plan", "--model", "tiny", "--cluster", "two-sites", "--json")
+    r = run(*args, "--compress", "off", "--quantize", "gradients")
+    assert r.exit_code == 0, r.output + r.stderr
+    data = json.loads(r.stdout)
+    assert data["quantization"]["mode"] == "gradients" and data["compression"]["mode"] == "off"
+    # compression off: no collective is coded losslessly, whatever the cost model says
+    assert all(d["method"] != "lossless" for d in data["compression"]["collectives"])
+    assert_user_error(run(*args, "--quantize", "all"), "quantize must be one of")
+    assert_user_error(run(*args, "--compress", "yes"), "compress")

@@ -3,6 +3,7 @@ one-line errors for a plan that does not match the model or the process group.""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -158,6 +159,64 @@ def _mismatches(plan_world4, plan_bad_units):
         except RuntimePlanError as e:
             out.append(str(e))
     return out
+
+
+def _rank_one_never_arrives():
+    import time
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        time.sleep(120)  # never reaches the barrier
+    dist.barrier()  # rank 0 times out here (collective timeout)
+    return "unreachable"
+
+
+def test_peer_that_never_arrives_is_named():
+    """Rank 0 times out waiting; the error names rank 1 (still running), not the waiter."""
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match="rank 1 failed: never arrived") as err:
+        run_local(_rank_one_never_arrives, 2, timeout_s=60, collective_timeout_s=3)
+    assert "rank 0 gave up" in str(err.value)
+    assert time.monotonic() - t0 < 30  # collective timeout + grace, no hang
+
+
+def test_process_group_that_never_forms_names_the_rank():
+    """Under torchrun-style env:// rendezvous, a rank whose peers never arrive fails within
+    `init_distributed`'s timeout, saying which rank and why (exit status non-zero)."""
+    from meshplan.runtime.launch import free_port
+
+    env = dict(
+        os.environ,
+        RANK="0",
+        WORLD_SIZE="2",
+        LOCAL_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )
+    code = "import meshplan.runtime as rt; rt.init_distributed(timeout_s=2)"
+    r = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode != 0
+    assert "rank 0: a peer never arrived" in r.stderr and "1/2 clients joined" in r.stderr
+
+
+def test_gpu_plan_on_a_machine_without_enough_devices():
+    import meshplan
+
+    from tests.runtime.harness import graph
+
+    plan = meshplan.estimate_plan(
+        graph(),
+        cluster=meshplan.Cluster.preset("H100", gpus=8),
+        parallel=meshplan.Parallel(dp=8, micro_batch=1, global_batch=8),
+    )
+    check_machine(plan, 0, device_count=8)
+    with pytest.raises(RuntimePlanError, match="runs 8 ranks but this machine has 2 CUDA"):
+        check_machine(plan, 0, device_count=2)
 
 
 def test_rank_failure_is_named_and_nothing_hangs():

@@ -299,3 +299,35 @@ def test_quantized_gradient_sync_on_gloo():
         assert r["fsdp_calls"] >= 2 and r["fsdp_err"] < 0.01, (rank, r)
     for key in ("all_reduce_digest", "ddp_digest"):
         assert len({r[key] for r in results}) == 1, f"ranks disagree on {key}"
+
+
+def test_install_from_plan_reads_the_recorded_widths_and_methods():
+    from meshplan import models
+    from meshplan.ir.plan import CommDecision, CompressionPlan, QuantizationPlan
+
+    model, _ = models.get("tiny", device="meta", micro_batch=1)
+    kinds = (("attention", 8), ("embedding", None), ("head", 8), ("mlp", 4), ("norm", 8))
+    grad = CommDecision(
+        "dp stage 1 across a+b",
+        "reduce_scatter",
+        "gradients",
+        "lossless",
+        1.0,
+        0.7,
+        None,
+        1.46,
+        4,
+    )
+
+    class FakePlan:  # only the two fields the readers use
+        quantization = QuantizationPlan("activations", ((1, kinds),))
+        compression = CompressionPlan("auto", "", (grad,))
+
+    bits = Q.plan_activation_bits(FakePlan, model, stage=1)
+    expect = Q.agoq_plan(model, stage=1, num_stages=2)  # attention at 8 bits on stage 1 of 2
+    assert bits == expect
+    assert Q.plan_activation_bits(FakePlan, model, stage=0) is None
+    assert Q.plan_gradient_method(FakePlan, stage=1) == ("lossless", 4)
+    assert Q.plan_gradient_method(FakePlan, stage=0) == ("raw", 1)
+    hooks = Q.install_from_plan(FakePlan, model, stage=1)  # no DDP given: nothing registered
+    assert isinstance(hooks.activations, Q.ActivationQuantizer) and hooks.gradients == "raw"
