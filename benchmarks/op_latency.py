@@ -291,11 +291,12 @@ def main(argv: list[str] | None = None) -> int:
         report["learned_mape_cross_device"] = cross_device(agg, args.epochs)
     if args.save_model:
         t0 = time.perf_counter()
-        model = train(aggregate_runs(ds.samples), epochs=args.epochs)
+        rows = aggregate_runs(ds.samples)
+        model = train(rows, epochs=args.epochs)
         path = model.save()
         report["saved_model"] = {
             "path": str(path),
-            "rows": len(ds.samples),
+            "rows": len(rows),
             "train_seconds": round(time.perf_counter() - t0, 1),
         }
     if args.json:

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from meshplan.ir.cluster import (
     PROFILE_COLLECTIVES,
     ClusterProfile,
+    CodecMeasurement,
     CollectiveCurve,
     GemmMeasurement,
     TierProfile,
@@ -83,6 +84,8 @@ class CalibrateConfig:
     gemm_shapes: tuple[tuple[int, int, int], ...] | None = None
     gemm_dtypes: tuple[str, ...] | None = None
     gemm_iters: int = 3
+    codec: bool = True  # time the lossless codec (issue 6: its speed decides where it pays)
+    codec_numel: int = 1 << 22  # values of the large tensor that sets the codec throughput
 
     def sizes(self) -> list[int]:
         """min_size, 2 min_size, ... up to max_size (inclusive)."""
@@ -409,12 +412,32 @@ def rank_main(cfg: CalibrateConfig, echo: Callable[[str], None] | None = None) -
         box: list = [gemm]
         dist.broadcast_object_list(box, src=0)
         gemm = box[0]
+    codec: list[CodecMeasurement] = []
+    if cfg.codec:
+        if rank == 0:
+            from .compression import measure_codec_speed
+
+            log(f"calibrate: lossless codec, bf16, {cfg.codec_numel:,} values")
+            sp = measure_codec_speed(device, "bfloat16", numel=cfg.codec_numel)
+            codec = [
+                CodecMeasurement(
+                    gpu,
+                    "bfloat16",
+                    sp.compress_bps,
+                    sp.decompress_bps,
+                    sp.compress_overhead_s,
+                    sp.decompress_overhead_s,
+                )
+            ]
+        box = [codec]
+        dist.broadcast_object_list(box, src=0)
+        codec = box[0]
     source = (
         f"meshplan calibrate on {nodes[0]}{' +' + str(len(nodes) - 1) if len(nodes) > 1 else ''}"
         f", {world} ranks, {backend}/{device}, torch {torch.__version__}, "
         f"python {platform.python_version()}, {time.strftime('%Y-%m-%d %H:%M:%S %Z')}"
     )
-    return ClusterProfile(tiers=tuple(tiers), gemm=tuple(gemm), source=source)
+    return ClusterProfile(tiers=tuple(tiers), gemm=tuple(gemm), codec=tuple(codec), source=source)
 
 
 # ---------------------------------------------------------------------------------------------

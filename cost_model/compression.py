@@ -171,10 +171,14 @@ def _is_cpu(gpu: GpuSpec) -> bool:
 
 def codec_speed(gpu: GpuSpec, dtype: str = "bfloat16", given: CodecSpeed | None = None):
     """The codec speed the planner assumes on `gpu`: `given` (measured by the user or by
-    `measure_codec_speed`), the CPU measurement for the host "CPU" device, else the GPU
-    estimate."""
+    `measure_codec_speed`), else the one `meshplan calibrate` measured on this GPU type (a
+    cluster profile, `GpuSpec.codec_speed`), the CPU measurement for the host "CPU" device,
+    else the GPU estimate."""
     if given is not None:
         return given
+    if gpu.codec_speed is not None:  # measured by `meshplan calibrate` (a cluster profile)
+        c, d, c_call, d_call = gpu.codec_speed
+        return CodecSpeed(c, d, c_call, d_call, f"measured: {gpu.name} (meshplan calibrate)")
     return CPU_CODEC if _is_cpu(gpu) else gpu_codec_speed(gpu, dtype)
 
 

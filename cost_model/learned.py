@@ -430,9 +430,7 @@ def train(
                 log_eff = _combine_log_eff(log_phys, bwd, z[:, 0], z[:, 1], floor, torch)
                 # log(pred) - log(measured): prediction = physics / efficiency
                 err = log_phys - log_eff - target
-                loss = torch.nn.functional.huber_loss(
-                    err, torch.zeros_like(err), delta=HUBER_DELTA
-                )
+                loss = torch.nn.functional.huber_loss(err, torch.zeros_like(err), delta=HUBER_DELTA)
                 loss.backward()
                 opt.step()
                 sched.step()

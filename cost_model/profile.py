@@ -1101,9 +1101,7 @@ class Sample:
         if self.timed is None:
             return self.op
         ff, bf, fb, bb = self.timed
-        return dataclasses.replace(
-            self.op, fwd_flops=ff, bwd_flops=bf, fwd_bytes=fb, bwd_bytes=bb
-        )
+        return dataclasses.replace(self.op, fwd_flops=ff, bwd_flops=bf, fwd_bytes=fb, bwd_bytes=bb)
 
     @property
     def flops(self) -> int:

@@ -62,6 +62,10 @@ class GpuSpec:
     # Fraction of the dense peak that GEMMs reached when `meshplan calibrate` measured this GPU
     # type (`ClusterProfile.gemm_efficiency`); None: the cost model's table value.
     gemm_efficiency: float | None = None
+    # The lossless codec's speed measured by `meshplan calibrate` on this type: (compress,
+    # decompress) raw bytes/s and (compress, decompress) seconds per call; None: the cost
+    # model's estimate (`meshplan.cost_model.compression.codec_speed`).
+    codec_speed: tuple[float, float, float, float] | None = None
 
     def __post_init__(self) -> None:
         if self.memory_bytes <= 0 or self.hbm_bandwidth <= 0:
@@ -217,6 +221,25 @@ class TierProfile:
 
 
 @dataclass(frozen=True, slots=True)
+class CodecMeasurement:
+    """The lossless codec (`meshplan.runtime.codec`) timed on `gpu` in `dtype`: throughput in
+    raw bytes/s on a large tensor and the fixed cost of one call (a small tensor)."""
+
+    gpu: str
+    dtype: str
+    compress_bps: float
+    decompress_bps: float
+    compress_call_s: float
+    decompress_call_s: float
+
+    def __post_init__(self) -> None:
+        if not (self.compress_bps > 0 and self.decompress_bps > 0):
+            raise ValueError(f"codec on {self.gpu}: throughputs must be > 0")
+        if self.compress_call_s < 0 or self.decompress_call_s < 0:
+            raise ValueError(f"codec on {self.gpu}: per-call times must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
 class GemmMeasurement:
     """One timed GEMM (m x k) @ (k x n) in `dtype` on `gpu` against that type's dense peak."""
 
@@ -251,6 +274,7 @@ class ClusterProfile:
     tiers: tuple[TierProfile, ...] = ()
     gemm: tuple[GemmMeasurement, ...] = ()
     version: int = PROFILE_VERSION
+    codec: tuple[CodecMeasurement, ...] = ()  # lossless codec speed per GPU type
     source: str = ""  # host, backend, torch version, date
 
     def __post_init__(self) -> None:
@@ -281,6 +305,15 @@ class ClusterProfile:
             dtype = max(counts, key=lambda d: (counts[d], d == "bfloat16"))
         effs = [g.efficiency for g in rows if g.dtype == dtype]
         return statistics.median(effs) if effs else None
+
+    def codec_speed(self, gpu: str) -> tuple[float, float, float, float] | None:
+        """(compress B/s, decompress B/s, compress s/call, decompress s/call) measured on
+        `gpu`, bf16 preferred; None when the codec was not measured there."""
+        rows = sorted((c for c in self.codec if c.gpu == gpu), key=lambda c: c.dtype != "bfloat16")
+        if not rows:
+            return None
+        c = rows[0]
+        return (c.compress_bps, c.decompress_bps, c.compress_call_s, c.decompress_call_s)
 
 
 def busbw_factor(collective: str, n: int) -> float:
@@ -316,7 +349,7 @@ class RankInfo:
 
 
 # Optional calibration fields that `Cluster.to_dict` leaves out while unset.
-_OMITTED_WHEN_UNSET = frozenset({"profile", "gemm_efficiency"})
+_OMITTED_WHEN_UNSET = frozenset({"profile", "gemm_efficiency", "codec_speed"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -435,6 +468,10 @@ class Cluster:
             if eff is not None:
                 matched.append(g.gpu.name)
                 g = dataclasses.replace(g, gpu=dataclasses.replace(g.gpu, gemm_efficiency=eff))
+            codec = profile.codec_speed(g.gpu.name)
+            if codec is not None:
+                matched.append(g.gpu.name)
+                g = dataclasses.replace(g, gpu=dataclasses.replace(g.gpu, codec_speed=codec))
             groups.append(g)
         if not matched:
             measured = [t.tier for t in profile.tiers] + sorted({m.gpu for m in profile.gemm})

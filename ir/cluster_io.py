@@ -91,6 +91,7 @@ from .cluster import (
     PROFILE_VERSION,
     Cluster,
     ClusterProfile,
+    CodecMeasurement,
     CollectiveCurve,
     DeviceGroup,
     GemmMeasurement,
@@ -383,6 +384,14 @@ _GPU_SCHEMA: dict = {
             "exclusiveMinimum": 0,
             "description": "a positive fraction of the dense peak (measured by calibrate)",
         },
+        "codec_speed": {
+            "type": "array",
+            "items": {"type": "number", "minimum": 0},
+            "minItems": 4,
+            "maxItems": 4,
+            "description": "[compress B/s, decompress B/s, compress s/call, decompress s/call]"
+            " (measured by calibrate)",
+        },
     },
     "additionalProperties": False,
 }
@@ -532,6 +541,27 @@ _GEMM_SCHEMA: dict = {
     },
     "additionalProperties": False,
 }
+_CODEC_SCHEMA: dict = {
+    "type": "object",
+    "description": "a mapping with gpu, dtype, compress_bps, decompress_bps and per-call times",
+    "required": [
+        "gpu",
+        "dtype",
+        "compress_bps",
+        "decompress_bps",
+        "compress_call_s",
+        "decompress_call_s",
+    ],
+    "properties": {
+        "gpu": _NAME,
+        "dtype": {"enum": sorted(DTYPE_BYTES)},
+        "compress_bps": {"type": "number", "exclusiveMinimum": 0, "description": "bytes/s"},
+        "decompress_bps": {"type": "number", "exclusiveMinimum": 0, "description": "bytes/s"},
+        "compress_call_s": {"type": "number", "minimum": 0, "description": "seconds"},
+        "decompress_call_s": {"type": "number", "minimum": 0, "description": "seconds"},
+    },
+    "additionalProperties": False,
+}
 PROFILE_SCHEMA: dict = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "title": "meshplan cluster profile",
@@ -543,6 +573,7 @@ PROFILE_SCHEMA: dict = {
         "source": {"type": "string", "description": "a string"},
         "tiers": {"type": "array", "items": _TIER_PROFILE_SCHEMA, "description": "a list"},
         "gemm": {"type": "array", "items": _GEMM_SCHEMA, "description": "a list"},
+        "codec": {"type": "array", "items": _CODEC_SCHEMA, "description": "a list"},
     },
     "additionalProperties": False,
 }
@@ -857,6 +888,8 @@ def _resolve_gpu(value: object, at: str, fail) -> tuple[GpuSpec, str | None]:
         overridden.append("sms")
     if "gemm_efficiency" in value:
         fields["gemm_efficiency"] = float(value["gemm_efficiency"])
+    if "codec_speed" in value:
+        fields["codec_speed"] = tuple(float(x) for x in value["codec_speed"])
     if "source" in value:
         fields["source"] = value["source"]
     elif base is not None and overridden:
@@ -949,6 +982,8 @@ def _gpu_entry(spec: GpuSpec) -> str | dict:
     entry["source"] = spec.source
     if spec.gemm_efficiency is not None:
         entry["gemm_efficiency"] = spec.gemm_efficiency
+    if spec.codec_speed is not None:
+        entry["codec_speed"] = list(spec.codec_speed)
     return entry
 
 
@@ -1025,6 +1060,17 @@ def profile_to_dict(profile: ClusterProfile) -> dict:
             }
             for g in profile.gemm
         ],
+        "codec": [
+            {
+                "gpu": c.gpu,
+                "dtype": c.dtype,
+                "compress_bps": c.compress_bps,
+                "decompress_bps": c.decompress_bps,
+                "compress_call_s": c.compress_call_s,
+                "decompress_call_s": c.decompress_call_s,
+            }
+            for c in profile.codec
+        ],
     }
 
 
@@ -1071,10 +1117,24 @@ def profile_from_dict(data: object, *, source: str = "<dict>") -> ClusterProfile
                     g["gpu"], g["dtype"], g["m"], g["n"], g["k"], g["seconds"], g["peak_flops"]
                 )
             )
+        codec = []
+        for i, c in enumerate(data.get("codec", [])):
+            at = f"codec[{i}]"
+            codec.append(
+                CodecMeasurement(
+                    c["gpu"],
+                    c["dtype"],
+                    float(c["compress_bps"]),
+                    float(c["decompress_bps"]),
+                    float(c["compress_call_s"]),
+                    float(c["decompress_call_s"]),
+                )
+            )
         at = "(profile)"
         return ClusterProfile(
             tiers=tuple(tiers),
             gemm=tuple(gemm),
+            codec=tuple(codec),
             version=int(data["version"]),
             source=str(data.get("source", "")),
         )

@@ -46,8 +46,23 @@ def measured() -> ClusterProfile:
         iters=2,
         warmup=1,
         gemm_shapes=((64, 64, 64), (128, 128, 128)),
+        codec_numel=1 << 18,
     )
     return calibrate(3, cfg, timeout_s=120)
+
+
+def test_codec_speed_is_measured_and_used_by_the_cost_model(measured):
+    from meshplan.cost_model.compression import CPU_CODEC, codec_speed
+
+    (c,) = measured.codec
+    assert c.gpu == "CPU" and c.dtype == "bfloat16"
+    assert c.compress_bps > 0 and c.decompress_bps > 0 and c.compress_call_s >= 0
+    cpu = Cluster.preset("cpu")
+    before = codec_speed(cpu.groups[0].gpu)
+    assert before == CPU_CODEC  # the shipped measurement until a profile says otherwise
+    after = codec_speed(cpu.with_profile(measured).groups[0].gpu)
+    assert (after.compress_bps, after.decompress_bps) == (c.compress_bps, c.decompress_bps)
+    assert "calibrate" in after.source
 
 
 def test_calibration_measures_every_collective_on_the_loopback_tier(measured):

@@ -137,3 +137,102 @@ def test_selective_recompute_repeats_everything_but_linears_and_attention():
     assert redo and all(op.kind not in (OpKind.ATTENTION, OpKind.EXPERTS) for op in redo)
     assert all(not (op.kind == OpKind.MATMUL and op.params) for op in redo)
     assert sel == pytest.approx(sum(op_time(op, H100) for op in redo), rel=1e-12)
+
+
+# -- learned op latency (issue 7) ---------------------------------------------------------------
+
+
+def _tiny_traced_graph():
+    """A small traced dense transformer (real aten ops, as the learned model was trained on)."""
+    from meshplan import models
+    from meshplan.ir import trace
+
+    m, inputs = models.transformer(
+        layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, seq_len=32, dtype="float32"
+    )
+    return trace(m, *inputs)
+
+
+@pytest.fixture()
+def learned_on(monkeypatch):
+    from meshplan.cost_model.learned import load_for_device
+
+    monkeypatch.delenv("MESHPLAN_LEARNED_LATENCY", raising=False)
+    if load_for_device("CPU") is None:
+        pytest.skip("no shipped learned model for CPU (data/op_latency/model.npz)")
+
+
+def test_estimate_says_which_latency_model_it_used(learned_on, monkeypatch):
+    import meshplan
+    from meshplan.ir import Cluster
+
+    cpu = Cluster.preset("cpu", gpus=1)
+    pred = meshplan.estimate(_tiny_traced_graph(), cluster=cpu)
+    assert pred.latency_source.startswith("learned (")
+    assert "trained on CPU" in pred.latency_source
+    assert f"op latency: {pred.latency_source}" in pred.notes
+
+    h100 = Cluster.preset("H100", gpus=8)
+    assert meshplan.estimate(_tiny_traced_graph(), cluster=h100).latency_source == (
+        "analytic roofline"
+    )
+
+    # The switch is read when a graph is first priced: a fresh graph.
+    monkeypatch.setenv("MESHPLAN_LEARNED_LATENCY", "0")
+    off = meshplan.estimate(_tiny_traced_graph(), cluster=cpu)
+    assert off.latency_source.startswith("analytic roofline")
+    assert off.step_time_s != pred.step_time_s
+
+
+def test_learned_block_times_never_below_the_physics_roofline(learned_on):
+    """Every op's learned work is at least its physics roofline (measured peaks, best
+    bandwidth), and the block aggregates are the hand-summed per-op learned parts."""
+    from meshplan.cost_model.compute import latency_model, op_parts
+    from meshplan.cost_model.features import physics_time
+    from meshplan.ir.hardware import gpu_spec
+
+    cpu = gpu_spec("CPU")
+    model = latency_model(cpu)
+    dev = model.device_features(cpu)
+    g = _tiny_traced_graph()
+    for key, block in g.blocks:
+        bc = block_compute(block, cpu, "float32")
+        assert bc.source == "learned", key
+        hand = {"fwd": 0.0, "bwd": 0.0, "floor_fwd": 0.0, "floor_bwd": 0.0}
+        phys_fwd = 0.0
+        for op in block.ops:
+            for bwd, d in ((False, "fwd"), (True, "bwd")):
+                work, overhead = op_parts(op, cpu, "float32", backward=bwd)
+                if not (op.bwd_flops or op.bwd_bytes if bwd else op.fwd_flops or op.fwd_bytes):
+                    assert (work, overhead) == (0.0, 0.0)
+                    continue
+                phys = physics_time(op, dev, bwd, "float32")
+                assert work >= phys * (1 - 1e-9) and overhead >= 0, (op.name, bwd)
+                hand[d] += work
+                hand["floor_" + d] += overhead
+                if not bwd:
+                    phys_fwd += phys
+        fwd, bwd, _ = bc.times(tp=1, cp=1, sequence_parallel=False, scale=1.0)
+        assert fwd == pytest.approx(hand["fwd"] + hand["floor_fwd"], rel=1e-9)
+        assert bwd == pytest.approx(hand["bwd"] + hand["floor_bwd"], rel=1e-9)
+        # halving the data halves the work, never the per-call overhead, never below physics
+        half, _, _ = bc.times(tp=1, cp=1, sequence_parallel=False, scale=0.5)
+        assert half == pytest.approx(hand["fwd"] / 2 + hand["floor_fwd"], rel=1e-9)
+        assert half >= phys_fwd / 2
+
+
+def test_learned_predictions_are_cached_per_op_shape(learned_on, monkeypatch):
+    from meshplan.cost_model import compute
+    from meshplan.ir.hardware import gpu_spec
+
+    cpu = gpu_spec("CPU")
+    block = _tiny_traced_graph().block("layer")
+    first = block_compute(block, cpu, "float32")
+    model = compute.latency_model(cpu)
+    calls = []
+    orig = type(model).predict_parts_many
+    monkeypatch.setattr(
+        type(model), "predict_parts_many", lambda *a, **k: calls.append(1) or orig(*a, **k)
+    )
+    again = block_compute(_tiny_traced_graph().block("layer"), cpu, "float32")
+    assert again == first and calls == []

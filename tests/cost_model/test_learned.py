@@ -215,3 +215,29 @@ def test_env_var_turns_the_learned_model_off(model, tmp_path, monkeypatch):
     path = model.save(tmp_path / "m.npz")
     monkeypatch.setenv("MESHPLAN_LEARNED_LATENCY", "0")
     assert learned.load_for_device("CPU", path) is None
+
+
+def test_batched_parts_match_one_op_at_a_time(model):
+    items = [(op, bwd) for op in (*OPS, gemm(1, 8, 8)) for bwd in (False, True)]
+    items.append((Op("v", OpKind.OTHER, "aten.view", "", (), ()), False))
+    got = model.predict_parts_many(items, "CPU")
+    for (op, bwd), (work, overhead) in zip(items, got, strict=True):
+        want = model.predict_op_parts(op, "CPU", backward=bwd)
+        assert work == pytest.approx(want[0], rel=1e-9, abs=1e-15)
+        assert overhead == pytest.approx(want[1], rel=1e-9, abs=1e-15)
+
+
+def test_samples_are_priced_as_what_was_timed(model, tmp_path):
+    """A row whose replay ran less than the IR charges is featurised by the replay's counts."""
+    op = eltwise(256, 512)
+    timed = (0, 0, op.fwd_bytes, 0)  # the replay's backward moved nothing
+    s = Sample("f", "m", op, True, "float32", 20e-6, 0.0, DEV, timed=timed)
+    ir = Sample("f", "m", op, True, "float32", 20e-6, 0.0, DEV)
+    dev = DeviceFeatures.from_descriptor(DEV)
+    assert model.physics_samples([ir])[0] == pytest.approx(physics_time(op, dev, True))
+    assert model.physics_samples([s])[0] == pytest.approx(1e-12)  # no work: the floor
+    x_s, _ = learned.design_matrix([s])
+    np.testing.assert_array_equal(x_s[0], op_features(s.measured_op, dev, True))
+    path = model.save(tmp_path / "m.npz")
+    again = learned.LatencyModel.load(path)
+    assert again.describe().endswith("trained on CPU, 600 ops")

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from meshplan.cost_model import profile as P
-from meshplan.ir import OpKind, TensorMeta
+from meshplan.ir import Op, OpKind, TensorMeta
 
 
 def test_robust_median_drops_outliers():
@@ -135,3 +135,109 @@ def test_cuda_replay_and_descriptor():
     assert timed.fwd.seconds > 0 and timed.bwd.seconds > 0
     desc = P.describe_device(dev, ("bfloat16",), quick=True)
     assert desc.backend == "cuda" and desc.timer == "wall" and desc.cores > 0
+
+
+def test_replay_counts_see_what_the_ir_charges_but_the_replay_does_not_run():
+    """MoE's combine `sum` over the top-k dim: the tracer charges its backward the gradient
+    copy of the `view` folded into it; replayed alone, its backward is an `expand` (a view,
+    no bytes). The dataset records both, and the model trains on what was timed."""
+    x = TensorMeta((64, 2, 32), "float32")
+    out = TensorMeta((64, 32), "float32")
+    c = P.replay_counts(Op("combine", OpKind.REDUCTION, "aten.sum.dim_IntList", "", (x,), (out,)))
+    assert c.bwd_bytes == 0 and c.bwd_flops == 0
+    assert c.fwd_bytes == x.nbytes + out.nbytes  # read every input, write the output
+    ir_op = Op(
+        "combine",
+        OpKind.REDUCTION,
+        "aten.sum.dim_IntList",
+        "",
+        (x,),
+        (out,),
+        fwd_bytes=c.fwd_bytes,
+        bwd_bytes=2 * x.nbytes,  # the folded view's gradient copy
+    )
+    dev = _descriptor()
+    s = P.Sample(
+        "mixtral",
+        "m",
+        ir_op,
+        True,
+        "float32",
+        19e-6,
+        0.0,
+        dev,
+        timed=(c.fwd_flops, c.bwd_flops, c.fwd_bytes, c.bwd_bytes),
+    )
+    assert s.op.bwd_bytes == 2 * x.nbytes and s.measured_op.bwd_bytes == 0
+    assert P.Sample("x", "m", ir_op, True, "float32", 1.0, 0.0, dev).measured_op is ir_op
+
+
+def _descriptor(**kw) -> P.DeviceDescriptor:
+    base = dict(
+        name="CPU",
+        processor="t",
+        backend="cpu",
+        cores=1,
+        clock_hz=1e9,
+        l2_bytes=1 << 20,
+        l3_bytes=1 << 24,
+        memory_bytes=1 << 30,
+        torch_version="x",
+        peak_flops=(("float32", 100e9),),
+        mem_bandwidth=10e9,
+        cache_bandwidth=50e9,
+    )
+    return P.DeviceDescriptor(**{**base, **kw})
+
+
+def test_bound_devices_makes_one_roofline_that_bounds_every_row():
+    from meshplan.cost_model.features import DeviceFeatures, physics_time
+
+    a = _descriptor(peak_flops=(("float32", 100e9),), mem_bandwidth=10e9)
+    b = _descriptor(peak_flops=(("float32", 120e9),), mem_bandwidth=12e9, cache_bandwidth=40e9)
+    mm = P.synth_op(
+        "mm",
+        OpKind.MATMUL,
+        "aten.mm.default",
+        (TensorMeta((64, 64), "float32"), TensorMeta((64, 64), "float32")),
+    )
+    x = TensorMeta((256, 256), "float32")
+    add = P.synth_op("add", OpKind.ELEMENTWISE, "aten.add.Tensor", (x, x))
+    rows = [
+        P.Sample("f", "m", mm, False, "float32", mm.fwd_flops / 150e9, 0.0, a),  # 150 GFLOP/s
+        P.Sample("f", "m", add, False, "float32", add.fwd_bytes / 90e9, 0.0, b),  # 90 GB/s
+        P.Sample("f", "m", add, False, "float32", add.fwd_bytes / 20e9, 0.0, a),
+    ]
+    out = P.bound_devices(rows)
+    devs = {id(s.device) for s in out}
+    assert len(devs) == 1
+    d = out[0].device
+    assert dict(d.peak_flops)["float32"] == pytest.approx(150e9)
+    assert d.cache_bandwidth == pytest.approx(90e9)
+    assert d.mem_bandwidth == pytest.approx(11e9)  # median of the runs
+    feats = DeviceFeatures.from_descriptor(d)
+    for s in out:
+        assert physics_time(s.measured_op, feats, s.backward) <= s.seconds * (1 + 1e-9)
+
+
+def test_backfill_adds_timed_counts_to_schema_1_rows(tmp_path):
+    out = tmp_path / "cpu.jsonl.gz"
+    kw = dict(
+        families=["sweep"], dtypes=("float32",), quick=True, max_seconds=0.002, progress=False
+    )
+    P.run_profile(out, **kw)
+    P.run_profile(out, **kw)
+    recs = _records(out)
+    assert all("timed" in r for r in recs if r["type"] == "row")
+    # make it look like a schema 1 file, then backfill
+    with gzip.open(out, "wt") as f:
+        for r in recs:
+            r.pop("timed", None)
+            f.write(json.dumps(r) + "\n")
+    assert all(s.timed is None for s in P.load_dataset(out).samples)
+    filled = P.backfill_timed_counts(out)
+    assert filled == sum(r["type"] == "row" for r in recs)
+    ds = P.load_dataset(out)
+    assert len(ds.devices) == 2
+    for s in ds.samples:  # sweep ops are synthesised from their replay: counts agree
+        assert s.measured_op == s.op

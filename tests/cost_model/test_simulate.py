@@ -81,7 +81,7 @@ def test_mfu_counts_model_flops_over_the_peak_of_the_gpus_used():
     peak = 8 * 989e12 + 8 * 312e12
     assert pred.mfu == pytest.approx(flops / (pred.step_time_s * peak), rel=1e-12)
     assert pred.tokens_per_s == pytest.approx(32 * 2048 / pred.step_time_s, rel=1e-12)
-    assert "stage 1 on a100" in pred.notes[-1]  # the A100 stage is the bottleneck
+    assert "bottleneck: stage 1 on a100" in pred.notes  # the A100 stage is the bottleneck
 
 
 def test_micro_batch_scales_the_traced_costs_linearly():
