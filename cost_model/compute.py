@@ -30,16 +30,19 @@ below the roofline, scaled by the op's share of the data like the analytic term)
 per-call overhead (in place of `KERNEL_FLOOR_S`, not scaled). `MESHPLAN_LEARNED_LATENCY=0`
 turns it off; `latency_source` says which model priced a GPU type. Predictions are cached
 per op shape and direction (`_LEARNED_PARTS`), so each distinct op is priced once per
-process; the variable is read when a graph is first priced on a GPU type.
+process; the variable is read when a graph is first priced on a GPU type. A GEMM efficiency
+measured on the user's own machine by `meshplan calibrate` re-anchors the learned times of
+tensor-core ops to that machine (`host_gemm_anchor`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import statistics
 from dataclasses import dataclass
 
-from meshplan.ir import Block, GpuSpec, Op, OpKind
+from meshplan.ir import DTYPE_BYTES, Block, GpuSpec, Op, OpKind, TensorMeta
 
 
 @dataclass(frozen=True, slots=True)
@@ -349,18 +352,74 @@ def op_parts(
     if model is None:
         return roofline_time(op, gpu, dtype, backward=backward), KERNEL_FLOOR_S
     work, overhead = model.predict_parts_many([(op, backward)], gpu, dtype)[0]
+    if op.kind in TENSOR_CORE_KINDS:
+        work *= host_gemm_anchor(model, gpu)
     return float(work), float(overhead)
 
 
+def _gemm_op(m: int, n: int, k: int, dtype: str) -> Op:
+    """A plain `(m x k) @ (k x n)` matmul as the tracer records it (FLOPs and bytes of the
+    forward and of the two backward GEMMs)."""
+    b = DTYPE_BYTES[dtype]
+    return Op(
+        "calibration_gemm",
+        OpKind.MATMUL,
+        "aten.mm.default",
+        "",
+        (TensorMeta((m, k), dtype), TensorMeta((k, n), dtype)),
+        (TensorMeta((m, n), dtype),),
+        fwd_flops=2 * m * n * k,
+        bwd_flops=4 * m * n * k,
+        fwd_bytes=b * (m * k + k * n + m * n),
+        bwd_bytes=2 * b * (m * k + k * n + m * n),
+    )
+
+
+_ANCHORS: dict[tuple[int, GpuSpec], float] = {}
+
+
+def host_gemm_anchor(model, gpu: GpuSpec) -> float:
+    """Factor on the learned work time of tensor-core ops for a GPU type whose GEMMs were
+    measured by `meshplan calibrate` (`gpu.gemm_efficiency`), else 1.
+
+    The learned model was trained on another machine of the same type; the calibration
+    measured *this* one. The factor is (learned efficiency) / (measured efficiency) on the
+    GEMM shapes calibrate times by default on that kind of device (`calibrate.CPU_GEMM_SHAPES`
+    in float32 on a CPU, `GPU_GEMM_SHAPES` in bf16 on a GPU; medians of both), so the learned
+    model keeps its shape dependence and takes the measured level.
+    """
+    if gpu.gemm_efficiency is None:
+        return 1.0
+    key = (id(model), gpu)
+    if key not in _ANCHORS:
+        _ANCHORS[key] = _anchor(model, gpu)
+    return _ANCHORS[key]
+
+
+def _anchor(model, gpu: GpuSpec) -> float:
+    from .calibrate import CPU_GEMM_SHAPES, GPU_GEMM_SHAPES
+
+    on_cpu = gpu.name.upper().startswith("CPU")
+    shapes, dtype = (CPU_GEMM_SHAPES, "float32") if on_cpu else (GPU_GEMM_SHAPES, "bfloat16")
+    learned = statistics.median(
+        model.efficiency(_gemm_op(m, n, k, dtype), gpu) for m, n, k in shapes
+    )
+    return learned / gpu.gemm_efficiency
+
+
 def _learned_block_compute(model, block: Block, gpu: GpuSpec, dtype: str) -> BlockCompute:
-    """`block_compute` with learned op times: work by split class, overheads summed."""
+    """`block_compute` with learned op times: work by split class, overheads summed; the work
+    of tensor-core ops is re-anchored to a calibrated GEMM efficiency (`host_gemm_anchor`)."""
     acc = {k: 0.0 for k in ("fwd_tp", "fwd_sp", "bwd_tp", "bwd_sp", "sel_tp", "sel_sp")}
     floor = {"fwd": 0.0, "bwd": 0.0, "sel": 0.0}
     n_fwd = n_bwd = n_sel = 0
+    anchor = host_gemm_anchor(model, gpu)
     parts = iter(_learned_parts(model, block, gpu, dtype))
     for op in block.ops:
         cls = "tp" if splits_with_tp(op, block.kind) else "sp"
         (w_f, o_f), (w_b, o_b) = next(parts), next(parts)
+        if op.kind in TENSOR_CORE_KINDS:
+            w_f, w_b = w_f * anchor, w_b * anchor
         if op.fwd_flops or op.fwd_bytes:
             acc["fwd_" + cls] += w_f
             floor["fwd"] += o_f

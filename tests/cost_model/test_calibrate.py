@@ -165,6 +165,38 @@ def test_measured_gemm_efficiency_scales_compute():
     assert lo > 3 * hi
 
 
+def test_calibration_that_agrees_with_the_learned_model_changes_nothing():
+    """Re-anchoring oracle: a measured GEMM efficiency equal to the learned model's own at
+    calibrate's default shapes leaves compute as it was; twice that halves the GEMM work."""
+    import statistics
+
+    from meshplan.api import estimate
+    from meshplan.cost_model.calibrate import CPU_GEMM_SHAPES
+    from meshplan.cost_model.compute import _gemm_op, host_gemm_anchor, latency_model
+
+    base = Cluster.preset("cpu", 1)
+    gpu = base.groups[0].gpu
+    model = latency_model(gpu)
+    if model is None:
+        pytest.skip("no learned model covers the CPU")
+    own = statistics.median(
+        model.efficiency(_gemm_op(m, n, k, "float32"), gpu) for m, n, k in CPU_GEMM_SHAPES
+    )
+    peak = gpu.peak("float32")
+
+    def with_eff(eff: float) -> Cluster:
+        meas = GemmMeasurement("CPU", "float32", 64, 64, 64, 2 * 64**3 / (eff * peak), peak)
+        return base.with_profile(ClusterProfile(gemm=(meas,)))
+
+    assert host_gemm_anchor(model, with_eff(own).groups[0].gpu) == pytest.approx(1.0)
+    assert host_gemm_anchor(model, with_eff(2 * own).groups[0].gpu) == pytest.approx(0.5)
+    g = transformer_graph(2, 512, 8, 8, 2048, 1000, 256, 4)
+    p = Parallel(dp=1, tp=1, pp=1, global_batch=4, micro_batch=4)
+    plain = estimate(g, (), base, p).breakdown_dict()["compute"]
+    same = estimate(g, (), with_eff(own), p).breakdown_dict()["compute"]
+    assert same == pytest.approx(plain, rel=1e-9)
+
+
 def test_cluster_file_profile_field_and_bad_profiles(measured, tmp_path):
     dump_profile(measured, tmp_path / "prof.json")
     (tmp_path / "c.yaml").write_text(
