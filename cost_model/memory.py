@@ -8,14 +8,16 @@ shards; shared/reference/hardware.md and Rajbhandari et al., "ZeRO", SC'20, sect
     ZeRO-2 (+ gradients)  2 + (2 + 12)/d                        = 2 + 14/d
     ZeRO-3 (+ weights)    (2 + 2 + 12)/d + the largest gathered layer
 
-Convention chosen: bf16 weights and bf16 gradients (`GRAD_BYTES = 2`) with an fp32 master
-copy, momentum and variance (`OPTIMIZER_BYTES = 12`), which is the ZeRO paper's and gives
-hardware.md's ZeRO-0, ZeRO-2 and ZeRO-3 rows exactly. hardware.md's ZeRO-1 row "6 + 12/DP" is
-Megatron-LM's distributed optimizer with *fp32* main gradients (its "bf16 param, fp32 grads:
-18 bytes non-distributed, 6 + 12/d distributed"); set `GRAD_BYTES = 4` to model that
-convention for every stage. Parameters a rank holds: the stage's parameters / tp (norm
-weights are replicated), expert parameters / (tp * ep); expert states are sharded over the
-dp / ep ranks that hold the same experts.
+Convention chosen for bf16/fp16 models (`MIXED`): bf16 weights and bf16 gradients
+(`GRAD_BYTES = 2`) with an fp32 master copy, momentum and variance (`OPTIMIZER_BYTES = 12`),
+which is the ZeRO paper's and gives hardware.md's ZeRO-0, ZeRO-2 and ZeRO-3 rows exactly.
+hardware.md's ZeRO-1 row "6 + 12/DP" is Megatron-LM's distributed optimizer with *fp32*
+main gradients (its "bf16 param, fp32 grads: 18 bytes non-distributed, 6 + 12/d
+distributed"); set `GRAD_BYTES = 4` to model that
+convention for every stage. A float32 model trains in plain fp32 (`FP32`: 4 + 4 + 8, no
+master copy); `precision_for` picks by the traced parameters' dtype. Parameters a rank holds:
+the stage's parameters / tp (norm weights are replicated), expert parameters / (tp * ep);
+expert states are sharded over the dp / ep ranks that hold the same experts.
 
 Activations (per in-flight micro-batch): the tracer's `saved_bytes` (what autograd keeps) of
 the stage's ops, scaled linearly to the micro-batch, divided by cp, and by tp for ops that TP
@@ -37,6 +39,10 @@ layer's backward runs. Prologue/epilogue blocks are never recomputed.
 Schedules: 1F1B stage i of p holds min(p - i, m) micro-batches, GPipe all m (hardware.md).
 On top: ZeRO-3's gathered layer, a temporary buffer (twice the largest op output, e.g.
 output + gradient of the logits), the CUDA context/NCCL workspace and an allocator margin.
+The peak is the larger of two moments (`StageMemory.peak`): the start of backward (all saved
+activations + the temporary buffer) and, with recomputation, a recomputed layer's backward
+(the epilogue's activations already freed, the layer's rebuilt ones, twice its largest
+output). Both are checked against torch's own allocation profile of a CPU training step.
 """
 
 from __future__ import annotations
@@ -53,6 +59,33 @@ WEIGHT_BYTES = 2  # bf16 weights (hardware.md)
 GRAD_BYTES = 2  # bf16 gradients (ZeRO paper convention, see the module docstring)
 OPTIMIZER_BYTES = 12  # fp32 master weights + Adam momentum + variance (hardware.md)
 
+
+@dataclass(frozen=True, slots=True)
+class Precision:
+    """Bytes per parameter of the model states under one training precision."""
+
+    weight_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+
+    @property
+    def total(self) -> int:
+        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+# Mixed precision (bf16/fp16 compute): the ZeRO paper's 2 + 2 + 12 (see the module docstring).
+MIXED = Precision(WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES)
+# Plain fp32 training (no master copy): fp32 weights and gradients, Adam's fp32 momentum and
+# variance (torch.optim.Adam/AdamW state `exp_avg`, `exp_avg_sq`): 4 + 4 + 8.
+FP32 = Precision(4, 4, 8)
+
+
+def precision_for(dtype: str) -> Precision:
+    """The model-state precision of a model whose parameters (and compute) are `dtype`:
+    plain fp32 for float32/float64 models, bf16/fp16 mixed precision otherwise."""
+    return FP32 if dtype in ("float32", "float64") else MIXED
+
+
 # CUDA context, cuBLAS workspace and NCCL buffers per rank. Assumption (commonly 0.5-1.5 GiB
 # on H100 with NCCL), calibrated in issue 3.
 CONTEXT_BYTES = 2**30
@@ -63,18 +96,21 @@ ALLOCATOR_MARGIN = 0.10
 TEMP_OUTPUTS = 2
 
 
-def state_bytes_per_param(zero: int, shards: int) -> tuple[float, float, float]:
+def state_bytes_per_param(
+    zero: int, shards: int, precision: Precision = MIXED
+) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes per parameter the rank holds, for a ZeRO stage
     whose sharded states are split `shards` ways."""
     d = max(1, shards)
+    w, g, o = precision.weight_bytes, precision.grad_bytes, precision.optimizer_bytes
     if zero == 0:
-        return WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES
+        return w, g, o
     if zero == 1:
-        return WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES / d
+        return w, g, o / d
     if zero == 2:
-        return WEIGHT_BYTES, GRAD_BYTES / d, OPTIMIZER_BYTES / d
+        return w, g / d, o / d
     if zero == 3:
-        return WEIGHT_BYTES / d, GRAD_BYTES / d, OPTIMIZER_BYTES / d
+        return w / d, g / d, o / d
     raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero!r}")
 
 
@@ -191,7 +227,13 @@ def block_memory(block: Block) -> BlockMemory:
 
 @dataclass(frozen=True, slots=True)
 class StageMemory:
-    """Memory of one rank of a pipeline stage, except the in-flight multiplier (bytes)."""
+    """Memory of one rank of a pipeline stage, except the in-flight multiplier (bytes).
+
+    `temporary`: short-lived buffers at the start of backward (twice the largest op output,
+    e.g. the logits' gradients); `layer_temporary` the same over the recomputed layers only;
+    `freed_before_recompute`: activations of one micro-batch released before the first
+    recomputed layer's backward (the epilogue's, whose backward runs first).
+    """
 
     weights: float
     grads: float
@@ -200,17 +242,30 @@ class StageMemory:
     recompute_workspace: float
     zero3_gather: float
     temporary: float
+    layer_temporary: float = 0.0
+    freed_before_recompute: float = 0.0
 
-    def peak(self, in_flight: int) -> tuple[int, tuple[tuple[str, int], ...]]:
-        """Peak bytes with `in_flight` micro-batches of activations held, and the breakdown."""
+    def peak(self, in_flight: float) -> tuple[int, tuple[tuple[str, int], ...]]:
+        """Peak bytes with `in_flight` micro-batches of activations held, and the breakdown
+        of the moment it happens. Two moments compete: the start of backward (every saved
+        activation plus `temporary`) and, with recomputation, the backward of a recomputed
+        layer (the activations still held, that layer's rebuilt activations and
+        `layer_temporary`); the two sets of buffers never coexist. Checked against torch's
+        own allocation on CPU (tests/cost_model/test_memory_measured.py)."""
+        acts = self.activations_per_microbatch * in_flight
+        moments = [(acts, 0.0, self.temporary)]
+        if self.recompute_workspace > 0:
+            held = max(0.0, acts - self.freed_before_recompute)
+            moments.append((held, self.recompute_workspace, self.layer_temporary))
+        held, workspace, temp = max(moments, key=sum)
         parts = {
             "weights": self.weights,
             "grads": self.grads,
             "optimizer": self.optimizer,
-            "activations": self.activations_per_microbatch * in_flight,
-            "recompute_workspace": self.recompute_workspace,
+            "activations": held,
+            "recompute_workspace": workspace,
             "zero3_gather": self.zero3_gather,
-            "temporary": self.temporary,
+            "temporary": temp,
         }
         subtotal = sum(parts.values())
         parts["overhead"] = ALLOCATOR_MARGIN * subtotal + CONTEXT_BYTES
@@ -230,16 +285,18 @@ def stage_memory(
     sequence_parallel: bool,
     scale: float,
     policy: str = "keep_linear",
+    precision: Precision = MIXED,
 ) -> StageMemory:
     """Memory of one rank of a stage made of `blocks` ((block, instance count) pairs);
-    `policy` is the selective-recomputation policy (`meshplan.cost_model.recompute`)."""
+    `policy` is the selective-recomputation policy (`meshplan.cost_model.recompute`),
+    `precision` the bytes per parameter of the model states (`precision_for`)."""
     dense = sum(n * (b.params_tp / tp + b.params_rep) for b, n in blocks)
     experts = sum(n * b.params_expert / (tp * ep) for b, n in blocks)
     # ZeRO shards over the dp * cp ranks that hold the same weights (Megatron-LM's distributed
     # optimizer uses the data-parallel group with CP; torchtitan's FSDP mesh is dp_shard x cp).
     dcp = dp * cp
-    w_d, g_d, o_d = state_bytes_per_param(zero, dcp)
-    w_e, g_e, o_e = state_bytes_per_param(zero, dcp // ep if dcp >= ep else 1)
+    w_d, g_d, o_d = state_bytes_per_param(zero, dcp, precision)
+    w_e, g_e, o_e = state_bytes_per_param(zero, dcp // ep if dcp >= ep else 1, precision)
     act_kw = {"tp": tp, "cp": cp, "sequence_parallel": sequence_parallel, "scale": scale}
     per_mb = sum(n * b.activations(**act_kw, recompute=recompute, policy=policy) for b, n in blocks)
     # A layer that is recomputed rebuilds what its policy dropped (a whole layer's worth for
@@ -256,8 +313,14 @@ def stage_memory(
         )
     gather = 0.0
     if zero == 3 and layers:
-        gather = WEIGHT_BYTES * max(b.params_per_rank(tp, ep) for b in layers)
+        gather = precision.weight_bytes * max(b.params_per_rank(tp, ep) for b in layers)
     temporary = TEMP_OUTPUTS * max((b.largest_output(**act_kw) for b, _ in blocks), default=0.0)
+    layer_temp = TEMP_OUTPUTS * max((b.largest_output(**act_kw) for b in layers), default=0.0)
+    freed = sum(
+        n * b.activations(**act_kw, recompute=recompute, policy=policy)
+        for b, n in blocks
+        if b.kind == "epilogue"
+    )
     return StageMemory(
         weights=dense * w_d + experts * w_e,
         grads=dense * g_d + experts * g_e,
@@ -266,6 +329,8 @@ def stage_memory(
         recompute_workspace=workspace,
         zero3_gather=gather,
         temporary=temporary,
+        layer_temporary=layer_temp,
+        freed_before_recompute=freed,
     )
 
 

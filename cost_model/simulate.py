@@ -68,6 +68,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from meshplan.ir import (
+    DTYPE_BYTES,
     Block,
     Cluster,
     DeviceGroup,
@@ -108,12 +109,12 @@ from .compression import (
 )
 from .compute import BlockCompute, block_compute, kernel_efficiency
 from .memory import (
-    GRAD_BYTES,
     WEIGHT_BYTES,
     BlockMemory,
     StageMemory,
     block_memory,
     in_flight_microbatches,
+    precision_for,
     stage_memory,
 )
 from .recompute import SelectivePolicy, recompute_forward_time
@@ -237,7 +238,9 @@ def _block_facts(graph: Graph, block: Block, hidden: int) -> BlockFacts:
         info = graph.info
         top_k = max(1, info.top_k)
         tokens = max(1, info.micro_batch) * max(1, info.seq_len)
-        a2a = top_k * tokens * hidden * WEIGHT_BYTES
+        # Tokens travel in the activations' dtype (the block output's).
+        elem = DTYPE_BYTES[block.outputs[0].dtype] if block.outputs else WEIGHT_BYTES
+        a2a = top_k * tokens * hidden * elem
     # The weight gradient of an op with parameters (Linear, expert GEMMs, norms, embedding)
     # costs its forward FLOPs (dW = dY^T X); the rest of backward is the input gradient.
     bwd = sum(op.bwd_flops for op in block.ops)
@@ -431,6 +434,8 @@ class Pricer:
         # What the planner may do to traffic (compression.py): every collective is priced at
         # its fastest allowed method (raw, lossless, int8 gradients). None: raw only.
         self.comm = comm
+        # Bytes per parameter of weights, gradients and optimizer states (memory.Precision).
+        self.precision = precision_for(dtype)
         self.groups: dict[str, DeviceGroup] = {g.name: g for g in cluster.groups}
         self._time: dict[tuple, StageTime] = {}
         self._block_time: dict[tuple, StageTime] = {}
@@ -639,14 +644,16 @@ class Pricer:
                 sequence_parallel=sp,
                 scale=micro_batch / self.costs.traced_micro_batch,
                 policy=self.selective_policy,
+                precision=self.precision,
             )
         return got
 
     def dp_traffic(
         self, comp: Composition, *, tp: int, ep: int, dp: int, zero: int, cp: int = 1
     ) -> DpTraffic:
-        """Per-occurrence DP collectives of a stage (bf16 gradients and weights, GRAD_BYTES /
-        WEIGHT_BYTES per parameter): ZeRO-0 all-reduces gradients; ZeRO-1/2 reduce-scatter
+        """Per-occurrence DP collectives of a stage (gradients and weights at the training
+        precision's bytes per parameter, `memory.Precision`: bf16 under mixed precision):
+        ZeRO-0 all-reduces gradients; ZeRO-1/2 reduce-scatter
         gradients and all-gather updated weights; ZeRO-3 (per micro-batch) all-gathers weights
         for forward and for backward and reduce-scatters gradients. Context-parallel ranks hold
         the same weights and their gradients are reduced with the data-parallel ones, so the
@@ -659,15 +666,16 @@ class Pricer:
         AR, AG, RS = Collective.ALL_REDUCE, Collective.ALL_GATHER, Collective.REDUCE_SCATTER
         out: list[tuple[Collective, float, int]] = []
         dcp = dp * cp
+        g_bytes, w_bytes = self.precision.grad_bytes, self.precision.weight_bytes
         for params, n in ((dense, dcp), (experts, dcp // ep if dcp >= ep else 1)):
             if params <= 0 or n <= 1:
                 continue
             if zero == 0:
-                out.append((AR, params * GRAD_BYTES, n))
+                out.append((AR, params * g_bytes, n))
             elif zero in (1, 2):
-                out += [(RS, params * GRAD_BYTES, n), (AG, params * WEIGHT_BYTES, n)]
+                out += [(RS, params * g_bytes, n), (AG, params * w_bytes, n)]
             else:
-                out += [(AG, params * WEIGHT_BYTES, n)] * 2 + [(RS, params * GRAD_BYTES, n)]
+                out += [(AG, params * w_bytes, n)] * 2 + [(RS, params * g_bytes, n)]
         return DpTraffic(tuple(out))
 
     def dp_single(self, traffic: DpTraffic, group: str, *, tp: int, cp: int) -> float:
@@ -785,15 +793,25 @@ def _slower_gpu(a: GpuSpec, b: GpuSpec) -> GpuSpec:
 _PRICER_CACHE: OrderedDict[tuple, tuple[Graph, Cluster, Pricer]] = OrderedDict()
 
 
+def compute_dtype(graph: Graph) -> str:
+    """The dtype a model trains in: that of its floating-point parameters (what the runtime
+    runs; the zoo builds bf16 models), bf16 when it has none."""
+    for p in graph.params:
+        if p.dtype in ("bfloat16", "float16", "float32", "float64"):
+            return p.dtype
+    return "bfloat16"
+
+
 def pricer_for(
     graph: Graph,
     cluster: Cluster,
-    dtype: str = "bfloat16",
+    dtype: str | None = None,
     comm: CommOptions | None = None,
     selective_policy: str = "keep_linear",
 ) -> Pricer:
     """A cached `Pricer` for (graph, cluster, dtype, comm, selective policy), by identity
-    (entries hold both objects)."""
+    (entries hold both objects). `dtype` None: the graph's own (`compute_dtype`)."""
+    dtype = dtype or compute_dtype(graph)
     key = (id(graph), id(cluster), dtype, comm, selective_policy)
     hit = _PRICER_CACHE.get(key)
     if hit is not None and hit[0] is graph and hit[1] is cluster:
@@ -1184,7 +1202,7 @@ def predict(
     parallel: Parallel,
     stages: Sequence[StagePlacement],
     *,
-    dtype: str = "bfloat16",
+    dtype: str | None = None,
     comm: CommOptions | None = None,
     selective_policy: str = "keep_linear",
 ) -> Prediction:
@@ -1195,7 +1213,9 @@ def predict(
     graph's costs are for `graph.info.micro_batch` sequences of `graph.info.seq_len` tokens;
     `parallel.micro_batch` scales them linearly. MFU counts the model's FLOPs
     (`graph.total_flops(training=True)`, scaled to the global batch, recomputation excluded)
-    over the dense peak of every GPU the plan uses. `comm` (compression.CommOptions): what
+    over the dense peak of every GPU the plan uses, in `dtype` (None: the model's own,
+    `compute_dtype`: a bf16 model trains in bf16 mixed precision, an fp32 one in fp32).
+    `comm` (compression.CommOptions): what
     may be done to traffic (lossless coding, int8 gradients), each collective at its fastest
     allowed method; None prices raw collectives (what published runs did).
     `selective_policy` (`meshplan.cost_model.recompute.SelectivePolicy`): how selective
@@ -1204,6 +1224,7 @@ def predict(
     check_parallel(graph, cluster, parallel, stages)
     p = parallel
     pricer = pricer_for(graph, cluster, dtype, comm, selective_policy)
+    dtype = pricer.dtype
     ranges = [(st.first_unit, st.last_unit) for st in stages]
     names = tuple(
         g.name for g in cluster.groups if any(g.name == r for st in stages for r, _ in st.replicas)

@@ -294,7 +294,7 @@ def plan(
     )
     decisions = ()
     if comm is not None:
-        pricer = pricer_for(graph, cluster, "bfloat16", comm)
+        pricer = pricer_for(graph, cluster, None, comm)
         decisions = plan_decisions(pricer, result.parallel, result.stages)
     source = ""
     if comm is not None and comm.lossless:

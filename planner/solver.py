@@ -1707,7 +1707,7 @@ def solve(
     global_batch: int,
     time_limit_s: float = 10.0,
     progress: Progress = None,
-    dtype: str = "bfloat16",
+    dtype: str | None = None,
     export_model: str | None = None,
     objective: Objective | None = None,
     comm: CommOptions | None = None,
@@ -1730,6 +1730,7 @@ def solve(
     start = time.perf_counter()
     say = progress or (lambda _msg: None)
     pricer = pricer_for(graph, cluster, dtype, comm)
+    dtype = pricer.dtype  # None: the model's own (`simulate.compute_dtype`)
     cands = enumerate_candidates(graph, cluster, pinned, global_batch, quantize=quantize)
     say(f"enumerated {len(cands)} candidate configurations")
     tokens = global_batch * (graph.info.seq_len or 1)

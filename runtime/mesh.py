@@ -273,6 +273,15 @@ _FUNCOL = {
 }
 
 
+def _replaying_saved_ops() -> bool:
+    """True inside the recomputation of a selective activation checkpoint, where torch
+    returns the saved outputs of saved ops instead of running them."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    from torch.utils.checkpoint import _CachedTorchDispatchMode
+
+    return any(isinstance(m, _CachedTorchDispatchMode) for m in _get_current_dispatch_mode_stack())
+
+
 class CollectiveCounter(TorchDispatchMode):
     """Records every collective this rank runs while active (`with CollectiveCounter() as c`).
 
@@ -317,7 +326,10 @@ class CollectiveCounter(TorchDispatchMode):
 
         def counted(*args, **kwargs):
             depth = getattr(self._depth, "n", 0)
-            if depth == 0:  # only the outermost call: wrappers call each other
+            # only the outermost call (wrappers call each other), and not a replay: inside a
+            # selective-checkpoint recomputation the collective's saved output is returned
+            # and nothing is sent (`runtime.recompute.keep_linear_policy` saves them)
+            if depth == 0 and not _replaying_saved_ops():
                 bound = signature.bind(*args, **kwargs)
                 tensor, group = (
                     args[0] if args else bound.arguments.get("self"),

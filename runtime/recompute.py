@@ -2,16 +2,24 @@
 
 - `full`: every repeated unit (transformer layer) keeps only its input and recomputes the
   rest in backward (Chen et al. 2016).
-- `selective`: only the attention sub-module of each unit is recomputed (Korthikanti et al.
-  2022 recompute the attention core; the sub-module is the finest grain torch can wrap
-  without editing the user's forward). Found by name: the child whose name contains `attn`
-  or `attention`; units without one fall back to full recomputation.
+- `selective`: op-level selective activation checkpointing of every unit (torch's
+  `create_selective_checkpoint_contexts`, as torchtitan's `selective_ac_option="op"`), with
+  the policy the cost model prices (`meshplan.cost_model.compute.kept_by_selective`): the
+  outputs of linear layers (2-D `mm` / `addmm`), of batched matmuls with a parameter operand
+  (stacked MoE experts) and of fused attention are kept; everything else (norms,
+  activations, RoPE, softmax, an unfused attention's score matmuls) is recomputed in
+  backward. Korthikanti et al. (2022) keep the same tensors on a GPT layer and recompute
+  the attention core. Collective outputs (DTensor's TP / SP traffic) are kept too, so
+  recomputation never repeats communication.
 
 Non-reentrant checkpointing is used: it composes with DTensor, FSDP2 and pipelining.
 """
 
 from __future__ import annotations
 
+import functools
+
+import torch
 from meshplan.ir.parallel import Recompute
 from meshplan.ir.plan import Plan
 from torch import nn
@@ -19,12 +27,62 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
     checkpoint_wrapper,
 )
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+_aten = torch.ops.aten
+# 2-D matmuls: in a transformer these are the linear layers (F.linear lowers to mm / addmm);
+# attention's score and context matmuls are batched (bmm) or fused.
+_LINEAR_OPS = frozenset({_aten.mm.default, _aten.addmm.default})
+_BATCHED_OPS = frozenset({_aten.bmm.default, _aten.baddbmm.default})
+_FUSED_ATTENTION_OPS = frozenset(
+    getattr(_aten, name).default
+    for name in (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    )
+    if hasattr(_aten, name)
+)
 
 
-def _wrap(parent: nn.Module, name: str) -> None:
+def _is_parameter(t: object) -> bool:
+    """A leaf tensor that requires grad (a parameter), or a view of one."""
+    while isinstance(t, torch.Tensor):
+        if t.is_leaf and t.requires_grad:
+            return True
+        t = t._base
+    return False
+
+
+def keep_linear_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Selective-checkpoint policy of `Recompute.SELECTIVE`: save linear, expert and fused
+    attention outputs, recompute the rest (module docstring)."""
+    if op in _LINEAR_OPS or op in _FUSED_ATTENTION_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    if getattr(op, "namespace", "") == "_c10d_functional":
+        # Never repeat communication in backward (DTensor's TP/SP collectives): the cost
+        # model prices selective recomputation without traffic, as torchtitan's SAC saves
+        # its reduce-scatters.
+        return CheckpointPolicy.MUST_SAVE
+    if op in _BATCHED_OPS and any(_is_parameter(a) for a in args):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _wrap(parent: nn.Module, name: str, selective: bool = False) -> None:
     # getattr/setattr by child name work for plain modules, ModuleList and ModuleDict alike.
     child = getattr(parent, name)
-    setattr(parent, name, checkpoint_wrapper(child, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+    kwargs = {}
+    if selective:
+        kwargs["context_fn"] = functools.partial(
+            create_selective_checkpoint_contexts, keep_linear_policy
+        )
+    setattr(
+        parent,
+        name,
+        checkpoint_wrapper(child, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs),
+    )
 
 
 def apply_recompute(model: nn.Module, plan: Plan, unit_paths: list[str]) -> int:
@@ -36,14 +94,6 @@ def apply_recompute(model: nn.Module, plan: Plan, unit_paths: list[str]) -> int:
     for path in unit_paths:
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
-        unit = model.get_submodule(path)
-        if mode == Recompute.SELECTIVE:
-            attn = [n for n, _ in unit.named_children() if "attn" in n or "attention" in n.lower()]
-            if attn:
-                for n in attn:
-                    _wrap(unit, n)
-                count += 1
-                continue
-        _wrap(parent, name)
+        _wrap(parent, name, selective=mode == Recompute.SELECTIVE)
         count += 1
     return count

@@ -40,6 +40,21 @@ def run(tp=2, pp=2, dp=4, zero=0, recompute="none", schedule="1f1b", sp=True, m=
     return {r.stage: dict(r.breakdown) | {"peak": r.peak_bytes} for r in pred.memory}
 
 
+def stage_parts(tp=2, recompute="none", policy="keep_linear"):
+    """The components of the whole model's stage (pp = 1) before the peak rule picks a
+    moment (`StageMemory`)."""
+    from meshplan.cost_model.simulate import pricer_for
+    from meshplan.ir import Recompute
+
+    g, c = graph(), h100_cluster(4)
+    pricer = pricer_for(g, c, None, None, policy)
+    comp = pricer.costs.composition(0, len(g.units))
+    return pricer.stage_memory(
+        comp, tp=tp, cp=1, ep=1, dp=4, zero=0, recompute=Recompute(recompute), sp=True,
+        micro_batch=B,
+    )  # fmt: skip
+
+
 def layer_params_per_rank(tp):
     return (4 * H * H + 2 * H * F) / tp + 2 * H  # qkv, o, up, down split; two norms whole
 
@@ -96,13 +111,41 @@ def test_recompute_selective_and_full():
     # up (f) and down (h), all bf16 and sequence-sharded under SP; the rest is recomputed
     kept = 2 * B * S * (H + 3 * H + H + H + F + H) / tp
     assert sel[0]["activations"] == pytest.approx(edges + 2 * kept, abs=2)
-    assert sel[0]["recompute_workspace"] == pytest.approx(korthikanti_layer(tp) - kept, abs=2)
+    ws_sel = stage_parts(tp, "selective").recompute_workspace
+    assert ws_sel == pytest.approx(korthikanti_layer(tp) - kept, abs=2)
     layer_input = 2 * B * S * H / tp  # bf16 hidden state, sequence-sharded under SP
     assert full[0]["activations"] == pytest.approx(edges + 2 * layer_input, abs=2)
     # the layer being recomputed rebuilds everything but its (already held) input
-    assert full[0]["recompute_workspace"] == pytest.approx(
+    full_parts = stage_parts(tp, "full")
+    assert full_parts.recompute_workspace == pytest.approx(
         korthikanti_layer(tp) - layer_input, abs=2
     )
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_peak_is_the_larger_of_two_moments(recompute):
+    """Start of backward: every saved activation + twice the largest output (the logits and
+    their gradient). A recomputed layer's backward: the epilogue's activations already
+    freed, the layer's rebuilt ones and twice its largest output. Never both at once."""
+    m = stage_parts(2, recompute)
+    start = m.activations_per_microbatch + m.temporary
+    during = (
+        m.activations_per_microbatch
+        - m.freed_before_recompute
+        + m.recompute_workspace
+        + m.layer_temporary
+    )
+    peak, parts = m.peak(1)
+    parts = dict(parts)
+    states = m.weights + m.grads + m.optimizer + m.zero3_gather
+    assert parts["activations"] + parts["recompute_workspace"] + parts["temporary"] == (
+        pytest.approx(max(start, during), abs=4)
+    )
+    assert peak == pytest.approx(
+        (states + max(start, during)) * (1 + ALLOCATOR_MARGIN) + CONTEXT_BYTES, abs=8
+    )
+    # the logits (vocab 1000 > ffn 256 > hidden) are the largest output: start of backward
+    assert m.temporary > m.layer_temporary > 0
 
 
 @pytest.mark.parametrize("pp,v,m", [(2, 2, 8), (4, 2, 8), (4, 3, 16), (4, 4, 2)])
@@ -150,7 +193,8 @@ def test_torchtitan_op_policy_keeps_every_other_linear():
     mem, step = _run_policy("torchtitan_op", tp)
     kept = 2 * B * S * (H + 3 * H + H + F) / tp
     assert mem["activations"] == pytest.approx(edges + 2 * kept, abs=2)
-    assert mem["recompute_workspace"] == pytest.approx(korthikanti_layer(tp) - kept, abs=2)
+    ws = stage_parts(tp, "selective", "torchtitan_op").recompute_workspace
+    assert ws == pytest.approx(korthikanti_layer(tp) - kept, abs=2)
     # It recomputes more than meshplan's keep-every-linear policy (o and down again).
     _, default = _run_policy("keep_linear", tp)
     assert step["recompute"] > default["recompute"] > 0
@@ -162,7 +206,8 @@ def test_every_other_layer_policy_is_half_full_half_none():
     mem, step = _run_policy("every_other_layer", tp)
     expect = (none[0]["activations"] + full[0]["activations"]) / 2
     assert mem["activations"] == pytest.approx(expect, abs=2)
-    assert mem["recompute_workspace"] == pytest.approx(full[0]["recompute_workspace"], abs=2)
+    ws = stage_parts(tp, "selective", "every_other_layer").recompute_workspace
+    assert ws == pytest.approx(stage_parts(tp, "full").recompute_workspace, abs=2)
     full_step = predict(
         graph(), h100_cluster(4),
         Parallel(dp=4, tp=tp, pp=1, cp=1, ep=1, micro_batch=B, global_batch=4 * B,

@@ -162,11 +162,11 @@ def _check_dp_collectives(plan, result):
     pricer = pricer_for(graph(), plan.cluster, dtype="float32")
     comp = costs.composition(plan.stages[0].first_unit, plan.stages[0].last_unit)
     traffic = pricer.dp_traffic(comp, tp=p.tp, ep=p.ep, dp=p.dp, zero=p.zero)
-    from meshplan.cost_model.simulate import GRAD_BYTES, WEIGHT_BYTES
-
     want: Counter = Counter()
+    prec = pricer.precision  # bytes per parameter of gradients and weights (fp32 here)
     for kind, size, n in traffic.collectives:
-        per = GRAD_BYTES if str(kind).lower().replace("-", "_") != "all_gather" else WEIGHT_BYTES
+        gathered = str(kind).lower().replace("-", "_") == "all_gather"
+        per = prec.weight_bytes if gathered else prec.grad_bytes
         want[_normalise(str(kind))] += round(size / per)
     got: Counter = Counter()
     for r in _step_records(result, "dp"):

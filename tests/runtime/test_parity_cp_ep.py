@@ -250,9 +250,8 @@ def _check_ep_collectives(plan, results, name, config):
     moves only kept choices, so summed over the ep group they equal the price without drops
     and stay below it with drops; slot dispatch moves the capacity buffers (E x capacity x
     hidden each, capacity_factor 1 here)."""
-    from meshplan.cost_model.simulate import WEIGHT_BYTES
-
     p = plan.parallel
+    elem = 4  # the CPU models run in fp32: tokens travel as 4-byte values
     model_kw, slots = config[2], config[1].get("ep_dispatch") == "slots"
     no_drop = model_kw.get("capacity_factor", 1.0) * model_kw["top_k"] >= model_kw["experts"]
     experts, m, fwd = model_kw["experts"], p.num_microbatches, _forwards(plan)
@@ -261,7 +260,7 @@ def _check_ep_collectives(plan, results, name, config):
     for rank, r in enumerate(results):
         costs, facts = _stage_facts(plan, model_kw, r[name]["stage"])
         scale = p.micro_batch / costs.traced_micro_batch
-        per_a2a = [f.a2a_bytes / WEIGHT_BYTES * scale / p.cp for f in facts if f.a2a_bytes]
+        per_a2a = [f.a2a_bytes / elem * scale / p.cp for f in facts if f.a2a_bytes]
         layers = len(per_a2a)
         recs = _records(r[name], "ep", {"all_to_all"})
         counts = [c for c in recs if c.numel == experts and not slots]
@@ -285,7 +284,7 @@ def _check_ep_collectives(plan, results, name, config):
 def _check_ep_dp_traffic(plan, results, name, model_kw):
     """Dense gradients all-reduced over dp, expert gradients over the dp/ep ranks holding the
     same experts: kinds and element counts equal the cost model's `dp_traffic`."""
-    from meshplan.cost_model.simulate import GRAD_BYTES, pricer_for
+    from meshplan.cost_model.simulate import pricer_for
 
     p = plan.parallel
     costs, _ = _stage_facts(plan, model_kw)
@@ -295,7 +294,8 @@ def _check_ep_dp_traffic(plan, results, name, model_kw):
     want = {}
     for kind, size, n in traffic.collectives:
         axis = "dp" if n == p.dp else "replica"
-        want[axis] = (str(kind).replace("-", "_").lower(), round(size / GRAD_BYTES))
+        grad_bytes = pricer.precision.grad_bytes
+        want[axis] = (str(kind).replace("-", "_").lower(), round(size / grad_bytes))
     r = results[0][name]
     for axis, (kind, numel) in want.items():
         recs = [

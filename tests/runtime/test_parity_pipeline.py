@@ -180,7 +180,7 @@ def _check_p2p(plan, results, name):
 def _check_uneven_dp(plan, results, name):
     """Replicas with different micro-batch counts run the same dp collectives, and their
     volume by kind equals the cost model's `dp_traffic` for the stage."""
-    from meshplan.cost_model.simulate import GRAD_BYTES, WEIGHT_BYTES, model_costs, pricer_for
+    from meshplan.cost_model.simulate import model_costs, pricer_for
 
     p = plan.parallel
     costs = model_costs(graph())
@@ -199,7 +199,12 @@ def _check_uneven_dp(plan, results, name):
         want: Counter = Counter()
         for kind, size, _ in traffic.collectives:
             kind = str(kind).replace("-", "_").lower()
-            want[kind] += round(size / (WEIGHT_BYTES if kind == "all_gather" else GRAD_BYTES))
+            per = (
+                pricer.precision.weight_bytes
+                if kind == "all_gather"
+                else pricer.precision.grad_bytes
+            )
+            want[kind] += round(size / per)
         got: Counter = Counter()
         for (kind, numel), n in per_replica[0].items():
             got[kind] += numel * n
