@@ -109,6 +109,7 @@ class Case:
     parallel: dict = field(default_factory=dict)
     dtype: str = "bfloat16"
     selective_policy: str = "keep_linear"  # meshplan.cost_model.recompute.SelectivePolicy
+    engine: dict = field(default_factory=dict)  # meshplan.cost_model.engine.Engine fields
     measured_step_s: float = math.nan
     conversion: str = ""
     measured_mem_gib: float | None = None
@@ -173,17 +174,18 @@ def interpret(i: int, r: dict[str, str]) -> Case:
         case.status, case.reason = "excluded", "parallel configuration not stated by the source"
         return case
     low = notes.lower().replace("float8 mfu not comparable", "")
-    if "float8" in low:
-        case.status, case.reason = "excluded", "Float8 training (meshplan prices bf16 GEMMs)"
+    if "rowwise" in low:
+        case.status, case.reason = "excluded", "Float8 rowwise scaling (its kernels not modelled)"
         return case
-    if "asynctp" in low or "async tp" in low:
-        case.status, case.reason = "excluded", "async TP (TP/GEMM overlap not modelled)"
-        return case
-    if "torch.compile" in low:
-        case.status, case.reason = "side", "torch.compile (meshplan prices eager kernels)"
-    if "tp-comm-overlap" in low and (tp or 1) > 1:
-        case.status = "side"
-        case.reason = "--tp-comm-overlap (TP/GEMM overlap not modelled, as async TP)"
+    engine: dict = {}
+    if "float8" in low:  # torchao's tensorwise recipe, the default of these runs
+        engine["float8"] = "tensorwise"
+        engine["float8_all_gather"] = "float8 all-gather" in low
+    if "asynctp" in low or "async tp" in low or ("tp-comm-overlap" in low and (tp or 1) > 1):
+        engine["tp_overlap"] = True
+    if "torch.compile" in low or not src.startswith("pytorch/torchtitan"):
+        engine["fused"] = True  # torch.compile, or Megatron-LM's fused kernels
+    case.engine = engine
     seq = _int(r["seq_len"]) or 0
     layers, hidden, heads = _int(r["layers"]), _int(r["hidden"]), _int(r["heads"])
     gb = _int(r["global_batch"])
@@ -234,13 +236,28 @@ def interpret(i: int, r: dict[str, str]) -> Case:
     elif src.startswith("pytorch/torchtitan"):
         size = r["model"].split()[-1].lower()  # 8B / 70B / 405B
         case.arch = Arch(f"llama3-{size}")
-        case.cluster = "dgx-a100" if "A100" in r["gpu_type"] else "grand-teton"
+        gt = r["gpu_type"]
+        case.cluster = "dgx-a100" if "A100" in gt else "h200" if "H200" in gt else "grand-teton"
         rc = "full" if rc_raw.startswith("full") else "selective"
         # torchtitan's selective AC: "op" (its default) saves every other mm; "layer"
         # checkpoints every second layer (meshplan.cost_model.recompute).
         if rc == "selective":
             case.selective_policy = "every_other_layer" if "layer" in rc_raw else "torchtitan_op"
         par |= {"micro_batch": mb or gb // dp, "recompute": rc, "zero": 3}
+        if pp > 1 and not mb:
+            # torchtitan (2024) splits the local batch into as many micro-batches as there are
+            # pipeline stages unless told otherwise (`pipeline_parallel_microbatches`: "the
+            # default value will be the number of pipeline stages").
+            par["micro_batch"] = max(1, gb // dp // pp)
+            # ... and FSDP under PP does not reshard after forward (torchtitan's default
+            # `reshard_after_forward` policy with PP): weights stay gathered and gradients
+            # accumulate unsharded across the micro-batches, reduce-scattered once a step:
+            # ZeRO-1's memory with one all-gather and one reduce-scatter per step.
+            par["zero"] = 1
+            if "interleaved" in low:
+                case.status = "excluded"
+                case.reason = "interleaved 1F1B with unstated split points (126 layers / pp 8)"
+                return case
         case.measured_step_s = gb * seq / (case.value * gpus)
         case.conversion = "global_batch * seq / (tokens/s/GPU * gpus)"
     else:
@@ -269,6 +286,8 @@ def build_cluster(kind: str, gpus: int):
         gpu, per_node, intra, inter, nics = "H100", 8, "nvlink4", "ib-ndr", 8
     elif kind == "grand-teton":  # Meta Grand Teton: 8 x H100 96GB @500W, 400 Gb/s RDMA per GPU
         gpu, per_node, intra, inter, nics = "H100-96GB-500W", 8, "nvlink4", "roce-400g", 8
+    elif kind == "h200":  # H200 SXM, 8/node on NVLink4, one 400 Gb/s ConnectX-7 per GPU
+        gpu, per_node, intra, inter, nics = "H200", 8, "nvlink4", "ib-ndr", 8
     elif kind == "dgx2-v100":  # DGX-2: 16 x V100 32GB on NVSwitch, 8 x EDR 100 Gb/s
         gpu, per_node, intra, inter, nics = "V100", 16, "nvlink2", "ib-edr", 8
     else:
@@ -353,7 +372,6 @@ def graph_for(arch: Arch, seq_len: int, cache_dir: Path | None):
 
 def run_case(case: Case, cache_dir: Path | None) -> None:
     """Estimate one counted/side case in place."""
-    import meshplan
     from meshplan.cost_model.memory import CONTEXT_BYTES
     from meshplan.cost_model.simulate import predict
     from meshplan.ir import Parallel
@@ -363,17 +381,21 @@ def run_case(case: Case, cache_dir: Path | None) -> None:
     graph = graph_for(case.arch, case.seq_len, cache_dir)
     cluster = build_cluster(case.cluster, case.gpus)
     par = Parallel(**case.parallel)
-    if case.dtype == "bfloat16" and case.selective_policy == "keep_linear":
-        pred = meshplan.estimate(graph, (), cluster, par)
-    else:  # estimate prices bf16 and meshplan's selective policy: call the cost model
-        from meshplan.api import check_config, complete_parallel
+    from meshplan.api import check_config, complete_parallel
+    from meshplan.cost_model.engine import Engine
 
-        p = complete_parallel(graph, cluster, par)
-        check_config(graph, cluster, p, par)
-        stages = place_stages(cluster, p, even_stages(graph, p.pp))
-        pred = predict(
-            graph, cluster, p, stages, dtype=case.dtype, selective_policy=case.selective_policy
-        )
+    p = complete_parallel(graph, cluster, par)
+    check_config(graph, cluster, p, par)
+    stages = place_stages(cluster, p, even_stages(graph, p.pp))
+    pred = predict(
+        graph,
+        cluster,
+        p,
+        stages,
+        dtype=case.dtype,
+        selective_policy=case.selective_policy,
+        engine=Engine(**case.engine),
+    )
     case.predicted_step_s = pred.step_time_s
     case.breakdown = {k: round(v, 6) for k, v in pred.breakdown}
     if case.measured_mem_gib is not None:
@@ -476,12 +498,162 @@ def print_report(cases: list[Case], out=sys.stdout) -> None:
     )
 
 
+def _gpu_of(case: Case) -> str:
+    return {
+        "dgx-a100": "A100-80GB",
+        "dgx-h100": "H100",
+        "grand-teton": "H100-96GB-500W",
+        "dgx2-v100": "V100",
+        "h200": "H200",
+    }[case.cluster]
+
+
+def _rerun(cases: list[Case], cache_dir: Path | None) -> None:
+    from meshplan.cost_model import simulate
+
+    simulate._MODEL_CACHE.clear()
+    simulate._PRICER_CACHE.clear()
+    for c in cases:
+        run_case(c, cache_dir)
+
+
+# Bounds of a fitted GEMM efficiency: hardware.md's "70-90% of peak for large GEMMs" at the
+# top (a fit that wants more is absorbing a modelling error elsewhere), 0.3 at the bottom.
+FIT_RANGE = (0.3, 0.9)
+
+
+def _fit_fields():
+    """(field, rows it is fitted on, bisection range) in coordinate-descent order. The
+    attention efficiency (forward and backward scaled together from the type's published
+    kernel numbers) is fitted on long-sequence rows, where attention is most of the step."""
+    return (
+        ("attention", lambda c: c.seq_len >= 32768, (0.3, 1.5)),
+        ("gemm", lambda c: not c.engine.get("float8"), FIT_RANGE),
+        ("gemm_fp8", lambda c: bool(c.engine.get("float8")), FIT_RANGE),
+    )
+
+
+def _with(eff, name: str, value: float, base):
+    import dataclasses as dc
+
+    if name == "attention":
+        return dc.replace(
+            eff,
+            attention_fwd=min(FIT_RANGE[1], base.attention_fwd * value),
+            attention_bwd=min(FIT_RANGE[1], base.attention_bwd * value),
+        )
+    return dc.replace(eff, **{name: value})
+
+
+def fit_gemm_efficiency(
+    cases: list[Case], cache_dir: Path | None, out=sys.stdout, passes: int = 4
+) -> dict:
+    """Per GPU type, the kernel efficiencies that zero the median signed step-time error of
+    that type's counted rows: attention (on its long-sequence rows), then bf16 GEMMs (rows
+    without Float8), then FP8 GEMMs (Float8 rows), by bisection (the error falls as an
+    efficiency rises), four times round (coordinate descent). A field needs at least 3 rows
+    of its kind to be fitted. Prints the values `cost_model/compute.KERNEL_EFFICIENCY` is
+    set from; changes nothing on disk."""
+    from meshplan.cost_model import compute
+
+    counted = [c for c in cases if c.status == "counted"]
+    fitted: dict[str, dict[str, float]] = {}
+    for gpu in sorted({_gpu_of(c) for c in counted}):
+        base = compute.KERNEL_EFFICIENCY.get(gpu, compute.DEFAULT_EFFICIENCY)
+        eff = base
+        fitted[gpu] = {}
+        for _ in range(passes):
+            for name, pick, (lo, hi) in _fit_fields():
+                rows = [c for c in counted if _gpu_of(c) == gpu and pick(c)]
+                if len(rows) < 3:
+                    continue
+                for _ in range(14):
+                    mid = (lo + hi) / 2
+                    compute.KERNEL_EFFICIENCY[gpu] = _with(eff, name, mid, base)
+                    _rerun(rows, cache_dir)
+                    med = statistics.median(c.step_error for c in rows)
+                    lo, hi = (mid, hi) if med > 0 else (lo, mid)
+                fitted[gpu][name] = round((lo + hi) / 2, 3)
+                eff = _with(eff, name, fitted[gpu][name], base)
+                compute.KERNEL_EFFICIENCY[gpu] = eff
+                fitted[gpu][name + "_rows"] = [c.row for c in rows]
+        compute.KERNEL_EFFICIENCY[gpu] = base
+        for name, _, _ in _fit_fields():
+            if name in fitted[gpu]:
+                v = fitted[gpu][name]
+                detail = (
+                    f"x{v:.3f}: fwd {eff.attention_fwd:.3f}, bwd {eff.attention_bwd:.3f}"
+                    if name == "attention"
+                    else f"{v:.3f}"
+                )
+                rows = fitted[gpu][name + "_rows"]
+                out.write(f"{gpu:<16} {name:<9} {detail}  ({len(rows)} rows: {rows})\n")
+    return fitted
+
+
+def leave_one_out(cases: list[Case], cache_dir: Path | None, out=sys.stdout) -> dict:
+    """Each counted row predicted with its GPU type's efficiencies refitted without it (one
+    coordinate-descent pass from the shipped values, brackets of +-0.15 around them): how
+    the cost model does on a published run it was not fitted on. Returns the summary."""
+    from meshplan.cost_model import compute
+
+    counted = [c for c in cases if c.status == "counted"]
+    shipped = dict(compute.KERNEL_EFFICIENCY)
+    errors: dict[int, float] = {}
+    for held in counted:
+        gpu = _gpu_of(held)
+        base = shipped.get(gpu, compute.DEFAULT_EFFICIENCY)
+        eff = base
+        for name, pick, (lo0, hi0) in _fit_fields():
+            rows = [c for c in counted if _gpu_of(c) == gpu and pick(c) and c is not held]
+            if len(rows) < 3:
+                continue
+            now = 1.0 if name == "attention" else getattr(eff, name) or eff.gemm
+            lo, hi = max(lo0, now - 0.15), min(hi0, now + 0.15)
+            for _ in range(10):
+                mid = (lo + hi) / 2
+                compute.KERNEL_EFFICIENCY[gpu] = _with(eff, name, mid, eff)
+                _rerun(rows, cache_dir)
+                med = statistics.median(c.step_error for c in rows)
+                lo, hi = (mid, hi) if med > 0 else (lo, mid)
+            eff = _with(eff, name, (lo + hi) / 2, eff)
+        compute.KERNEL_EFFICIENCY[gpu] = eff
+        _rerun([held], cache_dir)
+        errors[held.row] = held.step_error
+        compute.KERNEL_EFFICIENCY[gpu] = base
+    _rerun(counted, cache_dir)
+    abs_err = [abs(e) for e in errors.values()]
+    summary = {
+        "rows": len(errors),
+        "step_median_abs_error": statistics.median(abs_err),
+        "step_p90_abs_error": percentile(abs_err, 90),
+    }
+    out.write("row  in-sample  left out\n")
+    for c in counted:
+        out.write(f"{c.row:>3} {c.step_error:+9.1%} {errors[c.row]:+9.1%}\n")
+    out.write(
+        f"leave-one-out over {summary['rows']} rows: step time median |error| "
+        f"{summary['step_median_abs_error']:.1%}, p90 {summary['step_p90_abs_error']:.1%}\n"
+    )
+    return summary
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--csv", type=Path, default=DEFAULT_CSV)
     ap.add_argument("--json", type=Path, help="write per-row results and the summary here")
     ap.add_argument("--cache", type=Path, help="directory to keep traced graphs in")
     ap.add_argument("--rows", help="comma-separated row numbers to run (default: all)")
+    ap.add_argument(
+        "--fit",
+        action="store_true",
+        help="print the per-GPU-type GEMM efficiencies that zero each type's median error",
+    )
+    ap.add_argument(
+        "--loo",
+        action="store_true",
+        help="leave-one-out: refit each row's GPU type without it, then predict it",
+    )
     args = ap.parse_args(argv)
     with open(args.csv, newline="") as f:
         rows = list(csv.DictReader(f))
@@ -493,6 +665,12 @@ def main(argv: list[str] | None = None) -> int:
     for c in cases:
         if c.status != "excluded":
             run_case(c, args.cache)
+    if args.fit:
+        fit_gemm_efficiency(cases, args.cache)
+        return 0
+    if args.loo:
+        leave_one_out(cases, args.cache)
+        return 0
     print_report(cases)
     print(f"({time.perf_counter() - t0:.1f} s)")
     if args.json:

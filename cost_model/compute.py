@@ -39,10 +39,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import statistics
 from dataclasses import dataclass
 
 from meshplan.ir import DTYPE_BYTES, Block, GpuSpec, Op, OpKind, TensorMeta
+from meshplan.passes.fusion import fusion_regions
+from meshplan.passes.sharding import row_parallel_ops
+
+from .engine import EAGER, Engine
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +65,12 @@ class KernelEfficiency:
     attention_bwd: float
     memory: float
     source: str = ""
+    # FP8 GEMMs (`Engine.float8`) as a fraction of the dense FP8 peak; None: as `gemm`.
+    gemm_fp8: float | None = None
+
+    @property
+    def fp8(self) -> float:
+        return self.gemm if self.gemm_fp8 is None else self.gemm_fp8
 
 
 # Per GPU type (`GpuSpec.name`). Where each number comes from:
@@ -71,22 +82,39 @@ class KernelEfficiency:
 #   torchtitan) and cuDNN (Transformer Engine, Megatron-Core). V100 has no flash kernel with
 #   bf16 tensor cores; the fp16 FlashAttention-1 paper (Dao et al. 2022) reports ~0.5 of peak
 #   on A100 and V100-era fused kernels are assumed at the same fraction.
-# - gemm: calibrated per GPU type on the published runs of that type
-#   (benchmarks/fidelity.py, docs/fidelity.md lists the rows), within hardware.md's "70-90% of
-#   peak for large GEMMs": A100 on Korthikanti et al. Table 5 (rows 1-8) and the 2020 Megatron
-#   DGX A100 rows; H100 SXM on the Megatron-Core r0.8 table; V100 on the 2020 DGX-2 rows;
-#   H100-96GB-500W (power capped) on the eager bf16 torchtitan rows.
+# - gemm (bf16/fp16) and gemm_fp8: fitted per GPU type on the published runs of that type,
+#   `python benchmarks/fidelity.py --fit` (each type's value zeroes the median signed
+#   step-time error of its counted rows, bisection within 0.3-0.9; docs/fidelity.md lists
+#   the rows). The fit runs with wave quantization and the rows' own engines (fused kernels,
+#   Float8, TP overlap; `cost_model.engine`), so these are the efficiencies of a perfectly
+#   tiled GEMM: A100 on Korthikanti et al. Table 5, the 2020 Megatron DGX A100 rows and the
+#   torchtitan A100 rows (0.828); H100 SXM on the Megatron-Core r0.8 table (0.723); V100 on
+#   the 2020 DGX-2 rows (0.900, the top of the range: those rows' unfused-attention trace
+#   over-prices attention, see docs/fidelity.md); H100-96GB-500W (power capped) on the
+#   torchtitan rows (0.556 bf16, 0.549 of the FP8 peak, and its attention 0.210 / 0.173,
+#   fitted on the 32k-262k-token context-parallel rows: about half the FA2-on-H100 values
+#   below, through torch's context-parallel SDPA at 500 W). Hopper types without FP8 rows
+#   take the 500 W part's FP8/bf16 ratio (0.987) times their own bf16 value (extrapolation).
 # - memory: STREAM-like kernels reach ~0.8-0.9 of HBM bandwidth on A100/H100 (NVIDIA's
 #   babelstream/nvbandwidth numbers); 0.8 is used for every type.
+_FIT = "benchmarks/fidelity.py --fit"
 KERNEL_EFFICIENCY: dict[str, KernelEfficiency] = {
-    "V100": KernelEfficiency(0.80, 0.50, 0.45, 0.8, "2020 Megatron DGX-2 rows"),
-    "A100-80GB": KernelEfficiency(0.80, 0.62, 0.55, 0.8, "Korthikanti T5; 2020 DGX A100 rows"),
-    "A100-40GB": KernelEfficiency(0.80, 0.62, 0.55, 0.8, "as A100-80GB"),
-    "A100-PCIe": KernelEfficiency(0.80, 0.62, 0.55, 0.8, "as A100-80GB"),
-    "H100": KernelEfficiency(0.75, 0.45, 0.38, 0.8, "Megatron-Core r0.8 table"),
-    "H200": KernelEfficiency(0.75, 0.45, 0.38, 0.8, "as H100 (same GH100 compute)"),
-    "H100-PCIe": KernelEfficiency(0.75, 0.45, 0.38, 0.8, "as H100"),
-    "H100-96GB-500W": KernelEfficiency(0.62, 0.40, 0.33, 0.8, "torchtitan eager bf16 rows"),
+    "V100": KernelEfficiency(0.90, 0.50, 0.45, 0.8, f"2020 Megatron DGX-2 rows ({_FIT})"),
+    "A100-80GB": KernelEfficiency(
+        0.828, 0.62, 0.55, 0.8, f"Korthikanti T5, Megatron and torchtitan A100 rows ({_FIT})"
+    ),
+    "A100-40GB": KernelEfficiency(0.828, 0.62, 0.55, 0.8, "as A100-80GB"),
+    "A100-PCIe": KernelEfficiency(0.828, 0.62, 0.55, 0.8, "as A100-80GB"),
+    "H100": KernelEfficiency(
+        0.723, 0.45, 0.38, 0.8, f"Megatron-Core r0.8 table ({_FIT})", gemm_fp8=0.714
+    ),
+    "H200": KernelEfficiency(
+        0.723, 0.45, 0.38, 0.8, "as H100 (same GH100 compute)", gemm_fp8=0.714
+    ),
+    "H100-PCIe": KernelEfficiency(0.723, 0.45, 0.38, 0.8, "as H100", gemm_fp8=0.714),
+    "H100-96GB-500W": KernelEfficiency(
+        0.556, 0.210, 0.173, 0.8, f"torchtitan rows ({_FIT})", gemm_fp8=0.549
+    ),
 }
 # Any other type: hardware.md's low end for large GEMMs and the FA2-on-A100 attention fraction.
 DEFAULT_EFFICIENCY = KernelEfficiency(0.75, 0.5, 0.45, 0.8, "assumption")
@@ -125,6 +153,39 @@ KERNEL_FLOOR_S = 5e-6
 
 # Flash attention computes only the unmasked tiles of a causal mask: about half the FLOPs.
 CAUSAL_FLOP_FRACTION = 0.5
+
+# Wave quantization (NVIDIA, "Matrix Multiplication Background User's Guide", Deep Learning
+# Performance docs, sections "Tile Quantization" and "Wave Quantization"): a GEMM's output is
+# cut into tiles, one thread block each, and the tiles run in waves of one per SM, so a GEMM
+# takes ceil(tiles / SMs) waves however little of the last one is used, and partial tiles at
+# the edges cost as much as full ones. Tile side: 128 (the guide's and CUTLASS's common tile
+# for large fp16/bf16 GEMMs on Ampere and Hopper); 64 when an output has fewer 128-tiles than
+# the GPU has SMs (assumption: cuBLAS's heuristics pick smaller tiles for small outputs, at
+# no other loss). Fused attention tiles the query sequence in blocks of 128 per (batch,
+# head), FlashAttention-2's forward/backward grid (Dao 2023, section 3.2), and loops over the
+# keys inside a block.
+GEMM_TILE = 128
+SMALL_GEMM_TILE = 64
+ATTENTION_BLOCK = 128
+
+
+def wave_efficiency(
+    batch: float, m: float, n: float, sms: int, *, attention: bool = False
+) -> float:
+    """Useful fraction of the tile-waves a GEMM with output (batch, m, n) runs on `sms` SMs:
+    batch m n / (waves * sms * tile area), in (0, 1]. `attention`: fused attention with `m`
+    query positions per (batch, head) row (`n` is ignored: keys are looped over, not tiled)."""
+    if sms <= 0 or batch <= 0 or m <= 0 or n <= 0:
+        return 1.0
+    if attention:
+        tiles = math.ceil(batch) * math.ceil(m / ATTENTION_BLOCK)
+        return batch * m / (math.ceil(tiles / sms) * sms * ATTENTION_BLOCK)
+    tile = GEMM_TILE
+    tiles = math.ceil(batch) * math.ceil(m / tile) * math.ceil(n / tile)
+    if tiles < sms:
+        tile = SMALL_GEMM_TILE
+        tiles = math.ceil(batch) * math.ceil(m / tile) * math.ceil(n / tile)
+    return batch * m * n / (math.ceil(tiles / sms) * sms * tile * tile)
 
 
 def kept_by_selective(op: Op) -> bool:
@@ -203,6 +264,46 @@ def op_time(
 
 
 @dataclass(frozen=True, slots=True)
+class GemmTerm:
+    """One GEMM (or fused attention) of a block for wave quantization: its roofline parts at
+    the traced size and its output shape with what shrinks each dimension.
+
+    `phase` is "fwd", "bwd" or "sel" (a forward that selective recomputation repeats), `cls`
+    the block's split class ("tp" / "sp", as `BlockCompute`). Each `*_by` names the factors a
+    dimension scales by: "mb" (the micro-batch ratio), "cp" (1 / cp), "tp" (1 / tp).
+    """
+
+    phase: str
+    cls: str
+    flop_s: float
+    mem_s: float
+    batch: int
+    m: int
+    n: int
+    batch_by: tuple[str, ...] = ()
+    m_by: tuple[str, ...] = ()
+    n_by: tuple[str, ...] = ()
+    attention: bool = False
+
+    def extra(self, factors: dict[str, float], r: float, sms: int) -> float:
+        """Seconds wave quantization adds to this GEMM at work share `r`."""
+
+        def dim(size: int, by: tuple[str, ...]) -> float:
+            for f in by:
+                size *= factors[f]
+            return size
+
+        q = wave_efficiency(
+            dim(self.batch, self.batch_by),
+            dim(self.m, self.m_by),
+            dim(self.n, self.n_by),
+            sms,
+            attention=self.attention,
+        )
+        return r * (max(self.flop_s / q, self.mem_s) - max(self.flop_s, self.mem_s))
+
+
+@dataclass(frozen=True, slots=True)
 class BlockCompute:
     """Roofline aggregates of one block on one GPU type, by TP split class.
 
@@ -227,6 +328,17 @@ class BlockCompute:
     floor_bwd: float | None = None
     floor_sel: float | None = None
     source: str = "analytic"
+    gemms: tuple[GemmTerm, ...] = ()  # wave quantization terms (analytic model only)
+    sms: int = 0
+    # Forward / backward time of the TP-sharded GEMMs (and attention) at the traced size:
+    # what tensor-parallel traffic can hide behind (`Engine.tp_overlap`).
+    gemm_fwd_tp: float = 0.0
+    gemm_bwd_tp: float = 0.0
+
+    def gemm_times(self, *, tp: int, cp: int, scale: float) -> tuple[float, float]:
+        """(forward, backward) seconds of the TP-sharded tensor-core ops of one instance."""
+        r_tp = scale / (tp * cp)
+        return r_tp * self.gemm_fwd_tp, r_tp * self.gemm_bwd_tp
 
     def times(
         self, *, tp: int, cp: int, sequence_parallel: bool, scale: float
@@ -241,10 +353,16 @@ class BlockCompute:
         fl_f = self.n_fwd * KERNEL_FLOOR_S if self.floor_fwd is None else self.floor_fwd
         fl_b = self.n_bwd * KERNEL_FLOOR_S if self.floor_bwd is None else self.floor_bwd
         fl_s = self.n_sel * KERNEL_FLOOR_S if self.floor_sel is None else self.floor_sel
-        fwd = r_tp * self.fwd_tp + r_sp * self.fwd_sp + fl_f
-        bwd = r_tp * self.bwd_tp + r_sp * self.bwd_sp + fl_b
-        sel = r_tp * self.sel_tp + r_sp * self.sel_sp + fl_s
-        return fwd, bwd, sel
+        out = {
+            "fwd": r_tp * self.fwd_tp + r_sp * self.fwd_sp + fl_f,
+            "bwd": r_tp * self.bwd_tp + r_sp * self.bwd_sp + fl_b,
+            "sel": r_tp * self.sel_tp + r_sp * self.sel_sp + fl_s,
+        }
+        if self.gemms:  # wave quantization at this (tp, cp, micro-batch)
+            factors = {"mb": scale, "cp": 1.0 / cp, "tp": 1.0 / tp}
+            for g in self.gemms:
+                out[g.phase] += g.extra(factors, r_tp if g.cls == "tp" else r_sp, self.sms)
+        return out["fwd"], out["bwd"], out["sel"]
 
 
 def latency_model(gpu: GpuSpec):
@@ -316,27 +434,209 @@ def _learned_parts(model, block: Block, gpu: GpuSpec, dtype: str) -> list[tuple[
     return [_LEARNED_PARTS[k] for k in keys]
 
 
-def block_compute(block: Block, gpu: GpuSpec, dtype: str) -> BlockCompute:
+def block_compute(block: Block, gpu: GpuSpec, dtype: str, engine: Engine = EAGER) -> BlockCompute:
     """Aggregate the op times of `block` on `gpu` (one pass over its ops): the learned model's
-    when it covers `gpu` (`latency_model`), else the analytic roofline's."""
-    model = latency_model(gpu)
+    when it covers `gpu` (`latency_model`) and the engine is meshplan's eager one, else the
+    analytic roofline's with the `engine`'s features (`cost_model.engine`): fused regions of
+    memory-bound ops (`passes.fusion`) and Float8 linear layers (`float8_linear_time`)."""
+    model = latency_model(gpu) if engine.is_eager else None
     if model is not None:
         return _learned_block_compute(model, block, gpu, dtype)
     acc = {k: 0.0 for k in ("fwd_tp", "fwd_sp", "bwd_tp", "bwd_sp", "sel_tp", "sel_sp")}
+    gemm = {"fwd": 0.0, "bwd": 0.0}  # TP-sharded GEMM time, what TP traffic can overlap
     n_fwd = n_bwd = n_sel = 0
-    for op in block.ops:
+    rows = set()  # row-parallel projections (prologue / epilogue matmuls are column-parallel)
+    if block.kind == "layer":
+        rows = {id(op) for op in row_parallel_ops(block, _block_hidden(block))}
+    regions = {r.ops[0]: r for r in fusion_regions(block)} if engine.fused else {}
+    fused = {i for r in regions.values() for i in r.ops}
+    gemms: list[GemmTerm] = []
+    for i, op in enumerate(block.ops):
         cls = "tp" if splits_with_tp(op, block.kind) else "sp"
+        if i in regions:  # one fused kernel for the whole chain
+            fwd, bwd, split = _region_times(block, regions[i], gpu)
+            for c, share in split.items():
+                acc["fwd_" + c] += share * fwd
+                acc["sel_" + c] += share * fwd  # fusable ops are never kept by selective
+                acc["bwd_" + c] += share * bwd
+            n_fwd, n_sel, n_bwd = n_fwd + 1, n_sel + 1, n_bwd + (1 if bwd else 0)
+            continue
+        if i in fused:
+            continue
+        f8 = engine.float8 is not None and is_float8_linear(op, block)
+        terms = gemm_terms(op, gpu, dtype, cls, row_parallel=id(op) in rows, float8=f8)
         if op.fwd_flops or op.fwd_bytes:
-            t = roofline_time(op, gpu, dtype)
+            if f8:
+                t = float8_linear_time(op, gpu, fused=engine.fused)
+                n_fwd += FLOAT8_CAST_KERNELS
+            else:
+                t = roofline_time(op, gpu, dtype)
             acc["fwd_" + cls] += t
             n_fwd += 1
+            if op.kind in TENSOR_CORE_KINDS and cls == "tp":
+                gemm["fwd"] += t
+            gemms += [g for g in terms if g.phase == "fwd"]
             if not kept_by_selective(op):
                 acc["sel_" + cls] += t
                 n_sel += 1
+                gemms += [dataclasses.replace(g, phase="sel") for g in terms if g.phase == "fwd"]
         if op.bwd_flops or op.bwd_bytes:
-            acc["bwd_" + cls] += roofline_time(op, gpu, dtype, backward=True)
+            if f8:
+                t = float8_linear_time(op, gpu, fused=engine.fused, backward=True)
+                n_bwd += FLOAT8_CAST_KERNELS
+            else:
+                t = roofline_time(op, gpu, dtype, backward=True)
+            acc["bwd_" + cls] += t
             n_bwd += 1
-    return BlockCompute(**acc, n_fwd=n_fwd, n_bwd=n_bwd, n_sel=n_sel)
+            if op.kind in TENSOR_CORE_KINDS and cls == "tp":
+                gemm["bwd"] += t
+            gemms += [g for g in terms if g.phase == "bwd"]
+    return BlockCompute(
+        **acc, n_fwd=n_fwd, n_bwd=n_bwd, n_sel=n_sel, gemms=tuple(gemms), sms=gpu.sms,
+        gemm_fwd_tp=gemm["fwd"], gemm_bwd_tp=gemm["bwd"],
+    )  # fmt: skip
+
+
+def _region_times(block: Block, region, gpu: GpuSpec) -> tuple[float, float, dict[str, float]]:
+    """(forward, backward) roofline seconds of one fused region at the traced size and the
+    share of it each split class carries (by the eager bytes of its ops)."""
+    k = kernel_efficiency(gpu)
+    bw = gpu.hbm_bandwidth * k.memory
+    by_cls = {"tp": 0.0, "sp": 0.0}
+    flops = {"fwd": 0.0, "bwd": 0.0}
+    for i in region.ops:
+        op = block.ops[i]
+        by_cls["tp" if splits_with_tp(op, block.kind) else "sp"] += op.fwd_bytes + op.bwd_bytes
+        flops["fwd"] += op.fwd_flops
+        flops["bwd"] += op.bwd_flops
+    vector = gpu.peak("float32") * VECTOR_FLOP_EFFICIENCY
+    fwd = max(flops["fwd"] / vector, region.fwd_bytes / bw)
+    bwd = max(flops["bwd"] / vector, region.bwd_bytes / bw) if region.bwd_bytes else 0.0
+    total = sum(by_cls.values()) or 1.0
+    return fwd, bwd, {c: v / total for c, v in by_cls.items() if v}
+
+
+# Float8 linear layers (torchao tensorwise dynamic scaling, as torchtitan runs them): before
+# each GEMM its two operands are scaled by their absolute maximum and cast to FP8, in
+# forward X (M x K) and W (K x N), in backward the output gradient (M x N), and the weight
+# and input gradients need the transposed FP8 operands. Bytes per element, memory-bound:
+# eager, an amax pass (read 2) and a cast (read 2, write 1): 5; fused by torch.compile into
+# the producing kernel, read 2 + write 1: 3; a transpose of an FP8 tensor reads and writes 1.
+# The GEMM output (and everything outside the linear layers) stays bf16. Assumption on the
+# kernel split, consistent with torchao's Float8Linear (amax, scale, cast, `_scaled_mm`).
+FLOAT8_CAST_BYTES = {False: 5, True: 3}
+FLOAT8_TRANSPOSE_BYTES = 2
+FLOAT8_CAST_KERNELS = 2  # per direction: the two casts (forward) / cast + transposes (backward)
+FLOAT8_DTYPE = "float8_e4m3fn"
+
+
+def is_float8_linear(op: Op, block: Block) -> bool:
+    """A linear layer Float8 training converts: a parameterised 2-D matmul inside a
+    transformer layer (torchtitan leaves the output head and the embedding in bf16)."""
+    return block.kind == "layer" and op.kind == OpKind.MATMUL and bool(op.params)
+
+
+def float8_linear_time(op: Op, gpu: GpuSpec, *, fused: bool, backward: bool = False) -> float:
+    """Roofline seconds of one Float8 linear layer at its traced size, one direction: the FP8
+    GEMM(s) at the FP8 peak times `KernelEfficiency.gemm_fp8`, plus the casts (above)."""
+    from .features import gemm_dims
+
+    k = kernel_efficiency(gpu)
+    _, m, n, kk = gemm_dims(op)
+    bw = gpu.hbm_bandwidth * k.memory
+    flops = op.bwd_flops if backward else op.fwd_flops
+    gemm_s = flops / (gpu.peak(FLOAT8_DTYPE) * k.fp8)
+    io_bytes = (op.bwd_bytes if backward else op.fwd_bytes) * 0.5  # FP8 operands
+    cast = FLOAT8_CAST_BYTES[fused]
+    if backward:
+        conv = cast * m * n + FLOAT8_TRANSPOSE_BYTES * (m * kk + kk * n)
+    else:
+        conv = cast * (m * kk + kk * n)
+    return max(gemm_s, io_bytes / bw) + conv / bw
+
+
+def _block_hidden(block: Block) -> int:
+    """The model width: the last dimension of the activation entering the block."""
+    for t in block.inputs:
+        if t.shape and t.dtype not in ("int64", "int32"):
+            return t.shape[-1]
+    return 0
+
+
+def gemm_terms(
+    op: Op,
+    gpu: GpuSpec,
+    dtype: str,
+    cls: str,
+    *,
+    row_parallel: bool = False,
+    float8: bool = False,
+) -> tuple[GemmTerm, ...]:
+    """The wave-quantization terms of one tensor-core op (empty for any other kind).
+
+    Shapes (`features.gemm_dims`: batch, M, N, K) and how sharding shrinks them:
+    - a linear layer (a matmul with parameters; MoE experts likewise, per expert): forward
+      output (M tokens, N); backward input gradient (M, K) and weight gradient (K, N), half
+      the backward FLOPs each. Tokens scale with the micro-batch and 1 / cp; a column-parallel
+      layer's N and a row-parallel one's K scale with 1 / tp (Megatron-LM, Shoeybi et al.);
+    - a matmul without parameters (an unfused attention's scores and context, batch = b x
+      heads): the batch scales with the micro-batch and 1 / tp (heads), M with 1 / cp;
+    - fused attention: FlashAttention-2's grid of (b x heads) x query blocks, forward and
+      backward alike.
+    The FLOP part of the roofline (`roofline_time` without the memory term) is what waves
+    quantize; the memory part is kept as is.
+    """
+    if op.kind not in TENSOR_CORE_KINDS or gpu.sms <= 0:
+        return ()
+    from .features import gemm_dims
+
+    batch, m, n, k = gemm_dims(op)
+    if not (batch and m and n and k):
+        return ()
+    keff = kernel_efficiency(gpu)
+    peak = gpu.peak(FLOAT8_DTYPE if float8 else dtype)
+    out: list[GemmTerm] = []
+    for backward in (False, True):
+        flops = effective_flops(op, backward=backward)
+        nbytes = op.bwd_bytes if backward else op.fwd_bytes
+        if not flops:
+            continue
+        if op.kind == OpKind.ATTENTION:
+            eff = keff.attention_bwd if backward else keff.attention_fwd
+        else:
+            eff = keff.fp8 if float8 else keff.gemm
+        flop_s = flops / (peak * eff)
+        mem_s = nbytes * (0.5 if float8 else 1.0) / (gpu.hbm_bandwidth * keff.memory)
+        phase = "bwd" if backward else "fwd"
+        tokens = ("mb", "cp")
+        if op.kind == OpKind.ATTENTION:
+            shapes = [(1.0, batch, m, n, ("mb", "tp"), ("cp",), ())]
+        elif not op.params:  # unfused attention matmuls: batch = b x heads
+            shapes = [(1.0, batch, m, n, ("mb", "tp"), ("cp",), ())]
+        else:
+            n_by = ("tp",) if cls == "tp" and not row_parallel else ()
+            k_by = ("tp",) if cls == "tp" and row_parallel else ()
+            if not backward:
+                shapes = [(1.0, batch, m, n, (), tokens, n_by)]
+            else:  # input gradient (M, K), weight gradient (K, N)
+                shapes = [(0.5, batch, m, k, (), tokens, k_by), (0.5, batch, k, n, (), k_by, n_by)]
+        for share, b, mm, nn, b_by, m_by, n_by_ in shapes:
+            out.append(
+                GemmTerm(
+                    phase,
+                    cls,
+                    share * flop_s,
+                    share * mem_s,
+                    b,
+                    mm,
+                    nn,
+                    b_by,
+                    m_by,
+                    n_by_,
+                    attention=op.kind == OpKind.ATTENTION,
+                )  # fmt: skip
+            )
+    return tuple(out)
 
 
 def op_parts(

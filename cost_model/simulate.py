@@ -108,6 +108,7 @@ from .compression import (
     tensor_of,
 )
 from .compute import BlockCompute, block_compute, kernel_efficiency
+from .engine import EAGER, Engine
 from .memory import (
     WEIGHT_BYTES,
     BlockMemory,
@@ -123,6 +124,13 @@ from .recompute import SelectivePolicy, recompute_forward_time
 # the compute down or waits). Assumption (Echo / dPRO, PAPERS.md: overlapped communication
 # slows the compute it overlaps with), calibrated in issue 3.
 OVERLAP_EFFICIENCY = 0.8
+
+
+def exposed(comm: float, window: float, eta: float = OVERLAP_EFFICIENCY) -> float:
+    """Seconds of `comm` left exposed when it overlaps `window` seconds of compute:
+    C - eta * min(C, W), i.e. at least (1 - eta) C (the module docstring's rule)."""
+    return comm - eta * min(comm, window)
+
 
 # Bytes the Adam update streams per parameter it owns: read fp32 master/momentum/variance and
 # the bf16 gradient, write the three fp32 states back and the new bf16 weight, about 16 + 4.
@@ -277,12 +285,12 @@ class ModelCosts:
         self._compute: dict[tuple, BlockCompute] = {}
         self._comps: dict[tuple, Composition | tuple[Composition, ...]] = {}
 
-    def compute(self, key: str, gpu: GpuSpec, dtype: str) -> BlockCompute:
+    def compute(self, key: str, gpu: GpuSpec, dtype: str, engine: Engine = EAGER) -> BlockCompute:
         """Roofline aggregates of block `key` on `gpu` (computed once per GPU type)."""
-        ck = (key, gpu, dtype)
+        ck = (key, gpu, dtype, engine)
         got = self._compute.get(ck)
         if got is None:
-            got = self._compute[ck] = block_compute(self.blocks[key], gpu, dtype)
+            got = self._compute[ck] = block_compute(self.blocks[key], gpu, dtype, engine)
         return got
 
     def composition(self, first: int, last: int) -> Composition:
@@ -424,8 +432,11 @@ class Pricer:
         dtype: str = "bfloat16",
         comm: CommOptions | None = None,
         selective_policy: str = "keep_linear",
+        engine: Engine = EAGER,
     ) -> None:
         self.costs = costs
+        # How the step executes beyond the configuration (fused kernels, Float8, TP overlap).
+        self.engine = engine
         self.cluster = cluster
         self.dtype = dtype
         # How Recompute.SELECTIVE keeps outputs (recompute.SelectivePolicy): meshplan's and
@@ -503,12 +514,14 @@ class Pricer:
         g = self.groups[group]
         scale = micro_batch / self.costs.traced_micro_batch
         facts = self.costs.facts[bkey]
-        fwd, bwd, sel = self.costs.compute(bkey, g.gpu, self.dtype).times(
-            tp=tp, cp=cp, sequence_parallel=sp, scale=scale
-        )
+        bc = self.costs.compute(bkey, g.gpu, self.dtype, self.engine)
+        fwd, bwd, sel = bc.times(tp=tp, cp=cp, sequence_parallel=sp, scale=scale)
         t_fwd, t_bwd = self._tp_traffic(
             facts, tp, cp, sp, scale, intra_node_path(self.cluster, g), g.gpu
         )
+        if self.engine.tp_overlap and tp > 1:  # decomposed GEMMs hide part of the TP traffic
+            g_fwd, g_bwd = bc.gemm_times(tp=tp, cp=cp, scale=scale)
+            t_fwd, t_bwd = exposed(t_fwd, g_fwd), exposed(t_bwd, g_bwd)
         c_fwd, c_bwd = self._cp_traffic(facts, g, tp, cp, scale)
         e_fwd, e_bwd = self._ep_traffic(facts, g, tp, cp, ep, sp, scale)
         rc = 0.0
@@ -667,6 +680,8 @@ class Pricer:
         out: list[tuple[Collective, float, int]] = []
         dcp = dp * cp
         g_bytes, w_bytes = self.precision.grad_bytes, self.precision.weight_bytes
+        if self.engine.float8_all_gather:  # FSDP gathers the FP8 weights (1 byte each)
+            w_bytes = 1
         for params, n in ((dense, dcp), (experts, dcp // ep if dcp >= ep else 1)):
             if params <= 0 or n <= 1:
                 continue
@@ -808,16 +823,17 @@ def pricer_for(
     dtype: str | None = None,
     comm: CommOptions | None = None,
     selective_policy: str = "keep_linear",
+    engine: Engine = EAGER,
 ) -> Pricer:
-    """A cached `Pricer` for (graph, cluster, dtype, comm, selective policy), by identity
-    (entries hold both objects). `dtype` None: the graph's own (`compute_dtype`)."""
+    """A cached `Pricer` for (graph, cluster, dtype, comm, selective policy, engine), by
+    identity (entries hold both objects). `dtype` None: the graph's own (`compute_dtype`)."""
     dtype = dtype or compute_dtype(graph)
-    key = (id(graph), id(cluster), dtype, comm, selective_policy)
+    key = (id(graph), id(cluster), dtype, comm, selective_policy, engine)
     hit = _PRICER_CACHE.get(key)
     if hit is not None and hit[0] is graph and hit[1] is cluster:
         _PRICER_CACHE.move_to_end(key)
         return hit[2]
-    pricer = Pricer(model_costs(graph), cluster, dtype, comm, selective_policy)
+    pricer = Pricer(model_costs(graph), cluster, dtype, comm, selective_policy, engine)
     _PRICER_CACHE[key] = (graph, cluster, pricer)
     while len(_PRICER_CACHE) > _CACHE_SIZE:
         _PRICER_CACHE.popitem(last=False)
@@ -1205,6 +1221,7 @@ def predict(
     dtype: str | None = None,
     comm: CommOptions | None = None,
     selective_policy: str = "keep_linear",
+    engine: Engine = EAGER,
 ) -> Prediction:
     """Predict step time, throughput, MFU and per-(stage, group) peak memory of a placed config.
 
@@ -1219,11 +1236,13 @@ def predict(
     may be done to traffic (lossless coding, int8 gradients), each collective at its fastest
     allowed method; None prices raw collectives (what published runs did).
     `selective_policy` (`meshplan.cost_model.recompute.SelectivePolicy`): how selective
-    recomputation keeps outputs; the default is meshplan's (keep every linear).
+    recomputation keeps outputs; the default is meshplan's (keep every linear). `engine`
+    (`cost_model.engine.Engine`): fused kernels, Float8 and TP overlap as other stacks run
+    them; the default is meshplan's eager runtime.
     """
     check_parallel(graph, cluster, parallel, stages)
     p = parallel
-    pricer = pricer_for(graph, cluster, dtype, comm, selective_policy)
+    pricer = pricer_for(graph, cluster, dtype, comm, selective_policy, engine)
     dtype = pricer.dtype
     ranges = [(st.first_unit, st.last_unit) for st in stages]
     names = tuple(
@@ -1265,6 +1284,8 @@ def predict(
     bottleneck = f"bottleneck: stage {ev.bottleneck_stage} on {ev.bottleneck_group}"
     notes.append(bottleneck)
     latency = _latency_sources([pricer.groups[g].gpu for g in names])
+    if not engine.is_eager:
+        latency = f"analytic roofline, engine {engine.describe()}"
     notes.append(f"op latency: {latency}")
     step = ev.step_time_s
     return Prediction(

@@ -1,0 +1,71 @@
+"""How a training step executes beyond its parallel configuration: the engine features that
+published training stacks use and that change its time.
+
+meshplan's own runtime runs eager PyTorch in bf16 with DTensor tensor parallelism, which is
+`EAGER`, the default everywhere. `meshplan estimate` (and `plan`, for what-if questions) can
+price a step as another stack would run it:
+
+- `fused`: memory-bound op chains fused into one kernel each: torch.compile (torchtitan
+  compiles every transformer block) or Megatron-LM's hand-fused kernels (layer norm,
+  bias-GeLU, scale-mask-softmax, bias-dropout-add). Priced with `passes.fusion` regions.
+- `float8`: "tensorwise" Float8 linear layers (torchao's dynamic tensorwise scaling, the
+  torchtitan default of 2024): the three GEMMs of every linear layer inside the transformer
+  blocks run at the FP8 peak, plus the casts to FP8 (`compute` docstring).
+- `float8_all_gather`: FSDP all-gathers the FP8 weights (1 byte a parameter) instead of bf16.
+- `tp_overlap`: tensor-parallel collectives overlapped with the GEMMs they feed or follow
+  (Megatron-LM `--tp-comm-overlap`, torchtitan's async TP; Wang et al., "Overlap
+  Communication with Dependent Computation via Decomposition", ASPLOS'23): exposed at most
+  what the GEMMs cannot hide, with the same overlap efficiency as data parallelism.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FLOAT8_RECIPES = ("tensorwise",)
+
+
+class EngineError(ValueError):
+    """An engine feature meshplan cannot price."""
+
+
+@dataclass(frozen=True, slots=True)
+class Engine:
+    """Engine features of a training step (module docstring). The default is meshplan's
+    runtime: eager kernels, bf16 GEMMs, TP traffic not overlapped."""
+
+    fused: bool = False
+    float8: str | None = None
+    float8_all_gather: bool = False
+    tp_overlap: bool = False
+
+    def __post_init__(self) -> None:
+        if self.float8 is not None and self.float8 not in FLOAT8_RECIPES:
+            raise EngineError(
+                f"float8 recipe {self.float8!r} is not modelled; use one of "
+                f"{', '.join(FLOAT8_RECIPES)} (rowwise scaling's kernels are not priced)"
+            )
+        if self.float8_all_gather and self.float8 is None:
+            raise EngineError("float8_all_gather needs float8='tensorwise'")
+
+    @property
+    def is_eager(self) -> bool:
+        return self == EAGER
+
+    def describe(self) -> str:
+        """`eager` or the features joined with '+', e.g. `fused+float8(tensorwise)+tp-overlap`."""
+        parts = []
+        if self.fused:
+            parts.append("fused")
+        if self.float8:
+            parts.append(f"float8({self.float8})")
+        if self.float8_all_gather:
+            parts.append("float8-all-gather")
+        if self.tp_overlap:
+            parts.append("tp-overlap")
+        return "+".join(parts) or "eager"
+
+
+EAGER = Engine()
+
+__all__ = ["EAGER", "FLOAT8_RECIPES", "Engine", "EngineError"]
