@@ -541,6 +541,12 @@ def float8_linear_time(op: Op, gpu: GpuSpec, *, fused: bool, backward: bool = Fa
     GEMM(s) at the FP8 peak times `KernelEfficiency.gemm_fp8`, plus the casts (above)."""
     from .features import gemm_dims
 
+    if FLOAT8_DTYPE not in dict(gpu.peak_flops):
+        from .engine import EngineError
+
+        raise EngineError(
+            f"{gpu.name} has no FP8 tensor cores (no {FLOAT8_DTYPE} peak); price it without float8"
+        )
     k = kernel_efficiency(gpu)
     _, m, n, kk = gemm_dims(op)
     bw = gpu.hbm_bandwidth * k.memory

@@ -33,6 +33,7 @@ from meshplan.cost_model.compression import (
     plan_decisions,
     quantization_plan,
 )
+from meshplan.cost_model.engine import EAGER, Engine
 from meshplan.ir import (
     Cluster,
     Graph,
@@ -189,10 +190,15 @@ def estimate(
     parallel: Parallel | None = None,
     *,
     progress: Progress = None,
+    engine: Engine = EAGER,
 ) -> Prediction:
     """Predicted step time, tokens/s, MFU, peak memory per rank and `fits` of a hand-chosen
-    configuration (missing fields filled as in `complete_parallel`)."""
-    return estimate_plan(model, example_inputs, cluster, parallel, progress=progress).predicted
+    configuration (missing fields filled as in `complete_parallel`). `engine`
+    (`meshplan.cost_model.engine.Engine`): price the step as another stack runs it (fused
+    kernels, Float8 linears, TP overlap); the default is meshplan's own eager runtime."""
+    return estimate_plan(
+        model, example_inputs, cluster, parallel, progress=progress, engine=engine
+    ).predicted
 
 
 def with_chunks(
@@ -213,6 +219,7 @@ def estimate_plan(
     parallel: Parallel | None = None,
     *,
     progress: Progress = None,
+    engine: Engine = EAGER,
 ) -> Plan:
     """Like `estimate`, but returns the whole fixed Plan (for `explain()` and JSON)."""
     cluster = cluster or Cluster.preset("default")
@@ -221,7 +228,7 @@ def estimate_plan(
     check_config(graph, cluster, p, parallel)
     stages = place_stages(cluster, p, even_stages(graph, p.pp))  # type: ignore[arg-type]
     stages = with_chunks(graph, p, stages)
-    prediction = predict(graph, cluster, p, stages)
+    prediction = predict(graph, cluster, p, stages, engine=engine)
     return Plan(
         model=_model_ref(graph),
         cluster=cluster,

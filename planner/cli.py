@@ -364,17 +364,44 @@ def estimate(
         Path | None, typer.Option("--output", "-o", help="Write plan JSON here.")
     ] = None,
     profile: ProfileOpt = None,
+    compiled: Annotated[
+        bool,
+        typer.Option(
+            "--compile",
+            help="Price fused kernels, as torch.compile or Megatron-LM's fused kernels run them.",
+        ),
+    ] = False,
+    float8: Annotated[
+        str | None,
+        typer.Option("--float8", help="Float8 linear layers: tensorwise (torchao's recipe)."),
+    ] = None,
+    float8_all_gather: Annotated[
+        bool, typer.Option("--float8-all-gather", help="FSDP all-gathers FP8 weights.")
+    ] = False,
+    tp_overlap: Annotated[
+        bool,
+        typer.Option(
+            "--tp-overlap", help="TP traffic overlapped with GEMMs (async TP, --tp-comm-overlap)."
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print plan JSON.")] = False,
 ) -> None:
-    """Predict step time, throughput, MFU and memory of a configuration you choose."""
+    """Predict step time, throughput, MFU and memory of a configuration you choose.
+
+    --compile/--float8/--tp-overlap price the step as another training stack would run it
+    (meshplan's own runtime is eager bf16 without TP overlap, the default).
+    """
+    from meshplan.cost_model.engine import Engine
+
     from .api import estimate_plan
 
+    engine = Engine(compiled, float8, float8_all_gather, tp_overlap)  # checked before tracing
     name, m, inputs, c = _load(model, cluster, gpus, seq_len, profile=profile)
     graph = _trace(name, m, inputs)
     pins = _pins(
         dp, tp, pp, cp, ep, micro_batch, global_batch, recompute, zero, schedule, virtual_stages
     )
-    result = estimate_plan(graph, cluster=c, parallel=pins)
+    result = estimate_plan(graph, cluster=c, parallel=pins, engine=engine)
     _print_plan(result, as_json)
     if not result.predicted.fits:
         worst = max(result.predicted.memory, key=lambda r: r.peak_bytes - r.capacity_bytes)

@@ -246,3 +246,17 @@ def test_compress_and_quantize_flags_reach_the_plan():
     assert all(d["method"] != "lossless" for d in data["compression"]["collectives"])
     assert_user_error(run(*args, "--quantize", "all"), "quantize must be one of")
     assert_user_error(run(*args, "--compress", "yes"), "compress")
+
+
+def test_estimate_engine_flags_price_another_stack():
+    base = ("estimate", "--model", "tiny", "--cluster", "dgx-h100", "--gpus", "8", "--tp", "2")
+    base += ("--global-batch", "16", "--json")
+    eager = json.loads(run(*base).stdout)["predicted"]["step_time_s"]
+    r = run(*base, "--compile", "--tp-overlap")
+    assert r.exit_code == 0, r.stderr
+    faster = json.loads(r.stdout)
+    assert faster["predicted"]["step_time_s"] < eager
+    assert any("engine fused+tp-overlap" in n for n in faster["predicted"]["notes"])
+    assert_user_error(run(*base, "--float8", "rowwise"), "rowwise", "not modelled")
+    a100 = ("estimate", "--model", "tiny", "--cluster", "dgx-a100", "--gpus", "8")
+    assert_user_error(run(*a100, "--float8", "tensorwise"), "A100", "no FP8")
