@@ -69,7 +69,12 @@ from .pipeline_parallel import (
     stage_module,
 )
 from .recompute import apply_recompute
-from .tensor_parallel import apply_tensor_parallel
+from .tensor_parallel import (
+    apply_tensor_parallel,
+    is_cross_entropy,
+    loss_context,
+    reduce_partial_gradients,
+)
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -171,9 +176,15 @@ class Runner:
         ep: ExpertParallel | None = None,
         chunks: list[int] | None = None,
         num_chunks: int = 1,
+        vocab_parallel_loss: bool = False,
+        dp_ctx: RankContext | None = None,
     ) -> None:
         self.ctx, self.modules, self.optimizer, self.loss_fn = ctx, modules, optimizer, loss_fn
+        # The loss runs on vocab-sharded logits under torch's `loss_parallel` (TP only).
+        self.vocab_parallel_loss = vocab_parallel_loss
         self.module = modules[0]
+        # Where gradients are reduced: the dp axis, or dp x cp merged (`data_parallel_context`).
+        self.dp_ctx = dp_ctx or ctx
         self.schedule = schedule
         self.cp, self.ep = cp, ep
         p = ctx.plan.parallel
@@ -207,10 +218,13 @@ class Runner:
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """Forward, backward and optimizer step on one global batch; the global mean loss."""
         x, y = self._local(inputs, "inputs"), self._local(targets, "targets")
-        if self.schedule is None:
-            local = self._accumulate(x, y)
-        else:
-            local = self._pipeline(x, y)
+        with loss_context(self.vocab_parallel_loss):  # backward must run inside it too
+            if self.schedule is None:
+                local = self._accumulate(x, y)
+            else:
+                local = self._pipeline(x, y)
+        if self.ctx.size("tp") > 1:
+            reduce_partial_gradients(self.modules)
         if self.ep is not None:
             self.ep.finish_gradients()
         self.optimizer.step()
@@ -225,9 +239,12 @@ class Runner:
             )
         total = 0.0
         scale = self.weight / n
-        zero_1_2 = (self.ctx.plan.parallel.zero or 0) in (1, 2)
+        zero = self.ctx.plan.parallel.zero or 0
         for i, (xi, yi) in enumerate(zip(x.chunk(n), y.chunk(n))):
-            with gradient_sync(self.module, enabled=i == n - 1, keep_gathered=zero_1_2):
+            # ZeRO-0/1/2 reduce once per step (the last micro-batch); ZeRO-3 keeps gradients
+            # sharded, so it reduce-scatters every micro-batch's (as priced: m x traffic).
+            sync = i == n - 1 or zero == 3
+            with gradient_sync(self.module, enabled=sync, keep_gathered=zero in (1, 2)):
                 loss = self.loss_fn(self.module(xi), yi) * scale
                 loss.backward()
             total += float(_local_value(loss))
@@ -308,6 +325,7 @@ def apply(
     device: torch.device | None = None,
     cp_attention: str = "allgather",
     ep_dispatch: str = "tokens",
+    loss_parallel: bool | None = None,
 ) -> Runner:
     """Prepare `model` to train under `plan` on this rank (see the module docstring).
 
@@ -316,10 +334,14 @@ def apply(
     changed in place (sharded, wrapped); use the returned Runner from then on.
     `cp_attention` ("allgather" or "ring") and `ep_dispatch` ("tokens" or "slots") choose
     how context and expert parallelism communicate (`context_parallel`, `expert_parallel`).
+    `loss_parallel` (tp > 1): compute the loss on vocab-sharded logits under torch's
+    `loss_parallel`, as the plan prices it; None (default) does so when `loss_fn` is a cross
+    entropy (`tensor_parallel.is_cross_entropy`), otherwise the logits are gathered.
     """
     ctx = build_mesh(plan, device)  # 0
     check_model(model, plan)
     p = plan.parallel
+    vocab_parallel = _vocab_parallel_loss(model, plan, loss_fn, loss_parallel)
     counts = replica_microbatches(plan)  # refuses unsupported uneven shares early
     check_schedule(plan)
     pipelined = ctx.num_stages > 1
@@ -342,7 +364,7 @@ def apply(
     )
     for m, u in zip(modules, units):
         if (p.tp or 1) > 1:  # 2
-            apply_tensor_parallel(m, plan, ctx.submesh("tp"))
+            apply_tensor_parallel(m, plan, ctx.submesh("tp"), vocab_parallel_loss=vocab_parallel)
         apply_recompute(m, plan, u)  # 3
     dp_ctx = data_parallel_context(ctx)
     wrapped = []
@@ -374,4 +396,26 @@ def apply(
         ep=ep,
         chunks=chunks,
         num_chunks=num_chunks,
+        vocab_parallel_loss=vocab_parallel,
+        dp_ctx=dp_ctx,
     )
+
+
+def _vocab_parallel_loss(model: nn.Module, plan: Plan, loss_fn: LossFn, wanted: bool | None):
+    """Whether the loss runs vocab-parallel (see `apply`): only under TP, with an LM head
+    the plan shards on the vocabulary (an epilogue Linear placed S(0))."""
+    if (plan.parallel.tp or 1) == 1 or wanted is False:
+        return False
+    vocab = None
+    for key, placement in plan.placements:
+        if key.startswith("epilogue:") and key.endswith(".weight") and placement == "S(0)":
+            head = model.get_submodule(key[len("epilogue:") : -len(".weight")])
+            vocab = getattr(head, "out_features", None)
+    if vocab is None:
+        if wanted:
+            raise RuntimePlanError(
+                "runtime: loss_parallel=True needs an LM head the plan shards on the "
+                "vocabulary (an epilogue Linear placed S(0)); this plan has none"
+            )
+        return False
+    return True if wanted else is_cross_entropy(loss_fn, vocab)
