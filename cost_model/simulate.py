@@ -588,9 +588,17 @@ class Pricer:
         return got
 
     def comm_choice(
-        self, kind: Collective, size: float, n: int, path: Path, gpu: GpuSpec, tensor: str
+        self,
+        kind: Collective,
+        size: float,
+        n: int,
+        path: Path,
+        gpu: GpuSpec,
+        tensor: str,
+        axis: str,
     ) -> CommChoice:
-        """`kind` of `size` bytes over n ranks on `path`, at its fastest allowed method."""
+        """`kind` of `size` bytes over n ranks of mesh `axis` on `path`, at its fastest
+        allowed method (`CommOptions.axes`: only the axes the runtime codes)."""
         return choose(
             kind,
             size,
@@ -600,6 +608,7 @@ class Pricer:
             gpu,
             self.dtype,
             tensor,
+            axis,
         )
 
     def _tp_traffic(
@@ -615,7 +624,7 @@ class Pricer:
                     out[c.phase] += collective_time(kind, size, tp, intra)
                 else:
                     out[c.phase] += self.comm_choice(
-                        kind, size, tp, intra, gpu, "activations"
+                        kind, size, tp, intra, gpu, "activations", "tp"
                     ).time_s
         return out["fwd"], out["bwd"]
 
@@ -628,9 +637,11 @@ class Pricer:
         size = facts.kv_bytes * scale / tp
         path = group_path(self.cluster, g, cp, max(1, g.gpus_per_node // tp))
         return (
-            self.comm_choice(Collective.ALL_GATHER, size, cp, path, g.gpu, "activations").time_s,
             self.comm_choice(
-                Collective.REDUCE_SCATTER, size, cp, path, g.gpu, "activations"
+                Collective.ALL_GATHER, size, cp, path, g.gpu, "activations", "cp"
+            ).time_s,
+            self.comm_choice(
+                Collective.REDUCE_SCATTER, size, cp, path, g.gpu, "activations", "cp"
             ).time_s,
         )
 
@@ -641,7 +652,9 @@ class Pricer:
             return 0.0, 0.0
         size = facts.a2a_bytes * scale / (cp * (tp if sp else 1))
         path = group_path(self.cluster, g, ep, max(1, g.gpus_per_node // (tp * cp)))
-        t = self.comm_choice(Collective.ALL_TO_ALL, size, ep, path, g.gpu, "activations").time_s
+        t = self.comm_choice(
+            Collective.ALL_TO_ALL, size, ep, path, g.gpu, "activations", "ep"
+        ).time_s
         return 2 * t, 2 * t
 
     # -- per stage composition (group-independent) ---------------------------------------------
@@ -808,7 +821,7 @@ class Pricer:
         else:
             path = self.cross_path(a, b, 1, 1).path(streams)
         gpu = _slower_gpu(self.groups[a].gpu, self.groups[b].gpu)
-        return self.comm_choice(Collective.P2P, size, 2, path, gpu, "activations")
+        return self.comm_choice(Collective.P2P, size, 2, path, gpu, "activations", "pp")
 
     def optimizer_time(
         self, comp: Composition, group: str, *, tp: int, ep: int, dp: int, zero: int

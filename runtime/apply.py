@@ -18,11 +18,18 @@ The order of the transformations is fixed, and matters (as in torchtitan's paral
                     all-gathers happen inside the recomputed region's own forward
     4. compile      not applied (torch.compile costs minutes on small CPUs; plans carry no
                     compile decision yet)
+    4b. activations the plan's AGoQ widths for this stage (`plan.quantization`): each chunk's
+                    forward runs under an `ActivationQuantizer` (saved tensors block-quantized;
+                    inside checkpointed units recomputation saves nothing to quantize)
     5. data par.    DDP / FSDP2 on the dp axis, last: it must see the final parameters
                     (DTensors from step 2) and wraps the checkpointed units from step 3.
                     With cp > 1 the axis is dp x cp (cp ranks hold different tokens of the
                     same sequences); expert parameters are left to EP's own reduction over
                     the ranks holding the same shard
+    5b. coded DP    the plan's decisions for this stage's DP traffic (`plan.compression`):
+                    DDP comm hook, FSDP2 custom reduce-scatter / all-gather, or a coded
+                    all-reduce after backward where `replicate()` has no hook
+                    (`data_parallel.install_gradient_coding`); EP's expert reduction too
     6. optimizer    built by the caller's factory over the final (sharded) parameters
     7. schedule     torch.distributed.pipelining around the wrapped stage
 
@@ -56,7 +63,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .context_parallel import ContextParallel, apply_context_parallel
-from .data_parallel import apply_data_parallel, gradient_sync
+from .data_parallel import (
+    apply_data_parallel,
+    dp_coding,
+    gradient_sync,
+    install_gradient_coding,
+)
 from .errors import RuntimePlanError
 from .expert_parallel import ExpertParallel, apply_expert_parallel
 from .mesh import RankContext, build_mesh, data_parallel_context
@@ -68,6 +80,7 @@ from .pipeline_parallel import (
     rank_chunks,
     stage_module,
 )
+from .quantize import plan_activation_bits, quantize_saved_activations
 from .recompute import apply_recompute
 from .tensor_parallel import (
     apply_tensor_parallel,
@@ -178,6 +191,7 @@ class Runner:
         num_chunks: int = 1,
         vocab_parallel_loss: bool = False,
         dp_ctx: RankContext | None = None,
+        coded_grads: list | None = None,
     ) -> None:
         self.ctx, self.modules, self.optimizer, self.loss_fn = ctx, modules, optimizer, loss_fn
         # The loss runs on vocab-sharded logits under torch's `loss_parallel` (TP only).
@@ -185,6 +199,8 @@ class Runner:
         self.module = modules[0]
         # Where gradients are reduced: the dp axis, or dp x cp merged (`data_parallel_context`).
         self.dp_ctx = dp_ctx or ctx
+        # Coded gradient averages run after backward (`data_parallel.CodedGradients`).
+        self.coded_grads = list(coded_grads or ())
         self.schedule = schedule
         self.cp, self.ep = cp, ep
         p = ctx.plan.parallel
@@ -225,6 +241,8 @@ class Runner:
                 local = self._pipeline(x, y)
         if self.ctx.size("tp") > 1:
             reduce_partial_gradients(self.modules)
+        for handle in self.coded_grads:
+            handle.finish()
         if self.ep is not None:
             self.ep.finish_gradients()
         self.optimizer.step()
@@ -367,13 +385,24 @@ def apply(
             apply_tensor_parallel(m, plan, ctx.submesh("tp"), vocab_parallel_loss=vocab_parallel)
         apply_recompute(m, plan, u)  # 3
     dp_ctx = data_parallel_context(ctx)
-    wrapped = []
-    for m, u in zip(modules, units):  # 5
-        if ep is not None:
+    coding = dp_coding(plan, ctx.stage_index)  # the plan's coded DP traffic of this stage
+    wrapped, coded_grads = [], []
+    for m, u in zip(modules, units):
+        bits = plan_activation_bits(plan, m, ctx.stage_index)  # 4b
+        if bits:
+            quantize_saved_activations(m, bits)
+        if ep is not None:  # 5
             ep.ignore_in_ddp(m)  # names as DDP will see them (after recompute wrappers)
         ignored = {q for q in m.parameters() if ep is not None and ep.owns(q)}
         split = pipelined and p.schedule == Schedule.ZERO_BUBBLE
-        wrapped.append(apply_data_parallel(m, dp_ctx, u, ignored=ignored, split_backward=split))
+        coded = coding.gradients[0] != "raw"
+        w = apply_data_parallel(m, dp_ctx, u, ignored=ignored, split_backward=split, coded=coded)
+        wrapped.append(w)
+        handle = install_gradient_coding(w, dp_ctx, coding, ignored=ignored)  # 5b
+        if handle is not None:
+            coded_grads.append(handle)
+    if ep is not None:
+        ep.coding = coding.experts
     params = [q for m in wrapped for q in m.parameters()]
     optimizer = optimizer_factory(params)  # 6
     schedule = None
@@ -398,6 +427,7 @@ def apply(
         num_chunks=num_chunks,
         vocab_parallel_loss=vocab_parallel,
         dp_ctx=dp_ctx,
+        coded_grads=coded_grads,
     )
 
 

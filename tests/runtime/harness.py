@@ -85,9 +85,17 @@ def make_plan(world: int, stages: tuple[int, ...] | None = None, **parallel) -> 
     return plan
 
 
-def reference(global_batch: int, micro_batches: int = 1, steps: int = STEPS, **model_kw):
-    """Single-process losses and parameter snapshots (before, after each step)."""
+def reference(
+    global_batch: int, micro_batches: int = 1, steps: int = STEPS, quantized=None, **model_kw
+):
+    """Single-process losses and parameter snapshots (before, after each step).
+    `quantized`: a plan whose AGoQ activation widths (stage 0) the single process applies
+    too (`runtime.quantize.quantize_saved_activations`)."""
     model = build_model(**model_kw)
+    if quantized is not None:
+        from meshplan.runtime.quantize import plan_activation_bits, quantize_saved_activations
+
+        quantize_saved_activations(model, plan_activation_bits(quantized, model, 0))
     opt = sgd(model.parameters())
     losses, states = [], [{k: v.detach().clone() for k, v in model.named_parameters()}]
     for step in range(steps):
@@ -170,6 +178,10 @@ def group_names(runner) -> dict[str, str]:
     names = {a: rank_key(runner.ctx.group(a)) for a in ("pp", "dp", "cp", "tp")}
     names["grad"] = rank_key(runner.dp_ctx.group("dp"))
     names["world"] = rank_key(dist.group.WORLD)
+    if runner.ep is not None:  # the ep group, and the ranks holding the same experts
+        names["ep"] = rank_key(runner.ep.groups.ep_group)
+        rep = runner.ep.groups.replica_group
+        names["replica"] = rank_key(rep) if rep is not None else ""
     return names
 
 

@@ -42,7 +42,6 @@ from tests.runtime.harness import (
     graph,
     group_names,
     loss_fn,
-    rank_key,
     reference,
     sgd,
 )
@@ -130,10 +129,6 @@ def _run(plan, apply_kw, model_kw):
         states.append(runner.full_state_dict())
     ctx = runner.ctx
     groups = group_names(runner)
-    if runner.ep is not None:
-        groups["ep"] = rank_key(runner.ep.groups.ep_group)
-        rep = runner.ep.groups.replica_group
-        groups["replica"] = rank_key(rep) if rep is not None else ""
     return {
         "losses": losses,
         "states": states,
