@@ -618,12 +618,10 @@ def plan_activation_bits(plan, model: nn.Module, stage: int = 0) -> dict[str, in
 
 def plan_gradient_method(plan, stage: int = 0) -> tuple[str, int]:
     """(method, chunks) of stage `stage`'s data-parallel gradient reduction in `plan`:
-    "raw", "lossless" or "int8" (the first gradient decision of that stage's DP group)."""
-    prefix = f"dp stage {stage} "
-    for d in plan.compression.decisions:
-        if d.group.startswith(prefix) and d.tensor == "gradients":
-            return d.method, d.chunks
-    return "raw", 1
+    "raw", "lossless" or "int8" (`data_parallel.dp_coding`)."""
+    from .data_parallel import dp_coding
+
+    return dp_coding(plan, stage).gradients
 
 
 @dataclass
@@ -639,34 +637,41 @@ class PlanHooks:
 def install_from_plan(
     plan, model: nn.Module, *, stage: int = 0, ddp=None, fsdp_modules=(), group=None
 ) -> PlanHooks:
-    """Apply `plan`'s quantization and DP-gradient compression decisions to one rank.
+    """Apply `plan`'s quantization and DP-traffic decisions to a model wrapped by hand
+    (`runtime.apply` does all of this itself; see `data_parallel.install_gradient_coding`).
 
     - saved activations: returns `PlanHooks.activations`, an `ActivationQuantizer` with the
       plan's widths for `stage` (enter it around each forward), or a no-op context;
-    - DP gradients: on `ddp` (a DistributedDataParallel) registers `quantized_allreduce_hook`
+    - DP traffic: on `ddp` (a DistributedDataParallel) registers `quantized_allreduce_hook`
       (int8) or `compressed.lossless_allreduce_hook` (lossless, the plan's chunk count); on
-      each FSDP2 module of `fsdp_modules` sets `QuantizedReduceScatter` (int8; lossless
-      FSDP2 reduce-scatter is not provided: those stay raw).
-    Other traffic (PP send/recv, TP/CP/EP) is for the runtime's own modules to read with
-    `plan.compression.decisions`."""
+      each FSDP2 module of `fsdp_modules` sets `QuantizedReduceScatter` (int8) or
+      `compressed.LosslessReduceScatter` (lossless), and `compressed.LosslessAllGather` where
+      the plan codes the weight all-gather."""
     import contextlib
 
     from . import compressed as cc
+    from .data_parallel import dp_coding
 
     bits = plan_activation_bits(plan, model, stage)
     acts = ActivationQuantizer(model, bits) if bits else contextlib.nullcontext()
-    method, chunks = plan_gradient_method(plan, stage)
+    coding = dp_coding(plan, stage)
+    method, chunks = coding.gradients
     installed = "raw"
-    if method == "int8":
-        if ddp is not None:
-            ddp.register_comm_hook(QuantHookState(group), quantized_allreduce_hook)
-            installed = "int8"
-        for m in fsdp_modules:
-            m.set_custom_reduce_scatter(QuantizedReduceScatter())
-            installed = "int8"
-    elif method == "lossless" and ddp is not None:
+    if ddp is not None and method == "int8":
+        ddp.register_comm_hook(QuantHookState(group), quantized_allreduce_hook)
+        installed = "int8"
+    elif ddp is not None and method == "lossless":
         ddp.register_comm_hook(cc.LosslessHookState(group, chunks), cc.lossless_allreduce_hook)
         installed = "lossless"
+    for m in fsdp_modules:
+        if method == "int8":
+            m.set_custom_reduce_scatter(QuantizedReduceScatter())
+            installed = "int8"
+        elif method == "lossless":
+            m.set_custom_reduce_scatter(cc.LosslessReduceScatter(chunks))
+            installed = "lossless"
+        if coding.weights[0] == "lossless":
+            m.set_custom_all_gather(cc.LosslessAllGather(coding.weights[1]))
     return PlanHooks(acts, installed)
 
 
