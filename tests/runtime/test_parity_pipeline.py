@@ -119,6 +119,8 @@ def _plans_4():
             virtual_stages=2,
         ),
         "uneven-dpxpp": uneven_plan(4, {"fast": 3, "slow": 5}, **pp),
+        # ZeRO-3 keeps gradients sharded under the schedule too (`pipeline_parallel._Stage`)
+        "fsdp-zero3xpp": make_plan(4, **pp, zero=3),
     }
 
 
@@ -153,7 +155,8 @@ def test_schedules_and_uneven_shares_two_ranks():
 def test_schedules_and_uneven_shares_four_ranks():
     plans = _plans_4()
     results = _check(4, plans)
-    for name in ("ddpxpp-2mb", "interleaved-dp", "zbv-dp", "tpxinterleaved", "uneven-dpxpp"):
+    p2p = ("ddpxpp-2mb", "interleaved-dp", "zbv-dp", "tpxinterleaved", "uneven-dpxpp")
+    for name in (*p2p, "fsdp-zero3xpp"):
         _check_p2p(plans[name], results, name)
     _check_uneven_dp(plans["uneven-dpxpp"], results, "uneven-dpxpp")
 
