@@ -94,3 +94,32 @@ def test_parity_four_ranks():
 
 def test_parity_eight_ranks():
     _check_all(8, CONFIGS_8)
+
+
+def test_cross_entropy_probe():
+    """The loss runs vocab-parallel only when it is a cross entropy `loss_parallel` computes
+    exactly (probed on meta tensors); anything else gets the gathered logits."""
+    import torch
+    import torch.nn.functional as F
+    from meshplan.runtime.tensor_parallel import is_cross_entropy
+
+    from tests.runtime.harness import loss_fn
+
+    v = 64
+
+    def flat(o, t, **kw):
+        return F.cross_entropy(o.reshape(-1, v), t.reshape(-1), **kw)
+
+    def hf_loss_fn(out, t):  # test_parity_hf's: HF model outputs carry `.logits`
+        return flat(out.logits.float(), t)
+
+    assert is_cross_entropy(loss_fn, v)  # .float().reshape(...) then F.cross_entropy
+    assert is_cross_entropy(hf_loss_fn, v)
+    assert is_cross_entropy(lambda o, t: flat(o, t, ignore_index=0) * 0.5, v)
+    assert is_cross_entropy(torch.nn.CrossEntropyLoss().__call__, v) is False  # (B, S, V): C=S
+    assert not is_cross_entropy(lambda o, t: flat(o, t, label_smoothing=0.1), v)
+    z_loss = lambda o, t: flat(o, t) + 1e-4 * torch.logsumexp(o, -1).pow(2).mean()  # noqa: E731
+    assert not is_cross_entropy(z_loss, v)
+    assert not is_cross_entropy(lambda o, t: (o.softmax(-1) - F.one_hot(t, v)).pow(2).mean(), v)
+    assert not is_cross_entropy(lambda o, t: F.cross_entropy(o.transpose(1, 2), t), v)
+    assert not is_cross_entropy(lambda o, t: o.numpy(), v)  # cannot run on meta: no
