@@ -384,6 +384,22 @@ def break_even_bandwidth(
     return seq, pipe
 
 
+# The traffic meshplan's runtime sends coded (`runtime.apply`, docs/compression.md): the
+# data-parallel gradient reductions and FSDP2's weight all-gathers (DDP comm hook, FSDP2
+# custom reduce-scatter / all-gather, or one coded all-reduce after backward). A plan codes
+# nothing the runtime would then run raw; why each other axis stays raw:
+RUNTIME_CODED_AXES = ("dp",)
+RAW_AXIS_REASON = {
+    "tp": "raw: DTensor's tensor-parallel redistributions have no codec hook",
+    "cp": "raw: the runtime's context-parallel K/V exchange is not wired to the codec",
+    "ep": "raw: the runtime's expert all-to-all is not wired to the codec",
+    "pp": (
+        "raw: torch.distributed.pipelining sends fixed-shape buffers (batched isend/irecv "
+        "planned at shape inference), which variable-size coded buffers cannot use"
+    ),
+}
+
+
 @dataclass(frozen=True, slots=True)
 class CommOptions:
     """What the planner may do to the traffic of a plan.
@@ -392,11 +408,15 @@ class CommOptions:
     `int8_gradients`: AGoQ-style int8 block-scaled gradient reduce-scatter / all-reduce with
     fp32 accumulation wherever it is faster (changes numerics: only when the user asks).
     `codec`: the codec speed to assume on every device (e.g. `CPU_CODEC` for host-side coding,
-    or `measure_codec_speed()`); None: `codec_speed` per GPU type."""
+    or `measure_codec_speed()`); None: `codec_speed` per GPU type.
+    `axes`: the traffic that may be coded, by mesh axis (default: what meshplan's runtime
+    codes, `RUNTIME_CODED_AXES`; add "tp", "cp", "ep", "pp" for what-if pricing of an engine
+    that codes those too)."""
 
     lossless: bool = True
     int8_gradients: bool = False
     codec: CodecSpeed | None = None
+    axes: tuple[str, ...] = RUNTIME_CODED_AXES
 
     @property
     def active(self) -> bool:
@@ -434,11 +454,13 @@ def choose(
     gpu: GpuSpec,
     dtype: str,
     tensor: str,
+    axis: str = "dp",
 ) -> CommChoice:
     """Price `kind` of `size` bytes over n ranks raw, losslessly coded and (gradient
-    reductions, when allowed) int8-quantized, and take the fastest."""
+    reductions, when allowed) int8-quantized, and take the fastest. Traffic on an `axis` the
+    options do not code (`CommOptions.axes`) is raw."""
     raw = transfer(size) if size > 0 and (n > 1 or kind == Collective.P2P) else 0.0
-    if options is None or not options.active or raw <= 0:
+    if options is None or not options.active or raw <= 0 or axis not in options.axes:
         return dataclasses.replace(RAW, raw_s=raw)
     lossless = int8 = math.inf
     ratio_l = predicted_ratio(dtype, tensor) if tensor in TENSOR_KINDS else 1.0
@@ -664,6 +686,14 @@ def _reason(ch: CommChoice) -> str:
     return f"{what} saves {1 - ch.time_s / ch.raw_s:.0%} ({ch.ratio:.2f}x fewer bytes{how})"
 
 
+def _axis_reason(pricer, axis: str) -> str:
+    """Why traffic on `axis` is raw when the options do not code it ("" when they may)."""
+    comm = pricer.comm
+    if comm is None or not comm.active or axis in comm.axes:
+        return ""
+    return RAW_AXIS_REASON.get(axis, f"raw: {axis} traffic is not coded")
+
+
 def _decision(group: str, kind: Collective, tensor: str, ch: CommChoice, reason: str = ""):
     from meshplan.ir.plan import CommDecision
 
@@ -712,22 +742,25 @@ def plan_decisions(pricer, parallel, stages) -> tuple:
                         if ("tp", kind, size) in seen:
                             continue
                         seen.add(("tp", kind, size))
-                        ch = pricer.comm_choice(kind, size, tp, intra, g.gpu, "activations")
-                        out.append(_decision(f"tp in {name}", kind, "activations", ch))
+                        ch = pricer.comm_choice(kind, size, tp, intra, g.gpu, "activations", "tp")
+                        why = _axis_reason(pricer, "tp")
+                        out.append(_decision(f"tp in {name}", kind, "activations", ch, why))
             if cp > 1 and facts.kv_bytes and ("cp", key) not in seen:
                 seen.add(("cp", key))
                 size = facts.kv_bytes * scale / tp
                 path = group_path(cluster, g, cp, max(1, g.gpus_per_node // tp))
                 for kind in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER):
-                    ch = pricer.comm_choice(kind, size, cp, path, g.gpu, "activations")
-                    out.append(_decision(f"cp in {name}", kind, "activations", ch))
+                    ch = pricer.comm_choice(kind, size, cp, path, g.gpu, "activations", "cp")
+                    why = _axis_reason(pricer, "cp")
+                    out.append(_decision(f"cp in {name}", kind, "activations", ch, why))
             if ep > 1 and facts.a2a_bytes and ("ep", key) not in seen:
                 seen.add(("ep", key))
                 size = facts.a2a_bytes * scale / (cp * (tp if sp else 1))
                 path = group_path(cluster, g, ep, max(1, g.gpus_per_node // (tp * cp)))
                 kind = Collective.ALL_TO_ALL
-                ch = pricer.comm_choice(kind, size, ep, path, g.gpu, "activations")
-                out.append(_decision(f"ep in {name}", kind, "activations", ch))
+                ch = pricer.comm_choice(kind, size, ep, path, g.gpu, "activations", "ep")
+                why = _axis_reason(pricer, "ep")
+                out.append(_decision(f"ep in {name}", kind, "activations", ch, why))
     crossing = sum(1 for st in stages if len(st.replicas) > 1)
     for st in stages:
         comp = costs.composition(st.first_unit, st.last_unit)
@@ -751,7 +784,8 @@ def plan_decisions(pricer, parallel, stages) -> tuple:
             for b, _ in stages[s + 1].replicas:
                 ch = pricer.p2p_choice(size, a, b, streams)
                 group = f"pp boundary {s} {a}->{b}"
-                out.append(_decision(group, Collective.P2P, "activations", ch))
+                why = _axis_reason(pricer, "pp")
+                out.append(_decision(group, Collective.P2P, "activations", ch, why))
     return tuple(out)
 
 

@@ -176,6 +176,20 @@ class BlockMemory:
         return max(self.max_output_tp * r_tp, self.max_output_sp * r_sp)
 
 
+def replicated_params(block: Block) -> tuple[int, ...]:
+    """Elements of each parameter of `block` that tensor parallelism leaves whole (norm
+    weights): read only by ops that do not split with TP and not expert weights, the rule
+    `block_memory` counts into `params_rep`. Under sequence parallelism each TP rank sees only
+    its share of the tokens, so these parameters' gradients are partial sums over tp."""
+    split: set[str] = set()
+    seen: set[str] = set()
+    for op in block.ops:
+        seen.update(op.params)
+        if op.kind == OpKind.EXPERTS or splits_with_tp(op, block.kind):
+            split.update(op.params)
+    return tuple(p.numel for p in block.params if p.name in seen and p.name not in split)
+
+
 def block_memory(block: Block) -> BlockMemory:
     """Classify `block`'s parameters and saved activations (one pass over its ops)."""
     sharded: set[str] = set()

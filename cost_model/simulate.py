@@ -49,7 +49,10 @@ pipeline depth pp, m = global_batch / (dp * micro_batch) micro-batches per pipel
   (shared/reference/PAPERS.md) find that the hard part of simulating training is precisely
   that overlap is neither free nor fully exposed (communication slows the compute it overlaps
   with), so even fully overlapped traffic costs (1 - eta) of itself here.
-- O: the Adam update, memory-bound (`OPTIMIZER_BYTES_PER_PARAM`), slowest rank.
+- O: the Adam update, memory-bound (`OPTIMIZER_BYTES_PER_PARAM`), slowest rank, plus the
+  once-per-step synchronisations that run exposed around it (`Pricer.step_sync_time`): under
+  sequence parallelism the all-reduce over tp of each norm weight's gradient, and the scalar
+  loss all-reduce over all ranks. The breakdown reports them under "optimizer".
 
 The traced graph's costs are for `graph.info.micro_batch` sequences; a configuration's
 micro-batch scales every compute and activation cost linearly (compute.py, memory.py).
@@ -74,6 +77,7 @@ from meshplan.ir import (
     DeviceGroup,
     GpuSpec,
     Graph,
+    Op,
     OpKind,
     Parallel,
     Prediction,
@@ -116,6 +120,7 @@ from .memory import (
     block_memory,
     in_flight_microbatches,
     precision_for,
+    replicated_params,
     stage_memory,
 )
 from .recompute import SelectivePolicy, recompute_forward_time
@@ -131,6 +136,9 @@ def exposed(comm: float, window: float, eta: float = OVERLAP_EFFICIENCY) -> floa
     C - eta * min(C, W), i.e. at least (1 - eta) C (the module docstring's rule)."""
     return comm - eta * min(comm, window)
 
+
+# The runner's per-step loss all-reduce: one float64 (meshplan.runtime.Runner._global_mean).
+LOSS_SYNC_BYTES = 8
 
 # Bytes the Adam update streams per parameter it owns: read fp32 master/momentum/variance and
 # the bf16 gradient, write the three fp32 states back and the new bf16 weight, about 16 + 4.
@@ -188,6 +196,7 @@ class BlockFacts:
     a2a_bytes: int  # top_k * tokens * hidden * 2 if the block routes tokens to experts
     output_bytes: int  # the activation leaving one instance (pipeline boundary)
     wgrad_fraction: float = 0.0  # share of backward FLOPs that are weight gradients (ZB-V's W)
+    replicated_params: tuple[int, ...] = ()  # elements of each TP-replicated parameter (norms)
 
 
 def _hidden(graph: Graph) -> int:
@@ -199,14 +208,42 @@ def _hidden(graph: Graph) -> int:
     return 0
 
 
+# Bytes per token of the vocab-parallel cross entropy's reductions: the logits are reduced in
+# fp32 (Megatron-LM `vocab_parallel_cross_entropy` works on float logits; torch's
+# `loss_parallel` computes log-softmax in fp32 for bf16/fp16 inputs).
+LOSS_BYTES_PER_TOKEN = 4
+
+
+def loss_collectives(head: Op, *, vocab_parallel: bool = True) -> tuple[TpCollective, ...]:
+    """The TP collectives of the loss on the column-parallel LM head's output (logits sharded
+    on the vocabulary, `head.outputs[0]`), per micro-batch.
+
+    `vocab_parallel` (Megatron-LM's `vocab_parallel_cross_entropy`, torchtitan's and
+    meshplan's runtime's use of torch's `loss_parallel`): three all-reduces of one fp32 value
+    per token in forward (the row max, the sum of exponentials, the target's logit) and none
+    in backward; the logits are never gathered. Otherwise (an arbitrary loss function, which
+    needs the whole vocabulary): one all-gather of the logits in forward (its backward only
+    slices the gradient)."""
+    AR, AG = Collective.ALL_REDUCE, Collective.ALL_GATHER
+    logits = head.outputs[0]
+    if vocab_parallel:
+        tokens = logits.numel // max(1, logits.shape[-1])
+        size = tokens * LOSS_BYTES_PER_TOKEN
+        return (TpCollective("fwd", size, (AR, AR, AR), (AR, AR, AR)),)
+    return (TpCollective("fwd", logits.nbytes, (AG,), (AG,)),)
+
+
 def _tp_collectives(block: Block, hidden: int) -> tuple[TpCollective, ...]:
     """Megatron-LM tensor parallelism (Shoeybi et al. 2019): every row-parallel projection
     (`meshplan.passes.sharding.row_parallel_ops`) all-reduces its output in forward and its
     column-parallel partner's input gradient in backward; MoE experts count their down
     projection once per block. Sequence parallelism turns each all-reduce into an all-gather
     plus a reduce-scatter of the same volume (Korthikanti et al. 2022). In the prologue the
-    vocab-parallel embedding reduces its output; in the epilogue the column-parallel LM head
-    reduces its input gradient (and gathers its sequence-sharded input under SP)."""
+    vocab-parallel embedding reduces its output (under SP: reduce-scatters it to the sequence
+    shards in forward and all-gathers its gradient in backward, Megatron's
+    `reduce_scatter_to_sequence_parallel_region`); in the epilogue the column-parallel LM head
+    reduces its input gradient (and gathers its sequence-sharded input under SP), and the loss
+    runs vocab-parallel on its sharded logits (`loss_collectives`)."""
     AR, AG, RS = Collective.ALL_REDUCE, Collective.ALL_GATHER, Collective.REDUCE_SCATTER
     out: list[TpCollective] = []
     if block.kind == "layer":
@@ -227,16 +264,27 @@ def _tp_collectives(block: Block, hidden: int) -> tuple[TpCollective, ...]:
             continue
         if op.kind == OpKind.EMBEDDING:
             out.append(TpCollective("fwd", op.outputs[0].nbytes, (RS,), (AR,)))
-        elif (
-            op.kind == OpKind.MATMUL
-            and op.outputs[0].shape[-1] != hidden
-            and op.inputs
-            and op.inputs[0].shape
-            and op.inputs[0].shape[-1] == hidden
-        ):
+            out.append(TpCollective("bwd", op.outputs[0].nbytes, (AG,), ()))
+        elif is_lm_head(op, hidden):
             out.append(TpCollective("fwd", op.inputs[0].nbytes, (AG,), ()))
             out.append(TpCollective("bwd", op.inputs[0].nbytes, (RS,), (AR,)))
+            out += loss_collectives(op)
     return tuple(out)
+
+
+def is_lm_head(op: Op, hidden: int) -> bool:
+    """True for a column-parallel projection outside the layers that maps the hidden state to
+    another width (the LM head, vocab-parallel under TP)."""
+    return bool(
+        op.params
+        and op.kind == OpKind.MATMUL
+        and op.outputs
+        and op.outputs[0].shape
+        and op.outputs[0].shape[-1] != hidden
+        and op.inputs
+        and op.inputs[0].shape
+        and op.inputs[0].shape[-1] == hidden
+    )
 
 
 def _block_facts(graph: Graph, block: Block, hidden: int) -> BlockFacts:
@@ -262,6 +310,7 @@ def _block_facts(graph: Graph, block: Block, hidden: int) -> BlockFacts:
         a2a_bytes=a2a,
         output_bytes=sum(t.nbytes for t in block.outputs),
         wgrad_fraction=min(1.0, wgrad / bwd) if bwd else 0.0,
+        replicated_params=replicated_params(block),
     )
 
 
@@ -557,9 +606,17 @@ class Pricer:
         return got
 
     def comm_choice(
-        self, kind: Collective, size: float, n: int, path: Path, gpu: GpuSpec, tensor: str
+        self,
+        kind: Collective,
+        size: float,
+        n: int,
+        path: Path,
+        gpu: GpuSpec,
+        tensor: str,
+        axis: str,
     ) -> CommChoice:
-        """`kind` of `size` bytes over n ranks on `path`, at its fastest allowed method."""
+        """`kind` of `size` bytes over n ranks of mesh `axis` on `path`, at its fastest
+        allowed method (`CommOptions.axes`: only the axes the runtime codes)."""
         return choose(
             kind,
             size,
@@ -569,6 +626,7 @@ class Pricer:
             gpu,
             self.dtype,
             tensor,
+            axis,
         )
 
     def _tp_traffic(
@@ -584,7 +642,7 @@ class Pricer:
                     out[c.phase] += collective_time(kind, size, tp, intra)
                 else:
                     out[c.phase] += self.comm_choice(
-                        kind, size, tp, intra, gpu, "activations"
+                        kind, size, tp, intra, gpu, "activations", "tp"
                     ).time_s
         return out["fwd"], out["bwd"]
 
@@ -597,9 +655,11 @@ class Pricer:
         size = facts.kv_bytes * scale / tp
         path = group_path(self.cluster, g, cp, max(1, g.gpus_per_node // tp))
         return (
-            self.comm_choice(Collective.ALL_GATHER, size, cp, path, g.gpu, "activations").time_s,
             self.comm_choice(
-                Collective.REDUCE_SCATTER, size, cp, path, g.gpu, "activations"
+                Collective.ALL_GATHER, size, cp, path, g.gpu, "activations", "cp"
+            ).time_s,
+            self.comm_choice(
+                Collective.REDUCE_SCATTER, size, cp, path, g.gpu, "activations", "cp"
             ).time_s,
         )
 
@@ -610,7 +670,9 @@ class Pricer:
             return 0.0, 0.0
         size = facts.a2a_bytes * scale / (cp * (tp if sp else 1))
         path = group_path(self.cluster, g, ep, max(1, g.gpus_per_node // (tp * cp)))
-        t = self.comm_choice(Collective.ALL_TO_ALL, size, ep, path, g.gpu, "activations").time_s
+        t = self.comm_choice(
+            Collective.ALL_TO_ALL, size, ep, path, g.gpu, "activations", "ep"
+        ).time_s
         return 2 * t, 2 * t
 
     # -- per stage composition (group-independent) ---------------------------------------------
@@ -782,7 +844,7 @@ class Pricer:
         else:
             path = self.cross_path(a, b, 1, 1).path(streams)
         gpu = _slower_gpu(self.groups[a].gpu, self.groups[b].gpu)
-        return self.comm_choice(Collective.P2P, size, 2, path, gpu, "activations")
+        return self.comm_choice(Collective.P2P, size, 2, path, gpu, "activations", "pp")
 
     def optimizer_time(
         self, comp: Composition, group: str, *, tp: int, ep: int, dp: int, zero: int
@@ -798,6 +860,62 @@ class Pricer:
         gpu = self.groups[group].gpu
         hbm = gpu.hbm_bandwidth * kernel_efficiency(gpu).memory
         return (dense + experts) * OPTIMIZER_BYTES_PER_PARAM / hbm
+
+    # -- once per step, outside the pipeline and the DP overlap window -------------------------
+    def sp_grad_sync(
+        self, comp: Composition, *, tp: int, sp: bool, reductions: int = 1
+    ) -> tuple[tuple[Collective, float, int], ...]:
+        """Under sequence parallelism, at each of the step's `reductions` gradient reductions
+        (1; m under ZeRO-3, which reduce-scatters every micro-batch's gradients): one
+        all-reduce over the tp ranks of each TP-replicated parameter's gradient
+        (`BlockFacts.replicated_params`: norm weights, whose gradients are partial sums of each
+        rank's tokens), as (kind, bytes, ranks). torch's FSDP2 and `replicate` reduce each
+        such DTensor gradient before their own reduction, and meshplan's runtime does the same
+        when there is no data parallelism (`runtime.tensor_parallel.reduce_partial_gradients`);
+        Megatron-LM coalesces them into one all-reduce per step (`_allreduce_layernorm_grads`,
+        the same volume)."""
+        if tp <= 1 or not sp:
+            return ()
+        return tuple(
+            (Collective.ALL_REDUCE, numel * self.precision.grad_bytes, tp)
+            for key, count in comp
+            for numel in self.costs.facts[key].replicated_params
+            for _ in range(count * reductions)
+        )
+
+    def loss_sync_time(self, group: str, world: int, groups: Sequence[str] = ()) -> float:
+        """The step's scalar loss all-reduce over all `world` ranks (`LOSS_SYNC_BYTES`; the
+        runner returns the global mean loss on every rank, Megatron-LM averages it over the
+        data-parallel ranks every step): latency-bound, NCCL's tree over `group`'s nodes, plus
+        up and down the slowest link between the plan's `groups` when it spans several."""
+        g = self.groups[group]
+        n = min(world, g.num_gpus)
+        t = group_collective_time(
+            Collective.ALL_REDUCE, LOSS_SYNC_BYTES, self.cluster, g, n, g.gpus_per_node
+        )
+        others = [b for b in groups if b != group]
+        if others and world > n:
+            t += 2 * max(self.cross_path(group, b, 1, 1).latency for b in others)
+        return t
+
+    def step_sync_time(
+        self,
+        comp: Composition,
+        group: str,
+        *,
+        tp: int,
+        sp: bool,
+        world: int,
+        groups: Sequence[str] = (),
+        reductions: int = 1,
+    ) -> float:
+        """Seconds of the per-step synchronisations that run exposed around the optimizer
+        update: `sp_grad_sync` on the intra-node tp path and `loss_sync_time`."""
+        g = self.groups[group]
+        path = intra_node_path(self.cluster, g)
+        sync = self.sp_grad_sync(comp, tp=tp, sp=sp, reductions=reductions)
+        t = sum(collective_time(k, size, n, path) for k, size, n in sync)
+        return t + self.loss_sync_time(group, world, groups)
 
 
 def _slower_gpu(a: GpuSpec, b: GpuSpec) -> GpuSpec:
@@ -913,6 +1031,9 @@ def plan_tables(
     quant = bool(p.quantize_activations)
     m = p.global_batch // (dp * mb)
     pp = len(ranges)
+    world = pp * dp * cp * tp
+    rep = m if zero == 3 else 1  # gradient reductions (and ZeRO-3 gathers) per step
+    reductions = rep if dp * cp > 1 else 1  # of the SP norm gradients (`sp_grad_sync`)
     costs = pricer.costs
     if pp > 1 and p.chunks > 1:  # each rank runs its chunks (ranges is the even split)
         comps = list(costs.chunked_compositions(pp, p.chunks, p.schedule == Schedule.ZERO_BUBBLE))
@@ -936,8 +1057,13 @@ def plan_tables(
         uniq[comp] = {
             "time": times,
             "window": {g: _dp_window(t, zero) for g, t in times.items()},
+            # The optimizer update, and the step's exposed syncs around it (SP gradients of
+            # the replicated parameters, the loss all-reduce).
             "opt": {
                 g: pricer.optimizer_time(comp, g, tp=tp, ep=ep, dp=dp * cp, zero=zero)
+                + pricer.step_sync_time(
+                    comp, g, tp=tp, sp=sp, world=world, groups=names, reductions=reductions
+                )
                 for g in names
             },
             "single": {g: pricer.dp_single(traffic, g, tp=tp, cp=cp) for g in names},
@@ -1002,7 +1128,7 @@ def plan_tables(
         ranges=tuple(ranges),
         groups=names,
         m=m,
-        rep=m if zero == 3 else 1,
+        rep=rep,
         time=time,
         window=window,
         optimizer=opt,

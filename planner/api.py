@@ -43,7 +43,14 @@ from meshplan.ir import (
     Schedule,
     StagePlacement,
 )
-from meshplan.ir.plan import CompressionPlan, ModelRef, Plan, SolverInfo, assign_ranks
+from meshplan.ir.plan import (
+    CompressionPlan,
+    ModelRef,
+    Plan,
+    QuantizationPlan,
+    SolverInfo,
+    assign_ranks,
+)
 from meshplan.ir.trace import trace
 from meshplan.passes.partition import even_stages, place_stages, rank_chunks
 from meshplan.passes.sharding import tp_param_placements
@@ -127,6 +134,7 @@ def complete_parallel(graph: Graph, cluster: Cluster, parallel: Parallel) -> Par
         schedule=p.schedule or Schedule.ONE_F_ONE_B,
         sequence_parallel=p.sequence_parallel if p.sequence_parallel is not None else tp > 1,
         virtual_stages=p.virtual_stages,
+        quantize_activations=p.quantize_activations,
     )
 
 
@@ -229,6 +237,8 @@ def estimate_plan(
     stages = place_stages(cluster, p, even_stages(graph, p.pp))  # type: ignore[arg-type]
     stages = with_chunks(graph, p, stages)
     prediction = predict(graph, cluster, p, stages, engine=engine)
+    # Priced with quantized activations: record the widths the runtime then applies.
+    quant = quantization_plan(p, stages, "activations") if p.quantize_activations else None
     return Plan(
         model=_model_ref(graph),
         cluster=cluster,
@@ -238,6 +248,7 @@ def estimate_plan(
         predicted=prediction,
         solver=SolverInfo(status="fixed", gap=0.0, candidates=1),
         placements=_placements(graph, p),
+        quantization=quant or QuantizationPlan(),
     )
 
 
@@ -278,6 +289,11 @@ def plan(
     cluster = cluster or Cluster.preset("default")
     graph = as_graph(model, example_inputs, progress=progress)
     pinned = parallel or Parallel()
+    if pinned.quantize_activations and not quant_acts:
+        raise ValueError(
+            "parallel.quantize_activations=True changes numerics: pass quantize='activations' "
+            f"or 'auto' (got quantize={quantize!r})"
+        )
     if global_batch is not None and pinned.global_batch not in (None, global_batch):
         raise ValueError(
             f"global_batch={global_batch} conflicts with parallel.global_batch="

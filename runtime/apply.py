@@ -18,11 +18,18 @@ The order of the transformations is fixed, and matters (as in torchtitan's paral
                     all-gathers happen inside the recomputed region's own forward
     4. compile      not applied (torch.compile costs minutes on small CPUs; plans carry no
                     compile decision yet)
+    4b. activations the plan's AGoQ widths for this stage (`plan.quantization`): each chunk's
+                    forward runs under an `ActivationQuantizer` (saved tensors block-quantized;
+                    inside checkpointed units recomputation saves nothing to quantize)
     5. data par.    DDP / FSDP2 on the dp axis, last: it must see the final parameters
                     (DTensors from step 2) and wraps the checkpointed units from step 3.
                     With cp > 1 the axis is dp x cp (cp ranks hold different tokens of the
                     same sequences); expert parameters are left to EP's own reduction over
                     the ranks holding the same shard
+    5b. coded DP    the plan's decisions for this stage's DP traffic (`plan.compression`):
+                    DDP comm hook, FSDP2 custom reduce-scatter / all-gather, or a coded
+                    all-reduce after backward where `replicate()` has no hook
+                    (`data_parallel.install_gradient_coding`); EP's expert reduction too
     6. optimizer    built by the caller's factory over the final (sharded) parameters
     7. schedule     torch.distributed.pipelining around the wrapped stage
 
@@ -56,7 +63,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .context_parallel import ContextParallel, apply_context_parallel
-from .data_parallel import apply_data_parallel, gradient_sync
+from .data_parallel import (
+    apply_data_parallel,
+    dp_coding,
+    gradient_sync,
+    install_gradient_coding,
+)
 from .errors import RuntimePlanError
 from .expert_parallel import ExpertParallel, apply_expert_parallel
 from .mesh import RankContext, build_mesh, data_parallel_context
@@ -68,8 +80,14 @@ from .pipeline_parallel import (
     rank_chunks,
     stage_module,
 )
+from .quantize import plan_activation_bits, quantize_saved_activations
 from .recompute import apply_recompute
-from .tensor_parallel import apply_tensor_parallel
+from .tensor_parallel import (
+    apply_tensor_parallel,
+    is_cross_entropy,
+    loss_context,
+    reduce_partial_gradients,
+)
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -171,9 +189,18 @@ class Runner:
         ep: ExpertParallel | None = None,
         chunks: list[int] | None = None,
         num_chunks: int = 1,
+        vocab_parallel_loss: bool = False,
+        dp_ctx: RankContext | None = None,
+        coded_grads: list | None = None,
     ) -> None:
         self.ctx, self.modules, self.optimizer, self.loss_fn = ctx, modules, optimizer, loss_fn
+        # The loss runs on vocab-sharded logits under torch's `loss_parallel` (TP only).
+        self.vocab_parallel_loss = vocab_parallel_loss
         self.module = modules[0]
+        # Where gradients are reduced: the dp axis, or dp x cp merged (`data_parallel_context`).
+        self.dp_ctx = dp_ctx or ctx
+        # Coded gradient averages run after backward (`data_parallel.CodedGradients`).
+        self.coded_grads = list(coded_grads or ())
         self.schedule = schedule
         self.cp, self.ep = cp, ep
         p = ctx.plan.parallel
@@ -207,10 +234,15 @@ class Runner:
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """Forward, backward and optimizer step on one global batch; the global mean loss."""
         x, y = self._local(inputs, "inputs"), self._local(targets, "targets")
-        if self.schedule is None:
-            local = self._accumulate(x, y)
-        else:
-            local = self._pipeline(x, y)
+        with loss_context(self.vocab_parallel_loss):  # backward must run inside it too
+            if self.schedule is None:
+                local = self._accumulate(x, y)
+            else:
+                local = self._pipeline(x, y)
+        if self.ctx.size("tp") > 1:
+            reduce_partial_gradients(self.modules)
+        for handle in self.coded_grads:
+            handle.finish()
         if self.ep is not None:
             self.ep.finish_gradients()
         self.optimizer.step()
@@ -225,9 +257,12 @@ class Runner:
             )
         total = 0.0
         scale = self.weight / n
-        zero_1_2 = (self.ctx.plan.parallel.zero or 0) in (1, 2)
+        zero = self.ctx.plan.parallel.zero or 0
         for i, (xi, yi) in enumerate(zip(x.chunk(n), y.chunk(n))):
-            with gradient_sync(self.module, enabled=i == n - 1, keep_gathered=zero_1_2):
+            # ZeRO-0/1/2 reduce once per step (the last micro-batch); ZeRO-3 keeps gradients
+            # sharded, so it reduce-scatters every micro-batch's (as priced: m x traffic).
+            sync = i == n - 1 or zero == 3
+            with gradient_sync(self.module, enabled=sync, keep_gathered=zero in (1, 2)):
                 loss = self.loss_fn(self.module(xi), yi) * scale
                 loss.backward()
             total += float(_local_value(loss))
@@ -308,6 +343,7 @@ def apply(
     device: torch.device | None = None,
     cp_attention: str = "allgather",
     ep_dispatch: str = "tokens",
+    loss_parallel: bool | None = None,
 ) -> Runner:
     """Prepare `model` to train under `plan` on this rank (see the module docstring).
 
@@ -316,10 +352,14 @@ def apply(
     changed in place (sharded, wrapped); use the returned Runner from then on.
     `cp_attention` ("allgather" or "ring") and `ep_dispatch` ("tokens" or "slots") choose
     how context and expert parallelism communicate (`context_parallel`, `expert_parallel`).
+    `loss_parallel` (tp > 1): compute the loss on vocab-sharded logits under torch's
+    `loss_parallel`, as the plan prices it; None (default) does so when `loss_fn` is a cross
+    entropy (`tensor_parallel.is_cross_entropy`), otherwise the logits are gathered.
     """
     ctx = build_mesh(plan, device)  # 0
     check_model(model, plan)
     p = plan.parallel
+    vocab_parallel = _vocab_parallel_loss(model, plan, loss_fn, loss_parallel)
     counts = replica_microbatches(plan)  # refuses unsupported uneven shares early
     check_schedule(plan)
     pipelined = ctx.num_stages > 1
@@ -342,16 +382,27 @@ def apply(
     )
     for m, u in zip(modules, units):
         if (p.tp or 1) > 1:  # 2
-            apply_tensor_parallel(m, plan, ctx.submesh("tp"))
+            apply_tensor_parallel(m, plan, ctx.submesh("tp"), vocab_parallel_loss=vocab_parallel)
         apply_recompute(m, plan, u)  # 3
     dp_ctx = data_parallel_context(ctx)
-    wrapped = []
-    for m, u in zip(modules, units):  # 5
-        if ep is not None:
+    coding = dp_coding(plan, ctx.stage_index)  # the plan's coded DP traffic of this stage
+    wrapped, coded_grads = [], []
+    for m, u in zip(modules, units):
+        bits = plan_activation_bits(plan, m, ctx.stage_index)  # 4b
+        if bits:
+            quantize_saved_activations(m, bits)
+        if ep is not None:  # 5
             ep.ignore_in_ddp(m)  # names as DDP will see them (after recompute wrappers)
         ignored = {q for q in m.parameters() if ep is not None and ep.owns(q)}
         split = pipelined and p.schedule == Schedule.ZERO_BUBBLE
-        wrapped.append(apply_data_parallel(m, dp_ctx, u, ignored=ignored, split_backward=split))
+        coded = coding.gradients[0] != "raw"
+        w = apply_data_parallel(m, dp_ctx, u, ignored=ignored, split_backward=split, coded=coded)
+        wrapped.append(w)
+        handle = install_gradient_coding(w, dp_ctx, coding, ignored=ignored)  # 5b
+        if handle is not None:
+            coded_grads.append(handle)
+    if ep is not None:
+        ep.coding = coding.experts
     params = [q for m in wrapped for q in m.parameters()]
     optimizer = optimizer_factory(params)  # 6
     schedule = None
@@ -374,4 +425,27 @@ def apply(
         ep=ep,
         chunks=chunks,
         num_chunks=num_chunks,
+        vocab_parallel_loss=vocab_parallel,
+        dp_ctx=dp_ctx,
+        coded_grads=coded_grads,
     )
+
+
+def _vocab_parallel_loss(model: nn.Module, plan: Plan, loss_fn: LossFn, wanted: bool | None):
+    """Whether the loss runs vocab-parallel (see `apply`): only under TP, with an LM head
+    the plan shards on the vocabulary (an epilogue Linear placed S(0))."""
+    if (plan.parallel.tp or 1) == 1 or wanted is False:
+        return False
+    vocab = None
+    for key, placement in plan.placements:
+        if key.startswith("epilogue:") and key.endswith(".weight") and placement == "S(0)":
+            head = model.get_submodule(key[len("epilogue:") : -len(".weight")])
+            vocab = getattr(head, "out_features", None)
+    if vocab is None:
+        if wanted:
+            raise RuntimePlanError(
+                "runtime: loss_parallel=True needs an LM head the plan shards on the "
+                "vocabulary (an epilogue Linear placed S(0)); this plan has none"
+            )
+        return False
+    return True if wanted else is_cross_entropy(loss_fn, vocab)

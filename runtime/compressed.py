@@ -409,6 +409,14 @@ def recv(
 # -- plan-driven hooks ------------------------------------------------------------------------
 
 
+def _ddp_hook(fn):
+    """DDP's `register_comm_hook` compares a hook's annotations with the objects
+    `dist.GradBucket` / `Future[Tensor]`; under `from __future__ import annotations` they
+    are strings and it refuses the hook, so they are dropped (the docstring says the types)."""
+    fn.__annotations__ = {}
+    return fn
+
+
 @dataclass(frozen=True, slots=True)
 class LosslessHookState:
     """State of `lossless_allreduce_hook`: the process group and the chunk count the plan
@@ -418,6 +426,7 @@ class LosslessHookState:
     chunks: int = 1
 
 
+@_ddp_hook
 def lossless_allreduce_hook(
     state: LosslessHookState | None, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
@@ -434,3 +443,87 @@ def lossless_allreduce_hook(
 
 
 __all__ += ["LosslessHookState", "lossless_allreduce_hook"]
+
+
+# -- FSDP2 communication hooks ----------------------------------------------------------------
+
+try:  # FSDP2's extension points (torch >= 2.9)
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as _AllGather
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatter
+except ImportError:  # pragma: no cover
+    _AllGather = _ReduceScatter = object
+
+
+def chunk_numel(numel: int, chunks: int) -> int:
+    """Values per pipelined chunk when a tensor of `numel` values is cut into `chunks`
+    (the plan's `CommDecision.chunks`)."""
+    return max(1, -(-numel // max(1, chunks)))
+
+
+class LosslessReduceScatter(_ReduceScatter):
+    """FSDP2 gradient reduce-scatter with losslessly coded traffic:
+    `fsdp_module.set_custom_reduce_scatter(LosslessReduceScatter(chunks))`.
+
+    FSDP2 hands a flat input of ws equal shards and wants the reduction of shard j on rank j
+    in `output_tensor`: `reduce_scatter` of the flat input gives exactly `reduce_reference`
+    of the shards (fp32 sum in rank order, / ws for AVG), the same bits whether coded or not.
+    With fp32/bf16 gradients FSDP2 asks for AVG, otherwise SUM with its own pre/post
+    division. Runs synchronously (returns None: FSDP2 then does not wait on a Work)."""
+
+    def __init__(self, chunks: int = 1, stats: CommStats | None = None) -> None:
+        self.chunks, self.stats = chunks, stats
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        name = _fsdp_op(op, "LosslessReduceScatter")
+        out = reduce_scatter(
+            input_tensor.reshape(-1),
+            group,
+            op=name,
+            chunk_numel=chunk_numel(output_tensor.numel(), self.chunks),
+            stats=self.stats,
+        )
+        output_tensor.copy_(out.view_as(output_tensor))
+        return None
+
+
+class LosslessAllGather(_AllGather):
+    """FSDP2 parameter all-gather with losslessly coded traffic:
+    `fsdp_module.set_custom_all_gather(LosslessAllGather(chunks))`. Every rank's shard is
+    coded once and decoded bit-exactly into `output_tensor` (rank-major, as FSDP2 expects).
+    Parameters of mixed dtypes, which FSDP2 gathers as raw bytes (uint8), go uncoded."""
+
+    def __init__(self, chunks: int = 1, stats: CommStats | None = None) -> None:
+        self.chunks, self.stats = chunks, stats
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
+        if input_tensor.dtype not in codec.SUPPORTED_DTYPES:
+            dist.all_gather_single(output_tensor, input_tensor, group=group)
+            return None
+        flat = input_tensor.reshape(-1)
+        per = chunk_numel(flat.numel(), self.chunks)
+        parts = all_gather(
+            flat,
+            group,
+            chunk_numel=per,
+            stats=self.stats,
+            _rounds_hint=len(_row_chunks(flat, per)),  # FSDP2's shards are equal on all ranks
+        )
+        torch.cat(parts, out=output_tensor.view(-1))
+        return None
+
+
+def _fsdp_op(op, who: str) -> str:
+    if op == dist.ReduceOp.AVG:
+        return "avg"
+    if op == dist.ReduceOp.SUM:
+        return "sum"
+    raise NotImplementedError(f"{who}: reduce op {op} not supported (sum or avg)")
+
+
+__all__ += ["LosslessAllGather", "LosslessReduceScatter", "chunk_numel"]

@@ -16,18 +16,33 @@ How the plan's ZeRO stage maps onto torch (honestly: torch has no separate ZeRO-
 
 FSDP2 wraps each repeated unit (transformer layer) and then the root, so communication is
 per layer and overlaps with compute.
+
+Coded traffic (`dp_coding`, `install_gradient_coding`): the plan records, per stage, how its
+data-parallel collectives travel (`plan.compression.decisions`: raw, lossless ZipCCL-style
+coding, int8 AGoQ-style gradients). The runtime runs each decision on torch's own extension
+points: a DDP comm hook (`compressed.lossless_allreduce_hook`, `quantize.
+quantized_allreduce_hook`), FSDP2's custom reduce-scatter and all-gather
+(`compressed.LosslessReduceScatter` / `LosslessAllGather`, `quantize.QuantizedReduceScatter`).
+FSDP2's `replicate()` (zero=0 with TP or under ZB-V) has no hook on its all-reduce, so a coded
+plan leaves such a module unwrapped and reduces its gradients after backward in one coded
+all-reduce (`CodedGradients`), which is what `replicate` would have done, coded.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from . import compressed as cc
+from . import quantize as Q
 from .mesh import RankContext
 
 # torch 2.13 renamed `broadcast_buffers`; the new flag still syncs once at construction.
@@ -49,8 +64,12 @@ def apply_data_parallel(
     *,
     ignored: set[nn.Parameter] | None = None,
     split_backward: bool = False,
+    coded: bool = False,
 ) -> nn.Module:
     """Wrap `module` for the plan's dp degree and ZeRO stage (see module docstring).
+
+    `coded`: the plan codes this stage's gradient reduction; where `replicate()` would be
+    used (it has no hook) the module is returned unwrapped for `CodedGradients`.
 
     `ignored` parameters (expert shards, reduced by expert parallelism over their own
     replicas) stay out of FSDP (`fully_shard(ignored_params=...)`); DDP is told by name
@@ -66,6 +85,8 @@ def apply_data_parallel(
     dp_mesh = ctx.submesh("dp")
     if zero == 0:
         if has_dtensor_params(module) or split_backward:
+            if coded:
+                return module
             from torch.distributed._composable.replicate_with_fsdp import replicate
 
             return replicate(module, mesh=dp_mesh)
@@ -98,3 +119,130 @@ def gradient_sync(module: nn.Module, enabled: bool, *, keep_gathered: bool = Fal
         if keep_gathered and hasattr(module, "set_reshard_after_backward"):
             module.set_reshard_after_backward(enabled)
     return contextlib.nullcontext()
+
+
+# -- coded traffic from the plan's decisions ----------------------------------------------------
+
+Method = tuple[str, int]  # ("raw" | "lossless" | "int8", pipelined chunks)
+RAW: Method = ("raw", 1)
+
+
+@dataclass(frozen=True, slots=True)
+class DpCoding:
+    """How one pipeline stage's data-parallel traffic travels, from the plan: the gradient
+    reduction (all-reduce or reduce-scatter), the weight all-gather (ZeRO > 0) and the expert
+    gradients' reduction over their replicas (EP)."""
+
+    gradients: Method = RAW
+    weights: Method = RAW
+    experts: Method = RAW
+
+    @property
+    def active(self) -> bool:
+        return (self.gradients, self.weights, self.experts) != (RAW, RAW, RAW)
+
+
+def dp_coding(plan, stage: int) -> DpCoding:
+    """The `DpCoding` of pipeline stage `stage` from `plan.compression.decisions`: its "dp
+    stage <stage> ..." entries, in the order `cost_model.simulate.Pricer.dp_traffic` lists the
+    collectives (dense parameters, then experts), for one group (or group pair) of the stage."""
+    prefix = f"dp stage {stage} "
+    mine = [d for d in plan.compression.decisions if d.group.startswith(prefix)]
+    if not mine:
+        return DpCoding()
+    mine = [d for d in mine if d.group == mine[0].group]
+    grads = [(d.method, d.chunks) for d in mine if d.tensor == "gradients"]
+    weights = [(d.method, d.chunks) for d in mine if d.tensor == "weights"]
+    return DpCoding(
+        gradients=grads[0] if grads else RAW,
+        weights=weights[0] if weights else RAW,
+        experts=grads[1] if len(grads) > 1 else RAW,
+    )
+
+
+class CodedGradients:
+    """The data-parallel gradient average of a module left unwrapped (see the module
+    docstring): after backward, one all-reduce (average over `group`) of every gradient,
+    flattened (local shards of DTensor gradients), losslessly coded (`compressed.all_reduce`,
+    the plan's chunk count) or int8 (`quantize.quantized_all_reduce`)."""
+
+    def __init__(self, params: list[nn.Parameter], group, method: Method) -> None:
+        self.params, self.group, self.method = params, group, method
+
+    def finish(self) -> None:
+        """Average the gradients over the group (call once per step, after backward)."""
+        if not self.params:
+            return
+        grads = []
+        for p in self.params:
+            g = p.grad
+            if g is None:
+                g = torch.zeros_like(p)
+                p.grad = g
+            grads.append(g._local_tensor if isinstance(g, DTensor) else g)
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        reduced = reduce_flat(flat, self.group, self.method, op="avg")
+        offset = 0
+        for g in grads:
+            n = g.numel()
+            g.copy_(reduced[offset : offset + n].view_as(g))
+            offset += n
+
+
+def reduce_flat(flat: torch.Tensor, group, method: Method, op: str = "sum") -> torch.Tensor:
+    """`flat` reduced (sum or avg) over `group` by the plan's method: raw (`dist.all_reduce`),
+    lossless (`compressed.all_reduce`, bit-exact `reduce_reference`) or int8
+    (`quantize.quantized_all_reduce`)."""
+    kind, chunks = method
+    if kind == "lossless":
+        return cc.all_reduce(
+            flat,
+            group,
+            op=op,
+            chunk_numel=cc.chunk_numel(flat.numel() // max(1, dist.get_world_size(group)), chunks),
+        )
+    if kind == "int8":
+        return Q.quantized_all_reduce(flat, group, op=op)
+    out = flat.clone()
+    dist.all_reduce(out, group=group)
+    if op == "avg":
+        out /= dist.get_world_size(group)
+    return out
+
+
+def install_gradient_coding(
+    module: nn.Module, ctx: RankContext, coding: DpCoding, *, ignored=()
+) -> CodedGradients | None:
+    """Run the plan's coded data-parallel traffic for one wrapped module (`apply_data_parallel`'s
+    result on the dp or dp x cp context `ctx`): a comm hook on DDP; custom reduce-scatter /
+    all-gather on every FSDP2 module; for a module left unwrapped (`coded=True` where
+    `replicate()` would be), the `CodedGradients` the runner calls after backward. Returns that
+    handle, or None."""
+    plan = ctx.plan
+    if (plan.parallel.dp or 1) == 1 or not coding.active:
+        return None
+    group = ctx.group("dp")
+    kind, chunks = coding.gradients
+    if isinstance(module, DistributedDataParallel):
+        if kind == "lossless":
+            module.register_comm_hook(
+                cc.LosslessHookState(group, chunks), cc.lossless_allreduce_hook
+            )
+        elif kind == "int8":
+            module.register_comm_hook(Q.QuantHookState(group), Q.quantized_allreduce_hook)
+        return None
+    fsdp = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    if fsdp:
+        for m in fsdp:
+            if kind == "lossless":
+                m.set_custom_reduce_scatter(cc.LosslessReduceScatter(chunks))
+            elif kind == "int8":
+                m.set_custom_reduce_scatter(Q.QuantizedReduceScatter())
+            if coding.weights[0] == "lossless":
+                m.set_custom_all_gather(cc.LosslessAllGather(coding.weights[1]))
+        return None
+    if kind == "raw":
+        return None
+    skip = {id(p) for p in ignored}
+    params = [p for p in module.parameters() if p.requires_grad and id(p) not in skip]
+    return CodedGradients(params, group, coding.gradients)

@@ -78,6 +78,8 @@ class ExpertParallel:
     grad_divisor: int  # dp * cp
     mode: str = "tokens"
     params: list[nn.Parameter] = field(default_factory=list)
+    # How the expert gradients travel (the plan's decision: `data_parallel.DpCoding.experts`).
+    coding: tuple[str, int] = ("raw", 1)
 
     @property
     def local_experts(self) -> int:
@@ -101,7 +103,9 @@ class ExpertParallel:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         if self.groups.replica_group is not None:
-            dist.all_reduce(flat, group=self.groups.replica_group)
+            from .data_parallel import reduce_flat
+
+            flat = reduce_flat(flat, self.groups.replica_group, self.coding)
         flat /= self.grad_divisor
         offset = 0
         for p in self.params:

@@ -44,6 +44,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .compressed import _ddp_hook
+
 __all__ = [
     "DEFAULT_BLOCK",
     "ActivationQuantizer",
@@ -326,7 +328,7 @@ class ActivationQuantizer:
                 bits = self.bits[path]
             else:
                 bits = self._stack[-1][0] if self._stack else self.bits.get("")
-            ref = next((a.numel() for a in args if isinstance(a, torch.Tensor)), 0)
+            ref = next((_local(a).numel() for a in args if isinstance(a, torch.Tensor)), 0)
             self._stack.append((bits, ref))
 
         return pre
@@ -335,10 +337,14 @@ class ActivationQuantizer:
         if self._stack:
             self._stack.pop()
 
-    def _pack(self, t: torch.Tensor):
+    def _pack(self, saved: torch.Tensor):
+        # A DTensor (tensor parallelism) is quantized as its local shard and rebuilt with its
+        # spec; every rule below reads the local tensor.
+        t = _local(saved)
         exact = (
             not t.is_floating_point()
             or t.numel() < self.min_numel
+            or _is_parameter(saved)
             or t.untyped_storage().data_ptr() in self._held
         )
         bits, ref = self._stack[-1] if self._stack else (self.bits.get(""), 0)
@@ -347,7 +353,7 @@ class ActivationQuantizer:
         if exact:
             if self.stats is not None and t.untyped_storage().data_ptr() not in self._held:
                 self.stats._storage(t)
-            return t
+            return saved
         key = (
             t.untyped_storage().data_ptr(),
             t.storage_offset(),
@@ -365,15 +371,21 @@ class ActivationQuantizer:
             self._cache[key] = (weakref.ref(t), q)
         if self.stats is not None:
             self.stats._quantized(q)
+        if saved is not t:  # a DTensor: keep its spec to rebuild it
+            return (q, saved._spec)
         return q
 
     @staticmethod
     def _unpack(obj):
+        if isinstance(obj, tuple):  # (Quantized local shard, DTensorSpec)
+            from torch.distributed.tensor import DTensor
+
+            return DTensor(dequantize(obj[0]), obj[1], requires_grad=False)
         return dequantize(obj) if isinstance(obj, Quantized) else obj
 
     def __enter__(self) -> ActivationQuantizer:
         self._held = {
-            t.untyped_storage().data_ptr()
+            _local(t).untyped_storage().data_ptr()
             for t in (*self.model.parameters(), *self.model.buffers())
         }
         for path, m in self._modules.items():
@@ -390,6 +402,40 @@ class ActivationQuantizer:
         self._handles.clear()
         self._stack.clear()
         self._cache.clear()  # packed objects live on in the autograd graph
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor holding `t`'s data on this rank: a DTensor's local shard, with a
+    functional collective's pending result (`AsyncCollectiveTensor`, a wrapper without
+    storage) waited for."""
+    t = getattr(t, "_local_tensor", t)
+    wait = getattr(t, "trigger_wait", None)
+    return wait() if wait is not None else t
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """A parameter or a view of one (`weight.t()` saved by a linear): held anyway. FSDP2's
+    unsharded parameters are new Parameter objects gathered for forward, so the set of
+    storages `__enter__` records cannot know them."""
+    return isinstance(t, nn.Parameter) or isinstance(getattr(t, "_base", None), nn.Parameter)
+
+
+def quantize_saved_activations(
+    module: nn.Module, bits: Mapping[str, int | None] | int
+) -> ActivationQuantizer:
+    """Run every forward of `module` under an `ActivationQuantizer` with `bits` (module path
+    -> width, e.g. `plan_activation_bits`), by wrapping its `forward` (wrappers applied
+    later, DDP or FSDP2, call it as before; parameter names do not change). Returns the
+    quantizer (`.stats` may be set to measure)."""
+    quantizer = ActivationQuantizer(module, bits)
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        with quantizer:
+            return inner(*args, **kwargs)
+
+    module.forward = forward
+    return quantizer
 
 
 # -- 8-bit gradient synchronisation ---------------------------------------------------------
@@ -497,6 +543,7 @@ class QuantHookState:
     block: int = DEFAULT_BLOCK
 
 
+@_ddp_hook
 def quantized_allreduce_hook(
     state: QuantHookState | None, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
@@ -571,12 +618,10 @@ def plan_activation_bits(plan, model: nn.Module, stage: int = 0) -> dict[str, in
 
 def plan_gradient_method(plan, stage: int = 0) -> tuple[str, int]:
     """(method, chunks) of stage `stage`'s data-parallel gradient reduction in `plan`:
-    "raw", "lossless" or "int8" (the first gradient decision of that stage's DP group)."""
-    prefix = f"dp stage {stage} "
-    for d in plan.compression.decisions:
-        if d.group.startswith(prefix) and d.tensor == "gradients":
-            return d.method, d.chunks
-    return "raw", 1
+    "raw", "lossless" or "int8" (`data_parallel.dp_coding`)."""
+    from .data_parallel import dp_coding
+
+    return dp_coding(plan, stage).gradients
 
 
 @dataclass
@@ -592,34 +637,41 @@ class PlanHooks:
 def install_from_plan(
     plan, model: nn.Module, *, stage: int = 0, ddp=None, fsdp_modules=(), group=None
 ) -> PlanHooks:
-    """Apply `plan`'s quantization and DP-gradient compression decisions to one rank.
+    """Apply `plan`'s quantization and DP-traffic decisions to a model wrapped by hand
+    (`runtime.apply` does all of this itself; see `data_parallel.install_gradient_coding`).
 
     - saved activations: returns `PlanHooks.activations`, an `ActivationQuantizer` with the
       plan's widths for `stage` (enter it around each forward), or a no-op context;
-    - DP gradients: on `ddp` (a DistributedDataParallel) registers `quantized_allreduce_hook`
+    - DP traffic: on `ddp` (a DistributedDataParallel) registers `quantized_allreduce_hook`
       (int8) or `compressed.lossless_allreduce_hook` (lossless, the plan's chunk count); on
-      each FSDP2 module of `fsdp_modules` sets `QuantizedReduceScatter` (int8; lossless
-      FSDP2 reduce-scatter is not provided: those stay raw).
-    Other traffic (PP send/recv, TP/CP/EP) is for the runtime's own modules to read with
-    `plan.compression.decisions`."""
+      each FSDP2 module of `fsdp_modules` sets `QuantizedReduceScatter` (int8) or
+      `compressed.LosslessReduceScatter` (lossless), and `compressed.LosslessAllGather` where
+      the plan codes the weight all-gather."""
     import contextlib
 
     from . import compressed as cc
+    from .data_parallel import dp_coding
 
     bits = plan_activation_bits(plan, model, stage)
     acts = ActivationQuantizer(model, bits) if bits else contextlib.nullcontext()
-    method, chunks = plan_gradient_method(plan, stage)
+    coding = dp_coding(plan, stage)
+    method, chunks = coding.gradients
     installed = "raw"
-    if method == "int8":
-        if ddp is not None:
-            ddp.register_comm_hook(QuantHookState(group), quantized_allreduce_hook)
-            installed = "int8"
-        for m in fsdp_modules:
-            m.set_custom_reduce_scatter(QuantizedReduceScatter())
-            installed = "int8"
-    elif method == "lossless" and ddp is not None:
+    if ddp is not None and method == "int8":
+        ddp.register_comm_hook(QuantHookState(group), quantized_allreduce_hook)
+        installed = "int8"
+    elif ddp is not None and method == "lossless":
         ddp.register_comm_hook(cc.LosslessHookState(group, chunks), cc.lossless_allreduce_hook)
         installed = "lossless"
+    for m in fsdp_modules:
+        if method == "int8":
+            m.set_custom_reduce_scatter(QuantizedReduceScatter())
+            installed = "int8"
+        elif method == "lossless":
+            m.set_custom_reduce_scatter(cc.LosslessReduceScatter(chunks))
+            installed = "lossless"
+        if coding.weights[0] == "lossless":
+            m.set_custom_all_gather(cc.LosslessAllGather(coding.weights[1]))
     return PlanHooks(acts, installed)
 
 
@@ -628,4 +680,5 @@ __all__ += [
     "install_from_plan",
     "plan_activation_bits",
     "plan_gradient_method",
+    "quantize_saved_activations",
 ]

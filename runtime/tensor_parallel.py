@@ -24,26 +24,41 @@ Column-parallel projections hand local tensors to the module's own code, so the 
 of a region are divided by tp. Code that infers head counts from shapes (`view(b, s, -1, d)`,
 as HF Llama does) needs nothing.
 
-The LM head's output is gathered to a Replicate tensor so any loss function works (one
-all-gather of the logits per micro-batch, not priced by the cost model; see docs/runtime.md).
+The loss (`vocab_parallel_loss`). When the user's loss is a cross entropy on the logits (a
+probe of its aten ops on meta tensors, `is_cross_entropy`), the LM head's output stays sharded
+on the vocabulary (a `Shard(-1)` DTensor) and the loss runs under torch's `loss_parallel`:
+three all-reduces of one value per token instead of gathering the logits, as Megatron-LM's
+`vocab_parallel_cross_entropy` and torchtitan do, and as the cost model prices it
+(`cost_model.simulate.loss_collectives`). Any other loss function gets the whole logits (one
+all-gather per micro-batch, which `loss_collectives(vocab_parallel=False)` prices).
+
+Gradients of replicated parameters under sequence parallelism (norm weights) come out of
+backward as partial sums over tp (`Partial` DTensors): FSDP2 and `replicate` reduce them
+before their own reduction; without data parallelism `reduce_partial_gradients` does it once
+per step before the optimizer (otherwise every optimizer read of the gradient would
+all-reduce it again: three times per parameter with AdamW, measured).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import types
 
 import torch
 from meshplan.ir.plan import Plan
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     RowwiseParallel,
     SequenceParallel,
+    loss_parallel,
     parallelize_module,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import RuntimePlanError
 
@@ -130,11 +145,15 @@ def _in_unit(name: str, plan: Plan) -> bool:
     )
 
 
-def tp_styles(model: nn.Module, plan: Plan) -> tuple[dict[str, ParallelStyle], dict[str, int]]:
+def tp_styles(
+    model: nn.Module, plan: Plan, *, vocab_parallel_loss: bool = False
+) -> tuple[dict[str, ParallelStyle], dict[str, int]]:
     """The parallel style of every module path, and the head-count modules to localise.
 
     Pure: reads module types and the plan's placements, changes nothing. Module paths are
     those of `model` (the whole model or a pipeline stage keeping the model's names).
+    `vocab_parallel_loss`: the LM head (the epilogue's column-parallel projection) hands its
+    logits on sharded on the vocabulary, for a loss run under `loss_parallel`.
     """
     sp = bool(plan.parallel.sequence_parallel)
     tp = plan.parallel.tp or 1
@@ -159,11 +178,15 @@ def tp_styles(model: nn.Module, plan: Plan) -> tuple[dict[str, ParallelStyle], d
                 kinds[path] = "embed"
             elif p == "S(0)":
                 kinds[path] = "col"
-                styles[path] = (
-                    ColwiseParallel()  # input arrives as a Replicate DTensor (RegionInput)
-                    if inside
-                    else ColwiseParallel(input_layouts=seq[0], output_layouts=Replicate())
-                )
+                head = f"epilogue:{path}.weight" in placements
+                if inside:  # input arrives as a Replicate DTensor (RegionInput)
+                    styles[path] = ColwiseParallel()
+                elif head and vocab_parallel_loss:  # logits stay vocab-sharded DTensors
+                    styles[path] = ColwiseParallel(
+                        input_layouts=seq[0], output_layouts=Shard(-1), use_local_output=False
+                    )
+                else:
+                    styles[path] = ColwiseParallel(input_layouts=seq[0], output_layouts=Replicate())
             elif p == "S(1)":
                 kinds[path] = "row"
                 styles[path] = RowwiseParallel(output_layouts=seq[0])
@@ -210,9 +233,12 @@ def localise_head_counts(model: nn.Module, modules: dict[str, int]) -> None:
                 setattr(mod, attr, v // tp)
 
 
-def apply_tensor_parallel(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh) -> nn.Module:
-    """Shard `model` in place over `tp_mesh` following the plan's placements."""
-    styles, heads = tp_styles(model, plan)
+def apply_tensor_parallel(
+    model: nn.Module, plan: Plan, tp_mesh: DeviceMesh, *, vocab_parallel_loss: bool = False
+) -> nn.Module:
+    """Shard `model` in place over `tp_mesh` following the plan's placements
+    (`vocab_parallel_loss`: see `tp_styles`)."""
+    styles, heads = tp_styles(model, plan, vocab_parallel_loss=vocab_parallel_loss)
     if not styles:
         raise RuntimePlanError(
             "runtime: tp > 1 but no module of the model matches the plan's placements "
@@ -221,3 +247,107 @@ def apply_tensor_parallel(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh) -> 
     parallelize_module(model, tp_mesh, styles)
     localise_head_counts(model, heads)
     return model
+
+
+# -- the loss, and gradients left partial by sequence parallelism ------------------------------
+
+# aten ops (overload packets) a loss may run for `loss_parallel` to take it: views, casts and
+# scalar arithmetic (on the loss), the log-softmax and the NLL loss. DTensor computes each of
+# them correctly on vocab-sharded logits; anything else (label smoothing's sum over the
+# vocabulary, z-loss, masks) makes `is_cross_entropy` say no and the logits are gathered.
+_CROSS_ENTROPY_OPS = frozenset(
+    {
+        "_to_copy",
+        "view",
+        "_unsafe_view",
+        "reshape",
+        "clone",
+        "detach",
+        "alias",
+        "lift_fresh",
+        "_log_softmax",
+        "nll_loss_forward",
+        "mul",
+        "div",
+        "mean",
+    }
+)
+
+
+class _LossProbe(TorchDispatchMode):
+    """Records the aten ops of one loss call and whether it is a cross entropy that
+    `loss_parallel` computes correctly: a log-softmax over the vocabulary (the last dim, of
+    size `vocab`) whose output feeds only an NLL loss on (tokens, vocab) or (vocab,) input
+    (torch's `loss_parallel` skips the log-softmax backward and computes the fused softmax -
+    one-hot gradient in the NLL backward, so no other op may read the log-probabilities)."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.ok = True
+        self.log_softmax = 0
+        self.nll = 0
+        self._logprobs: list[torch.Tensor] = []  # kept alive so ids stay unique
+
+    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        out = func(*args, **kwargs)
+        reads_logprobs = any(
+            a is t for a in args if isinstance(a, torch.Tensor) for t in self._logprobs
+        )
+        if name not in _CROSS_ENTROPY_OPS:
+            self.ok = False
+        elif name == "_log_softmax":
+            x, dim = args[0], args[1]
+            if x.shape[-1] != self.vocab or dim % x.dim() != x.dim() - 1:
+                self.ok = False
+            self.log_softmax += 1
+            self._logprobs.append(out)
+        elif name == "nll_loss_forward":
+            if not reads_logprobs or args[0].dim() > 2:
+                self.ok = False
+            self.nll += 1
+        elif reads_logprobs and name not in ("detach", "alias"):  # autograd saving it is fine
+            self.ok = False
+        return out
+
+
+def is_cross_entropy(loss_fn, vocab: int) -> bool:
+    """True when `loss_fn(logits, targets)` is a cross entropy over the last (vocabulary) dim
+    that torch's `loss_parallel` computes exactly on vocab-sharded logits (see `_LossProbe`).
+
+    Probed once on meta tensors (logits (2, 3, vocab), long targets (2, 3)): no data, no
+    side effects on the model. A loss that reads `outputs.logits` (HuggingFace model outputs)
+    is probed with an object holding the logits. Anything it cannot run, or any op beyond
+    views, casts, log-softmax, NLL and scalar arithmetic, gives False."""
+    logits = torch.empty(2, 3, vocab, device="meta", requires_grad=True)
+    targets = torch.zeros(2, 3, dtype=torch.long, device="meta")
+    for outputs in (logits, types.SimpleNamespace(logits=logits)):
+        probe = _LossProbe(vocab)
+        try:
+            with probe:
+                loss_fn(outputs, targets)
+        except Exception:
+            continue
+        return probe.ok and probe.log_softmax == 1 and probe.nll == 1
+    return False
+
+
+def loss_context(enabled: bool):
+    """The context forward, loss and backward run in: `loss_parallel()` when the loss runs
+    vocab-parallel (its backward must run inside it too), else nothing."""
+    return loss_parallel() if enabled else contextlib.nullcontext()
+
+
+def reduce_partial_gradients(modules) -> None:
+    """Make every gradient that is a partial sum over a mesh dim (a `Partial` DTensor: norm
+    weights under sequence parallelism) whole, one all-reduce per parameter, before the
+    optimizer reads it. FSDP2 and `replicate` do this themselves during their reduction, so
+    with data parallelism there is nothing left here."""
+    for module in modules:
+        for p in module.parameters():
+            g = p.grad
+            if isinstance(g, DTensor) and any(isinstance(x, Partial) for x in g.placements):
+                whole = [Replicate() if isinstance(x, Partial) else x for x in g.placements]
+                p.grad = g.redistribute(placements=whole)

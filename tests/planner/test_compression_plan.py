@@ -52,13 +52,27 @@ def test_wan_dp_traffic_is_coded_and_the_step_is_faster(wide):
 
 
 def test_nvlink_traffic_stays_raw(small):
+    """TP traffic is raw: the runtime cannot code it (the decision says why), and on NVLink
+    coding would not pay anyway (priced with TP coding allowed, as for another engine)."""
+    from meshplan.cost_model.collectives import intra_node_path
+    from meshplan.cost_model.compression import CommOptions
+    from meshplan.cost_model.simulate import pricer_for
+
     c = Cluster.preset("dgx-h100", gpus=8)
     p = meshplan.plan(
         small, cluster=c, parallel=Parallel(tp=8, pp=1, dp=1), global_batch=8, compress="auto"
     )
     tp = [d for d in p.compression.decisions if d.group.startswith("tp in")]
-    assert tp and all(d.method == "raw" for d in tp)
-    assert all(d.lossless_s is not None and d.lossless_s > d.raw_s for d in tp)
+    assert tp and all(d.method == "raw" and d.reason.startswith("raw: DTensor") for d in tp)
+    what_if = pricer_for(small, c, "bfloat16", CommOptions(axes=("dp", "tp")))
+    g = c.groups[0]
+    for fact in what_if.costs.facts.values():
+        for col in fact.tp_collectives:
+            for kind in col.with_sp:
+                ch = what_if.comm_choice(
+                    kind, col.size_bytes, 8, intra_node_path(c, g), g.gpu, "activations", "tp"
+                )
+                assert ch.method == "raw" and ch.lossless_s > ch.raw_s
 
 
 def test_round_trip_keeps_every_decision(wide):

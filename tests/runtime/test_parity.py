@@ -4,15 +4,22 @@ Each test is one local launch (`run_local`: torch imported once, ranks forked) t
 several plans in turn on the same ranks. For each plan: losses of 3 SGD steps equal the
 single-process run on every rank, and rank 0's gathered parameters after each step equal the
 single process's (so do the gradients, recovered from the SGD update), within fp32 tolerance.
+Every rank's collectives of step 1 on its tp, gradient and world groups equal the cost
+model's for the plan (`harness.check_step_collectives`), with no exceptions.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-
 from meshplan.runtime import run_local
 
-from tests.runtime.harness import assert_parity, distributed_run, graph, make_plan, reference
+from tests.runtime.harness import (
+    assert_parity,
+    check_step_collectives,
+    distributed_run,
+    graph,
+    make_plan,
+    reference,
+)
 
 # name -> (world, plan fields); `stages` gives uneven unit counts per pipeline stage.
 CONFIGS_2 = {
@@ -21,6 +28,8 @@ CONFIGS_2 = {
     "fsdp-zero3": dict(dp=2, zero=3, micro_batch=2, global_batch=8),
     "fsdp-zero2": dict(dp=2, zero=2, micro_batch=4, global_batch=8),
     "tp-sp": dict(tp=2, micro_batch=4, global_batch=8),
+    # the same plan with the logits gathered (what an arbitrary loss function gets)
+    "tp-sp-gathered-loss": dict(tp=2, micro_batch=4, global_batch=8),
     "tp-nosp-selective": dict(
         tp=2, micro_batch=2, global_batch=8, sequence_parallel=False, recompute="selective"
     ),
@@ -48,11 +57,15 @@ def _plans(world, configs):
     return plans
 
 
+# apply() keywords per config (default: none)
+APPLY_KW = {"tp-sp-gathered-loss": {"loss_parallel": False}}
+
+
 def _all_configs(plans):
     """Inside each rank: run every plan; also name which mesh group is which axis."""
     out = {}
     for name, plan in plans.items():
-        out[name] = distributed_run(plan)
+        out[name] = distributed_run(plan, apply_kw=APPLY_KW.get(name))
     return out
 
 
@@ -63,114 +76,50 @@ def _check_all(world, configs):
         p = plan.parallel
         ref = reference(p.global_batch, p.num_microbatches)
         assert_parity(name, ref, [r[name] for r in results])
+        vocab_parallel = APPLY_KW.get(name, {}).get("loss_parallel", True)
+        for rank, r in enumerate(results):
+            check_step_collectives(
+                f"{name} rank {rank}", plan, graph(), r[name], vocab_parallel=vocab_parallel
+            )
     return plans, results
 
 
 def test_parity_two_ranks():
-    plans, results = _check_all(2, CONFIGS_2)
-    _check_tp_collectives(plans["tp-sp"], results[0]["tp-sp"])
-    _check_tp_collectives(plans["tp-nosp-selective"], results[0]["tp-nosp-selective"])
-    _check_dp_collectives(plans["dp-one-microbatch"], results[0]["dp-one-microbatch"])
-    _check_dp_collectives(plans["fsdp-zero2"], results[0]["fsdp-zero2"])
+    _check_all(2, CONFIGS_2)
 
 
 def test_parity_four_ranks():
-    plans, results = _check_all(4, CONFIGS_4)
-    _check_tp_collectives(plans["dpxtp"], results[0]["dpxtp"])
+    _check_all(4, CONFIGS_4)
 
 
 def test_parity_eight_ranks():
     _check_all(8, CONFIGS_8)
 
 
-# -- collectives against the cost model's prediction ------------------------------------------
+def test_cross_entropy_probe():
+    """The loss runs vocab-parallel only when it is a cross entropy `loss_parallel` computes
+    exactly (probed on meta tensors); anything else gets the gathered logits."""
+    import torch
+    import torch.nn.functional as F
+    from meshplan.runtime.tensor_parallel import is_cross_entropy
 
-FP32 = 4
+    from tests.runtime.harness import loss_fn
 
+    v = 64
 
-def _predicted_tp(plan):
-    """(kind, elements) of every TP collective the cost model prices for one step of rank 0's
-    stage: per micro-batch, each unit's `tp_collectives` (with or without SP)."""
-    from meshplan.cost_model.simulate import model_costs
+    def flat(o, t, **kw):
+        return F.cross_entropy(o.reshape(-1, v), t.reshape(-1), **kw)
 
-    costs = model_costs(graph())
-    p = plan.parallel
-    stage = plan.stages[0]
-    want: Counter = Counter()
-    for key in costs.unit_keys[stage.first_unit : stage.last_unit]:
-        for c in costs.facts[key].tp_collectives:
-            kinds = c.with_sp if p.sequence_parallel else c.without_sp
-            numel = c.size_bytes // FP32 * p.micro_batch // costs.traced_micro_batch
-            for kind in kinds:
-                want[(str(kind), numel)] += p.num_microbatches
-    return want
+    def hf_loss_fn(out, t):  # test_parity_hf's: HF model outputs carry `.logits`
+        return flat(out.logits.float(), t)
 
-
-def _known_tp_extras(plan):
-    """Collectives the runtime runs that the cost model does not price (docs/runtime.md):
-    the gather of the logits per micro-batch (any loss function works on them); under SP the
-    all-reduce of each replicated (norm) weight's gradient per step, and the backward
-    all-gather of the vocab-parallel embedding's output gradient (the backward of its
-    forward reduce-scatter; its weight gradient needs every position)."""
-    from tests.runtime.harness import CFG, SEQ
-
-    p = plan.parallel
-    extra: Counter = Counter()
-    extra[("all_gather", p.micro_batch * SEQ * CFG["vocab"])] += p.num_microbatches
-    if p.sequence_parallel:
-        extra[("all_reduce", CFG["hidden"])] += 2 * CFG["layers"] + 1
-        extra[("all_gather", p.micro_batch * SEQ * CFG["hidden"])] += p.num_microbatches
-    return extra
-
-
-def _step_records(result, axis):
-    """Records on `axis`'s group, without the runner's one scalar all-reduce of the loss
-    (it runs on the world group, which a mesh axis spanning every rank shares)."""
-    group = result["groups"][axis]
-    return [
-        r
-        for r in result["records"]
-        if r.group == group and not (r.kind == "all_reduce" and r.numel == 1)
-    ]
-
-
-def _check_tp_collectives(plan, result):
-    got = Counter((r.kind, r.numel) for r in _step_records(result, "tp"))
-    want = _predicted_tp(plan)
-    want = Counter({(_normalise(k), n): c for (k, n), c in want.items()})
-    extra = _known_tp_extras(plan)
-    assert got == want + extra, (
-        f"TP collectives differ from the plan: missing {dict(want + extra - got)}, "
-        f"unexpected {dict(got - want - extra)}"
-    )
-
-
-def _normalise(kind: str) -> str:
-    # cost_model.collectives.Collective values -> runtime record kinds
-    return kind.replace("-", "_").lower()
-
-
-def _check_dp_collectives(plan, result):
-    """DP traffic: the kinds the cost model prices for the ZeRO stage, with the volume of the
-    stage's parameters (the runtime splits them into buckets / per-layer groups, so compare
-    total elements, not the number of calls)."""
-    from meshplan.cost_model.simulate import model_costs, pricer_for
-
-    p = plan.parallel
-    assert p.num_microbatches == 1, "ZeRO-1/2 volume per step equals the price only for one"
-    costs = model_costs(graph())
-    pricer = pricer_for(graph(), plan.cluster, dtype="float32")
-    comp = costs.composition(plan.stages[0].first_unit, plan.stages[0].last_unit)
-    traffic = pricer.dp_traffic(comp, tp=p.tp, ep=p.ep, dp=p.dp, zero=p.zero)
-    want: Counter = Counter()
-    prec = pricer.precision  # bytes per parameter of gradients and weights (fp32 here)
-    for kind, size, n in traffic.collectives:
-        gathered = str(kind).lower().replace("-", "_") == "all_gather"
-        per = prec.weight_bytes if gathered else prec.grad_bytes
-        want[_normalise(str(kind))] += round(size / per)
-    got: Counter = Counter()
-    for r in _step_records(result, "dp"):
-        got[r.kind] += r.numel
-    assert got == want, (
-        f"DP collective volume (elements by kind): runtime {dict(got)}, plan {dict(want)}"
-    )
+    assert is_cross_entropy(loss_fn, v)  # .float().reshape(...) then F.cross_entropy
+    assert is_cross_entropy(hf_loss_fn, v)
+    assert is_cross_entropy(lambda o, t: flat(o, t, ignore_index=0) * 0.5, v)
+    assert is_cross_entropy(torch.nn.CrossEntropyLoss().__call__, v) is False  # (B, S, V): C=S
+    assert not is_cross_entropy(lambda o, t: flat(o, t, label_smoothing=0.1), v)
+    z_loss = lambda o, t: flat(o, t) + 1e-4 * torch.logsumexp(o, -1).pow(2).mean()  # noqa: E731
+    assert not is_cross_entropy(z_loss, v)
+    assert not is_cross_entropy(lambda o, t: (o.softmax(-1) - F.one_hot(t, v)).pow(2).mean(), v)
+    assert not is_cross_entropy(lambda o, t: F.cross_entropy(o.transpose(1, 2), t), v)
+    assert not is_cross_entropy(lambda o, t: o.numpy(), v)  # cannot run on meta: no

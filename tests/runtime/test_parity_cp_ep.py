@@ -31,12 +31,16 @@ from meshplan.runtime import run_local
 
 from tests.runtime.harness import (
     CFG,
+    COUNT_STEP,
     SEQ,
     STEPS,
     assert_parity,
     batch,
     build_model,
+    by_ranks,
+    check_step_collectives,
     graph,
+    group_names,
     loss_fn,
     reference,
     sgd,
@@ -45,9 +49,6 @@ from tests.runtime.harness import (
 MOE = dict(experts=4, top_k=2)  # capacity_factor 1: some choices are dropped
 MOE_NO_DROP = dict(experts=4, top_k=2, capacity_factor=2.0)
 FP32 = 4
-# Collectives are counted in step 1: step 0 also holds one-off work (the pipeline's shape
-# inference runs each stage's forward once more; DDP rebuilds its buckets after it).
-COUNT_STEP = 1
 
 # name -> (plan fields, apply() keywords, model overrides)
 CONFIGS_2 = {
@@ -122,21 +123,18 @@ def _run(plan, apply_kw, model_kw):
         if step == COUNT_STEP:
             with CollectiveCounter() as counter:
                 losses.append(runner.step(x, y))
-            records = counter.records
+            records = by_ranks(counter.records)
         else:
             losses.append(runner.step(x, y))
         states.append(runner.full_state_dict())
     ctx = runner.ctx
-    groups = {a: str(ctx.group(a).group_name) for a in ("dp", "cp")}
-    if runner.ep is not None:
-        groups["ep"] = str(runner.ep.groups.ep_group.group_name)
-        rep = runner.ep.groups.replica_group
-        groups["replica"] = str(rep.group_name) if rep is not None else ""
+    groups = group_names(runner)
     return {
         "losses": losses,
         "states": states,
         "records": records,
         "groups": groups,
+        "coords": ctx.coords,
         "stage": ctx.stage_index,
         "seconds": time.perf_counter() - t0,
     }
@@ -164,9 +162,31 @@ def _check_all(world, configs, extra=None):
     finally:
         torch.set_num_threads(threads)
     results = run_local(_all, world, plans, configs, extra, timeout_s=120)
-    for name in plans:
+    for name, plan in plans.items():
         assert_parity(name, refs[name], [r[name] for r in results])
+        _check_step(plan, results, name, configs[name])
     return plans, results
+
+
+def _check_step(plan, results, name, config):
+    """Every rank's tp, gradient (dp x cp), expert-replica and world collectives against the
+    cost model (`harness.check_step_collectives`), with the all-gather CP variant's K/V
+    traffic (`_cp_expected`) on the cp group; ring CP's send/recv and EP's all-to-alls are
+    checked by `_check_cp_collectives` / `_check_ep_collectives`."""
+    ring = config[1].get("cp_attention") == "ring"
+    ignore = frozenset({"send", "recv", "all_to_all"})
+    for rank, r in enumerate(results):
+        extra = {}
+        if plan.parallel.cp > 1 and not ring:
+            extra["cp"] = _cp_expected(plan, config, r[name]["stage"])
+        check_step_collectives(
+            f"{name} rank {rank}",
+            plan,
+            _graph(config[2]),
+            r[name],
+            ignore_kinds=ignore,
+            extra=extra,
+        )
 
 
 def test_cp_ep_parity_two_ranks():
@@ -175,8 +195,6 @@ def test_cp_ep_parity_two_ranks():
         _check_cp_collectives(plans[name], results, name, CONFIGS_2[name])
     for name in ("ep-tokens", "ep-slots", "epxfsdp-zero3"):
         _check_ep_collectives(plans[name], results, name, CONFIGS_2[name])
-    _check_ep_dp_traffic(plans["ep-tokens"], results, "ep-tokens", MOE)
-    _check_ep_dp_traffic(plans["epxfsdp-zero3"], results, "epxfsdp-zero3", MOE)
     assert len(results[0]["extra"]["attention"]) == 8
     # Every choice goes to rank 0's experts: 2 ranks x 4 x SEQ tokens x top_k 2; rank 1 none.
     assert [r["extra"]["received_rows"] for r in results] == [2 * 4 * SEQ * 2, 0]
@@ -189,7 +207,6 @@ def test_cp_ep_parity_four_ranks():
         _check_cp_collectives(plans[name], results, name, CONFIGS_4[name])
     for name in ("epxdp4-tokens", "epxpp-recompute-slots", "cpxepxdp", "cpxepxfsdp-zero2"):
         _check_ep_collectives(plans[name], results, name, CONFIGS_4[name])
-    _check_ep_dp_traffic(plans["epxdp4-tokens"], results, "epxdp4-tokens", MOE)
 
 
 # -- collectives against the cost model ---------------------------------------------------------
@@ -212,6 +229,22 @@ def _forwards(plan) -> int:
     """Forward passes per micro-batch: full recomputation runs the forward (and its
     collectives) again in backward, as the cost model prices it."""
     return 2 if plan.parallel.recompute == "full" else 1
+
+
+def _cp_expected(plan, config, stage) -> Counter:
+    """(kind, elements) of the all-gather CP variant in one step of a rank of `stage`, as
+    the cost model prices it (`_cp_traffic`): per attention and micro-batch one all-gather of
+    K and V (/tp: heads are TP-sharded) per forward and one reduce-scatter of their gradients."""
+    p = plan.parallel
+    costs, facts = _stage_facts(plan, config[2], stage)
+    scale = p.micro_batch / costs.traced_micro_batch
+    want: Counter = Counter()
+    for f in facts:
+        if f.kv_bytes:
+            n = round(f.kv_bytes * scale / (p.tp * FP32))
+            want[("all_gather", n)] += _forwards(plan) * p.num_microbatches
+            want[("reduce_scatter", n)] += p.num_microbatches
+    return want
 
 
 def _check_cp_collectives(plan, results, name, config):
@@ -279,33 +312,6 @@ def _check_ep_collectives(plan, results, name, config):
             assert total == pytest.approx(prices[group]), f"{name}: EP volume {total}"
         else:
             assert 0 < total <= prices[group], f"{name}: EP volume {total} > {prices[group]}"
-
-
-def _check_ep_dp_traffic(plan, results, name, model_kw):
-    """Dense gradients all-reduced over dp, expert gradients over the dp/ep ranks holding the
-    same experts: kinds and element counts equal the cost model's `dp_traffic`."""
-    from meshplan.cost_model.simulate import pricer_for
-
-    p = plan.parallel
-    costs, _ = _stage_facts(plan, model_kw)
-    pricer = pricer_for(_graph(model_kw), plan.cluster, dtype="float32")
-    comp = costs.composition(plan.stages[0].first_unit, plan.stages[0].last_unit)
-    traffic = pricer.dp_traffic(comp, tp=p.tp, ep=p.ep, dp=p.dp, zero=p.zero)
-    want = {}
-    for kind, size, n in traffic.collectives:
-        axis = "dp" if n == p.dp else "replica"
-        grad_bytes = pricer.precision.grad_bytes
-        want[axis] = (str(kind).replace("-", "_").lower(), round(size / grad_bytes))
-    r = results[0][name]
-    for axis, (kind, numel) in want.items():
-        recs = [
-            c
-            for c in r["records"]
-            if c.group == r["groups"][axis] and c.kind == kind and c.numel > 1
-        ]
-        assert sum(c.numel for c in recs) == numel, f"{name}: {axis} {kind} volume"
-    if p.dp // p.ep == 1:
-        assert "replica" not in want and r["groups"]["replica"] == ""
 
 
 # -- refusals and a routing with zero splits (inside the 2-rank launch) --------------------------

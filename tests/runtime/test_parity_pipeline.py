@@ -6,7 +6,8 @@ losses of 3 SGD steps equal the single-process run on every rank, and rank 0's g
 parameters after each step (so the gradients, recovered from the SGD update) equal the single
 process's within fp32 tolerance (`harness.assert_parity`).
 
-Collectives (counted in step 1; step 0 also holds the pipeline's one-off shape exchange):
+Collectives (counted in step 2, `harness.COUNT_STEP`; every rank's tp, gradient and world
+groups against the cost model with `harness.check_step_collectives`, and):
 - pipeline point-to-point traffic: per micro-batch, every chunk-stage boundary whose two
   chunks sit on different ranks sends the activation forward and its gradient backward, one
   send and one recv per crossing, so a rank sends m x (forward crossings out of its chunks +
@@ -34,10 +35,14 @@ from meshplan.runtime import RuntimePlanError, run_local
 from meshplan.runtime.apply import replica_microbatches
 from meshplan.runtime.pipeline_parallel import chunk_ranges, rank_chunks
 
-from tests.runtime.harness import assert_parity, distributed_run, graph, make_plan, reference
-
-COUNT_STEP = 1
-FP32 = 4
+from tests.runtime.harness import (
+    assert_parity,
+    check_step_collectives,
+    distributed_run,
+    graph,
+    make_plan,
+    reference,
+)
 
 
 def _schedule(plan, schedule: str, v: int | None):
@@ -114,11 +119,13 @@ def _plans_4():
             virtual_stages=2,
         ),
         "uneven-dpxpp": uneven_plan(4, {"fast": 3, "slow": 5}, **pp),
+        # ZeRO-3 keeps gradients sharded under the schedule too (`pipeline_parallel._Stage`)
+        "fsdp-zero3xpp": make_plan(4, **pp, zero=3),
     }
 
 
 def _run_all(plans):
-    return {name: distributed_run(plan, count_step=COUNT_STEP) for name, plan in plans.items()}
+    return {name: distributed_run(plan) for name, plan in plans.items()}
 
 
 def _check(world, plans):
@@ -128,6 +135,11 @@ def _check(world, plans):
         # One process over the whole global batch in micro-batches of micro_batch rows.
         ref = reference(p.global_batch, p.global_batch // p.micro_batch)
         assert_parity(name, ref, [r[name] for r in results])
+        counts = replica_microbatches(plan)
+        for rank, res in enumerate(results):
+            r = res[name]
+            m = counts[r["coords"][1]]
+            check_step_collectives(f"{name} rank {rank}", plan, graph(), r, m=m)
     return results
 
 
@@ -143,7 +155,8 @@ def test_schedules_and_uneven_shares_two_ranks():
 def test_schedules_and_uneven_shares_four_ranks():
     plans = _plans_4()
     results = _check(4, plans)
-    for name in ("ddpxpp-2mb", "interleaved-dp", "zbv-dp", "tpxinterleaved", "uneven-dpxpp"):
+    p2p = ("ddpxpp-2mb", "interleaved-dp", "zbv-dp", "tpxinterleaved", "uneven-dpxpp")
+    for name in (*p2p, "fsdp-zero3xpp"):
         _check_p2p(plans[name], results, name)
     _check_uneven_dp(plans["uneven-dpxpp"], results, "uneven-dpxpp")
 
@@ -178,37 +191,15 @@ def _check_p2p(plan, results, name):
 
 
 def _check_uneven_dp(plan, results, name):
-    """Replicas with different micro-batch counts run the same dp collectives, and their
-    volume by kind equals the cost model's `dp_traffic` for the stage."""
-    from meshplan.cost_model.simulate import model_costs, pricer_for
-
-    p = plan.parallel
-    costs = model_costs(graph())
-    pricer = pricer_for(graph(), plan.cluster, dtype="float32")
+    """Replicas with different micro-batch counts run the same collectives on their gradient
+    group (kinds and sizes; their volume against `dp_traffic` is `check_step_collectives`')."""
     by_stage: dict[int, list[Counter]] = {}
     for res in results:
         r = res[name]
-        recs = [x for x in _on(r, "dp", {"all_reduce", "all_gather", "reduce_scatter"})]
-        recs = [x for x in recs if not (x.kind == "all_reduce" and x.numel == 1)]  # the loss
+        recs = _on(r, "grad", {"all_reduce", "all_gather", "reduce_scatter"})
         by_stage.setdefault(r["coords"][0], []).append(Counter((x.kind, x.numel) for x in recs))
-    for stage, per_replica in by_stage.items():
+    for per_replica in by_stage.values():
         assert all(c == per_replica[0] for c in per_replica), f"{name}: replicas differ"
-        s = plan.stages[stage]
-        comp = costs.composition(s.first_unit, s.last_unit)
-        traffic = pricer.dp_traffic(comp, tp=p.tp, ep=p.ep, dp=p.dp, zero=p.zero)
-        want: Counter = Counter()
-        for kind, size, _ in traffic.collectives:
-            kind = str(kind).replace("-", "_").lower()
-            per = (
-                pricer.precision.weight_bytes
-                if kind == "all_gather"
-                else pricer.precision.grad_bytes
-            )
-            want[kind] += round(size / per)
-        got: Counter = Counter()
-        for (kind, numel), n in per_replica[0].items():
-            got[kind] += numel * n
-        assert got == want, f"{name}: stage {stage} dp volume {dict(got)}, plan {dict(want)}"
 
 
 # -- pure checks (no processes) ------------------------------------------------------------------

@@ -1,0 +1,106 @@
+"""The collectives the cost model prices beyond the layers' Megatron regions, against hand
+counts: the vocab-parallel loss, the embedding's SP backward gather, the SP norm-gradient
+all-reduces, the step's loss all-reduce, and which traffic the planner may code.
+
+The runtime side (that `meshplan.runtime.apply` runs exactly these) is checked by the
+parity tests in tests/runtime (`harness.check_step_collectives`)."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from meshplan import Cluster
+from meshplan.cost_model.collectives import Collective
+from meshplan.cost_model.compression import RUNTIME_CODED_AXES, CommOptions, choose
+from meshplan.cost_model.memory import GRAD_BYTES  # bf16 gradients: the graph is bf16
+from meshplan.cost_model.simulate import (
+    LOSS_BYTES_PER_TOKEN,
+    is_lm_head,
+    loss_collectives,
+    model_costs,
+    pricer_for,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from synthetic import transformer_graph  # noqa: E402
+
+LAYERS, HIDDEN, VOCAB, SEQ, MB = 2, 256, 1000, 128, 2
+AR, AG, RS = Collective.ALL_REDUCE, Collective.ALL_GATHER, Collective.REDUCE_SCATTER
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return transformer_graph(LAYERS, HIDDEN, 4, 4, 1024, VOCAB, SEQ, MB, name="steps")
+
+
+def _edge(graph, kind):
+    costs = model_costs(graph)
+    keys = [k for k in costs.unit_keys if costs.facts[k].kind == kind]
+    return costs, keys[0]
+
+
+def test_vocab_parallel_loss_is_three_token_all_reduces(graph):
+    costs, key = _edge(graph, "epilogue")
+    head = next(op for op in costs.blocks[key].ops if is_lm_head(op, HIDDEN))
+    tokens = MB * SEQ
+    (vp,) = loss_collectives(head, vocab_parallel=True)
+    assert (vp.phase, vp.size_bytes, vp.with_sp, vp.without_sp) == (
+        "fwd",
+        tokens * LOSS_BYTES_PER_TOKEN,
+        (AR, AR, AR),
+        (AR, AR, AR),
+    )
+    (gathered,) = loss_collectives(head, vocab_parallel=False)
+    assert gathered.size_bytes == tokens * VOCAB * 2 and gathered.with_sp == (AG,)  # bf16
+    # The epilogue prices the vocab-parallel loss (Megatron-LM / torchtitan).
+    assert vp in costs.facts[key].tp_collectives
+
+
+def test_embedding_under_sp_gathers_its_gradient(graph):
+    costs, key = _edge(graph, "prologue")
+    out = MB * SEQ * HIDDEN * 2
+    got = [
+        (c.phase, c.size_bytes, c.with_sp, c.without_sp) for c in costs.facts[key].tp_collectives
+    ]
+    assert got == [("fwd", out, (RS,), (AR,)), ("bwd", out, (AG,), ())]
+
+
+def test_sp_norm_gradients_are_reduced_per_parameter(graph):
+    pricer = pricer_for(graph, Cluster.preset("dgx-h100", gpus=8))
+    costs = pricer.costs
+    comp = costs.composition(0, len(costs.unit_keys))
+    # Two norms per layer and the final norm, each HIDDEN values.
+    want = [(AR, HIDDEN * GRAD_BYTES, 8)] * (2 * LAYERS + 1)
+    assert list(pricer.sp_grad_sync(comp, tp=8, sp=True)) == want
+    assert Counter(pricer.sp_grad_sync(comp, tp=8, sp=True, reductions=3)) == Counter(want * 3)
+    assert pricer.sp_grad_sync(comp, tp=8, sp=False) == ()
+    assert pricer.sp_grad_sync(comp, tp=1, sp=True) == ()
+
+
+def test_loss_all_reduce_is_latency_bound(graph):
+    one = pricer_for(graph, Cluster.preset("dgx-h100", gpus=64))
+    sites = pricer_for(graph, Cluster.preset("two-sites", gpus=64))
+    t = one.loss_sync_time("h100", 64)
+    # NCCL's tree over 8 nodes: microseconds, not the ring's 2 (n - 1) hops.
+    assert 0 < t < 100e-6
+    across = sites.loss_sync_time("h100-dc1", 64, ("h100-dc1", "h100-dc2"))
+    assert across >= 2 * 1e-3  # up and down the 1 ms WAN
+
+
+def test_planner_codes_only_the_runtimes_axes():
+    """`choose` prices coding only on the axes the options allow (by default the runtime's:
+    DP); a what-if option may allow more."""
+    assert RUNTIME_CODED_AXES == ("dp",)
+    gpu = Cluster.preset("two-sites", gpus=2).groups[0].gpu
+    slow = lambda size: size / 1e6  # noqa: E731 (1 MB/s: coding always pays)
+    kind, size = Collective.ALL_GATHER, 64e6
+    dp = choose(kind, size, 2, slow, CommOptions(), gpu, "bfloat16", "activations", "dp")
+    pp = choose(kind, size, 2, slow, CommOptions(), gpu, "bfloat16", "activations", "pp")
+    assert dp.method == "lossless" and pp.method == "raw" and pp.lossless_s == float("inf")
+    what_if = CommOptions(axes=("dp", "pp"))
+    assert choose(kind, size, 2, slow, what_if, gpu, "bfloat16", "activations", "pp").method == (
+        "lossless"
+    )
