@@ -16,6 +16,9 @@ price a step as another stack would run it:
   (Megatron-LM `--tp-comm-overlap`, torchtitan's async TP; Wang et al., "Overlap
   Communication with Dependent Computation via Decomposition", ASPLOS'23): exposed at most
   what the GEMMs cannot hide, with the same overlap efficiency as data parallelism.
+- `moe_imbalance`: how unevenly the router spreads tokens over expert-parallel ranks (the
+  busiest rank's load over the mean), which sets the all-to-all time; a measured value
+  replaces the balanced-router bound.
 """
 
 from __future__ import annotations
@@ -38,8 +41,16 @@ class Engine:
     float8: str | None = None
     float8_all_gather: bool = False
     tp_overlap: bool = False
+    # MoE routing: the busiest expert-parallel rank's tokens over the mean, as measured on the
+    # user's model; None: a balanced router's statistical bound (`simulate.moe_imbalance`).
+    moe_imbalance: float | None = None
 
     def __post_init__(self) -> None:
+        if self.moe_imbalance is not None and not self.moe_imbalance >= 1.0:
+            raise EngineError(
+                f"moe_imbalance is the busiest rank's load over the mean, at least 1; got "
+                f"{self.moe_imbalance!r}"
+            )
         if self.float8 is not None and self.float8 not in FLOAT8_RECIPES:
             raise EngineError(
                 f"float8 recipe {self.float8!r} is not modelled; use one of "
@@ -63,6 +74,8 @@ class Engine:
             parts.append("float8-all-gather")
         if self.tp_overlap:
             parts.append("tp-overlap")
+        if self.moe_imbalance is not None:
+            parts.append(f"moe-imbalance {self.moe_imbalance:g}")
         return "+".join(parts) or "eager"
 
 

@@ -197,6 +197,10 @@ class BlockFacts:
     output_bytes: int  # the activation leaving one instance (pipeline boundary)
     wgrad_fraction: float = 0.0  # share of backward FLOPs that are weight gradients (ZB-V's W)
     replicated_params: tuple[int, ...] = ()  # elements of each TP-replicated parameter (norms)
+    # MoE: token-expert assignments of one traced micro-batch (top_k x tokens) and the expert
+    # capacity as a multiple of the balanced load (inf: dropless / not read off the trace).
+    assignments: int = 0
+    capacity_factor: float = math.inf
 
 
 def _hidden(graph: Graph) -> int:
@@ -289,14 +293,22 @@ def is_lm_head(op: Op, hidden: int) -> bool:
 
 def _block_facts(graph: Graph, block: Block, hidden: int) -> BlockFacts:
     kv = sum(sum(t.nbytes for t in op.inputs[1:3]) for op in block.ops_of(OpKind.ATTENTION))
-    a2a = 0
-    if block.ops_of(OpKind.EXPERTS):
+    a2a = assignments = 0
+    capacity = math.inf
+    experts = block.ops_of(OpKind.EXPERTS)
+    if experts:
         info = graph.info
         top_k = max(1, info.top_k)
         tokens = max(1, info.micro_batch) * max(1, info.seq_len)
+        assignments = top_k * tokens
         # Tokens travel in the activations' dtype (the block output's).
         elem = DTYPE_BYTES[block.outputs[0].dtype] if block.outputs else WEIGHT_BYTES
         a2a = top_k * tokens * hidden * elem
+        # Static-capacity experts run on (experts, capacity, hidden) buffers: capacity over
+        # the balanced load top_k * tokens / experts is the capacity factor.
+        shape = experts[0].inputs[0].shape if experts[0].inputs else ()
+        if len(shape) == 3 and info.experts and shape[0] == info.experts:
+            capacity = shape[0] * shape[1] / assignments
     # The weight gradient of an op with parameters (Linear, expert GEMMs, norms, embedding)
     # costs its forward FLOPs (dW = dY^T X); the rest of backward is the input gradient.
     bwd = sum(op.bwd_flops for op in block.ops)
@@ -311,7 +323,25 @@ def _block_facts(graph: Graph, block: Block, hidden: int) -> BlockFacts:
         output_bytes=sum(t.nbytes for t in block.outputs),
         wgrad_fraction=min(1.0, wgrad / bwd) if bwd else 0.0,
         replicated_params=replicated_params(block),
+        assignments=assignments,
+        capacity_factor=capacity,
     )
+
+
+def moe_imbalance(assignments: float, ep: int, capacity_factor: float = math.inf) -> float:
+    """The busiest expert-parallel rank's tokens over the mean under a balanced top-k router.
+
+    Each of the ep ranks sends `assignments` token-expert pairs spread uniformly over the
+    ranks, so a rank receives Binomial(ep * A, 1 / ep) of them: mean A, standard deviation
+    sqrt(A (1 - 1/ep)); the expected maximum of ep such loads is about
+    mean + sqrt(2 ln ep) standard deviations (the Gaussian extreme-value bound). Static
+    capacity drops what exceeds `capacity_factor` times the mean, which caps it. A trained
+    router is less balanced than uniform: pass a measured factor as `Engine.moe_imbalance`.
+    """
+    if ep <= 1 or assignments <= 0:
+        return 1.0
+    spread = math.sqrt(2 * math.log(ep)) * math.sqrt((1 - 1 / ep) / assignments)
+    return min(1.0 + spread, max(1.0, capacity_factor))
 
 
 Composition = tuple[tuple[str, int], ...]  # (block key, instances) of one stage, sorted
@@ -665,10 +695,18 @@ class Pricer:
 
     def _ep_traffic(self, facts, g: DeviceGroup, tp, cp, ep, sp, scale) -> tuple[float, float]:
         """Expert parallelism: dispatch + combine all-to-alls of top_k * tokens * hidden in
-        forward and again in backward, over ep ranks strided by tp * cp."""
+        forward and again in backward, over ep ranks strided by tp * cp, at the busiest rank's
+        load: the mean times the routing imbalance (`Engine.moe_imbalance`, else the balanced
+        router's bound `moe_imbalance`, capped by the capacity factor)."""
         if ep <= 1 or not facts.a2a_bytes:
             return 0.0, 0.0
-        size = facts.a2a_bytes * scale / (cp * (tp if sp else 1))
+        share = scale / (cp * (tp if sp else 1))
+        factor = self.engine.moe_imbalance
+        if factor is None:
+            factor = moe_imbalance(facts.assignments * share, ep, facts.capacity_factor)
+        else:
+            factor = min(factor, max(1.0, facts.capacity_factor))
+        size = facts.a2a_bytes * share * factor
         path = group_path(self.cluster, g, ep, max(1, g.gpus_per_node // (tp * cp)))
         t = self.comm_choice(
             Collective.ALL_TO_ALL, size, ep, path, g.gpu, "activations", "ep"

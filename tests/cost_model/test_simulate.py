@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 from meshplan.cost_model import BREAKDOWN_PARTS, predict
@@ -211,5 +212,32 @@ def test_expert_parallel_all_to_all_by_hand():
     )
     pred = run(g, h100_cluster(1), config(dp=4, ep=4, global_batch=4))
     tokens = top_k * b * s * h * 2  # top_k copies of every token's hidden state, bf16
-    a2a = 8.4e-6 + 2e-6 + tokens * (3 / 4) / (450e9 * 0.8)  # base + one concurrent step
+    # the busiest of 4 ranks under a balanced router: Binomial(4 A, 1/4) with A = top_k * s
+    # assignments a rank sends; mean + sqrt(2 ln 4) standard deviations
+    assignments = top_k * b * s
+    busiest = 1 + math.sqrt(2 * math.log(4)) * math.sqrt(0.75 / assignments)
+    a2a = 8.4e-6 + 2e-6 + busiest * tokens * (3 / 4) / (450e9 * 0.8)  # base + one step
     assert pred.breakdown_dict()["ep_comm"] == pytest.approx(4 * a2a, rel=1e-9)  # 2 fwd + 2 bwd
+    # a measured imbalance replaces the bound
+    from meshplan.cost_model.engine import Engine
+    from meshplan.cost_model.simulate import predict
+
+    p = config(dp=4, ep=4, global_batch=4)
+    c = h100_cluster(1)
+    skewed = predict(
+        g, c, p, place_stages(c, p, even_stages(g, 1)), engine=Engine(moe_imbalance=1.5)
+    )
+    a2a = 8.4e-6 + 2e-6 + 1.5 * tokens * (3 / 4) / (450e9 * 0.8)
+    assert skewed.breakdown_dict()["ep_comm"] == pytest.approx(4 * a2a, rel=1e-9)
+
+
+def test_moe_imbalance_is_capped_by_the_capacity_factor():
+    from meshplan.cost_model.simulate import moe_imbalance
+
+    assert moe_imbalance(1000, 1) == 1.0
+    assert moe_imbalance(16384, 8) == pytest.approx(
+        1 + math.sqrt(2 * math.log(8)) * math.sqrt((7 / 8) / 16384)
+    )
+    # few tokens: the statistical spread is large, but capacity drops what exceeds it
+    assert moe_imbalance(4, 8, capacity_factor=1.25) == 1.25
+    assert moe_imbalance(4, 8) > 1.25
