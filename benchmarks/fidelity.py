@@ -638,6 +638,33 @@ def leave_one_out(cases: list[Case], cache_dir: Path | None, out=sys.stdout) -> 
     return summary
 
 
+def markdown_rows(cases: list[Case]) -> str:
+    """The per-row table of docs/fidelity.md (counted rows, then the excluded ones)."""
+    lines = [
+        "| row | source | model | GPUs | configuration | engine | measured s | predicted s "
+        "| error | memory GiB (measured / predicted) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    from meshplan.cost_model.engine import Engine
+
+    for c in cases:
+        if c.status == "excluded":
+            continue
+        mem = ""
+        if c.mem_error is not None:
+            mem = f"{c.measured_mem_gib:.1f} / {c.predicted_mem_gib:.1f} ({c.mem_error:+.1%})"
+        lines.append(
+            f"| {c.row} | {_short_source(c.source)} | {c.model} | {c.gpus} | {_config_str(c)} "
+            f"| {Engine(**c.engine).describe()} | {c.measured_step_s:.3f} "
+            f"| {c.predicted_step_s:.3f} | {c.step_error:+.1%} | {mem} |"
+        )
+    ex = [c for c in cases if c.status == "excluded"]
+    if ex:
+        lines.append("")
+        lines.append("Excluded: " + "; ".join(f"row {c.row} ({c.reason})" for c in ex) + ".")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--csv", type=Path, default=DEFAULT_CSV)
@@ -654,6 +681,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="leave-one-out: refit each row's GPU type without it, then predict it",
     )
+    ap.add_argument("--markdown", action="store_true", help="print the per-row table as markdown")
     args = ap.parse_args(argv)
     with open(args.csv, newline="") as f:
         rows = list(csv.DictReader(f))
@@ -670,6 +698,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.loo:
         leave_one_out(cases, args.cache)
+        return 0
+    if args.markdown:
+        sys.stdout.write(markdown_rows(cases))
         return 0
     print_report(cases)
     print(f"({time.perf_counter() - t0:.1f} s)")
