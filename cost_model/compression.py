@@ -721,7 +721,8 @@ def plan_decisions(pricer, parallel, stages) -> tuple:
     from .collectives import group_path, intra_node_path
 
     p, costs, cluster = parallel, pricer.costs, pricer.cluster
-    tp, cp, ep, dp, sp = p.tp, p.cp, p.ep, p.dp, bool(p.sequence_parallel)
+    cp, ep, dp = p.cp, p.ep, p.dp
+    hetero = bool(stages[0].group_tp)
     scale = p.micro_batch / costs.traced_micro_batch
     order = [g.name for g in cluster.groups]
     used = [g for g in order if any(g == r for st in stages for r, _ in st.replicas)]
@@ -731,6 +732,8 @@ def plan_decisions(pricer, parallel, stages) -> tuple:
     out = []
     for name in used:
         g = pricer.groups[name]
+        tp = stages[0].tp_of(name, p.tp)  # per-group TP: the group's own degree
+        sp = bool(p.sequence_parallel) and tp > 1
         seen: set = set()
         for key in keys:
             facts = costs.facts[key]
@@ -762,10 +765,14 @@ def plan_decisions(pricer, parallel, stages) -> tuple:
                 why = _axis_reason(pricer, "ep")
                 out.append(_decision(f"ep in {name}", kind, "activations", ch, why))
     crossing = sum(1 for st in stages if len(st.replicas) > 1)
+    tp = p.tp
     for st in stages:
         comp = costs.composition(st.first_unit, st.last_unit)
-        traffic = pricer.dp_traffic(comp, tp=tp, ep=ep, dp=dp, zero=p.zero, cp=cp)
         groups = [g for g in order if g in dict(st.replicas)]
+        if hetero:
+            out += _hetero_decisions(pricer, comp, st, groups, p)
+            continue
+        traffic = pricer.dp_traffic(comp, tp=tp, ep=ep, dp=dp, zero=p.zero, cp=cp)
         if len(groups) == 1:
             chosen = pricer.dp_single_choices(traffic, groups[0], tp=tp, cp=cp)
             for (kind, _, _), ch in zip(traffic.collectives, chosen):
@@ -779,14 +786,37 @@ def plan_decisions(pricer, parallel, stages) -> tuple:
     streams = tp * cp * dp
     for s in range(len(stages) - 1):
         bkey = costs.boundary_key(stages[s].last_unit)
-        size = costs.facts[bkey].output_bytes * scale / (cp * tp)
         for a, _ in stages[s].replicas:
             for b, _ in stages[s + 1].replicas:
+                if hetero and a != b:
+                    continue  # per-group TP: a pipeline stays inside its group
+                tp_a = stages[s].tp_of(a, p.tp)
+                size = costs.facts[bkey].output_bytes * scale / (cp * tp_a)
                 ch = pricer.p2p_choice(size, a, b, streams)
                 group = f"pp boundary {s} {a}->{b}"
                 why = _axis_reason(pricer, "pp")
                 out.append(_decision(group, Collective.P2P, "activations", ch, why))
     return tuple(out)
+
+
+def _hetero_decisions(pricer, comp, st, groups, p) -> list:
+    """Per-group TP: the stage's piece-wise gradient all-reduces across its groups
+    (`simulate.Pricer.hetero_dp_traffic`), raw (the runtime does not code them); one record
+    per group, since each group's ranks run their own number of pieces."""
+    tps = {g: st.tp_of(g, p.tp) for g in groups}
+    traffic = pricer.hetero_dp_traffic(comp, tps, dp=p.dp, cp=p.cp)
+    ct = pricer.dp_cross_hetero(comp, groups[0], groups[-1], tps, dp=p.dp, cp=p.cp)
+    ch = CommChoice("raw", ct.unshared, math.inf, math.inf, 1.0, 1)
+    out = []
+    for g in groups:
+        for kind, size, _ in traffic[g].collectives[:1]:
+            why = (
+                f"per-group tp: {len(traffic[g].collectives)} piece all-reduce(s) of "
+                f"{size / 2**20:.1f} MiB per rank in {g} (tp={tps[g]}); not coded"
+            )
+            group = f"dp stage {st.index} across {'+'.join(groups)}"
+            out.append(_decision(group, kind, tensor_of(kind), ch, why))
+    return out
 
 
 def _cross_decisions(pricer, traffic, stage, a, b, tp, cp, crossing) -> list:

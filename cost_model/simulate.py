@@ -65,6 +65,7 @@ formula over the same tables, so that a plan and its `predict` agree.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -531,6 +532,7 @@ class Pricer:
         self._block_time: dict[tuple, StageTime] = {}
         self._mem: dict[tuple, StageMemory] = {}
         self._cross: dict[tuple, CrossPath] = {}
+        self._sync: dict[tuple, float] = {}  # step_sync_time's SP gradient part
 
     # -- per (stage composition, group) --------------------------------------------------------
     def stage_time(
@@ -865,6 +867,68 @@ class Pricer:
             CrossTraffic(*coded) if coded is not None else None,
         )
 
+    def hetero_dp_traffic(
+        self, comp: Composition, tp_by_group: Mapping[str, int], *, dp: int, cp: int = 1
+    ) -> dict[str, DpTraffic]:
+        """Per-group TP (`StagePlacement.group_tp`): the gradient reduction of a stage whose
+        replicas use different TP degrees, per rank of each group, as the runtime runs it
+        (`meshplan.runtime.data_parallel.HeteroGradients`).
+
+        Every TP-sharded parameter (and stacked expert weight) is cut into L = lcm(tp_g)
+        pieces along its sharded dim; a rank of group g holds L / tp_g consecutive pieces.
+        Piece j is all-reduced over the dp * cp ranks that hold it (one per replica and cp
+        rank), together with the stage's TP-replicated parameters (norms), which every rank
+        holds whole. So a rank of group g runs L / tp_g all-reduces of (P_tp / L + P_rep)
+        gradients each, n = dp * cp ranks: ZeRO-0 only (the replicas' optimizers cannot
+        share shards of different shapes)."""
+        facts = [(self.costs.facts[k].memory, n) for k, n in comp]
+        sharded = sum(n * (b.params_tp + b.params_expert) for b, n in facts)
+        replicated = sum(n * b.params_rep for b, n in facts)
+        pieces = math.lcm(*tp_by_group.values())
+        piece = (sharded / pieces + replicated) * self.precision.grad_bytes
+        ranks = dp * cp
+        if ranks <= 1:
+            return {g: DpTraffic(()) for g in tp_by_group}
+        return {
+            g: DpTraffic(((Collective.ALL_REDUCE, piece, ranks),) * (pieces // t))
+            for g, t in tp_by_group.items()
+        }
+
+    def dp_cross_hetero(
+        self,
+        comp: Composition,
+        a: str,
+        b: str,
+        tp_by_group: Mapping[str, int],
+        *,
+        dp: int,
+        cp: int = 1,
+    ) -> CrossTraffic:
+        """`hetero_dp_traffic` of a stage with pipelines in groups a and b, priced like
+        `dp_cross`: the piece rings cross the groups' link; the slower side (the group with
+        the smaller tp moves more pieces) sets the unshared time, and the link carries
+        L pieces per stage when a shared GroupLink bounds it. Raw: the runtime does not code
+        these reductions."""
+        traffic = self.hetero_dp_traffic(comp, tp_by_group, dp=dp, cp=cp)
+        ga, gb = self.groups[a], self.groups[b]
+        ta, tb = tp_by_group[a], tp_by_group[b]
+        path = self.cross_path(
+            a,
+            b,
+            max(1, min(dp, ga.gpus_per_node // ta)),
+            max(1, min(dp, gb.gpus_per_node // tb)),
+        )
+        unshared = max(
+            traffic[g].count * path.latency + traffic[g].volume / path.bandwidth for g in (a, b)
+        )
+        latency = max(traffic[g].count for g in (a, b)) * path.latency
+        per_stage = None
+        if path.shared_bandwidth is not None:
+            pieces = math.lcm(*tp_by_group.values())
+            one = traffic[a].collectives[:1]  # one piece's ring
+            per_stage = pieces * DpTraffic(one).volume / path.shared_bandwidth
+        return CrossTraffic(unshared, latency, per_stage, None)
+
     def p2p(self, size: float, a: str, b: str, streams: int) -> float:
         """Forward send + backward send of one boundary activation of `size` bytes per rank
         between a stage on group a and the next on group b; `streams` ranks send at once."""
@@ -949,10 +1013,12 @@ class Pricer:
     ) -> float:
         """Seconds of the per-step synchronisations that run exposed around the optimizer
         update: `sp_grad_sync` on the intra-node tp path and `loss_sync_time`."""
-        g = self.groups[group]
-        path = intra_node_path(self.cluster, g)
-        sync = self.sp_grad_sync(comp, tp=tp, sp=sp, reductions=reductions)
-        t = sum(collective_time(k, size, n, path) for k, size, n in sync)
+        key = (comp, group, tp, sp, reductions)
+        t = self._sync.get(key)
+        if t is None:
+            path = intra_node_path(self.cluster, self.groups[group])
+            sync = self.sp_grad_sync(comp, tp=tp, sp=sp, reductions=reductions)
+            t = self._sync[key] = sum(collective_time(k, size, n, path) for k, size, n in sync)
         return t + self.loss_sync_time(group, world, groups)
 
 
@@ -1023,6 +1089,12 @@ class PlanTables:
     p2p: list[dict[tuple[str, str], float]] = field(default_factory=list)  # [boundary][(a, b)]
     chunks: int = 1  # model chunks per pipeline rank (interleaved 1F1B, ZB-V), else 1
     zero_bubble: bool = False  # ZB-V: the fill is (pp - 1) Z, not (S - U) / v
+    # Per-group TP (`hetero_tables`): each group's tp, and each stage's (peak, breakdown) per
+    # group (`memory` then holds the larger of the groups' peaks per stage). Empty otherwise.
+    group_tp: dict[str, int] = field(default_factory=dict)
+    group_memory: list[dict[str, tuple[int, tuple[tuple[str, int], ...]]]] = field(
+        default_factory=list
+    )
 
     @property
     def pp(self) -> int:
@@ -1178,6 +1250,83 @@ def plan_tables(
         p2p=p2p,
         chunks=p.chunks if pp > 1 else 1,
         zero_bubble=p.schedule == Schedule.ZERO_BUBBLE and pp > 1,
+    )
+
+
+def hetero_tables(
+    pricer: Pricer,
+    parallel: Parallel,
+    ranges: Sequence[tuple[int, int]],
+    group_tp: Mapping[str, int],
+    *,
+    max_microbatches: int | None = None,
+) -> PlanTables:
+    """`plan_tables` of a configuration whose device groups use their own TP degrees
+    (`StagePlacement.group_tp`: group-pure pipelines, ZeRO-0).
+
+    Each group's entries (stage times, overlap windows, optimizer, memory, fits, replica
+    capacity, boundaries inside the group) come from `plan_tables` at that group's tp
+    (sequence parallelism where its tp > 1); the DP traffic of every stage spans the groups
+    and is `Pricer.dp_cross_hetero`. Boundaries between different groups are infinite: a
+    pipeline never leaves its group. `evaluate` prices these tables as any other."""
+    names = tuple(group_tp)
+    per: dict[str, PlanTables] = {}
+    for g, tp in group_tp.items():
+        p_g = dataclasses.replace(
+            parallel, tp=tp, sequence_parallel=bool(parallel.sequence_parallel) and tp > 1
+        )
+        per[g] = plan_tables(pricer, p_g, ranges, (g,), max_microbatches=max_microbatches)
+    first = per[names[0]]
+    pp = first.pp
+    costs = pricer.costs
+    if pp > 1 and first.chunks > 1:
+        comps = list(
+            costs.chunked_compositions(pp, first.chunks, parallel.schedule == Schedule.ZERO_BUBBLE)
+        )
+    else:
+        comps = [costs.composition(a, b) for a, b in ranges]
+    cross: list[dict[tuple[str, str], CrossTraffic]] = []
+    made: dict[Composition, dict] = {}
+    for comp in comps:
+        row = made.get(comp)
+        if row is None:
+            row = made[comp] = {
+                (a, b): pricer.dp_cross_hetero(
+                    comp, a, b, group_tp, dp=parallel.dp, cp=parallel.cp or 1
+                )
+                for i, a in enumerate(names)
+                for b in names[i + 1 :]
+            }
+        cross.append(row)
+    group_memory = [{g: per[g].memory[s] for g in names} for s in range(pp)]
+    # The step's scalar loss all-reduce crosses between the groups (up and down the link).
+    hop = {
+        g: 2 * max((pricer.cross_path(g, o, 1, 1).latency for o in names if o != g), default=0.0)
+        for g in names
+    }
+    p2p = [
+        {(a, b): (per[a].p2p[s][(a, a)] if a == b else math.inf) for a in names for b in names}
+        for s in range(pp - 1)
+    ]
+    return PlanTables(
+        parallel=parallel,
+        ranges=tuple(ranges),
+        groups=names,
+        m=first.m,
+        rep=first.rep,
+        time=[{g: per[g].time[s][g] for g in names} for s in range(pp)],
+        window=[{g: per[g].window[s][g] for g in names} for s in range(pp)],
+        optimizer=[{g: per[g].optimizer[s][g] + hop[g] for g in names} for s in range(pp)],
+        memory=[max(row.values(), key=lambda x: x[0]) for row in group_memory],
+        fits=[{g: per[g].fits[s][g] for g in names} for s in range(pp)],
+        replica_capacity={g: per[g].replica_capacity[g] for g in names},
+        dp_single=[{g: math.inf for g in names} for _ in range(pp)],
+        dp_cross=cross,
+        p2p=p2p,
+        chunks=first.chunks,
+        zero_bubble=first.zero_bubble,
+        group_tp=dict(group_tp),
+        group_memory=group_memory,
     )
 
 
@@ -1337,6 +1486,8 @@ def check_parallel(
                 f"micro-batch shares add up to {total} micro-batches, but dp * num_microbatches "
                 f"= {p.dp}*{p.num_microbatches} = {p.dp * p.num_microbatches}"
             )
+    if any(st.group_tp for st in stages):
+        _check_group_tp(p, stages)
     if p.pp > 1 and p.chunks > 1:
         counts = layer_counts(graph, [(st.first_unit, st.last_unit) for st in stages])
         n_layers = sum(counts)
@@ -1363,17 +1514,45 @@ def check_parallel(
                 raise ValueError(f"stage {st.index}: unknown device group {g!r}")
             used[g] = used.get(g, 0) + n
     for g, n in used.items():
-        cap = replica_capacity(known[g], p.tp, p.cp)
-        if known[g].gpus_per_node % p.tp:
+        tp = stages[0].tp_of(g, p.tp)
+        cap = replica_capacity(known[g], tp, p.cp)
+        if known[g].gpus_per_node % tp:
             raise ValueError(
-                f"tp={p.tp} does not divide gpus_per_node={known[g].gpus_per_node} of group "
+                f"tp={tp} does not divide gpus_per_node={known[g].gpus_per_node} of group "
                 f"{g} (TP stays inside a node)"
             )
         if n > cap:
             raise ValueError(
-                f"group {g}: {n} replicas of tp*cp={p.tp * p.cp} GPUs need "
-                f"{n * p.tp * p.cp} GPUs, it has {known[g].num_gpus}"
+                f"group {g}: {n} replicas of tp*cp={tp * p.cp} GPUs need "
+                f"{n * tp * p.cp} GPUs, it has {known[g].num_gpus}"
             )
+
+
+def _check_group_tp(p: Parallel, stages: Sequence[StagePlacement]) -> None:
+    """Per-group TP (`StagePlacement.group_tp`): group-pure pipelines, ZeRO-0, no EP, and
+    `Parallel.tp` the first group's degree."""
+    first = stages[0]
+    if any(
+        (st.replicas, dict(st.group_tp), dict(st.microbatches))
+        != (first.replicas, dict(first.group_tp), dict(first.microbatches))
+        for st in stages
+    ):
+        raise ValueError(
+            "per-group tp needs group-pure pipelines: every stage must have the same replicas, "
+            "shares and tp per group"
+        )
+    if p.zero != 0:
+        raise ValueError(
+            f"per-group tp needs zero=0, got zero={p.zero} (replicas with different tp cannot "
+            "share optimizer or gradient shards)"
+        )
+    if (p.ep or 1) > 1:
+        raise ValueError(f"per-group tp needs ep=1, got ep={p.ep}")
+    lead = first.tp_of(first.replicas[0][0], p.tp)
+    if lead != p.tp:
+        raise ValueError(
+            f"Parallel.tp={p.tp} must be the first group's tp ({first.replicas[0][0]}: {lead})"
+        )
 
 
 def predict(
@@ -1413,25 +1592,34 @@ def predict(
         g.name for g in cluster.groups if any(g.name == r for st in stages for r, _ in st.replicas)
     )
     shares = stages[0].shares
-    tables = plan_tables(
-        pricer, p, ranges, names, max_microbatches=max(shares.values()) if shares else None
-    )
+    most = max(shares.values()) if shares else None
+    if stages[0].group_tp:
+        group_tp = {g: stages[0].tp_of(g, p.tp) for g in names}
+        tables = hetero_tables(pricer, p, ranges, group_tp, max_microbatches=most)
+    else:
+        tables = plan_tables(pricer, p, ranges, names, max_microbatches=most)
     placement = [st.replicas for st in stages]
     ev = evaluate(tables, placement, shares or None)
 
     traced_mb = pricer.costs.traced_micro_batch
     model_flops = graph.total_flops(training=True) * p.global_batch / traced_mb
     peak_flops = sum(
-        n * p.tp * p.cp * pricer.groups[g].gpu.peak(dtype) for st in stages for g, n in st.replicas
+        n * st.tp_of(g, p.tp) * p.cp * pricer.groups[g].gpu.peak(dtype)
+        for st in stages
+        for g, n in st.replicas
     )
     tokens = p.global_batch * (graph.info.seq_len or 1)
+
+    def stage_memory_of(s: int, g: str) -> tuple[int, tuple[tuple[str, int], ...]]:
+        return tables.group_memory[s][g] if tables.group_memory else tables.memory[s]
+
     memory = tuple(
         RankMemory(
             stage=st.index,
             group=g,
-            peak_bytes=tables.memory[st.index][0],
+            peak_bytes=stage_memory_of(st.index, g)[0],
             capacity_bytes=pricer.groups[g].gpu.memory_bytes,
-            breakdown=tables.memory[st.index][1],
+            breakdown=stage_memory_of(st.index, g)[1],
         )
         for st in stages
         for g, _ in st.replicas

@@ -163,6 +163,14 @@ class StagePlacement:
     the unit ranges of the model chunks this pipeline rank runs under interleaved 1F1B or ZB-V
     (`meshplan.passes.partition.rank_chunks`); [first_unit, last_unit) is then the rank's part
     of the even split, which holds as many layers.
+
+    `group_tp` (optional; empty = every replica uses `Parallel.tp`) gives each device group
+    its own tensor-parallel degree: (group name, tp) for exactly the groups of `replicas`.
+    Like uneven shares it needs group-pure pipelines (every stage the same `replicas`,
+    `microbatches` and `group_tp`): a pipeline runs inside one group at that group's tp, and
+    the replicas' gradients are reduced across groups piece by piece
+    (`meshplan.cost_model.simulate.Pricer.dp_cross_hetero`). `Parallel.tp` is then the tp of
+    the first group listed.
     """
 
     index: int
@@ -171,6 +179,7 @@ class StagePlacement:
     replicas: tuple[tuple[str, int], ...]
     microbatches: tuple[tuple[str, int], ...] = ()
     chunks: tuple[tuple[int, int], ...] = ()
+    group_tp: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.last_unit <= self.first_unit:
@@ -187,6 +196,13 @@ class StagePlacement:
                 )
         if any(b <= a for a, b in self.chunks):
             raise ValueError(f"stage {self.index}: empty chunk range in {list(self.chunks)}")
+        if self.group_tp:
+            if any(not isinstance(t, int) or t < 1 for _, t in self.group_tp):
+                raise ValueError(f"stage {self.index}: per-group tp degrees must be positive")
+            if sorted(g for g, _ in self.group_tp) != sorted(g for g, _ in self.replicas):
+                raise ValueError(
+                    f"stage {self.index}: per-group tp must name exactly the groups of its replicas"
+                )
 
     @property
     def num_units(self) -> int:
@@ -200,6 +216,10 @@ class StagePlacement:
     def shares(self) -> dict[str, int]:
         """Micro-batches per replica by group ({} when every replica runs the same number)."""
         return dict(self.microbatches)
+
+    def tp_of(self, group: str, default: int) -> int:
+        """The tensor-parallel degree of `group`'s replicas (`default`: `Parallel.tp`)."""
+        return dict(self.group_tp).get(group, default)
 
 
 @dataclass(frozen=True, slots=True)

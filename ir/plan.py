@@ -16,7 +16,8 @@ bytes, so the solver's wall time is deliberately not recorded):
       "degrees": {"dp", "tp", "pp", "cp", "ep"},
       "mesh": {"axes": ["pp", "dp", "cp", "tp"], "shape": [...]},
       "ranks": [[rank, node, local_rank, group, pp, dp, cp, tp] or [rank, node, local, group] idle],
-      "stages": [{"index", "first_unit", "last_unit", "units": [first, last name], "replicas"}],
+      "stages": [{"index", "first_unit", "last_unit", "units": [first, last name], "replicas",
+                  "microbatches", "chunks", "tp" (per-group tp degrees, [] = degrees.tp)}],
       "schedule", "micro_batch", "global_batch", "num_microbatches", "recompute", "zero",
       "sequence_parallel", "virtual_stages" (interleaved 1F1B chunks per rank, or null),
       "placements", "quantization", "compression",
@@ -209,6 +210,8 @@ class Plan:
                     "microbatches": [[g, n] for g, n in s.microbatches],
                     # unit ranges of the chunks this rank runs (interleaved 1F1B, ZB-V); [] = one
                     "chunks": [[a, b] for a, b in s.chunks],
+                    # tp degree by group (group-pure pipelines); [] = degrees.tp everywhere
+                    "tp": [[g, t] for g, t in s.group_tp],
                 }
                 for s in self.stages
             ],
@@ -310,6 +313,8 @@ class Plan:
                     + ", ".join(f"{g} {n}" for g, n in s.microbatches)
                     + ")"
                 )
+            if s.group_tp:
+                where += " (tp per group: " + ", ".join(f"{g} {t}" for g, t in s.group_tp) + ")"
             if s.chunks:
                 held = "chunks " + ", ".join(
                     f"{self.model.units[a]} .. {self.model.units[b - 1]}" for a, b in s.chunks
@@ -394,11 +399,11 @@ def assign_ranks(
 
     Each group's GPUs are handed out in rank order: stage by stage, replica by replica, a
     replica taking tp*cp consecutive GPUs (so TP groups stay inside a node whenever tp
-    divides gpus_per_node). DP indices are numbered across groups in stage-placement order.
-    GPUs left over are idle (coords None).
+    divides gpus_per_node; tp is the group's own under per-group TP,
+    `StagePlacement.group_tp`). DP indices are numbered across groups in stage-placement
+    order. GPUs left over are idle (coords None).
     """
-    tp, cp = parallel.tp or 1, parallel.cp or 1
-    per_replica = tp * cp
+    cp = parallel.cp or 1
     free: dict[str, list] = {g.name: [] for g in cluster.groups}
     for r in cluster.ranks():
         free[r.group].append(r)
@@ -409,6 +414,8 @@ def assign_ranks(
         for group, count in stage.replicas:
             if group not in free:
                 raise PlanError(f"plan: stage {stage.index} names unknown device group {group!r}")
+            tp = stage.tp_of(group, parallel.tp or 1)
+            per_replica = tp * cp
             for _ in range(count):
                 start = cursor[group]
                 block = free[group][start : start + per_replica]
@@ -518,6 +525,15 @@ PLAN_SCHEMA: dict = {
                         "items": {
                             "type": "array",
                             "prefixItems": [{"type": "integer", "minimum": 0}, _POS_INT],
+                            "minItems": 2,
+                            "maxItems": 2,
+                        },
+                    },
+                    "tp": {
+                        "type": "array",
+                        "items": {
+                            "type": "array",
+                            "prefixItems": [{"type": "string"}, _POS_INT],
                             "minItems": 2,
                             "maxItems": 2,
                         },
@@ -768,6 +784,7 @@ def plan_from_dict(data: object, *, where: str = "plan", cluster: Cluster | None
                 tuple((r["group"], r["count"]) for r in s["replicas"]),
                 microbatches=tuple((g, n) for g, n in s.get("microbatches", [])),
                 chunks=tuple((a, b) for a, b in s.get("chunks", [])),
+                group_tp=tuple((g, t) for g, t in s.get("tp", [])),
             )
             for s in data["stages"]
         )

@@ -102,9 +102,13 @@ def _model_ref(graph: Graph) -> ModelRef:
     )
 
 
-def _placements(graph: Graph, parallel: Parallel) -> tuple[tuple[str, str], ...]:
-    """Parameter placements on the tp axis (recorded only when TP is used)."""
-    return tp_param_placements(graph) if (parallel.tp or 1) > 1 else ()
+def _placements(
+    graph: Graph, parallel: Parallel, stages: tuple[StagePlacement, ...] = ()
+) -> tuple[tuple[str, str], ...]:
+    """Parameter placements on the tp axis (recorded only when TP is used: by every
+    replica, or under per-group TP by some group)."""
+    tps = [parallel.tp or 1] + [t for st in stages[:1] for _, t in st.group_tp]
+    return tp_param_placements(graph) if max(tps) > 1 else ()
 
 
 def complete_parallel(graph: Graph, cluster: Cluster, parallel: Parallel) -> Parallel:
@@ -247,7 +251,7 @@ def estimate_plan(
         ranks=assign_ranks(cluster, p, stages),
         predicted=prediction,
         solver=SolverInfo(status="fixed", gap=0.0, candidates=1),
-        placements=_placements(graph, p),
+        placements=_placements(graph, p, stages),
         quantization=quant or QuantizationPlan(),
     )
 
@@ -267,6 +271,7 @@ def plan(
     compress: str = "auto",
     quantize: str = "off",
     codec: CodecSpeed | None = None,
+    per_group_tp: bool = True,
 ) -> Plan:
     """The fastest plan for `model` on `cluster` that fits in memory.
 
@@ -283,6 +288,8 @@ def plan(
     `codec`: the codec speed to assume (`meshplan.cost_model.compression.measure_codec_speed`
     or `CPU_CODEC`); default the per-GPU estimate. The decisions and why are in
     `plan.compression` / `plan.quantization`, the plan JSON and `plan.explain()`.
+    `per_group_tp`: on clusters of several device groups, also consider group-pure pipelines
+    that run each group at its own TP degree (`StagePlacement.group_tp`; ZeRO-0, no EP).
     Raises `InfeasibleError` with the binding constraint when no plan fits.
     """
     comm, quant_acts = comm_options(compress, quantize, codec)
@@ -314,6 +321,7 @@ def plan(
         objective=goal,
         comm=comm,
         quantize=quant_acts,
+        per_group_tp=per_group_tp,
     )
     decisions = ()
     if comm is not None:
@@ -335,7 +343,7 @@ def plan(
             candidates=result.candidates,
             objective=result.objective,
         ),
-        placements=_placements(graph, result.parallel),
+        placements=_placements(graph, result.parallel, result.stages),
         compression=CompressionPlan(compress, source, decisions),
         quantization=quantization_plan(result.parallel, result.stages, quantize, decisions),
     )

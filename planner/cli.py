@@ -35,7 +35,9 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-out = Console(highlight=False)
+# Piped output (a file, CI logs) gets 120 columns rather than rich's 80, so the plan's
+# tables keep their headers; a terminal keeps its own width.
+out = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
 err = Console(stderr=True, highlight=False)
 
 F = TypeVar("F", bound=Callable[..., object])
@@ -191,12 +193,14 @@ def _print_plan(plan, as_json: bool) -> None:
         "SP",
     ):
         t.add_column(col, justify="right")
+    group_tp = plan.stages[0].group_tp
+    tp = " / ".join(f"{g} {n}" for g, n in group_tp) if group_tp else p.tp
     t.add_row(
         *map(
             str,
             (
                 p.dp,
-                p.tp,
+                tp,
                 p.pp,
                 p.cp,
                 p.ep,
@@ -212,18 +216,25 @@ def _print_plan(plan, as_json: bool) -> None:
     )
     out.print(t)
     s = Table(title="pipeline stages and memory per rank")
-    for col in ("stage", "units", "replicas", "group", "peak GiB", "capacity GiB", "fits"):
+    cols = ["stage", "units", "replicas", "group"]
+    shares = bool(plan.stages[0].microbatches)
+    cols += ["tp"] if group_tp else []
+    cols += ["micro-batches"] if shares else []
+    for col in (*cols, "peak GiB", "capacity GiB", "fits"):
         s.add_column(col, justify="right")
     mem = {(m.stage, m.group): m for m in pr.memory}
     for st in plan.stages:
         units = f"{plan.model.units[st.first_unit]} .. {plan.model.units[st.last_unit - 1]}"
         for g, n in st.replicas:
             m = mem.get((st.index, g))
+            extra = [str(st.tp_of(g, p.tp))] if group_tp else []
+            extra += [str(st.shares[g])] if shares else []
             s.add_row(
                 str(st.index),
                 units,
                 str(n),
                 g,
+                *extra,
                 f"{m.peak_bytes / gib:.1f}" if m else "?",
                 f"{m.capacity_bytes / gib:.1f}" if m else "?",
                 ("yes" if m.fits else "[red]NO[/]") if m else "?",
@@ -307,6 +318,13 @@ def plan(
             "(int8 DP reductions) or auto (both); quantization changes numerics."
         ),
     ] = "off",
+    per_group_tp: Annotated[
+        bool,
+        typer.Option(
+            help="On mixed clusters, also try pipelines that run each device group at its own "
+            "TP degree (ZeRO-0)."
+        ),
+    ] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print plan JSON.")] = False,
 ) -> None:
     """Find the best plan that fits (default: the default model on the default cluster).
@@ -335,6 +353,7 @@ def plan(
             prices=prices or None,
             compress=compress,
             quantize=quantize,
+            per_group_tp=per_group_tp,
         )
     _print_plan(result, as_json)
     if output:

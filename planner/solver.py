@@ -60,6 +60,18 @@ best integer shares are found exactly: f_a rises and f_b falls with m_a, so the 
 feasible m_a nearest the crossing point on either side. The shares never raise a stage's
 in-flight activations (m_g stays where the schedule's warm-up depth is already saturated).
 
+Per-group TP (`_per_group_tp_candidates`, `Candidate.group_tp`): a configuration may run its
+group-pure pipelines in two groups a and b at different TP degrees tp_a != tp_b (each must
+divide its own group's GPUs per node: a wide TP on 8-GPU NVLink nodes next to 2-GPU nodes,
+or memory-tight GPUs that need a wider TP than the others). Its tables are each group's own
+at its tp (`cost_model.simulate.hetero_tables`) with the cross-group gradient average of
+`Pricer.dp_cross_hetero`; it has only group-pure placements (n_a, n_b >= 1 pipelines, shares
+as above, equal shares allowed even where the warm-up depth is not saturated), so its bounds
+are the share bounds. ZeRO-0 and no EP (what the runtime executes: replicas whose TP shards
+differ cannot share ZeRO shards). Pipelines with per-stage TP degrees (one pipeline crossing
+groups of different tp) are not searched: torch.distributed.pipelining pairs exactly one rank
+per stage in each pipeline, so stages of different tp cannot hand activations over.
+
 How it is solved (`solve` -> `_search`). The restriction to one (c, l) is a small placement
 model and different (c, l) share no variable, so the search branches on (c, l) in lower-bound
 order instead of building one model over all of them:
@@ -117,6 +129,7 @@ from meshplan.cost_model.simulate import (
     PlanTables,
     Pricer,
     evaluate,
+    hetero_tables,
     plan_tables,
     predict,
     pricer_for,
@@ -225,6 +238,29 @@ class Candidate:
     sequence_parallel: bool
     virtual_stages: int = 1
     quantize_activations: bool = False  # AGoQ widths for saved activations (numerics change)
+    # Per-group TP (`StagePlacement.group_tp`): ((group a, tp_a), (group b, tp_b)) for
+    # group-pure pipelines in two groups at their own degrees; `tp` is then tp_a. Empty: every
+    # replica at `tp`.
+    group_tp: tuple[tuple[str, int], ...] = ()
+
+    def tp_of(self, group: str) -> int:
+        """The TP degree of `group`'s replicas."""
+        for g, t in self.group_tp:
+            if g == group:
+                return t
+        return self.tp
+
+    def sp_of(self, group: str) -> bool:
+        """Sequence parallelism on `group`'s replicas (off where a per-group tp is 1)."""
+        return self.sequence_parallel and (not self.group_tp or self.tp_of(group) > 1)
+
+    def view(self, group: str) -> Candidate:
+        """The homogeneous candidate `group`'s pipelines run (its tp, no per-group TP)."""
+        if not self.group_tp:
+            return self
+        return dataclasses.replace(
+            self, tp=self.tp_of(group), sequence_parallel=self.sp_of(group), group_tp=()
+        )
 
     def parallel(self, global_batch: int) -> Parallel:
         """The complete `Parallel` of this candidate."""
@@ -263,7 +299,10 @@ class Candidate:
         rc = {"none": "no recompute", "selective": "selective recompute", "full": "full recompute"}[
             self.recompute.value
         ]
-        parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}"]
+        tp = f"tp={self.tp}"
+        if self.group_tp:
+            tp = "tp " + "/".join(f"{g}={t}" for g, t in self.group_tp)
+        parts = [tp, f"pp={self.pp}", f"dp={self.dp}"]
         parts += [f"cp={self.cp}"] if self.cp > 1 else []
         parts += [f"ep={self.ep}"] if self.ep > 1 else []
         parts += [f"micro_batch={self.micro_batch}", rc, f"ZeRO-{self.zero}"]
@@ -293,6 +332,7 @@ class Candidate:
             self.virtual_stages,
             self.sequence_parallel,
             self.quantize_activations,
+            self.group_tp,
         )
 
 
@@ -390,7 +430,13 @@ def schedule_options(
 
 
 def enumerate_candidates(
-    graph: Graph, cluster: Cluster, pinned: Parallel, global_batch: int, *, quantize: bool = False
+    graph: Graph,
+    cluster: Cluster,
+    pinned: Parallel,
+    global_batch: int,
+    *,
+    quantize: bool = False,
+    per_group_tp: bool = True,
 ) -> list[Candidate]:
     """Every configuration the planner considers, honouring each pinned field of `pinned`.
 
@@ -400,8 +446,9 @@ def enumerate_candidates(
     unless pinned); the groups hold pp * dp replicas of tp * cp GPUs (not every GPU must be
     used: the objective prefers configurations that use them); schedules from
     `schedule_options`. ZeRO 1-3 only with dp > 1 (they equal ZeRO-0 otherwise), sequence
-    parallel when tp > 1. Raises InfeasibleError naming the first constraint that leaves
-    nothing.
+    parallel when tp > 1. With `per_group_tp` on a cluster of several groups, also the
+    per-group TP candidates of `_per_group_tp_candidates`. Raises InfeasibleError naming the
+    first constraint that leaves nothing.
     """
     info = graph.info
     p = pinned
@@ -514,9 +561,69 @@ def enumerate_candidates(
                             f"and the micro-batch count (pp={pp}, {m_} micro-batches)"
                         )
                     for zero, rc, (sched, v), qa in itertools.product(zeros, rcs, scheds, qas):
+                        if zero == 3 and sched == Schedule.ZERO_BUBBLE:
+                            # torch's ZB-V with FSDP2 resharding gives wrong gradients
+                            # (measured; the runtime refuses it): not a plan to emit
+                            why_none = (
+                                "zero_bubble (ZB-V) with ZeRO-3 does not train correctly in "
+                                "torch 2.13 (the runtime refuses it); use zero <= 2"
+                            )
+                            continue
                         out.append(Candidate(tp, pp, dp, cp, ep, mb, zero, rc, sched, sp, v, qa))
+    if per_group_tp and len(cluster.groups) > 1:
+        out += _per_group_tp_candidates(cluster, p, global_batch, tps, cps, pps, rcs, qas, n_layers)
     if not out:
         raise InfeasibleError(f"no plan: {why_none}")
+    return out
+
+
+def _per_group_tp_candidates(
+    cluster: Cluster,
+    p: Parallel,
+    global_batch: int,
+    tps: Sequence[int],
+    cps: Sequence[int],
+    pps: Sequence[int],
+    rcs: Sequence[Recompute],
+    qas: Sequence[bool],
+    n_layers: int,
+) -> list[Candidate]:
+    """Per-group TP (`Candidate.group_tp`): for every pair of device groups (a, b) and TP
+    degrees tp_a != tp_b (each dividing its group's GPUs per node, and the heads), the
+    configurations whose pipelines run group-pure, n_a >= 1 of them in a at tp_a and n_b >= 1
+    in b at tp_b, dp = n_a + n_b. Only where the runtime executes it: tp not pinned, ZeRO-0
+    (the replicas' gradient shards differ in shape, `Pricer.hetero_dp_traffic`), no EP.
+    Sequence parallelism where a group's tp > 1 (unless pinned)."""
+    if p.tp is not None or p.zero not in (None, 0) or p.ep not in (None, 1):
+        return []
+    out: list[Candidate] = []
+    for a, b in itertools.combinations(cluster.groups, 2):
+        tas = [t for t in tps if a.gpus_per_node % t == 0]
+        tbs = [t for t in tps if b.gpus_per_node % t == 0]
+        for ta, tb, cp, pp in itertools.product(tas, tbs, cps, pps):
+            na = replica_capacity(a, ta, cp) // pp
+            nb = replica_capacity(b, tb, cp) // pp
+            if ta == tb or na < 1 or nb < 1:
+                continue
+            sp = p.sequence_parallel if p.sequence_parallel is not None else True
+            dps = [p.dp] if p.dp is not None else _divisors_upto(global_batch, na + nb)
+            for dp in dps:
+                if dp < 2 or dp > na + nb or global_batch % dp:
+                    continue
+                mbs = (
+                    [p.micro_batch]
+                    if p.micro_batch is not None
+                    else _divisors_upto(global_batch // dp, MAX_MICRO_BATCH)
+                )
+                for mb in mbs:
+                    if global_batch % (dp * mb):
+                        continue
+                    scheds = schedule_options(p, pp, n_layers, global_batch // (dp * mb))
+                    for rc, (sched, v), qa in itertools.product(rcs, scheds, qas):
+                        group_tp = ((a.name, ta), (b.name, tb))
+                        out.append(
+                            Candidate(ta, pp, dp, cp, 1, mb, 0, rc, sched, sp, v, qa, group_tp)
+                        )
     return out
 
 
@@ -525,7 +632,7 @@ def _unit_costs(
 ) -> tuple[float, float, float]:
     """(mean layer time, time of the units before the first layer, after the last layer) of
     one micro-batch on one rank of `group` under c's degrees (memoised in `cache`)."""
-    key = ("unit", group, c.tp, c.cp, c.ep, c.sequence_parallel, c.micro_batch, c.recompute)
+    key = ("unit", group, c.tp_of(group), c.cp, c.ep, c.sp_of(group), c.micro_batch, c.recompute)
     got = cache.get(key)
     if got is None:
         got = cache[key] = _unit_costs_uncached(pricer, c, group)
@@ -543,10 +650,10 @@ def _unit_costs_uncached(pricer: Pricer, c: Candidate, group: str) -> tuple[floa
         return pricer.stage_time(
             ((key, 1),),
             group,
-            tp=c.tp,
+            tp=c.tp_of(group),
             cp=c.cp,
             ep=c.ep,
-            sp=c.sequence_parallel,
+            sp=c.sp_of(group),
             micro_batch=c.micro_batch,
             recompute=c.recompute,
         ).total
@@ -607,7 +714,7 @@ def _splits(
 
     for g in groups:
         out.append(balanced([[g]] * pp))
-    if len(groups) > 1:
+    if len(groups) > 1 and not c.group_tp:  # lock-step fills (per-group TP is group-pure)
         capacity = {g: replica_capacity(pricer.groups[g], c.tp, c.cp) for g in groups}
         fast = sorted(groups, key=lambda g: (per[g][0], g))
         for order in (fast, fast[::-1]):
@@ -699,7 +806,7 @@ def _split_free_bound(
     for lock-step placements; with shares a group's pipelines need at least W_g / pp per
     micro-batch (W_g: the whole model on g), so `_share_rate_bound` applies with U_g = W_g / pp."""
     key = ("free", c.tp, c.cp, c.ep, c.sequence_parallel, c.micro_batch, c.recompute)
-    key += (tuple(groups),)
+    key += (tuple(groups), c.group_tp)
     got = cache.get(key)
     if got is None:
         costs = pricer.costs
@@ -710,10 +817,10 @@ def _split_free_bound(
             (k, g): pricer.stage_time(
                 ((k, 1),),
                 g,
-                tp=c.tp,
+                tp=c.tp_of(g),
                 cp=c.cp,
                 ep=c.ep,
-                sp=c.sequence_parallel,
+                sp=c.sp_of(g),
                 micro_batch=c.micro_batch,
                 recompute=c.recompute,
             ).total
@@ -725,14 +832,15 @@ def _split_free_bound(
         got = cache[key] = (s_min, whole)
     s_min, whole = got
     pp = c.pp
-    # m U + fill (S - U) with U >= S / pp (increasing in U since m >= fill)
-    lock = m * s_min / pp + c.fill * s_min * (1 - 1 / pp)
+    # m U + fill (S - U) with U >= S / pp (increasing in U since m >= fill); per-group TP
+    # has group-pure placements only (the share bound below)
+    lock = math.inf if c.group_tp else m * s_min / pp + c.fill * s_min * (1 - 1 / pp)
     if c.zero > 2:
         return lock
     rkey = key + (pp, c.dp)  # ZeRO, schedule and m do not change the rate: memoise it
     rate = cache.get(rkey)
     if rate is None:
-        capacity = {g: replica_capacity(pricer.groups[g], c.tp, c.cp) for g in groups}
+        capacity = {g: replica_capacity(pricer.groups[g], c.tp_of(g), c.cp) for g in groups}
         per_group = {g: (w / pp, w / pp) for g, w in whole.items()}
         rate = cache[rkey] = _share_rate_bound(per_group, capacity, pp, c.dp)[0]
     return min(lock, c.dp * m / rate) if rate > 0 else lock
@@ -748,6 +856,7 @@ def _megatron_seeds(
         c
         for c in cands
         if c.cp == 1
+        and not c.group_tp
         and c.micro_batch == 1
         and c.zero in (0, 1)
         and c.schedule == Schedule.ONE_F_ONE_B
@@ -795,7 +904,7 @@ def _distinct_stage_times(pricer: Pricer, cand: Candidate, ranges, groups, cache
     """(per distinct stage: {group: u}, how many stages each, {group: (U_g, S_g)}), memoised
     in `cache` (dp and ZeRO do not change stage times)."""
     key = ("times", cand.tp, cand.cp, cand.ep, cand.sequence_parallel, cand.micro_batch)
-    key += (cand.recompute, tuple(ranges), tuple(groups))
+    key += (cand.recompute, tuple(ranges), tuple(groups), cand.group_tp)
     got = cache.get(key)
     if got is not None:
         return got
@@ -809,10 +918,10 @@ def _distinct_stage_times(pricer: Pricer, cand: Candidate, ranges, groups, cache
             g: pricer.stage_time(
                 comp,
                 g,
-                tp=cand.tp,
+                tp=cand.tp_of(g),
                 cp=cand.cp,
                 ep=cand.ep,
-                sp=cand.sequence_parallel,
+                sp=cand.sp_of(g),
                 micro_batch=cand.micro_batch,
                 recompute=cand.recompute,
             ).total
@@ -836,8 +945,10 @@ def _memory_free_bound(
     respected), over the distinct stages: (U, S) of `_stage_bound` for lock-step placements,
     and (rate, fill) of `_share_rate_bound` for group-pure pipelines with uneven shares."""
     stage_times, counts, per_group = _distinct_stage_times(pricer, cand, ranges, groups, cache)
-    capacity = {g: replica_capacity(pricer.groups[g], cand.tp, cand.cp) for g in groups}
+    capacity = {g: replica_capacity(pricer.groups[g], cand.tp_of(g), cand.cp) for g in groups}
     big_u, total = _stage_bound(stage_times, counts, capacity, cand.dp)
+    if cand.group_tp:  # group-pure placements only
+        big_u = total = math.inf
     rate, fill = _share_rate_bound(per_group, capacity, cand.pp, cand.dp)
     return big_u, total, rate, fill
 
@@ -967,7 +1078,7 @@ def _share_bound(t: PlanTables, allowed: list[list[str]]) -> float:
     """A lower bound on `evaluate` over group-pure placements with uneven shares (infinite
     when there are none): `_share_rate_bound` over the host groups plus the DP and optimizer
     bounds."""
-    if t.parallel.zero == 3 or _share_cap(t) <= t.m:
+    if t.parallel.zero == 3 or (_share_cap(t) <= t.m and not t.group_tp):
         return math.inf
     hosts = _share_hosts(t, allowed)
     terms = {g: _share_terms(t, g) for g in hosts}
@@ -1022,7 +1133,7 @@ def _share_placements(t: PlanTables, allowed: list[list[str]], prune: bool = Tru
     if t.parallel.zero == 3:
         return [], True
     cap = _share_cap(t)
-    if cap <= t.m:
+    if cap <= t.m and not t.group_tp:  # per-group TP: equal shares (cap = m) still count
         return [], True
     hosts = _share_hosts(t, allowed)
     if len(hosts) < 2:
@@ -1031,6 +1142,7 @@ def _share_placements(t: PlanTables, allowed: list[list[str]], prune: bool = Tru
     terms = {g: _share_terms(t, g) for g in hosts}
     out = []
     exact = len(hosts) == 2 and (prune or dp <= SHARE_EXHAUSTIVE_DP)
+    ep = t.parallel.ep or 1
     for a, b in itertools.combinations(hosts, 2):
         (sa, ca), (sb, cb) = terms[a], terms[b]
         ra, rb = t.replica_capacity[a] // pp, t.replica_capacity[b] // pp
@@ -1053,6 +1165,8 @@ def _share_placements(t: PlanTables, allowed: list[list[str]], prune: bool = Tru
         best_pipe = math.inf
         for na in order:
             nb = dp - na
+            if na % ep:  # an ep group's all-to-alls need one share: inside one group
+                continue
             if prune:
                 bound = (total + na * ca / sa + nb * cb / sb) / (na / sa + nb / sb)
                 if bound >= best_pipe * (1 - 1e-12):
@@ -1146,8 +1260,9 @@ class _Scorer:
         """Objective value of a placed plan with this step time."""
         if not self.cost:
             return step
-        per = c.tp * c.cp
-        return step * sum(per * n * self.price[g] for reps in placement for g, n in reps)
+        return step * sum(
+            c.tp_of(g) * c.cp * n * self.price[g] for reps in placement for g, n in reps
+        )
 
     def factor(self, c: Candidate, capacity: Mapping[str, int]) -> float:
         """Score per second of step time at best: the cheapest GPUs that could hold c."""
@@ -1156,7 +1271,7 @@ class _Scorer:
         left, rate = c.pp * c.dp, 0.0
         for g in sorted(capacity, key=lambda g: (self.price[g], g)):
             take = min(left, capacity[g])
-            rate += take * c.tp * c.cp * self.price[g]
+            rate += take * c.tp_of(g) * c.cp * self.price[g]
             left -= take
         return rate
 
@@ -1204,12 +1319,33 @@ def _screen(
     cache: dict = {}
 
     def groups_for(c: Candidate) -> list[str]:
-        got = groups_of.get((c.tp, c.cp))
+        key = (c.tp, c.cp, c.group_tp)
+        got = groups_of.get(key)
         if got is None:
-            got = groups_of[(c.tp, c.cp)] = [
-                g for g in order if replica_capacity(pricer.groups[g], c.tp, c.cp)
+            named = dict(c.group_tp)
+            got = groups_of[key] = [
+                g
+                for g in order
+                if (not named or g in named)
+                and replica_capacity(pricer.groups[g], c.tp_of(g), c.cp)
             ]
         return got
+
+    def capacity_of(c: Candidate) -> dict[str, int]:
+        return {g: replica_capacity(pricer.groups[g], c.tp_of(g), c.cp) for g in groups_for(c)}
+
+    def too_big(c: Candidate, need_of: Callable[[Candidate], int]) -> int | None:
+        """The memory a stage of c needs where it fits on no GPU it may use, else None
+        (per-group TP: each group at its own tp, and both must host pipelines)."""
+        if not c.group_tp:
+            need = need_of(c)
+            top = max(pricer.groups[g].gpu.memory_bytes for g in groups_for(c))
+            return need if need > top else None
+        for g, _ in c.group_tp:
+            need = need_of(c.view(g))
+            if need > pricer.groups[g].gpu.memory_bytes:
+                return need
+        return None
 
     # Best-first over candidates, then over their splits: a candidate enters with a bound that
     # holds for every split (`_split_free_bound`) and is expanded into (candidate, split) pairs
@@ -1221,7 +1357,7 @@ def _screen(
     families: dict[tuple, list[tuple[int, Candidate]]] = {}
     for i, c in enumerate(cands):
         fam = (c.tp, c.cp, c.pp, c.dp, c.ep, c.micro_batch, c.recompute, c.sequence_parallel)
-        families.setdefault(fam + (c.quantize_activations,), []).append((i, c))
+        families.setdefault(fam + (c.quantize_activations, c.group_tp), []).append((i, c))
     heap = []
 
     def bounded(c: Candidate) -> tuple[float, float] | None:
@@ -1231,11 +1367,10 @@ def _screen(
         lb = _split_free_bound(pricer, c, groups, m, cache)
         if math.isinf(lb) or lb > limit * (1 + 1e-9):
             return None
-        fkey = (c.tp, c.cp, c.pp, c.dp)
+        fkey = (c.tp, c.cp, c.pp, c.dp, c.group_tp)
         factor = factor_of.get(fkey)
         if factor is None:
-            capacity = {g: replica_capacity(pricer.groups[g], c.tp, c.cp) for g in groups}
-            factor = factor_of[fkey] = scorer.factor(c, capacity)
+            factor = factor_of[fkey] = scorer.factor(c, capacity_of(c))
         return lb * factor, factor
 
     for members in families.values():
@@ -1254,10 +1389,9 @@ def _screen(
         base, extra = divmod(n_layers, c.pp)
         even = tuple(base + (1 if s < extra else 0) for s in range(c.pp))
         ranges_of.setdefault(even, stages_of(graph, even))
-        fkey = (c.tp, c.cp, c.pp, c.dp)
+        fkey = (c.tp, c.cp, c.pp, c.dp, c.group_tp)
         if fkey not in factor_of:
-            capacity = {g: replica_capacity(pricer.groups[g], c.tp, c.cp) for g in groups_for(c)}
-            factor_of[fkey] = scorer.factor(c, capacity)
+            factor_of[fkey] = scorer.factor(c, capacity_of(c))
         heap.append((-1.0, index[id(c)], even, c, factor_of[fkey]))
     heapq.heapify(heap)
     say(f"bounded {len(cands)} configurations in {len(families)} families; pricing in bound order")
@@ -1285,13 +1419,14 @@ def _screen(
             continue
         groups = groups_for(c)
         if not split:  # expand the candidate into its splits
-            need = _split_free_memory(pricer, c, n_layers, cache)
-            if need > max(pricer.groups[g].gpu.memory_bytes for g in groups):
+            need = too_big(c, lambda x: _split_free_memory(pricer, x, n_layers, cache))
+            if need is not None:
                 if smallest is None or need < smallest[0]:
                     smallest = (need, c.pp - 1, c)
                 continue  # no split fits: some stage holds ceil(L / pp) layers
             skey = (c.tp, c.cp, c.ep, c.sequence_parallel, c.pp, c.dp, c.micro_batch)
-            skey += (c.recompute, c.schedule in (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE))
+            skey += (c.recompute, c.group_tp)
+            skey += (c.schedule in (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE),)
             splits = splits_of.get(skey)
             if splits is None:
                 splits = splits_of[skey] = _splits(pricer, c, groups, n_layers, cache)
@@ -1318,24 +1453,35 @@ def _screen(
             continue  # a warm start priced already
         done.add((c, split))
         ranges = ranges_of[split]
-        need, stage = _largest_stage(pricer, c, ranges, global_batch)
-        if need > max(pricer.groups[g].gpu.memory_bytes for g in groups):
+        largest: dict = {}
+
+        def need_of(x: Candidate) -> int:
+            largest[x.tp] = _largest_stage(pricer, x, ranges, global_batch)
+            return largest[x.tp][0]
+
+        need = too_big(c, need_of)
+        if need is not None:
             if smallest is None or need < smallest[0]:
+                stage = next(st for n, st in largest.values() if n == need)
                 smallest = (need, stage, c)
             continue  # some stage fits on no GPU: no tables needed to know
         priced += 1
-        t = plan_tables(pricer, c.parallel(global_batch), ranges, groups)
+        if c.group_tp:
+            t = hetero_tables(pricer, c.parallel(global_batch), ranges, dict(c.group_tp))
+        else:
+            t = plan_tables(pricer, c.parallel(global_batch), ranges, groups)
         allowed = [[g for g in groups if t.fits[s][g]] for s in range(t.pp)]
         if any(not a for a in allowed):
             continue
-        lock_lower = _lower_bound(t, allowed) * factor
+        # per-group TP: group-pure pipelines only (no lock-step placement)
+        lock_lower = math.inf if c.group_tp else _lower_bound(t, allowed) * factor
         share_lower = _share_bound(t, allowed) * factor
         lower = min(lock_lower, share_lower)
         if lower > best * (1 + 1e-9):
             continue
         pr = _Priced(c, split, t, allowed, lower, lock_lower, math.inf, None, math.inf)
         pr.factor = factor
-        for pl in _greedy_placements(t, allowed, order):
+        for pl in [] if c.group_tp else _greedy_placements(t, allowed, order):
             sc = scorer.score(c, evaluate(t, pl).step_time_s, pl)
             if sc < pr.greedy_score:
                 pr.greedy_placement, pr.greedy_score = pl, sc
@@ -1685,14 +1831,16 @@ def _decode(
     """The best placement as `Parallel` + `StagePlacement`s, re-priced by `predict`."""
     assert out.best is not None
     _, pr, placement, shares = out.best
-    if shares and all(k == pr.tables.m for k in shares.values()):
+    group_tp = pr.cand.group_tp
+    if shares and all(k == pr.tables.m for k in shares.values()) and not group_tp:
         shares = None  # equal shares: a lock-step placement
     order = [g.name for g in cluster.groups]
     stages = []
     for s, (a, b) in enumerate(pr.tables.ranges):
         reps = tuple(sorted(placement[s], key=lambda gn: order.index(gn[0])))
         micro = tuple((g, shares[g]) for g, _ in reps) if shares else ()
-        stages.append(StagePlacement(s, a, b, reps, micro))
+        tps = tuple((g, pr.cand.tp_of(g)) for g, _ in reps) if group_tp else ()
+        stages.append(StagePlacement(s, a, b, reps, micro, group_tp=tps))
     parallel = pr.cand.parallel(global_batch)
     prediction = predict(graph, cluster, parallel, tuple(stages), dtype=dtype, comm=comm)
     assert prediction.fits, "solver placed a stage where it does not fit"
@@ -1712,12 +1860,15 @@ def solve(
     objective: Objective | None = None,
     comm: CommOptions | None = None,
     quantize: bool = False,
+    per_group_tp: bool = True,
 ) -> SolveResult:
     """The best configuration and placement that fits, honouring the fields of `pinned`.
 
     `comm`: what may be done to traffic (lossless coding, int8 gradients; each collective
     priced at its fastest allowed method, `cost_model.compression`); None: raw traffic.
     `quantize`: activation quantization (AGoQ) becomes a knob of the search, like recompute.
+    `per_group_tp`: on clusters of several device groups, also search group-pure pipelines
+    whose groups use different TP degrees (`Candidate.group_tp`).
 
     `objective` (default throughput) as in the module docstring. Returns the plan re-priced by
     `predict`. `time_limit_s` bounds the search once some plan is known (the first one is
@@ -1731,7 +1882,9 @@ def solve(
     say = progress or (lambda _msg: None)
     pricer = pricer_for(graph, cluster, dtype, comm)
     dtype = pricer.dtype  # None: the model's own (`simulate.compute_dtype`)
-    cands = enumerate_candidates(graph, cluster, pinned, global_batch, quantize=quantize)
+    cands = enumerate_candidates(
+        graph, cluster, pinned, global_batch, quantize=quantize, per_group_tp=per_group_tp
+    )
     say(f"enumerated {len(cands)} candidate configurations")
     tokens = global_batch * (graph.info.seq_len or 1)
     seed: SolveResult | None = None
@@ -1773,7 +1926,9 @@ def solve(
     parallel, stages, prediction = _decode(graph, cluster, out, global_batch, dtype, comm)
     score, pr = out.best[0], out.best[1]
     say(f"priced {out.priced} (configuration, split) pairs, solved {out.models} placement models")
-    if export_model:
+    if export_model and pr.cand.group_tp:
+        say("per-group TP plan: group-pure placements have no CP-SAT model to export")
+    elif export_model:
         _PlacementModel(pr, cluster, _Scale(prediction.step_time_s), math.inf).m.ExportToFile(
             export_model
         )
@@ -1857,7 +2012,8 @@ def _min_gpus(
     scorer = _Scorer(Objective(), pricer.cluster)
     by_gpus: dict[int, list[Candidate]] = {}
     for c in cands:
-        by_gpus.setdefault(c.gpus, []).append(c)
+        if not c.group_tp:  # a per-group TP plan's GPU count depends on its placement
+            by_gpus.setdefault(c.gpus, []).append(c)
     fastest: _Outcome | None = None
     pairs = priced = models = 0
     for gpus in sorted(by_gpus):

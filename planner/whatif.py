@@ -534,8 +534,15 @@ def part_link_tier(plan: Plan, part: str, cluster: Cluster | None = None) -> str
                 g = cluster.group(u[0])
                 tiers.append(_ring_tier(cluster, g, dp, g.gpus_per_node // (tp * cp)))
     elif part == "pp_p2p":
+        # group-pure pipelines (uneven shares, per-group TP) never cross between groups
+        pure = bool(plan.stages[0].microbatches or plan.stages[0].group_tp)
         for s in range(len(used) - 1):
-            tiers += [_pair_tier(cluster, a, b) for a in used[s] for b in used[s + 1]]
+            tiers += [
+                _pair_tier(cluster, a, b)
+                for a in used[s]
+                for b in used[s + 1]
+                if not pure or a == b
+            ]
     return _slowest(tiers)
 
 
@@ -756,8 +763,9 @@ def _price(g: DeviceGroup, prices: Mapping[str, float]) -> float | None:
     return EXAMPLE_PRICE_PER_GPU_HOUR.get(g.gpu.name)
 
 
-def _parallel_summary(p: Parallel) -> str:
-    words = [f"dp{p.dp}", f"tp{p.tp}", f"pp{p.pp}"]
+def _parallel_summary(p: Parallel, group_tp: tuple[tuple[str, int], ...] = ()) -> str:
+    tp = "tp" + "/".join(f"{g}:{t}" for g, t in group_tp) if group_tp else f"tp{p.tp}"
+    words = [f"dp{p.dp}", tp, f"pp{p.pp}"]
     words += [f"{k}{v}" for k, v in (("cp", p.cp), ("ep", p.ep)) if (v or 1) > 1]
     words += [f"mb{p.micro_batch}", f"ZeRO-{p.zero}"]
     if p.recompute and p.recompute != Recompute.NONE:
@@ -798,7 +806,7 @@ def _record(
     return dataclasses.replace(
         base,
         feasible=True,
-        parallel=_parallel_summary(plan.parallel),
+        parallel=_parallel_summary(plan.parallel, plan.stages[0].group_tp),
         gpus_used=plan.world_size,
         tokens_per_s=rate,
         mfu=pr.mfu,

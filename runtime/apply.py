@@ -64,6 +64,7 @@ from torch.distributed.tensor import DTensor
 
 from .context_parallel import ContextParallel, apply_context_parallel
 from .data_parallel import (
+    HeteroGradients,
     apply_data_parallel,
     dp_coding,
     gradient_sync,
@@ -204,9 +205,10 @@ class Runner:
         self.schedule = schedule
         self.cp, self.ep = cp, ep
         p = ctx.plan.parallel
-        self.dp, self.dp_rank = ctx.size("dp"), ctx.coord("dp")
+        # Replicas over the whole plan (per-group TP: every group's, not the view's).
+        self.dp, self.dp_rank = ctx.whole_plan.parallel.dp or 1, ctx.replica
         self.micro_batch = p.micro_batch
-        counts = replica_microbatches(ctx.plan)
+        counts = replica_microbatches(ctx.whole_plan)
         self.n_microbatches = counts[self.dp_rank]
         self.row_offset = sum(counts[: self.dp_rank]) * p.micro_batch
         self.global_batch = p.global_batch
@@ -302,7 +304,7 @@ class Runner:
                 else:
                     t = p.full_tensor() if isinstance(p, DTensor) else p
                 mine[clean_name(name)] = t.detach().cpu().clone()
-        holder = ctx.coord("dp") == 0 and ctx.coord("tp") == 0 and ctx.coord("cp") == 0
+        holder = ctx.replica == 0 and ctx.coord("tp") == 0 and ctx.coord("cp") == 0
         gathered: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(mine if holder else None, gathered, dst=0)
         if dist.get_rank() != 0:
@@ -358,9 +360,14 @@ def apply(
     """
     ctx = build_mesh(plan, device)  # 0
     check_model(model, plan)
+    # Under per-group TP every step below works on this rank's device-group view (a
+    # homogeneous plan, `mesh.group_view`); the batch split and the gradient average span
+    # the groups and read the whole plan.
+    whole, plan = plan, ctx.plan
+    hetero = ctx.whole is not None
     p = plan.parallel
     vocab_parallel = _vocab_parallel_loss(model, plan, loss_fn, loss_parallel)
-    counts = replica_microbatches(plan)  # refuses unsupported uneven shares early
+    counts = replica_microbatches(whole)  # refuses unsupported uneven shares early
     check_schedule(plan)
     pipelined = ctx.num_stages > 1
     if pipelined:  # 1
@@ -384,7 +391,8 @@ def apply(
         if (p.tp or 1) > 1:  # 2
             apply_tensor_parallel(m, plan, ctx.submesh("tp"), vocab_parallel_loss=vocab_parallel)
         apply_recompute(m, plan, u)  # 3
-    dp_ctx = data_parallel_context(ctx)
+    # per-group TP: no DDP/FSDP (replicas shard differently); `HeteroGradients` below
+    dp_ctx = ctx if hetero else data_parallel_context(ctx)
     coding = dp_coding(plan, ctx.stage_index)  # the plan's coded DP traffic of this stage
     wrapped, coded_grads = [], []
     for m, u in zip(modules, units):
@@ -394,6 +402,9 @@ def apply(
         if ep is not None:  # 5
             ep.ignore_in_ddp(m)  # names as DDP will see them (after recompute wrappers)
         ignored = {q for q in m.parameters() if ep is not None and ep.owns(q)}
+        if hetero:
+            wrapped.append(m)
+            continue
         split = pipelined and p.schedule == Schedule.ZERO_BUBBLE
         coded = coding.gradients[0] != "raw"
         w = apply_data_parallel(m, dp_ctx, u, ignored=ignored, split_backward=split, coded=coded)
@@ -401,6 +412,8 @@ def apply(
         handle = install_gradient_coding(w, dp_ctx, coding, ignored=ignored)  # 5b
         if handle is not None:
             coded_grads.append(handle)
+    if hetero:  # 5: the average over replicas of every group, after backward
+        coded_grads.append(HeteroGradients(ctx, wrapped))
     if ep is not None:
         ep.coding = coding.experts
     params = [q for m in wrapped for q in m.parameters()]
@@ -411,9 +424,9 @@ def apply(
         # share of the samples and the mean over its micro-batches in one factor, applied
         # before DP reduces (the schedule's own 1/m scaling runs after DDP/FSDP have reduced,
         # which is wrong when replicas run different m).
-        weight = p.dp / sum(counts)
+        weight = whole.parallel.dp / sum(counts)
         schedule = build_schedule(
-            wrapped, chunks, ctx, _weighted(loss_fn, weight), counts[ctx.coord("dp")]
+            wrapped, chunks, ctx, _weighted(loss_fn, weight), counts[ctx.replica]
         )
     return Runner(
         ctx,

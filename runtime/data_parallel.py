@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 from dataclasses import dataclass
 
 import torch
@@ -246,3 +247,126 @@ def install_gradient_coding(
     skip = {id(p) for p in ignored}
     params = [p for p in module.parameters() if p.requires_grad and id(p) not in skip]
     return CodedGradients(params, group, coding.gradients)
+
+
+# -- per-group TP: gradients of replicas with different TP degrees ------------------------------
+
+
+class HeteroGradients:
+    """Per-group TP (`StagePlacement.group_tp`): average the gradients of one pipeline stage
+    over replicas whose device groups use different TP degrees, after backward, the way the
+    cost model prices it (`cost_model.simulate.Pricer.hetero_dp_traffic`).
+
+    Replicas shard a tensor-parallel parameter into different numbers of pieces, so no one
+    collective pairs their shards. Every parameter the plan places `S(d)` is cut into
+    L = lcm(tp_g) pieces along dim d; a rank at tp index t of a group with degree tp holds the
+    L / tp consecutive pieces starting at t L / tp (all L when its tp is 1, where the
+    parameter is a plain tensor). For each piece j there is one process group of the ranks
+    that hold it: one per (replica, cp rank) of the stage. Each rank all-reduces, in every
+    group of its pieces, one flat buffer: piece j of each sharded gradient, then every
+    TP-replicated gradient (norms) whole (replicated parameters are the same on the tp ranks
+    of a replica, so any piece group carries them once per replica), and divides by dp * cp.
+    Each replica's loss is already weighted by its share of the samples (`apply`), so the
+    average is the one-process gradient. ZeRO-0 only (the plan guarantees it).
+
+    Every rank must construct it (it creates the piece groups of every stage, in order).
+    """
+
+    def __init__(self, ctx: RankContext, modules: list[nn.Module]) -> None:
+        from .apply import clean_name
+        from .tensor_parallel import placement_of
+
+        whole = ctx.whole_plan
+        first = whole.stages[0]
+        p = whole.parallel
+        tps = {g: first.tp_of(g, p.tp) for g, _ in first.replicas}
+        self.pieces = math.lcm(*tps.values())
+        my_tp = tps[ctx.assignment.group]
+        self.divisor = (p.dp or 1) * (p.cp or 1)
+        ranks = sorted((r for r in whole.ranks if r.coords is not None), key=lambda r: r.rank)
+        torch_rank = {r.rank: i for i, r in enumerate(ranks)}
+        me = torch_rank[ctx.whole_assignment.rank] if ctx.whole_assignment else dist.get_rank()
+        self.groups: list[tuple[int, dist.ProcessGroup]] = []  # (piece, group) of mine
+        for s in range(p.pp or 1):
+            for j in range(self.pieces):
+                members = sorted(
+                    torch_rank[r.rank]
+                    for r in ranks
+                    if r.coords[0] == s and r.coords[3] == j * tps[r.group] // self.pieces
+                )
+                group = dist.new_group(members)
+                if me in members:
+                    self.groups.append((j, group))
+        self.per_rank = self.pieces // my_tp  # pieces this rank holds
+        self.first_piece = ctx.coord("tp") * self.per_rank
+        self.params: list[tuple[nn.Parameter, int | None]] = []  # (parameter, sharded dim)
+        placements = dict(whole.placements)
+        for module in modules:
+            for name, q in module.named_parameters():
+                if not q.requires_grad:
+                    continue
+                placed = placement_of(clean_name(name), whole, placements)
+                dim = int(placed[2:-1]) if placed and placed.startswith("S(") else None
+                if isinstance(q, DTensor):
+                    kind = q.placements[0]
+                    local_dim = getattr(kind, "dim", None)
+                    if local_dim != dim:
+                        raise RuntimeError(
+                            f"runtime: parameter {clean_name(name)} is {kind} on the tp mesh "
+                            f"but the plan places it {placed}"
+                        )
+                if dim is not None and q.shape[dim] % self.pieces:
+                    raise RuntimeError(
+                        f"runtime: per-group TP cuts {clean_name(name)} into {self.pieces} "
+                        f"pieces along dim {dim}, which has {q.shape[dim]} (not divisible)"
+                    )
+                self.params.append((q, dim))
+
+    def _local_grad(self, q: nn.Parameter) -> torch.Tensor:
+        g = q.grad
+        if g is None:
+            local = q.to_local() if isinstance(q, DTensor) else q
+            return torch.zeros_like(local)
+        if isinstance(g, DTensor):
+            # DTensor's embedding backward gives the vocab-parallel weight a Replicate
+            # gradient: lay it out as the parameter (a local slice; Partial: reduce-scatter).
+            if g.placements != q.placements:
+                g = q.grad = g.redistribute(q.device_mesh, q.placements)
+            return g.to_local()
+        return g
+
+    def finish(self) -> None:
+        """Average this rank's gradients over the replicas (call after backward, before the
+        optimizer; SP's partial norm gradients must already be whole)."""
+        grads = [self._local_grad(q) for q, _ in self.params]
+        # Replicated gradients enter every piece group raw (each group averages them alike).
+        raw = [g.clone() if dim is None else None for g, (_, dim) in zip(grads, self.params)]
+        for j, group in self.groups:
+            k = j - self.first_piece  # which of my pieces
+            flat = []
+            for g, r, (_, dim) in zip(grads, raw, self.params):
+                if dim is None:
+                    flat.append(r.reshape(-1))
+                else:
+                    size = g.shape[dim] // self.per_rank
+                    flat.append(g.narrow(dim, k * size, size).reshape(-1))
+            buf = torch.cat(flat) if flat else torch.zeros(0)
+            dist.all_reduce(buf, group=group)
+            buf /= self.divisor
+            offset = 0
+            for g, (_, dim) in zip(grads, self.params):
+                if dim is None:
+                    part = g
+                else:
+                    size = g.shape[dim] // self.per_rank
+                    part = g.narrow(dim, k * size, size)
+                n = part.numel()
+                part.copy_(buf[offset : offset + n].view_as(part))
+                offset += n
+        for (q, _), g in zip(self.params, grads):
+            if q.grad is None:
+                q.grad = (
+                    DTensor.from_local(g, q.device_mesh, q.placements, run_check=False)
+                    if isinstance(q, DTensor)
+                    else g
+                )

@@ -17,6 +17,13 @@ Two derived groupings (no new plan axes):
   `[j*ep, (j+1)*ep)`); its i-th member holds experts `[i*E/ep, (i+1)*E/ep)`. Expert
   parameters are replicated on the dp/ep ranks with the same dp coordinate mod ep (and on
   every cp rank), which reduce their gradients (`expert_groups`).
+
+Per-group TP (`StagePlacement.group_tp`): the replicas of each device group use their own
+tp, so the ranks do not form one mesh. Each group's pipelines are a homogeneous plan of
+their own (`group_view`: that group's replicas, its tp, dp indices counted inside the group)
+with its own DeviceMesh, and the rank's context is its group's view; `RankContext.whole` keeps
+the plan as written, for what spans groups: the batch split, the loss average and the
+gradient reduction (`data_parallel.HeteroGradients`).
 """
 
 from __future__ import annotations
@@ -76,6 +83,22 @@ class RankContext:
     assignment: RankAssignment
     mesh: DeviceMesh  # axes (pp, dp, cp, tp)
     device: torch.device
+    # Per-group TP: the plan as written and this rank's place in it (`plan`, `assignment`
+    # and `mesh` are then the rank's device-group view, `group_view`); None otherwise.
+    whole: Plan | None = None
+    whole_assignment: RankAssignment | None = None
+
+    @property
+    def whole_plan(self) -> Plan:
+        """The plan as written (the same as `plan` unless per-group TP gives views)."""
+        return self.whole or self.plan
+
+    @property
+    def replica(self) -> int:
+        """This rank's data-parallel replica index over the whole plan (all groups)."""
+        a = self.whole_assignment or self.assignment
+        assert a.coords is not None
+        return a.coords[MESH_AXES.index("dp")]
 
     @property
     def coords(self) -> tuple[int, int, int, int]:
@@ -146,6 +169,8 @@ def build_mesh(plan: Plan, device: torch.device | None = None) -> RankContext:
                 f"runtime: stage {s.index} has {s.dp} replicas but dp={plan.parallel.dp}; "
                 "stages with different data-parallel widths are not supported yet"
             )
+    if plan.stages[0].group_tp:
+        return _build_group_meshes(plan, ranks, device)
     shape = plan.mesh_shape
     grid = torch.full(shape, -1, dtype=torch.int)
     for torch_rank, r in enumerate(ranks):
@@ -162,6 +187,88 @@ def build_mesh(plan: Plan, device: torch.device | None = None) -> RankContext:
         device = plan_device(plan, int(os.environ.get("LOCAL_RANK", me.local_rank)))
     mesh = DeviceMesh(device.type, grid, mesh_dim_names=MESH_AXES)
     return RankContext(plan=plan, rank=dist.get_rank(), assignment=me, mesh=mesh, device=device)
+
+
+def group_view(plan: Plan, group: str) -> Plan:
+    """The homogeneous plan `group`'s pipelines run under per-group TP: only its replicas, its
+    tp (sequence parallelism where that tp > 1), dp indices counted inside the group, the
+    other groups' ranks idle. Raw traffic: the cross-group reduction is not coded."""
+    first = plan.stages[0]
+    n = dict(first.replicas)[group]
+    tp = first.tp_of(group, plan.parallel.tp)
+    offset = 0
+    for g, k in first.replicas:
+        if g == group:
+            break
+        offset += k
+    p = dataclasses.replace(
+        plan.parallel,
+        dp=n,
+        tp=tp,
+        sequence_parallel=bool(plan.parallel.sequence_parallel) and tp > 1,
+    )
+    stages = tuple(
+        dataclasses.replace(
+            st,
+            replicas=((group, n),),
+            microbatches=((group, st.shares[group]),) if st.microbatches else (),
+            group_tp=(),
+        )
+        for st in plan.stages
+    )
+    ranks = tuple(
+        dataclasses.replace(
+            r,
+            coords=(r.coords[0], r.coords[1] - offset, r.coords[2], r.coords[3])
+            if r.coords is not None and r.group == group
+            else None,
+        )
+        for r in plan.ranks
+    )
+    return dataclasses.replace(
+        plan,
+        parallel=p,
+        stages=stages,
+        ranks=ranks,
+        compression=dataclasses.replace(plan.compression, mode="off", decisions=()),
+    )
+
+
+def _build_group_meshes(plan: Plan, ranks: list[RankAssignment], device) -> RankContext:
+    """Per-group TP: one DeviceMesh per device group over its view's ranks (every rank builds
+    every group's mesh, in the plan's group order: creating a mesh's process groups is
+    collective), and this rank's view."""
+    me = ranks[dist.get_rank()]
+    if device is None:
+        device = plan_device(plan, int(os.environ.get("LOCAL_RANK", me.local_rank)))
+    torch_rank = {r.rank: i for i, r in enumerate(ranks)}
+    mine = None
+    for group, _ in plan.stages[0].replicas:
+        view = group_view(plan, group)
+        grid = torch.full(view.mesh_shape, -1, dtype=torch.int)
+        for r in view.ranks:
+            if r.coords is not None:
+                grid[r.coords] = torch_rank[r.rank]
+        if (grid < 0).any():
+            raise RuntimePlanError(
+                f"runtime: group {group}'s ranks do not fill its mesh "
+                f"{dict(zip(MESH_AXES, view.mesh_shape))}"
+            )
+        mesh = DeviceMesh(device.type, grid, mesh_dim_names=MESH_AXES)
+        if group == me.group:
+            mine = (view, mesh)
+    assert mine is not None
+    view, mesh = mine
+    local = next(r for r in view.ranks if r.rank == me.rank)
+    return RankContext(
+        plan=view,
+        rank=dist.get_rank(),
+        assignment=local,
+        mesh=mesh,
+        device=device,
+        whole=plan,
+        whole_assignment=me,
+    )
 
 
 def data_parallel_context(ctx: RankContext) -> RankContext:

@@ -12,7 +12,13 @@
   the attention core. Collective outputs (DTensor's TP / SP traffic) are kept too, so
   recomputation never repeats communication.
 
-Non-reentrant checkpointing is used: it composes with DTensor, FSDP2 and pipelining.
+Non-reentrant checkpointing is used: it composes with DTensor, FSDP2 and pipelining. Full
+recomputation replays the whole forward, collectives included (`early_stop=False`), as the
+cost model prices it and as Megatron-LM's reentrant checkpoint does: torch's default early stop
+ends the replay once backward's saved tensors are back, which skips the layer's last
+row-parallel reduction (one all-reduce, or reduce-scatter under SP, per layer and micro-batch;
+measured in tests/runtime/test_parity_group_tp.py before this was set). Selective
+recomputation saves every collective output, so it replays none.
 """
 
 from __future__ import annotations
@@ -73,7 +79,7 @@ def keep_linear_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 def _wrap(parent: nn.Module, name: str, selective: bool = False) -> None:
     # getattr/setattr by child name work for plain modules, ModuleList and ModuleDict alike.
     child = getattr(parent, name)
-    kwargs = {}
+    kwargs: dict = {"early_stop": False}  # replay the whole forward (module docstring)
     if selective:
         kwargs["context_fn"] = functools.partial(
             create_selective_checkpoint_contexts, keep_linear_policy

@@ -14,7 +14,7 @@ import math
 import random
 
 import pytest
-from meshplan.cost_model import evaluate, plan_tables, predict, pricer_for
+from meshplan.cost_model import evaluate, hetero_tables, plan_tables, predict, pricer_for
 from meshplan.cost_model.memory import in_flight_microbatches
 from meshplan.ir import Parallel, Recompute
 from meshplan.passes.partition import compositions, replica_capacity, stages_of
@@ -65,6 +65,8 @@ def _share_placements(tables, cap):
         used = [(g, n) for g, n in zip(hosts, counts) if n]
         if sum(counts) != p.dp or len(used) < 2 or any(n * pp > cap[g] for g, n in used):
             continue
+        if any(n % p.ep for _, n in used):  # an ep group must sit inside one group
+            continue
         for ms in itertools.product(range(1, total + 1), repeat=len(used)):
             if sum(n * k for (_, n), k in zip(used, ms)) == total:
                 yield [list(used) for _ in range(pp)], {g: k for (g, _), k in zip(used, ms)}
@@ -112,6 +114,8 @@ def brute_force(graph, cluster, global_batch, pinned=None):
                         [e for e in eps if dp % e == 0],
                         _schedules(pp, n_layers, m),
                     ):
+                        if zero == 3 and sched == "zero_bubble":
+                            continue  # not run by the runtime (torch's ZB-V x FSDP2 resharding)
                         p = Parallel(
                             dp=dp,
                             tp=tp,
@@ -147,6 +151,94 @@ def brute_force(graph, cluster, global_batch, pinned=None):
                                 step = evaluate(t, pl, shares).step_time_s
                                 if step < best[0]:
                                     best = (step, p, (pl, shares))
+    return _per_group_tp(graph, cluster, global_batch, pinned, pricer, best)
+
+
+def _per_group_tp(graph, cluster, global_batch, pinned, pricer, best):
+    """Per-group TP: for every pair of groups and tp_a != tp_b (ZeRO-0, no EP, tp unpinned),
+    n_a + n_b = dp group-pure pipelines (n_a, n_b >= 1) with shares m_a, m_b: any when the
+    schedule's in-flight depth is saturated at m, else only m_a = m_b = m."""
+    info = graph.info
+    if pinned.tp is not None or pinned.zero not in (None, 0) or len(cluster.groups) < 2:
+        return best
+    n_layers = len(graph.layer_units)
+    tps = [t for t in (1, 2, 4, 8, 16) if info.heads % t == 0 and info.kv_heads % t == 0]
+    for a, b in itertools.combinations(cluster.groups, 2):
+        for ta, tb, cp in itertools.product(tps, tps, _cps(info.seq_len)):
+            if ta == tb or a.gpus_per_node % ta or b.gpus_per_node % tb:
+                continue
+            cap = {a.name: replica_capacity(a, ta, cp), b.name: replica_capacity(b, tb, cp)}
+            for pp in range(1, n_layers + 1):
+                for dp in range(2, (cap[a.name] + cap[b.name]) // pp + 1):
+                    if global_batch % dp:
+                        continue
+                    for mb in range(1, min(16, global_batch // dp) + 1):
+                        if (global_batch // dp) % mb:
+                            continue
+                        m = global_batch // (dp * mb)
+                        for rc, (sched, v) in itertools.product(
+                            Recompute, _schedules(pp, n_layers, m)
+                        ):
+                            p = Parallel(
+                                dp=dp,
+                                tp=ta,
+                                pp=pp,
+                                cp=cp,
+                                ep=1,
+                                micro_batch=mb,
+                                global_batch=global_batch,
+                                recompute=rc,
+                                zero=0,
+                                schedule=sched,
+                                sequence_parallel=True,
+                                virtual_stages=v,
+                            )
+                            if any(
+                                getattr(pinned, k) not in (None, getattr(p, k))
+                                for k in ("pp", "dp", "cp", "micro_batch", "recompute")
+                            ):
+                                continue
+                            splits = (
+                                list(compositions(n_layers, pp))
+                                if sched == "1f1b"
+                                else [tuple([n_layers // pp] * pp)]
+                            )
+                            for split in splits:
+                                t = hetero_tables(
+                                    pricer, p, stages_of(graph, split), {a.name: ta, b.name: tb}
+                                )
+                                best = _best_hetero(t, cap, best)
+    return best
+
+
+def _best_hetero(t, cap, best):
+    p, pp, m = t.parallel, t.pp, t.m
+    a, b = t.groups
+    if not all(t.fits[s][g] for s in range(pp) for g in (a, b)):
+        return best
+    big = 1 << 30
+    saturated = all(
+        in_flight_microbatches(p.schedule, s, pp, big, t.chunks)
+        == in_flight_microbatches(p.schedule, s, pp, m, t.chunks)
+        for s in range(pp)
+    )
+    total = p.dp * m
+    for na in range(1, p.dp):
+        nb = p.dp - na
+        if na * pp > cap[a] or nb * pp > cap[b]:
+            continue
+        pl = [[(a, na), (b, nb)] for _ in range(pp)]
+        options = (
+            [(ma, (total - na * ma) // nb) for ma in range(1, total) if (total - na * ma) % nb == 0]
+            if saturated
+            else [(m, m)]
+        )
+        for ma, mb_ in options:
+            if mb_ < 1:
+                continue
+            step = evaluate(t, pl, {a: ma, b: mb_}).step_time_s
+            if step < best[0]:
+                best = (step, p, (pl, {a: ma, b: mb_}, t.group_tp))
     return best
 
 
@@ -429,3 +521,40 @@ def test_70b_on_512_mixed_gpus_is_solved_to_optimality():
     result = solve(graph, mixed_cluster(32, 32), Parallel(), global_batch=1024, time_limit_s=120)
     assert result.prediction.fits and result.status == "optimal"
     assert result.candidates > 10_000  # the whole space was bounded, not sampled
+
+
+def _nodes_of_two_sizes():
+    """8 A100-40GB in one NVLink node beside 2 nodes of 2 H100s: a TP of 4 fits only the
+    A100 node, the H100 nodes take at most 2."""
+    from meshplan.ir import Cluster, DeviceGroup
+
+    from tests.synthetic import IB_HDR, IB_NDR, NVLINK3, NVLINK4
+
+    return Cluster(
+        name="a100x8+h100x2x2",
+        groups=(
+            DeviceGroup("a100", A100_40, 1, 8, "nvlink3", "ib-hdr", nics_per_node=8),
+            DeviceGroup("h100", H100, 2, 2, "nvlink4", "ib-ndr", nics_per_node=2),
+        ),
+        links=(NVLINK4, NVLINK3, IB_NDR, IB_HDR),
+    )
+
+
+@pytest.mark.parametrize("squeeze", [(0.3, 0.6), (0.25, 0.5), (0.35, 0.7), (0.2, 0.45)])
+def test_per_group_tp_matches_exhaustive_search(squeeze):
+    # Long sequences on memory-tight GPUs: the A100s need a wide TP that the 2-GPU H100
+    # nodes cannot host, so the best plan runs each group's pipelines at its own TP degree.
+    graph = transformer_graph(4, 1024, 16, 16, 4096, 8000, 4096, 1)
+    cluster = _squeezed(graph, _nodes_of_two_sizes(), squeeze)
+    best, best_p, best_pl = brute_force(graph, cluster, 16)
+    assert len(best_pl) == 3, "the exhaustive optimum of this instance uses per-group TP"
+    result = solve(graph, cluster, Parallel(), global_batch=16, time_limit_s=20)
+    assert result.status == "optimal" and result.prediction.fits
+    assert result.prediction.step_time_s <= best * 1.01
+    assert result.prediction.step_time_s >= best * (1 - 1e-6)
+    tps = dict(result.stages[0].group_tp)
+    assert tps and tps["a100"] != tps["h100"] and tps["h100"] <= 2
+    assert all(st.group_tp == result.stages[0].group_tp for st in result.stages)
+    # without per-group TP the best plan is slower
+    plain = solve(graph, cluster, Parallel(), global_batch=16, per_group_tp=False)
+    assert plain.prediction.step_time_s > result.prediction.step_time_s * 1.05

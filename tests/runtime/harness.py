@@ -143,6 +143,7 @@ def distributed_run(
         "states": states,
         "records": records,
         "coords": runner.ctx.coords,
+        "plan_rank": runner.ctx.assignment.rank,
         "groups": group_names(runner),
         "seconds": time.perf_counter() - t0,
     }
