@@ -17,6 +17,7 @@ status 2; anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -35,9 +36,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-# Piped output (a file, CI logs) gets 120 columns rather than rich's 80, so the plan's
-# tables keep their headers; a terminal keeps its own width.
-out = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
+out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
 
 F = TypeVar("F", bound=Callable[..., object])
@@ -792,6 +791,10 @@ def calibrate(
 
 def main() -> None:
     """Entry point of the `meshplan` script."""
+    # Piped output (a file, CI logs) gets 120 columns rather than rich's 80, so the plan's
+    # tables keep their headers; a terminal, or a COLUMNS setting, keeps its own width.
+    if not sys.stdout.isatty():
+        os.environ.setdefault("COLUMNS", "120")
     app(prog_name="meshplan")
 
 
