@@ -548,6 +548,9 @@ def _distribute(module: nn.Module, prefix: str, tp: ExpertTensorParallel, plan, 
         for name, p in list(sub.named_parameters(recurse=False)):
             full = ".".join(x for x in (prefix, sub_path, name) if x)
             pl = _tp_placement(full, plan, where)
+            if where == "router" and not isinstance(pl, Replicate):
+                # every tp rank routes with the whole gate (the routing must agree)
+                raise RuntimePlanError(f"runtime: the plan shards MoE router parameter {full!r}")
             local = p.detach()
             if isinstance(pl, Shard):
                 if local.shape[pl.dim] % tp.size:
@@ -561,6 +564,14 @@ def _distribute(module: nn.Module, prefix: str, tp: ExpertTensorParallel, plan, 
             sub._parameters[name] = q
             out.append(q)
     return out
+
+
+def _distribute_moe(moe: nn.Module, experts_path: str, tp: ExpertTensorParallel, plan):
+    """A zoo MoE's router (whole) and experts (the plan's tp placements) as DTensors on the
+    tp mesh; returns the experts' parameters."""
+    moe_path = experts_path.rpartition(".")[0]
+    _distribute(moe.router, f"{moe_path}.router" if moe_path else "router", tp, plan, "router")
+    return _distribute(moe.experts, experts_path, tp, plan, "experts")
 
 
 def _find_moes(modules: Sequence[nn.Module]):
@@ -611,9 +622,7 @@ def apply_expert_parallel(
         assert tp is not None
         for path, experts, moe in found:
             e = _expert_count(experts, path)
-            prefix = path[: -len(".experts")] if path.endswith(".experts") else ""
-            _distribute(moe.router, f"{prefix}.router".lstrip("."), tp, ctx.plan, "router")
-            _distribute(experts, path, tp, ctx.plan, "experts")
+            _distribute_moe(moe, path, tp, ctx.plan)
             moe.forward = _bind(_region_forward(tp, e), moe)
         return None
     groups = expert_groups(ctx, ep)
@@ -634,9 +643,7 @@ def apply_expert_parallel(
         el = e // ep
         shards = _shard(experts, groups.ep_rank * el, (groups.ep_rank + 1) * el)
         if tp is not None:
-            prefix = path[: -len(".experts")] if path.endswith(".experts") else ""
-            _distribute(moe.router, f"{prefix}.router".lstrip("."), tp, ctx.plan, "router")
-            shards = _distribute(experts, path, tp, ctx.plan, "experts")
+            shards = _distribute_moe(moe, path, tp, ctx.plan)
         handle.params += shards
         if moe is not None and mode == "tokens":
             moe.forward = _bind(handle.moe_forward, moe)
