@@ -739,15 +739,15 @@ def plan_decisions(pricer, parallel, stages) -> tuple:
             facts = costs.facts[key]
             if tp > 1:
                 intra = intra_node_path(cluster, g)
-                for c in facts.tp_collectives:
-                    for kind in c.with_sp if sp else c.without_sp:
-                        size = c.size_bytes * scale / cp
-                        if ("tp", kind, size) in seen:
-                            continue
-                        seen.add(("tp", kind, size))
-                        ch = pricer.comm_choice(kind, size, tp, intra, g.gpu, "activations", "tp")
-                        why = _axis_reason(pricer, "tp")
-                        out.append(_decision(f"tp in {name}", kind, "activations", ch, why))
+                for _, kind, size in pricer.tp_collectives(
+                    facts, tp=tp, cp=cp, ep=ep, sp=sp, scale=scale
+                ):
+                    if ("tp", kind, size) in seen:
+                        continue
+                    seen.add(("tp", kind, size))
+                    ch = pricer.comm_choice(kind, size, tp, intra, g.gpu, "activations", "tp")
+                    why = _axis_reason(pricer, "tp")
+                    out.append(_decision(f"tp in {name}", kind, "activations", ch, why))
             if cp > 1 and facts.kv_bytes and ("cp", key) not in seen:
                 seen.add(("cp", key))
                 size = facts.kv_bytes * scale / tp

@@ -119,8 +119,9 @@ class BlockMemory:
     """Memory facts of one block instance at the traced micro-batch (GPU-independent).
 
     Parameter counts are elements; `params_tp` are sharded by TP, `params_rep` replicated (norm
-    weights), `params_expert` sharded by TP and EP. Activation bytes are split into the part
-    TP always shards (`*_tp`) and the part only sequence parallelism shards (`*_sp`).
+    weights, MoE router gates), `params_expert` sharded by TP and EP. Activation bytes are
+    split into the part TP always shards (`*_tp`) and the part only sequence parallelism
+    shards (`*_sp`).
     """
 
     kind: str
@@ -179,8 +180,10 @@ class BlockMemory:
 def replicated_params(block: Block) -> tuple[int, ...]:
     """Elements of each parameter of `block` that tensor parallelism leaves whole (norm
     weights): read only by ops that do not split with TP and not expert weights, the rule
-    `block_memory` counts into `params_rep`. Under sequence parallelism each TP rank sees only
-    its share of the tokens, so these parameters' gradients are partial sums over tp."""
+    `block_memory` counts into `params_rep` (which also holds the MoE router's gate, whole on
+    every tp rank but listed apart: `simulate.BlockFacts.router_params`). Under sequence
+    parallelism each TP rank sees only its share of the tokens, so these parameters'
+    gradients are partial sums over tp."""
     split: set[str] = set()
     seen: set[str] = set()
     for op in block.ops:
@@ -206,7 +209,7 @@ def block_memory(block: Block) -> BlockMemory:
         seen.update(op.params)
         if op.kind == OpKind.EXPERTS:
             expert.update(op.params)
-        elif split:
+        elif split and op.kind != OpKind.ROUTER:  # the router's gate stays whole under TP
             sharded.update(op.params)
         saved[cls] += op.saved_bytes
         if kept_by_selective(op):

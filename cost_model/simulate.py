@@ -183,6 +183,9 @@ class TpCollective:
     size_bytes: int
     with_sp: tuple[Collective, ...]
     without_sp: tuple[Collective, ...]
+    # The MoE experts' region: under EP x TP it moves the routed rows instead of the block
+    # output (`Pricer.tp_collectives`).
+    experts: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +201,9 @@ class BlockFacts:
     output_bytes: int  # the activation leaving one instance (pipeline boundary)
     wgrad_fraction: float = 0.0  # share of backward FLOPs that are weight gradients (ZB-V's W)
     replicated_params: tuple[int, ...] = ()  # elements of each TP-replicated parameter (norms)
+    # Elements of each MoE router parameter: replicated over tp, with gradients that are
+    # partial sums over tp with or without SP (`Pricer.sp_grad_sync`).
+    router_params: tuple[int, ...] = ()
     # MoE: token-expert assignments of one traced micro-batch (top_k x tokens) and the expert
     # capacity as a multiple of the balanced load (inf: dropless / not read off the trace).
     assignments: int = 0
@@ -242,7 +248,9 @@ def _tp_collectives(block: Block, hidden: int) -> tuple[TpCollective, ...]:
     """Megatron-LM tensor parallelism (Shoeybi et al. 2019): every row-parallel projection
     (`meshplan.passes.sharding.row_parallel_ops`) all-reduces its output in forward and its
     column-parallel partner's input gradient in backward; MoE experts count their down
-    projection once per block. Sequence parallelism turns each all-reduce into an all-gather
+    projection once per block (the MoE is one region: its tokens enter and its combined
+    output leaves, the size of the block output; under EP x TP see `Pricer.tp_collectives`).
+    Sequence parallelism turns each all-reduce into an all-gather
     plus a reduce-scatter of the same volume (Korthikanti et al. 2022). In the prologue the
     vocab-parallel embedding reduces its output (under SP: reduce-scatters it to the sequence
     shards in forward and all-gathers its gradient in backward, Megatron's
@@ -261,8 +269,9 @@ def _tp_collectives(block: Block, hidden: int) -> tuple[TpCollective, ...]:
                 size = sum(t.nbytes for t in block.outputs) or op.outputs[0].nbytes
             else:
                 size = op.outputs[0].nbytes
-            out.append(TpCollective("fwd", size, (AG, RS), (AR,)))
-            out.append(TpCollective("bwd", size, (AG, RS), (AR,)))
+            experts = op.kind == OpKind.EXPERTS
+            out.append(TpCollective("fwd", size, (AG, RS), (AR,), experts))
+            out.append(TpCollective("bwd", size, (AG, RS), (AR,), experts))
         return tuple(out)
     for op in block.ops:
         if not op.params or not op.outputs or not op.outputs[0].shape:
@@ -324,9 +333,19 @@ def _block_facts(graph: Graph, block: Block, hidden: int) -> BlockFacts:
         output_bytes=sum(t.nbytes for t in block.outputs),
         wgrad_fraction=min(1.0, wgrad / bwd) if bwd else 0.0,
         replicated_params=replicated_params(block),
+        router_params=_router_params(block),
         assignments=assignments,
         capacity_factor=capacity,
     )
+
+
+def _router_params(block: Block) -> tuple[int, ...]:
+    """Elements of each parameter an MoE router op reads (the gate). The router's weights are
+    replicated over tp and its gradient is a partial sum over tp: under expert TP the routing
+    weights scale the experts' partial outputs; under EP x TP each tp rank routes its own
+    sequence shard (`meshplan.runtime.expert_parallel`)."""
+    names = {n for op in block.ops if op.kind == OpKind.ROUTER for n in op.params}
+    return tuple(p.numel for p in block.params if p.name in names)
 
 
 def moe_imbalance(assignments: float, ep: int, capacity_factor: float = math.inf) -> float:
@@ -598,7 +617,7 @@ class Pricer:
         bc = self.costs.compute(bkey, g.gpu, self.dtype, self.engine)
         fwd, bwd, sel = bc.times(tp=tp, cp=cp, sequence_parallel=sp, scale=scale)
         t_fwd, t_bwd = self._tp_traffic(
-            facts, tp, cp, sp, scale, intra_node_path(self.cluster, g), g.gpu
+            facts, tp, cp, sp, scale, intra_node_path(self.cluster, g), g.gpu, ep=ep
         )
         if self.engine.tp_overlap and tp > 1:  # decomposed GEMMs hide part of the TP traffic
             g_fwd, g_bwd = bc.gemm_times(tp=tp, cp=cp, scale=scale)
@@ -661,21 +680,45 @@ class Pricer:
             axis,
         )
 
-    def _tp_traffic(
-        self, facts, tp, cp, sp, scale, intra: Path, gpu: GpuSpec | None = None
-    ) -> tuple[float, float]:
+    def tp_collectives(
+        self, facts: BlockFacts, *, tp: int, cp: int, ep: int, sp: bool, scale: float
+    ) -> tuple[tuple[str, Collective, float], ...]:
+        """(phase, kind, bytes) of every TP collective of one instance of a block and one
+        micro-batch: `facts.tp_collectives` at the micro-batch's size over cp, with or without
+        SP. Under EP x TP (ep > 1, tp > 1; Megatron-Core requires SP there) the MoE experts'
+        region moves the routed rows instead of the block output: each rank all-gathers over
+        tp the rows its tp peers received from the ep all-to-all and reduce-scatters their
+        partial outputs back, in forward and again (swapped) in backward. The rows a rank
+        receives are its sequence shard's top_k x tokens / (cp x tp), at the busiest rank's
+        load (`moe_load_factor`, as `_ep_traffic`); gathered over tp that is
+        top_k x tokens / cp x hidden, i.e. `a2a_bytes` x scale / cp x the load factor."""
         if tp <= 1:
-            return 0.0, 0.0
-        out = {"fwd": 0.0, "bwd": 0.0}
+            return ()
+        out = []
         for c in facts.tp_collectives:
-            size = c.size_bytes * scale / cp
-            for kind in c.with_sp if sp else c.without_sp:
-                if self.comm is None or gpu is None:
-                    out[c.phase] += collective_time(kind, size, tp, intra)
-                else:
-                    out[c.phase] += self.comm_choice(
-                        kind, size, tp, intra, gpu, "activations", "tp"
-                    ).time_s
+            if c.experts and ep > 1 and facts.a2a_bytes:
+                load = self.moe_load_factor(facts, tp=tp, cp=cp, ep=ep, sp=True, scale=scale)
+                size = facts.a2a_bytes * scale / cp * load
+                kinds = c.with_sp
+            else:
+                size = c.size_bytes * scale / cp
+                kinds = c.with_sp if sp else c.without_sp
+            out += [(c.phase, kind, size) for kind in kinds]
+        return tuple(out)
+
+    def _tp_traffic(
+        self, facts, tp, cp, sp, scale, intra: Path, gpu: GpuSpec | None = None, ep: int = 1
+    ) -> tuple[float, float]:
+        out = {"fwd": 0.0, "bwd": 0.0}
+        for phase, kind, size in self.tp_collectives(
+            facts, tp=tp, cp=cp, ep=ep, sp=sp, scale=scale
+        ):
+            if self.comm is None or gpu is None:
+                out[phase] += collective_time(kind, size, tp, intra)
+            else:
+                out[phase] += self.comm_choice(
+                    kind, size, tp, intra, gpu, "activations", "tp"
+                ).time_s
         return out["fwd"], out["bwd"]
 
     def _cp_traffic(self, facts, g: DeviceGroup, tp, cp, scale) -> tuple[float, float]:
@@ -695,6 +738,18 @@ class Pricer:
             ).time_s,
         )
 
+    def moe_load_factor(
+        self, facts: BlockFacts, *, tp: int, cp: int, ep: int, sp: bool, scale: float
+    ) -> float:
+        """The busiest expert-parallel rank's routed rows over the mean: `Engine.moe_imbalance`
+        (capped by the capacity factor), else the balanced router's bound `moe_imbalance` for
+        the assignments of one rank's tokens (its sequence shard under SP)."""
+        share = scale / (cp * (tp if sp else 1))
+        factor = self.engine.moe_imbalance
+        if factor is None:
+            return moe_imbalance(facts.assignments * share, ep, facts.capacity_factor)
+        return min(factor, max(1.0, facts.capacity_factor))
+
     def _ep_traffic(self, facts, g: DeviceGroup, tp, cp, ep, sp, scale) -> tuple[float, float]:
         """Expert parallelism: dispatch + combine all-to-alls of top_k * tokens * hidden in
         forward and again in backward, over ep ranks strided by tp * cp, at the busiest rank's
@@ -703,11 +758,7 @@ class Pricer:
         if ep <= 1 or not facts.a2a_bytes:
             return 0.0, 0.0
         share = scale / (cp * (tp if sp else 1))
-        factor = self.engine.moe_imbalance
-        if factor is None:
-            factor = moe_imbalance(facts.assignments * share, ep, facts.capacity_factor)
-        else:
-            factor = min(factor, max(1.0, facts.capacity_factor))
+        factor = self.moe_load_factor(facts, tp=tp, cp=cp, ep=ep, sp=sp, scale=scale)
         size = facts.a2a_bytes * share * factor
         path = group_path(self.cluster, g, ep, max(1, g.gpus_per_node // (tp * cp)))
         t = self.comm_choice(
@@ -967,23 +1018,31 @@ class Pricer:
     def sp_grad_sync(
         self, comp: Composition, *, tp: int, sp: bool, reductions: int = 1
     ) -> tuple[tuple[Collective, float, int], ...]:
-        """Under sequence parallelism, at each of the step's `reductions` gradient reductions
-        (1; m under ZeRO-3, which reduce-scatters every micro-batch's gradients): one
-        all-reduce over the tp ranks of each TP-replicated parameter's gradient
-        (`BlockFacts.replicated_params`: norm weights, whose gradients are partial sums of each
-        rank's tokens), as (kind, bytes, ranks). torch's FSDP2 and `replicate` reduce each
-        such DTensor gradient before their own reduction, and meshplan's runtime does the same
-        when there is no data parallelism (`runtime.tensor_parallel.reduce_partial_gradients`);
-        Megatron-LM coalesces them into one all-reduce per step (`_allreduce_layernorm_grads`,
-        the same volume)."""
-        if tp <= 1 or not sp:
+        """The gradient all-reduces over tp of replicated parameters whose gradients are
+        partial sums over tp, at each of the step's `reductions` gradient reductions (1; m
+        under ZeRO-3, which reduce-scatters every micro-batch's gradients), as (kind, bytes,
+        ranks): one all-reduce per parameter of
+        - under sequence parallelism, each TP-replicated parameter
+          (`BlockFacts.replicated_params`: norm weights, whose gradients are partial sums of
+          each rank's tokens);
+        - with or without SP, each MoE router parameter (`BlockFacts.router_params`: under
+          expert TP the routing weights scale the experts' partial outputs, under EP x TP each
+          tp rank routes its own sequence shard).
+        torch's FSDP2 and `replicate` reduce each such `Partial` DTensor gradient before their
+        own reduction, and meshplan's runtime does the same when there is no data parallelism
+        (`runtime.tensor_parallel.reduce_partial_gradients`); Megatron-LM coalesces them into
+        one all-reduce per step (`_allreduce_layernorm_grads`, the same volume)."""
+        if tp <= 1:
             return ()
-        return tuple(
-            (Collective.ALL_REDUCE, numel * self.precision.grad_bytes, tp)
-            for key, count in comp
-            for numel in self.costs.facts[key].replicated_params
-            for _ in range(count * reductions)
-        )
+        out = []
+        for key, count in comp:
+            facts = self.costs.facts[key]
+            numels = (facts.replicated_params if sp else ()) + facts.router_params
+            for numel in numels:
+                out += [(Collective.ALL_REDUCE, numel * self.precision.grad_bytes, tp)] * (
+                    count * reductions
+                )
+        return tuple(out)
 
     def loss_sync_time(self, group: str, world: int, groups: Sequence[str] = ()) -> float:
         """The step's scalar loss all-reduce over all `world` ranks (`LOSS_SYNC_BYTES`; the

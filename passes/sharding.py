@@ -15,6 +15,9 @@ reduce-scatter under sequence parallelism). Every other projection (q/k/v, MLP u
 The embedding and the LM head are split along the vocabulary. Norm weights and MoE router
 gates are replicated; stacked expert weights `(experts, in, out)` follow the same column/row
 rule on their last two dims (expert parallelism, when used, splits dim 0 on the ep axis).
+An expert bias added by its own op right after a column-parallel expert GEMM (GPT-style
+`b_up`, `(experts, 1, ffn)`) is split with that GEMM's output (its last dim); one after a
+row-parallel expert GEMM (`b_down`) is replicated (added once, after the reduction).
 
 Which weight dim holds the output features is read from shapes: `nn.Linear` stores
 `(out, in)`, GPT-2's `Conv1D` stores `(in, out)`.
@@ -68,10 +71,16 @@ def tp_param_placements(graph: Graph) -> tuple[tuple[str, str], ...]:
         params = {p.name: p for p in block.params}
         rows = {op.name for op in row_parallel_ops(block, hidden)}
         decided: dict[str, Placement] = {}
+        column_experts: Op | None = None  # the last op was a column-parallel expert GEMM
         for op in block.ops:
             for name in op.params:
                 p = params.get(name)
                 if p is None or name in decided:
+                    continue
+                if column_experts is not None and op.kind is OpKind.ELEMENTWISE:
+                    width = column_experts.outputs[0].shape[-1]
+                    if p.shape and p.shape[-1] == width:  # its bias: split with its output
+                        decided[name] = Shard(len(p.shape) - 1)
                     continue
                 if op.kind is OpKind.EMBEDDING:
                     decided[name] = Shard(0)  # vocab-parallel embedding
@@ -81,6 +90,14 @@ def tp_param_placements(graph: Graph) -> tuple[tuple[str, str], ...]:
                     # A bias: split with the output of a column-parallel projection; added
                     # once after the reduction of a row-parallel one.
                     decided[name] = Replicate() if op.name in rows else Shard(0)
+            column_experts = (
+                op
+                if op.kind is OpKind.EXPERTS
+                and op.name not in rows
+                and op.outputs
+                and op.outputs[0].shape
+                else None
+            )
         # Biases consumed by a separate add op, norms, router gates: replicated.
         for name in params:
             decided.setdefault(name, Replicate())

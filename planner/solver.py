@@ -46,7 +46,9 @@ heads, kv_heads and the GPUs per node of some group; cp divides seq_len / 2 (loa
 causal chunks) with at least MIN_CP_TOKENS tokens per rank; ep divides the experts and dp
 (expert ranks reuse data-parallel ranks, Megatron-Core's expert-data-parallel layout with
 expert-tensor-parallel = tp: the dp ranks of a stage form dp / ep expert-DP groups of ep
-ranks); pp <= layers; dp * micro_batch divides the global batch; interleaved 1F1B needs
+ranks), and ep > 1 with tp > 1 only under sequence parallelism (Megatron-Core's rule; the
+runtime's EP x TP dispatch routes each sequence shard); pp <= layers; dp * micro_batch divides
+the global batch; interleaved 1F1B needs
 pp >= 2, v divides layers / pp and pp divides the micro-batch count (Megatron-LM's rule).
 
 Uneven data-parallel batch shares (`_share_placements`): besides lock-step placements (every
@@ -446,9 +448,10 @@ def enumerate_candidates(
     unless pinned); the groups hold pp * dp replicas of tp * cp GPUs (not every GPU must be
     used: the objective prefers configurations that use them); schedules from
     `schedule_options`. ZeRO 1-3 only with dp > 1 (they equal ZeRO-0 otherwise), sequence
-    parallel when tp > 1. With `per_group_tp` on a cluster of several groups, also the
-    per-group TP candidates of `_per_group_tp_candidates`. Raises InfeasibleError naming the
-    first constraint that leaves nothing.
+    parallel when tp > 1 (and ep > 1 with tp > 1 only with it). With `per_group_tp` on a
+    cluster of several groups, also the per-group TP candidates of
+    `_per_group_tp_candidates`. Raises InfeasibleError naming the first constraint that
+    leaves nothing.
     """
     info = graph.info
     p = pinned
@@ -541,6 +544,9 @@ def enumerate_candidates(
             for ep in eps:
                 if dp % ep:
                     why_none = f"ep={ep} does not divide dp={dp} (expert ranks reuse DP ranks)"
+                    continue
+                if ep > 1 and tp > 1 and not sp:  # Megatron-Core's rule; the runtime's too
+                    why_none = "ep > 1 with tp > 1 needs sequence parallelism"
                     continue
                 for mb in mbs:
                     if global_batch % (dp * mb):  # a pinned micro-batch against a free dp

@@ -9,9 +9,11 @@ The order of the transformations is fixed, and matters (as in torchtitan's paral
     1b. context p.  attention of the stage works on this rank's sequence share (forward
                     wrapped; K/V all-gather or ring); before TP/recompute so they wrap the
                     changed attention, and checkpointed regions re-run its collectives
-    1c. expert p.   experts cut to this rank's shard, tokens all-to-all'd to their owners;
-                    before TP (which refuses stacked experts) and before the optimizer and
-                    DP, which must see the sharded expert parameters
+    1c. expert p.   experts cut to this rank's shard (over ep on the expert dim, over tp on
+                    the ffn dim: DTensors on the tp mesh), tokens all-to-all'd to their
+                    owners / the MoE made one TP region; before TP (which leaves the MoE's
+                    experts to this step) and before the optimizer and DP, which must see
+                    the sharded expert parameters
     2. tensor par.  DTensor sharding of the stage's projections (+ sequence parallelism);
                     before recompute, so checkpointed regions re-run the sharded code
     3. recompute    checkpoint wrappers around units; before FSDP, so FSDP's per-unit
@@ -384,9 +386,7 @@ def apply(
     for m, u in zip(modules, units):  # 1b (None when cp == 1)
         cp = apply_context_parallel(m, ctx, cp_attention, has_layers=bool(u)) or cp
     # 1c (None when ep == 1); one handle for all chunks (it creates the ep groups once)
-    ep = apply_expert_parallel(
-        modules[0] if len(modules) == 1 else nn.ModuleList(modules), ctx, ep_dispatch
-    )
+    ep = apply_expert_parallel(modules, ctx, ep_dispatch)
     for m, u in zip(modules, units):
         if (p.tp or 1) > 1:  # 2
             apply_tensor_parallel(m, plan, ctx.submesh("tp"), vocab_parallel_loss=vocab_parallel)

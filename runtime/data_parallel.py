@@ -90,7 +90,7 @@ def apply_data_parallel(
                 return module
             from torch.distributed._composable.replicate_with_fsdp import replicate
 
-            return replicate(module, mesh=dp_mesh)
+            return replicate(module, mesh=dp_mesh, ignored_params=ignored or None)
         # Buffers are not re-broadcast every forward: they start equal (same seed on every
         # rank, as FSDP2 also assumes) and FSDP2 does not broadcast them either.
         return DistributedDataParallel(module, process_group=ctx.group("dp"), **_NO_BUFFER_SYNC)

@@ -1,13 +1,22 @@
-"""Expert parallelism: stacked expert weights sharded over the ep group, tokens all-to-all'd.
+"""Experts across ranks: expert parallelism (EP), expert tensor parallelism (ETP), and both.
+
+The layout of the experts of every MoE module follows the plan's degrees:
+
+    ep > 1, tp == 1   expert parallelism: stacked expert weights cut along dim 0 (the expert
+                      dim) over the ep group, tokens all-to-all'd to their experts' owners
+    ep == 1, tp > 1   expert tensor parallelism: the MoE is one tensor-parallel region, like
+                      the MLP (Megatron-LM); every tp rank holds every expert, cut on the ffn dim
+    ep > 1, tp > 1    both (Megatron-Core's expert TP under EP); needs sequence parallelism
 
 Groups (`mesh.expert_groups`): ep divides dp and an ep group is ep consecutive dp ranks with
 the same (pp, cp, tp) coordinates; its rank i holds experts `[i*E/ep, (i+1)*E/ep)`: every
-parameter of the experts module is cut along dim 0 (the expert dim), keeping its name.
+parameter of the experts module is cut along dim 0, keeping its name.
 
-Two dispatches, both exact against one process running the same MoE:
+EP: two dispatches, both exact against one process running the same MoE:
 
-    "tokens"  (default; MoE modules of the zoo's shape: `router(x_th) -> (weights_tk,
-              experts_tk)`, `capacity(tokens)`, `top_k`, `experts`, optional `shared`)
+    "tokens"  (default; MoE modules of the zoo's shape, `tensor_parallel.is_zoo_moe`:
+              `router(x_th) -> (weights_tk, experts_tk)`, `capacity(tokens)`, `top_k`,
+              `experts`, optional `shared`)
               True uneven routing. Each rank routes its own tokens with the zoo's semantics
               (top-k; a choice beyond its expert's capacity, counted token-major, is dropped),
               sorts the kept (token, choice) rows by expert, exchanges the per-expert counts
@@ -22,29 +31,71 @@ Two dispatches, both exact against one process running the same MoE:
               zoo's `MoEExperts`, or a user module marked `stacked_experts = True`)
               The slot buffer is exchanged on the expert dim with equal splits, the local
               experts run on (E/ep, ep*capacity, hidden), and the result comes back the same
-              way. Simplest; moves the capacity padding too.
+              way. Simplest; moves the capacity padding too. tp == 1 only (refused under TP).
 
-Gradients. Dense parameters stay data-parallel over the full dp (x cp) group. Expert
-parameters are left out of DDP; after backward, `ExpertParallel.finish_gradients` sums each
-expert gradient over the ranks holding the same shard (dp/ep x cp of them) and divides by
-dp*cp: the gradient a shard owner accumulates already sums the contributions of all ep ranks'
-tokens (they flow back through the all-to-all), so the sum over replicas counts every dp x cp
+ETP (zoo-shaped MoE modules; `ExpertTensorParallel`). The experts' stacked weights follow the
+plan's tp placements (`passes.sharding`: Megatron's column/row rule on their last two dims:
+w_up / w_gate (E, h, ffn) S(2), w_down (E, ffn, h) S(1), a column bias (E, 1, ffn) S(2)) and
+become DTensors on the tp mesh; the MoE's forward hands their local shards to the experts
+module's own code (`torch.func.functional_call`). With ep == 1 the MoE is one region:
+
+    x (b, s/tp, h) under SP, (b, s, h) without
+      -> all-gather over tp (backward: reduce-scatter)   | without SP: identity (backward:
+                                                         |   all-reduce)
+      -> route on all the tokens (the same on every tp rank, so capacity drops are exactly
+         one process's), dispatch to (E, capacity, h) slots, experts on their ffn shard
+      -> combine: a partial sum over tp
+      -> reduce-scatter to the sequence shard (backward: all-gather) | without SP: all-reduce
+      + shared experts (a zoo MLP, column/row-parallel with its own region) on the input
+
+which is what the cost model prices (`cost_model.simulate._tp_collectives`: the experts are
+one row-parallel region of the block output's size). Replicated parameters get gradients
+that are partial sums over tp: the router's (the routing weights scale partial outputs), and
+a replicated experts parameter's (a row-parallel bias such as the GPT-style `b_down`, which
+is applied on tp rank 0 only so that the reduction adds it once). They are Replicate
+DTensors whose gradients are `Partial` DTensors, reduced over tp once per gradient reduction
+like the norm weights under SP (FSDP2 / `replicate` do it, else
+`tensor_parallel.reduce_partial_gradients`), as `cost_model.simulate.Pricer.sp_grad_sync`
+prices them (with or without SP).
+
+EP x TP (ep > 1, tp > 1; sequence parallelism required). Each tp rank routes ITS sequence
+shard's tokens and sends the kept rows over its ep group as above; the destination
+all-gathers the rows its tp peers received (uneven: the counts are all-gathered first, then
+`all_to_all_single` with uneven splits, which gloo supports where the list-form all-gather
+does not), runs its local experts on their ffn shard (experts cut on dim 0 over ep AND on
+the ffn dim over tp), reduce-scatters the partial outputs back to the tp rank that received
+each row (an uneven all-to-all and a local sum), then the all-to-all back and the combine,
+which gives the sequence-sharded output directly. Routing per sequence shard gives each
+shard its own capacity, so drops differ from one process unless the capacity never binds.
+
+Gradients. Dense parameters stay data-parallel over the full dp (x cp) group. With ep == 1
+the expert shards are ordinary TP parameters (DDP / FSDP2 reduce them over dp x cp). With
+ep > 1 expert parameters are left out of DDP / `replicate` / FSDP2; after backward,
+`ExpertParallel.finish_gradients` sums each expert gradient over the ranks holding the same
+shard (dp/ep x cp of them; same tp rank) and divides by dp*cp: the gradient a shard owner
+accumulates already sums the contributions of all ep (and tp) ranks' tokens (they flow back
+through the all-to-all and the tp gather), so the sum over replicas counts every dp x cp
 rank's mean loss once. With ZeRO > 0 the dense parameters are sharded by FSDP2 over dp (x cp)
 and the expert parameters are left out of it (`fully_shard(ignored_params=...)`): they are
-already sharded over ep and reduced as above. EP with TP is refused (not implemented).
+already sharded over ep and reduced as above.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.func import functional_call
 
 from .errors import RuntimePlanError
 from .mesh import ExpertGroups, RankContext, expert_groups
+from .tensor_parallel import is_zoo_moe, placement_of
 
 MODES = ("tokens", "slots")
 
@@ -69,6 +120,202 @@ class _AllToAll(torch.autograd.Function):
         return out, None, None, None
 
 
+# -- tensor-parallel mappings of the MoE region (Megatron-LM's `mappings.py`) --------------------
+# Written on torch.distributed directly: each is one collective each way, as the cost model
+# prices them, with no DTensor dispatch in between.
+
+
+def _all_gather_seq(x_bsh: torch.Tensor, group, size: int) -> torch.Tensor:
+    """(b, s/tp, h) shards -> (b, s, h), tp rank order along the sequence."""
+    xt = x_bsh.transpose(0, 1).contiguous()
+    out = xt.new_empty((size * xt.shape[0], *xt.shape[1:]))
+    dist.all_gather_single(out, xt, group=group)
+    return out.transpose(0, 1).contiguous()
+
+
+def _reduce_scatter_seq(y_bsh: torch.Tensor, group, size: int) -> torch.Tensor:
+    """(b, s, h) partial sums -> this rank's (b, s/tp, h) sequence shard of their sum."""
+    yt = y_bsh.transpose(0, 1).contiguous()
+    out = yt.new_empty((yt.shape[0] // size, *yt.shape[1:]))
+    dist.reduce_scatter_single(out, yt, group=group)
+    return out.transpose(0, 1).contiguous()
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Enter the region under SP: all-gather the sequence over tp; backward reduce-scatters."""
+
+    @staticmethod
+    def forward(ctx, x, group, size: int):
+        ctx.group, ctx.size = group, size
+        return _all_gather_seq(x, group, size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_seq(grad, ctx.group, ctx.size), None, None
+
+
+class _ScatterSequence(torch.autograd.Function):
+    """Leave the region under SP: reduce-scatter the partial sums to the sequence shards;
+    backward all-gathers."""
+
+    @staticmethod
+    def forward(ctx, y, group, size: int):
+        ctx.group, ctx.size = group, size
+        return _reduce_scatter_seq(y, group, size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_seq(grad, ctx.group, ctx.size), None, None
+
+
+class _CopyToRegion(torch.autograd.Function):
+    """Enter the region without SP: identity; backward all-reduces the partial gradients."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    """Leave the region without SP: all-reduce the partial sums; backward is the identity."""
+
+    @staticmethod
+    def forward(ctx, y, group):
+        y = y.contiguous().clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _exchange_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group):
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+class _GatherRows(torch.autograd.Function):
+    """Uneven all-gather of rows over tp (`counts[j]` rows from rank j, concatenated in rank
+    order), as one `all_to_all_single` sending this rank's rows to every peer; backward sums
+    every peer's gradient of this rank's rows (an uneven reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, counts: list[int], group, size: int):
+        n = x.shape[0]
+        ctx.counts, ctx.group, ctx.size, ctx.n = counts, group, size, n
+        mine = x.unsqueeze(0).expand(size, *x.shape).reshape(size * n, *x.shape[1:])
+        return _exchange_rows(mine, counts, [n] * size, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        back = _exchange_rows(grad, [ctx.n] * ctx.size, ctx.counts, ctx.group)
+        return back.view(ctx.size, ctx.n, *grad.shape[1:]).sum(0), None, None, None
+
+
+class _ScatterRows(torch.autograd.Function):
+    """Uneven reduce-scatter of rows over tp: every rank holds partial sums of all the rows
+    (`counts[j]` belong to rank j); rank j receives its rows from every peer and sums them.
+    Backward all-gathers the gradients of the rows (an uneven all-gather)."""
+
+    @staticmethod
+    def forward(ctx, y, counts: list[int], group, size: int, rank: int):
+        n = counts[rank]
+        ctx.counts, ctx.group, ctx.size, ctx.n = counts, group, size, n
+        got = _exchange_rows(y, [n] * size, counts, group)
+        return got.view(size, n, *y.shape[1:]).sum(0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        n, size = ctx.n, ctx.size
+        mine = grad.unsqueeze(0).expand(size, *grad.shape).reshape(size * n, *grad.shape[1:])
+        return _exchange_rows(mine, ctx.counts, [n] * size, ctx.group), None, None, None, None
+
+
+@dataclass(frozen=True)
+class ExpertTensorParallel:
+    """The tp side of the experts (see the module docstring): the tp mesh and group, this
+    rank's place in it, and whether the MoE's input arrives sequence-sharded."""
+
+    mesh: DeviceMesh  # 1-D, the tp axis
+    group: dist.ProcessGroup
+    size: int
+    rank: int
+    sequence_parallel: bool
+
+    def enter(self, x_bsh: torch.Tensor) -> torch.Tensor:
+        """The region's input on every tp rank: all tokens, (b, s, h)."""
+        if self.sequence_parallel:
+            return _GatherSequence.apply(x_bsh, self.group, self.size)
+        return _CopyToRegion.apply(x_bsh, self.group)
+
+    def leave(self, y_bsh: torch.Tensor) -> torch.Tensor:
+        """The region's partial output summed over tp: this rank's sequence shard under SP."""
+        if self.sequence_parallel:
+            return _ScatterSequence.apply(y_bsh, self.group, self.size)
+        return _ReduceFromRegion.apply(y_bsh, self.group)
+
+    def row_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """Every tp rank's `counts` (the same shape on each), stacked in rank order."""
+        flat = counts.reshape(-1).contiguous()
+        out = flat.new_empty(self.size * flat.numel())
+        dist.all_gather_single(out, flat, group=self.group)
+        return out.view(self.size, *counts.shape)
+
+    def gather_rows(self, x_rh: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        return _GatherRows.apply(x_rh, counts, self.group, self.size)
+
+    def scatter_rows(self, y_rh: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        return _ScatterRows.apply(y_rh, counts, self.group, self.size, self.rank)
+
+    def call(self, module: nn.Module, *args, once: bool = False):
+        """`module(*args)` on this rank's local shards of its DTensor parameters.
+
+        Sharded parameters are used as they are. Replicated ones are handed on with partial
+        gradients over tp (see the module docstring); `once`: they are applied on tp rank 0
+        only (a row-parallel bias, added once by the region's reduction)."""
+        views: dict[str, torch.Tensor] = {}
+        for name, p in module.named_parameters():
+            if not isinstance(p, DTensor):
+                continue
+            if all(isinstance(pl, Shard) for pl in p.placements):
+                views[name] = p.to_local()
+                continue
+            local = p.to_local(grad_placements=_partial_over_tp(p))
+            views[name] = local * 0.0 if once and self.rank != 0 else local
+        return functional_call(module, views, args)
+
+
+def _partial_over_tp(p: DTensor) -> list[Placement]:
+    """`p`'s placements with Replicate on the tp mesh dim made Partial (the gradient's
+    placements when every tp rank holds a part of it)."""
+    names = p.device_mesh.mesh_dim_names or ()
+    tp_dim = names.index("tp") if "tp" in names else p.device_mesh.ndim - 1
+    return [
+        Partial() if i == tp_dim and isinstance(pl, Replicate) else pl
+        for i, pl in enumerate(p.placements)
+    ]
+
+
+def _tensor_parallel(ctx: RankContext) -> ExpertTensorParallel:
+    mesh = ctx.submesh("tp")
+    return ExpertTensorParallel(
+        mesh=mesh,
+        group=ctx.group("tp"),
+        size=ctx.size("tp"),
+        rank=ctx.coord("tp"),
+        sequence_parallel=bool(ctx.plan.parallel.sequence_parallel),
+    )
+
+
 @dataclass
 class ExpertParallel:
     """This rank's expert shard, its groups, and the gradient / state handling of experts."""
@@ -80,6 +327,8 @@ class ExpertParallel:
     params: list[nn.Parameter] = field(default_factory=list)
     # How the expert gradients travel (the plan's decision: `data_parallel.DpCoding.experts`).
     coding: tuple[str, int] = ("raw", 1)
+    # EP x TP: the experts are also cut on the ffn dim over tp (None: tp == 1).
+    tp: ExpertTensorParallel | None = None
 
     @property
     def local_experts(self) -> int:
@@ -97,10 +346,20 @@ class ExpertParallel:
             )
 
     def finish_gradients(self) -> None:
-        """Sum expert gradients over the shard's replicas (one flat all-reduce), / dp*cp."""
+        """Sum expert gradients over the shard's replicas (one flat all-reduce), / dp*cp.
+
+        Under EP x TP the gradients are DTensors on the tp mesh: their local shards are
+        reduced (a replicated parameter's partial gradient is first summed over tp)."""
         if not self.params:
             return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        grads = []
+        for p in self.params:
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            if isinstance(g, DTensor):
+                if any(isinstance(pl, Partial) for pl in g.placements):
+                    g = g.redistribute(placements=list(p.placements))
+                g = g.to_local()
+            grads.append(g)
         flat = torch.cat([g.reshape(-1) for g in grads])
         if self.groups.replica_group is not None:
             from .data_parallel import reduce_flat
@@ -108,15 +367,19 @@ class ExpertParallel:
             flat = reduce_flat(flat, self.groups.replica_group, self.coding)
         flat /= self.grad_divisor
         offset = 0
-        for p in self.params:
-            n = p.numel()
-            p.grad = flat[offset : offset + n].view_as(p).clone()
+        for p, g in zip(self.params, grads):
+            n = g.numel()
+            local = flat[offset : offset + n].view_as(g).clone()
+            if isinstance(p, DTensor):
+                local = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False)
+            p.grad = local
             offset += n
 
     def full_tensor(self, p: torch.Tensor) -> torch.Tensor:
-        """All experts of a sharded parameter (all-gather over the ep group; every ep rank
-        must call it for the same parameter)."""
-        x = p.detach().contiguous()
+        """All experts of a sharded parameter (all-gather over tp, then over the ep group;
+        every tp and ep rank must call it for the same parameter)."""
+        x = p.full_tensor() if isinstance(p, DTensor) else p
+        x = x.detach().contiguous()
         out = x.new_empty((self.groups.ep * x.shape[0], *x.shape[1:]))
         dist.all_gather_single(out, x, group=self.groups.ep_group)
         return out
@@ -126,13 +389,18 @@ class ExpertParallel:
         return _AllToAll.apply(x, out_splits, in_splits, self.groups.ep_group)
 
     def moe_forward(self, moe: nn.Module, x_bsh: torch.Tensor) -> torch.Tensor:
-        """The zoo MoE's forward with tokens routed to the experts' ranks ("tokens" mode)."""
+        """The zoo MoE's forward with tokens routed to the experts' ranks ("tokens" mode).
+        Under EP x TP `x_bsh` is this rank's sequence shard and so is the output."""
+        given, x_bsh = x_bsh, _local(x_bsh)
         b, s, h = x_bsh.shape
         x_th = x_bsh.reshape(b * s, h)
         t, k, e = b * s, moe.top_k, self.num_experts
         ep, el = self.groups.ep, self.local_experts
         cap = moe.capacity(t)
-        weights_tk, experts_tk = moe.router(x_th)
+        if self.tp is None:
+            weights_tk, experts_tk = moe.router(x_th)
+        else:
+            weights_tk, experts_tk = self.tp.call(moe.router, x_th)
         expert_n = experts_tk.reshape(-1)  # n = t*k choices, token-major (the zoo's order)
         onehot_ne = F.one_hot(expert_n, e)
         slot_n = ((onehot_ne.cumsum(0) - 1) * onehot_ne).sum(-1)
@@ -145,32 +413,33 @@ class ExpertParallel:
         in_splits = send_counts.sum(1).tolist()
         out_splits = recv_counts.sum(1).tolist()
         x_recv = self.exchange(x_th.index_select(0, order // k), out_splits, in_splits)
-        y_recv = self._run_local(moe.experts, x_recv, recv_counts)
+        if self.tp is None:
+            y_recv = _run_local(moe.experts, x_recv, recv_counts)
+        else:
+            y_recv = self._run_local_tp(moe.experts, x_recv, recv_counts)
         y_sent = self.exchange(y_recv, in_splits, out_splits)
         y_nh = y_sent.new_zeros(t * k, h).index_copy(0, order, y_sent)
         out_th = (y_nh * weights_tk.reshape(-1, 1)).view(t, k, h).sum(1)
         if getattr(moe, "shared", None) is not None:
-            out_th = out_th + moe.shared(x_th)
+            if self.tp is None:
+                out_th = out_th + moe.shared(x_th)
+            else:  # its own TP region: it takes the (b, s/tp, h) sequence shard
+                out_th = out_th + moe.shared(given).reshape(t, h)
         return out_th.view(b, s, h)
 
-    def _run_local(self, experts: nn.Module, x_rh: torch.Tensor, recv_counts: torch.Tensor):
-        """Rows received from each source rank (grouped by source, then local expert) through
-        the local experts, returned in the same row order."""
-        ep, el = recv_counts.shape
-        h = x_rh.shape[-1]
-        per_expert = recv_counts.sum(0)  # (el,)
-        m = int(per_expert.max()) if per_expert.numel() else 0
-        dev = x_rh.device
-        flat = recv_counts.reshape(-1)
-        block = torch.repeat_interleave(torch.arange(ep * el, device=dev), flat)
-        within = torch.arange(block.numel(), device=dev) - (torch.cumsum(flat, 0) - flat)[block]
-        # Offset of source i's rows inside local expert l's rows: sources before i.
-        before = (torch.cumsum(recv_counts, 0) - recv_counts).reshape(-1)
-        local_e = block % el
-        dest = local_e * m + before[block] + within
-        buf = x_rh.new_zeros(el * m, h).index_copy(0, dest, x_rh)
-        y = experts(buf.view(el, m, h))
-        return y.reshape(el * m, h).index_select(0, dest)
+    def _run_local_tp(self, experts: nn.Module, x_rh: torch.Tensor, recv_counts: torch.Tensor):
+        """EP x TP: the rows every tp peer received, gathered; the local experts' ffn shard
+        on all of them; each row's partial outputs summed back on the rank that received it."""
+        tp = self.tp
+        assert tp is not None
+        counts = tp.row_counts(recv_counts)  # (tp, ep, el)
+        rows = counts.sum((1, 2)).tolist()
+        x_all = tp.gather_rows(x_rh, rows)
+        el = recv_counts.shape[1]
+        y_all = _run_local(
+            lambda buf: tp.call(experts, buf, once=True), x_all, counts.reshape(-1, el)
+        )
+        return tp.scatter_rows(y_all, rows)
 
     def slots_forward(self, experts_forward, x_ech: torch.Tensor) -> torch.Tensor:
         """Slot buffers of all experts -> their owners, local experts, and back ("slots")."""
@@ -184,8 +453,61 @@ class ExpertParallel:
         return self.exchange(back, equal, equal).view(e, cap, h)
 
 
-def _is_zoo_moe(m: nn.Module) -> bool:
-    return all(hasattr(m, a) for a in ("router", "experts", "capacity", "top_k"))
+def _run_local(experts, x_rh: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
+    """Rows received from each source (grouped by source, then local expert;
+    `recv_counts` (sources, local experts)) through the local experts (`experts` maps
+    (el, m, h) -> (el, m, h)), returned in the same row order."""
+    src, el = recv_counts.shape
+    h = x_rh.shape[-1]
+    per_expert = recv_counts.sum(0)  # (el,)
+    m = int(per_expert.max()) if per_expert.numel() else 0
+    dev = x_rh.device
+    flat = recv_counts.reshape(-1)
+    block = torch.repeat_interleave(torch.arange(src * el, device=dev), flat)
+    within = torch.arange(block.numel(), device=dev) - (torch.cumsum(flat, 0) - flat)[block]
+    # Offset of source i's rows inside local expert l's rows: sources before i.
+    before = (torch.cumsum(recv_counts, 0) - recv_counts).reshape(-1)
+    local_e = block % el
+    dest = local_e * m + before[block] + within
+    buf = x_rh.new_zeros(el * m, h).index_copy(0, dest, x_rh)
+    y = experts(buf.view(el, m, h))
+    return y.reshape(el * m, h).index_select(0, dest)
+
+
+def moe_region_forward(
+    tp: ExpertTensorParallel, num_experts: int, moe: nn.Module, x_bsh: torch.Tensor
+) -> torch.Tensor:
+    """The zoo MoE's forward as one tensor-parallel region (ep == 1; module docstring): the
+    zoo's static-capacity slot dispatch on all the tokens, experts on their ffn shard."""
+    x = tp.enter(_local(x_bsh))
+    b, s, h = x.shape
+    t, e, k = b * s, num_experts, moe.top_k
+    x_th = x.reshape(t, h)
+    cap = moe.capacity(t)
+    weights_tk, experts_tk = tp.call(moe.router, x_th)
+    # The zoo's dispatch (`MoE.forward`): a running count per expert gives each choice its
+    # slot; choices past the capacity go to a drop bin (row e*cap), empty slots read zeros.
+    onehot_ne = F.one_hot(experts_tk.reshape(-1), e)
+    slot_n = ((onehot_ne.cumsum(0) - 1) * onehot_ne).sum(-1)
+    dest_n = torch.where(slot_n < cap, experts_tk.reshape(-1) * cap + slot_n, e * cap)
+    token_n = torch.arange(t, device=x.device).repeat_interleave(k)
+    src_index = torch.full((e * cap + 1,), t, dtype=torch.long, device=x.device)
+    src_index = src_index.scatter(0, dest_n, token_n)[: e * cap]
+    x_padded = torch.cat([x_th, x_th.new_zeros(1, h)])
+    x_ech = x_padded.index_select(0, src_index).view(e, cap, h)
+    y_ech = tp.call(moe.experts, x_ech, once=True)  # partial sums over tp
+    y_flat = torch.cat([y_ech.reshape(e * cap, h), y_ech.new_zeros(1, h)])
+    y_nh = y_flat.index_select(0, dest_n) * weights_tk.reshape(-1, 1)
+    out = tp.leave(y_nh.view(t, k, h).sum(1).view(b, s, h))
+    if getattr(moe, "shared", None) is not None:
+        out = out + moe.shared(x_bsh)  # its own TP region, on the region's input
+    return out
+
+
+def _local(x: torch.Tensor) -> torch.Tensor:
+    """The MoE's input as a plain tensor: under SP the norm before it hands on a Shard(1)
+    DTensor (`SequenceParallel`), whose local part is this rank's sequence shard."""
+    return x.to_local() if isinstance(x, DTensor) else x
 
 
 def _expert_count(experts: nn.Module, where: str) -> int:
@@ -208,32 +530,106 @@ def _shard(experts: nn.Module, lo: int, hi: int) -> list[nn.Parameter]:
     return out
 
 
+def _tp_placement(name: str, plan, where: str) -> Placement:
+    """The plan's tp placement of expert / router parameter `name` as a DTensor placement."""
+    got = placement_of(name, plan)
+    if got in (None, "R"):
+        return Replicate()
+    if got.startswith("S(") and got.endswith(")"):
+        return Shard(int(got[2:-1]))
+    raise RuntimePlanError(f"runtime: placement {got} of {where} {name!r} is unsupported")
+
+
+def _distribute(module: nn.Module, prefix: str, tp: ExpertTensorParallel, plan, where: str):
+    """Make every parameter of `module` a DTensor on the tp mesh with the plan's placement
+    (this rank's shard of the current local values); returns them."""
+    out = []
+    for sub_path, sub in module.named_modules():
+        for name, p in list(sub.named_parameters(recurse=False)):
+            full = ".".join(x for x in (prefix, sub_path, name) if x)
+            pl = _tp_placement(full, plan, where)
+            if where == "router" and not isinstance(pl, Replicate):
+                # every tp rank routes with the whole gate (the routing must agree)
+                raise RuntimePlanError(f"runtime: the plan shards MoE router parameter {full!r}")
+            local = p.detach()
+            if isinstance(pl, Shard):
+                if local.shape[pl.dim] % tp.size:
+                    raise RuntimePlanError(
+                        f"runtime: tp={tp.size} does not divide dim {pl.dim} of {full} "
+                        f"{tuple(local.shape)}"
+                    )
+                local = local.chunk(tp.size, dim=pl.dim)[tp.rank]
+            d = DTensor.from_local(local.clone(), tp.mesh, [pl], run_check=False)
+            q = nn.Parameter(d, requires_grad=p.requires_grad)
+            sub._parameters[name] = q
+            out.append(q)
+    return out
+
+
+def _distribute_moe(moe: nn.Module, experts_path: str, tp: ExpertTensorParallel, plan):
+    """A zoo MoE's router (whole) and experts (the plan's tp placements) as DTensors on the
+    tp mesh; returns the experts' parameters."""
+    moe_path = experts_path.rpartition(".")[0]
+    _distribute(moe.router, f"{moe_path}.router" if moe_path else "router", tp, plan, "router")
+    return _distribute(moe.experts, experts_path, tp, plan, "experts")
+
+
+def _find_moes(modules: Sequence[nn.Module]):
+    """(path, experts module, zoo MoE or None) of every MoE in `modules` (paths relative to
+    each, which keep the model's names)."""
+    found: list[tuple[str, nn.Module, nn.Module | None]] = []
+    for root in modules:
+        for path, m in root.named_modules():
+            if is_zoo_moe(m):
+                found.append((f"{path}.experts" if path else "experts", m.experts, m))
+            elif getattr(m, "stacked_experts", False) and not any(m is f[1] for f in found):
+                found.append((path, m, None))
+    return found
+
+
 def apply_expert_parallel(
-    module: nn.Module, ctx: RankContext, mode: str = "tokens"
+    modules: nn.Module | Sequence[nn.Module], ctx: RankContext, mode: str = "tokens"
 ) -> ExpertParallel | None:
-    """Shard the experts of every MoE module over the ep group and route tokens to them.
+    """Lay out the experts of every MoE module of `modules` (this rank's model chunks) for
+    the plan's ep and tp degrees (module docstring) and route tokens to them.
 
     Returns the handle the runner uses for expert gradients and the full state dict (None
-    when ep == 1). Every rank must call it (it creates the ep groups)."""
+    when ep == 1: expert TP shards are ordinary TP parameters). Every rank must call it (it
+    creates the ep groups)."""
     p = ctx.plan.parallel
-    ep = p.ep or 1
-    if ep == 1:
+    ep, tp_size = p.ep or 1, p.tp or 1
+    roots = [modules] if isinstance(modules, nn.Module) else list(modules)
+    if ep == 1 and tp_size == 1:
         return None
     if mode not in MODES:
         raise RuntimePlanError(f"runtime: ep dispatch must be one of {MODES}, got {mode!r}")
-    if (p.tp or 1) > 1:
-        raise RuntimePlanError("runtime: expert parallelism with tp > 1 is not implemented")
+    found = _find_moes(roots)
+    if tp_size > 1:
+        for path, _, moe in found:
+            if moe is None or (ep > 1 and mode == "slots"):
+                raise RuntimePlanError(
+                    f"runtime: experts {path!r} with tp={tp_size}: the slots dispatch (and "
+                    "`stacked_experts` modules) run with tp == 1 only; use the zoo's MoE shape "
+                    "with ep_dispatch='tokens', or tp=1"
+                )
+        if ep > 1 and not p.sequence_parallel:
+            raise RuntimePlanError(
+                "runtime: ep > 1 with tp > 1 needs sequence parallelism (as Megatron-Core); "
+                "re-plan with sequence_parallel=True"
+            )
+    tp = _tensor_parallel(ctx) if tp_size > 1 else None
+    if ep == 1:  # expert tensor parallelism: each MoE is one TP region
+        assert tp is not None
+        for path, experts, moe in found:
+            e = _expert_count(experts, path)
+            _distribute_moe(moe, path, tp, ctx.plan)
+            moe.forward = _bind(_region_forward(tp, e), moe)
+        return None
     groups = expert_groups(ctx, ep)
-    found: list[tuple[str, nn.Module, nn.Module | None]] = []  # (path, experts, zoo moe)
-    for path, m in module.named_modules():
-        if _is_zoo_moe(m):
-            found.append((f"{path}.experts", m.experts, m))
-        elif getattr(m, "stacked_experts", False) and not any(m is f[1] for f in found):
-            found.append((path, m, None))
     if not found:
         raise RuntimePlanError(
-            f"runtime: ep={ep} but {type(module).__name__} has no MoE module this runtime can "
-            "shard (the zoo's MoE shape, or an experts module marked `stacked_experts = True`)"
+            f"runtime: ep={ep} but the model has no MoE module this runtime can shard (the "
+            "zoo's MoE shape, or an experts module marked `stacked_experts = True`)"
         )
     handle: ExpertParallel | None = None
     for path, experts, moe in found:
@@ -241,16 +637,26 @@ def apply_expert_parallel(
         if e % ep:
             raise RuntimePlanError(f"runtime: ep={ep} does not divide the {e} experts of {path}")
         if handle is None:
-            handle = ExpertParallel(groups, e, p.dp * (p.cp or 1), mode)
+            handle = ExpertParallel(groups, e, p.dp * (p.cp or 1), mode, tp=tp)
         elif e != handle.num_experts:
             raise RuntimePlanError("runtime: MoE layers with different expert counts")
         el = e // ep
-        handle.params += _shard(experts, groups.ep_rank * el, (groups.ep_rank + 1) * el)
+        shards = _shard(experts, groups.ep_rank * el, (groups.ep_rank + 1) * el)
+        if tp is not None:
+            shards = _distribute_moe(moe, path, tp, ctx.plan)
+        handle.params += shards
         if moe is not None and mode == "tokens":
             moe.forward = _bind(handle.moe_forward, moe)
         else:
             experts.forward = _bind(handle.slots_forward, experts.forward)
     return handle
+
+
+def _region_forward(tp: ExpertTensorParallel, num_experts: int):
+    def forward(moe, x_bsh):
+        return moe_region_forward(tp, num_experts, moe, x_bsh)
+
+    return forward
 
 
 def _bind(fn, first):

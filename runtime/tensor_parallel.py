@@ -13,6 +13,9 @@ by path and chooses torch's parallel styles:
                                                    once (an all-gather under SP)
     leaf modules whose parameters are all R (norms), under sequence parallelism
                                                 -> SequenceParallel
+    the experts of an MoE of the zoo's shape (`is_zoo_moe`), stacked weights S(1)/S(2)
+                                                -> left alone here: the MoE is one TP region
+                                                   run by `expert_parallel` (expert TP)
 
 Why the region input is converted once: if each column-parallel projection converted its own
 local input, backward would all-reduce the input gradient once per projection (three times
@@ -32,8 +35,9 @@ three all-reduces of one value per token instead of gathering the logits, as Meg
 (`cost_model.simulate.loss_collectives`). Any other loss function gets the whole logits (one
 all-gather per micro-batch, which `loss_collectives(vocab_parallel=False)` prices).
 
-Gradients of replicated parameters under sequence parallelism (norm weights) come out of
-backward as partial sums over tp (`Partial` DTensors): FSDP2 and `replicate` reduce them
+Gradients of replicated parameters under sequence parallelism (norm weights), and of the
+MoE router under any TP (`expert_parallel`), come out of backward as partial sums over tp
+(`Partial` DTensors): FSDP2 and `replicate` reduce them
 before their own reduction; without data parallelism `reduce_partial_gradients` does it once
 per step before the optimizer (otherwise every optimizer read of the gradient would
 all-reduce it again: three times per parameter with AdamW, measured).
@@ -139,6 +143,12 @@ def placement_of(name: str, plan: Plan, placements: dict[str, str] | None = None
     return placements.get(f"prologue:{name}") or placements.get(f"epilogue:{name}")
 
 
+def is_zoo_moe(m: nn.Module) -> bool:
+    """An MoE module of the zoo's shape: `router(x_th) -> (weights_tk, experts_tk)`,
+    `capacity(tokens)`, `top_k`, `experts` (stacked weights), optional `shared`."""
+    return all(hasattr(m, a) for a in ("router", "experts", "capacity", "top_k"))
+
+
 def _in_unit(name: str, plan: Plan) -> bool:
     return any(
         not u.startswith("<") and (name == u or name.startswith(u + ".")) for u in plan.model.units
@@ -165,7 +175,13 @@ def tp_styles(
         )
     styles: dict[str, ParallelStyle] = {}
     kinds: dict[str, str] = {}
+    # Experts of zoo-shaped MoEs: tensor-parallel through `expert_parallel` (one region).
+    experts = [
+        f"{p}.experts" if p else "experts" for p, m in model.named_modules() if is_zoo_moe(m)
+    ]
     for path, mod in model.named_modules():
+        if any(path == e or path.startswith(e + ".") for e in experts):
+            continue
         if isinstance(mod, (nn.Linear, nn.Embedding)):
             p = placement_of(f"{path}.weight", plan, placements)
             if p is None or p == "R":
@@ -199,8 +215,8 @@ def tp_styles(
                 if p not in (None, "R"):
                     raise RuntimePlanError(
                         f"runtime: tensor parallelism of {type(mod).__name__} parameter "
-                        f"{path}.{n} ({p}) is not supported (e.g. stacked expert weights: "
-                        "use expert parallelism)"
+                        f"{path}.{n} ({p}) is not supported (stacked experts outside the zoo's "
+                        "MoE shape, i.e. the slots dispatch, run with tp == 1)"
                     )
             children_have_params = any(any(True for _ in c.parameters()) for c in mod.children())
             if sp and own and not children_have_params and all(p.dim() == 1 for _, p in own):
@@ -342,9 +358,10 @@ def loss_context(enabled: bool):
 
 def reduce_partial_gradients(modules) -> None:
     """Make every gradient that is a partial sum over a mesh dim (a `Partial` DTensor: norm
-    weights under sequence parallelism) whole, one all-reduce per parameter, before the
-    optimizer reads it. FSDP2 and `replicate` do this themselves during their reduction, so
-    with data parallelism there is nothing left here."""
+    weights under sequence parallelism, MoE routers under TP) whole, one all-reduce per
+    parameter, before the optimizer reads it. FSDP2 and `replicate` do this themselves during
+    their reduction, so with data parallelism there is nothing left here (but for expert
+    parameters, which stay out of them under EP)."""
     for module in modules:
         for p in module.parameters():
             g = p.grad

@@ -241,3 +241,37 @@ def test_moe_imbalance_is_capped_by_the_capacity_factor():
     # few tokens: the statistical spread is large, but capacity drops what exceeds it
     assert moe_imbalance(4, 8, capacity_factor=1.25) == 1.25
     assert moe_imbalance(4, 8) > 1.25
+
+
+def test_expert_parallel_with_tensor_parallel_gathers_routed_rows_by_hand():
+    """EP x TP (Megatron-Core's expert TP under EP, SP on): each tp rank routes its sequence
+    shard; after the ep all-to-all the tp group all-gathers the rows its ranks received and
+    reduce-scatters their partial outputs, forward and backward. The experts' TP region then
+    moves top_k x tokens x hidden (the routed rows, at the busiest rank's load) instead of
+    tokens x hidden; the attention's region is unchanged, and the ep all-to-all carries the
+    sequence shard's rows."""
+    b, s, h, top_k, tp, ep = 1, 4096, 2048, 2, 2, 4
+    g = transformer_graph(
+        1, h, 16, 16, 4 * h, 0, s, b, experts=8, top_k=top_k, embed_and_head=False
+    )
+    p = config(dp=4, ep=ep, tp=tp, global_batch=4, sequence_parallel=True)
+    pred = run(g, h100_cluster(1), p)
+
+    def nvlink(bus_factor, size):  # one NVLink4 collective: base + one step + volume
+        return 8.4e-6 + 2e-6 + size * bus_factor / (450e9 * 0.8)
+
+    tokens = b * s * h * 2  # one hidden state per token, bf16
+    # a rank sends its sequence shard's top_k choices: the busiest of 4 ep ranks' load
+    assignments = top_k * b * s / tp
+    busiest = 1 + math.sqrt(2 * math.log(ep)) * math.sqrt((ep - 1) / ep / assignments)
+    rows = top_k * tokens * busiest  # the rows the tp group gathers (all tp ranks' rows)
+    ag_rs = lambda size: 2 * nvlink(1 / 2, size)  # noqa: E731 (AG + RS over 2 ranks)
+    # forward and backward: the attention's region (tokens) and the experts' (routed rows)
+    assert pred.breakdown_dict()["tp_comm"] == pytest.approx(
+        2 * (ag_rs(tokens) + ag_rs(rows)), rel=1e-9
+    )
+    a2a = nvlink(3 / 4, top_k * tokens / tp * busiest)  # 4 ranks
+    assert pred.breakdown_dict()["ep_comm"] == pytest.approx(4 * a2a, rel=1e-9)
+    # without EP the experts are one region of the block output's size (tokens)
+    dense = run(g, h100_cluster(1), config(dp=4, tp=tp, global_batch=4, sequence_parallel=True))
+    assert dense.breakdown_dict()["tp_comm"] == pytest.approx(4 * ag_rs(tokens), rel=1e-9)

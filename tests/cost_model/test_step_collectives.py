@@ -104,3 +104,25 @@ def test_planner_codes_only_the_runtimes_axes():
     assert choose(kind, size, 2, slow, what_if, gpu, "bfloat16", "activations", "pp").method == (
         "lossless"
     )
+
+
+def test_moe_router_gradients_are_reduced_over_tp_with_or_without_sp():
+    """The router's gate is whole on every tp rank and its gradient is a partial sum over tp
+    (expert TP: the routing weights scale partial outputs; EP x TP: each rank routes its own
+    sequence shard), so it is all-reduced over tp with or without SP; the norms only under
+    SP. Memory counts the gate as replicated."""
+    experts = 8
+    moe = transformer_graph(
+        LAYERS, HIDDEN, 4, 4, 1024, VOCAB, SEQ, MB, name="moe", experts=experts, top_k=2
+    )
+    pricer = pricer_for(moe, Cluster.preset("dgx-h100", gpus=8))
+    costs = pricer.costs
+    comp = costs.composition(0, len(costs.unit_keys))
+    norm = (AR, HIDDEN * GRAD_BYTES, 8)
+    router = (AR, experts * HIDDEN * GRAD_BYTES, 8)
+    assert list(pricer.sp_grad_sync(comp, tp=8, sp=False)) == [router] * LAYERS
+    with_sp = Counter(pricer.sp_grad_sync(comp, tp=8, sp=True))
+    assert with_sp == Counter({norm: 2 * LAYERS + 1, router: LAYERS})
+    assert pricer.sp_grad_sync(comp, tp=1, sp=True) == ()
+    layer = next(k for k in costs.unit_keys if costs.facts[k].kind == "layer")
+    assert costs.facts[layer].memory.params_rep == 2 * HIDDEN + experts * HIDDEN

@@ -3,6 +3,7 @@
 import meshplan
 import pytest
 import torch
+import torch.nn.functional as F
 from meshplan.ir.placement import Partial, Replicate, Shard, parse_placement
 from meshplan.passes.sharding import tp_param_placements
 
@@ -86,3 +87,35 @@ def test_placements_reproduce_the_full_layer_on_simulated_ranks(tiny):
         out_mlp += h @ w("mlp.down_proj.weight", r).T
     torch.testing.assert_close(out_attn, full_attn, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(out_mlp, full_mlp, rtol=1e-4, atol=1e-5)
+
+
+def test_stacked_experts_follow_the_column_row_rule_biases_too():
+    """GPT-style stacked experts: w_up (E, h, ffn) and its bias b_up (E, 1, ffn) split on the
+    ffn dim, w_down (E, ffn, h) on its input dim, b_down replicated; simulated on 2 ranks the
+    partial outputs (b_down added once) sum to the unsharded experts' output."""
+    cfg = dict(layers=2, hidden=32, heads=4, ffn=64, vocab=64, seq_len=8, experts=4, top_k=2)
+    model, _ = meshplan.models.transformer(style="gpt", dtype="float32", micro_batch=1, **cfg)
+    example = torch.zeros(1, 8, dtype=torch.long, device="meta")
+    graph = meshplan.trace(model, example, example)
+    placements = dict(tp_param_placements(graph))
+    layer = next(k for k, b in graph.blocks if b.kind == "layer")
+    expect = {"w_up": "S(2)", "b_up": "S(2)", "w_down": "S(1)", "b_down": "R"}
+    for name, placement in expect.items():
+        assert placements[f"{layer}:mlp.experts.{name}"] == placement, name
+    assert placements[f"{layer}:mlp.router.gate.weight"] == "R"
+
+    torch.manual_seed(0)
+    model, _ = meshplan.models.transformer(style="gpt", dtype="float32", device="cpu", **cfg)
+    experts = model.layers[0].mlp.experts
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_()
+    x = torch.randn(4, 5, 32)
+    full = experts(x)
+    params = dict(experts.named_parameters())
+    out = torch.zeros_like(full)
+    for r in range(2):
+        shard = {n: _shard(p, parse_placement(expect[n]), r, 2) for n, p in params.items()}
+        act = F.gelu(torch.bmm(x, shard["w_up"]) + shard["b_up"], approximate="tanh")
+        out += torch.bmm(act, shard["w_down"]) + (shard["b_down"] if r == 0 else 0)
+    torch.testing.assert_close(out, full, rtol=1e-4, atol=1e-4)

@@ -558,3 +558,19 @@ def test_per_group_tp_matches_exhaustive_search(squeeze):
     # without per-group TP the best plan is slower
     plain = solve(graph, cluster, Parallel(), global_batch=16, per_group_tp=False)
     assert plain.prediction.step_time_s > result.prediction.step_time_s * 1.05
+
+
+def test_expert_parallel_with_tensor_parallel_needs_sequence_parallelism():
+    """EP x TP runs with SP only (Megatron-Core's rule, and the runtime's): with SP pinned off
+    the planner drops those candidates, and pinning all three is infeasible with the reason."""
+    from meshplan.solver import enumerate_candidates
+
+    graph = transformer_graph(2, 512, 8, 8, 2048, 8000, 1024, 1, experts=8, top_k=2)
+    cluster = h100_cluster(1)
+    off = enumerate_candidates(graph, cluster, Parallel(sequence_parallel=False), 8)
+    assert off and not any(c.ep > 1 and c.tp > 1 for c in off)
+    assert any(c.ep > 1 for c in off) and any(c.tp > 1 for c in off)
+    free = enumerate_candidates(graph, cluster, Parallel(), 8)
+    assert any(c.ep > 1 and c.tp > 1 and c.sequence_parallel for c in free)
+    with pytest.raises(InfeasibleError, match="ep > 1 with tp > 1 needs sequence parallelism"):
+        solve(graph, cluster, Parallel(ep=2, tp=2, sequence_parallel=False), global_batch=8)

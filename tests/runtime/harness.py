@@ -212,7 +212,12 @@ def expected_tp(plan, graph_, pp_rank: int, m: int, *, vocab_parallel: bool = Tr
     pipeline rank `pp_rank` running m micro-batches, as the cost model prices them: per
     micro-batch each unit's `tp_collectives` (with or without SP; layers' forward ones again
     under full recompute), with the loss's `loss_collectives` (vocab-parallel or gathered),
-    and per step `Pricer.sp_grad_sync`."""
+    and per step `Pricer.sp_grad_sync`.
+
+    Under EP x TP (ep > 1) the MoE experts' region moves routed rows whose counts depend on
+    the routing (uneven all-to-alls on the tp group, checked by volume in
+    test_parity_moe_tp.py); left out here, replaced by what stays exact: per MoE layer and
+    forward, one all-gather of the E per-expert row counts (tp x E values)."""
     from meshplan.cost_model.simulate import (
         is_lm_head,
         loss_collectives,
@@ -238,6 +243,9 @@ def expected_tp(plan, graph_, pp_rank: int, m: int, *, vocab_parallel: bool = Tr
                             colls.remove(c)
                         colls += loss_collectives(op, vocab_parallel=False)
             again = 2 if facts.kind == "layer" and p.recompute == "full" else 1
+            if p.ep > 1 and any(c.experts for c in colls):
+                colls = [c for c in colls if not c.experts]
+                want[("all_gather", p.tp * graph_.info.experts)] += m * again
             for c in colls:
                 numel = round(c.size_bytes * scale / (p.cp * FP32))
                 for kind in c.with_sp if p.sequence_parallel else c.without_sp:

@@ -278,7 +278,8 @@ def _check_cp_collectives(plan, results, name, config):
 def _check_ep_collectives(plan, results, name, config):
     """The cost model prices EP as a dispatch and a combine all-to-all per MoE layer and
     micro-batch in forward and again in backward, each of top_k * tokens * hidden elements per
-    rank (`_ep_traffic`). The runtime runs exactly those on the ep group, plus (token
+    rank (`_ep_traffic`; tokens of the rank's sequence shard under CP and, with TP, SP). The
+    runtime runs exactly those on the ep group, plus (token
     dispatch) one all-to-all of the E per-expert counts per forward. Sizes: token dispatch
     moves only kept choices, so summed over the ep group they equal the price without drops
     and stay below it with drops; slot dispatch moves the capacity buffers (E x capacity x
@@ -293,7 +294,8 @@ def _check_ep_collectives(plan, results, name, config):
     for rank, r in enumerate(results):
         costs, facts = _stage_facts(plan, model_kw, r[name]["stage"])
         scale = p.micro_batch / costs.traced_micro_batch
-        per_a2a = [f.a2a_bytes / elem * scale / p.cp for f in facts if f.a2a_bytes]
+        shard = p.cp * (p.tp if p.sequence_parallel else 1)
+        per_a2a = [f.a2a_bytes / elem * scale / shard for f in facts if f.a2a_bytes]
         layers = len(per_a2a)
         recs = _records(r[name], "ep", {"all_to_all"})
         counts = [c for c in recs if c.numel == experts and not slots]
@@ -303,7 +305,7 @@ def _check_ep_collectives(plan, results, name, config):
         group = r[name]["groups"]["ep"]
         totals[group] += sum(c.numel for c in data)
         if slots:
-            cap = -(-p.micro_batch * SEQ // p.cp * model_kw["top_k"] // experts)
+            cap = -(-p.micro_batch * SEQ // shard * model_kw["top_k"] // experts)
             prices[group] += (2 * fwd + 2) * layers * m * experts * cap * CFG["hidden"]
         else:
             prices[group] += (2 * fwd + 2) * sum(per_a2a) * m
