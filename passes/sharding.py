@@ -46,11 +46,20 @@ def row_parallel_ops(block: Block, hidden: int) -> tuple[Op, ...]:
             continue
         if op.kind not in (OpKind.MATMUL, OpKind.EXPERTS) or not op.params:
             continue
-        in_width = op.inputs[0].shape[-1] if op.inputs and op.inputs[0].shape else hidden
-        if after_attention or in_width != hidden:
+        if after_attention or _input_width(op, hidden) != hidden:
             rows.append(op)
         after_attention = False
     return tuple(rows)
+
+
+def _input_width(op: Op, hidden: int) -> int:
+    """Feature width of a projection's activation input: its first input of two or more dims
+    (`addmm` lists the 1-D bias first, then the activation and the weight; `mm` and `bmm` the
+    activation first)."""
+    for t in op.inputs:
+        if t.shape and len(t.shape) >= 2:
+            return t.shape[-1]
+    return hidden
 
 
 def _linear_placement(weight: Param, op: Op, row_parallel: bool) -> Placement:

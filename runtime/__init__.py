@@ -13,7 +13,7 @@ fixing their order, `launch` for torchrun commands and the local fork launcher. 
 reads a Plan (`meshplan.ir`) and never imports the planner or the solver.
 """
 
-from .apply import Runner, apply, check_model, clean_name
+from .apply import Runner, apply, check_model, check_plan, clean_name
 from .context_parallel import ContextParallel, sequence_positions
 from .errors import RankFailure, RuntimePlanError
 from .expert_parallel import ExpertParallel
@@ -33,6 +33,7 @@ __all__ = [
     "build_mesh",
     "check_machine",
     "check_model",
+    "check_plan",
     "clean_name",
     "init_distributed",
     "launch",

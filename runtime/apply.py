@@ -174,6 +174,58 @@ def replica_microbatches(plan: Plan) -> list[int]:
     return counts
 
 
+def check_plan(plan: Plan) -> None:
+    """Refuse, with one line, a plan this runtime cannot execute, from the plan alone (no
+    process group, no model): uneven shares (`replica_microbatches`), schedules
+    (`pipeline_parallel.check_schedule`, and each replica's micro-batch count under
+    interleaved 1F1B), stage widths, EP x TP without sequence parallelism, per-group TP's
+    rules, and context parallelism's sequence split. `apply` runs it first and `meshplan
+    launch` before starting any process; what depends on the model (module paths, head
+    counts, expert counts) is checked by `apply` itself."""
+    p = plan.parallel
+    counts = replica_microbatches(plan)
+    check_schedule(plan)
+    pp, dp = p.pp or 1, p.dp or 1
+    if p.schedule == Schedule.INTERLEAVED_1F1B and pp > 1:
+        for d, n in enumerate(counts):
+            if n % max(1, n // pp):
+                raise RuntimePlanError(
+                    f"runtime: interleaved 1F1B with pp={pp} needs micro-batches in whole "
+                    f"rounds of {pp} (torch's ScheduleInterleaved1F1B); replica {d} runs {n}"
+                )
+    for st in plan.stages:
+        if st.dp != dp:
+            raise RuntimePlanError(
+                f"runtime: stage {st.index} has {st.dp} replicas but dp={dp}; stages with "
+                "different data-parallel widths are not supported"
+            )
+    ep, tp, cp = p.ep or 1, p.tp or 1, p.cp or 1
+    group_tp = plan.stages[0].group_tp
+    if ep > 1 and max([tp, *(t for _, t in group_tp)]) > 1 and not p.sequence_parallel:
+        raise RuntimePlanError(
+            "runtime: expert parallelism with tp > 1 needs sequence parallelism (each tp rank "
+            "routes its own sequence shard)"
+        )
+    if group_tp and ((p.zero or 0) != 0 or ep > 1):
+        raise RuntimePlanError(
+            f"runtime: per-group tp needs zero=0 and ep=1 (got zero={p.zero}, ep={ep}); the "
+            "replicas' shards differ in shape"
+        )
+    if group_tp and any(
+        st.group_tp != group_tp or st.replicas != plan.stages[0].replicas for st in plan.stages
+    ):
+        raise RuntimePlanError(
+            "runtime: per-group tp needs group-pure pipelines (every stage "
+            "the same replicas and tp per group)"
+        )
+    seq = plan.model.seq_len
+    if cp > 1 and seq and seq % cp:
+        raise RuntimePlanError(
+            f"runtime: sequence length {seq} is not divisible by cp={cp}; context parallelism "
+            "splits every sequence into cp shares"
+        )
+
+
 class Runner:
     """A model prepared for one plan on this rank; `step` trains one global batch.
 
@@ -360,6 +412,7 @@ def apply(
     `loss_parallel`, as the plan prices it; None (default) does so when `loss_fn` is a cross
     entropy (`tensor_parallel.is_cross_entropy`), otherwise the logits are gathered.
     """
+    check_plan(plan)
     ctx = build_mesh(plan, device)  # 0
     check_model(model, plan)
     # Under per-group TP every step below works on this rank's device-group view (a

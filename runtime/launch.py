@@ -160,7 +160,10 @@ def launch(
     """
     import subprocess
 
+    from .apply import check_plan  # imports torch; only here
+
     plan = Plan.from_json(plan_path)
+    check_plan(plan)  # a plan the runtime would refuse fails here, before any process starts
     commands = torchrun_commands(plan, program, plan_path=plan_path, rdzv_endpoint=rdzv_endpoint)
     if dry_run:
         for c in commands:

@@ -19,7 +19,7 @@ from collections import Counter
 
 import meshplan
 import pytest
-from meshplan.api import _model_ref
+from meshplan.api import _model_ref, with_chunks
 from meshplan.cost_model import predict, pricer_for
 from meshplan.ir import Parallel, StagePlacement
 from meshplan.ir.cluster_io import cluster_from_dict
@@ -71,9 +71,8 @@ def group_tp_plan(
         tp=tps[first],
         ep=1,
         zero=0,
-        schedule="1f1b",
         sequence_parallel=True,
-        **{"pp": 1, "cp": 1, "recompute": "none", **parallel},
+        **{"pp": 1, "cp": 1, "recompute": "none", "schedule": "1f1b", **parallel},
     )
     stages = tuple(
         StagePlacement(
@@ -81,6 +80,7 @@ def group_tp_plan(
         )
         for i, (a, b) in enumerate(even_stages(g, p.pp))
     )
+    stages = with_chunks(g, p, stages)
     return Plan(
         model=_model_ref(g),
         cluster=cluster,
@@ -141,6 +141,28 @@ def _plans_6():
             pp=2,
             micro_batch=1,
             global_batch=8,
+        ),
+        # the zero-bubble schedule (ZB-V, split backward) and interleaved 1F1B in each group
+        "zbv: tp1+tp2": group_tp_plan(
+            {"fast": 2, "slow": 4},
+            {"fast": 1, "slow": 2},
+            {"fast": 1, "slow": 1},
+            {"fast": 5, "slow": 3},
+            pp=2,
+            micro_batch=1,
+            global_batch=8,
+            schedule="zero_bubble",
+        ),
+        "interleaved: tp1+tp2": group_tp_plan(
+            {"fast": 2, "slow": 4},
+            {"fast": 1, "slow": 2},
+            {"fast": 1, "slow": 1},
+            {"fast": 4, "slow": 4},
+            pp=2,
+            micro_batch=1,
+            global_batch=8,
+            schedule="interleaved_1f1b",
+            virtual_stages=2,
         ),
         # context parallelism in both groups (dp x cp = 4 ranks reduce each piece)
         "cp2: tp1+tp2": group_tp_plan(
