@@ -447,7 +447,8 @@ def enumerate_candidates(
     pp <= layer units; dp * micro_batch divides global_batch (micro_batch <= MAX_MICRO_BATCH
     unless pinned); the groups hold pp * dp replicas of tp * cp GPUs (not every GPU must be
     used: the objective prefers configurations that use them); schedules from
-    `schedule_options`. ZeRO 1-3 only with dp > 1 (they equal ZeRO-0 otherwise), sequence
+    `schedule_options`. ZeRO 1-3 only with dp * cp > 1 (ZeRO shards over the dp x cp ranks that
+    hold the same weights; with one such rank they equal ZeRO-0), sequence
     parallel when tp > 1 (and ep > 1 with tp > 1 only with it). With `per_group_tp` on a
     cluster of several groups, also the per-group TP candidates of
     `_per_group_tp_candidates`. Raises InfeasibleError naming the first constraint that
@@ -540,7 +541,7 @@ def enumerate_candidates(
                 if p.micro_batch is not None
                 else _divisors_upto(global_batch // dp, MAX_MICRO_BATCH)
             )
-            zeros = [p.zero] if p.zero is not None else ([0, 1, 2, 3] if dp > 1 else [0])
+            zeros = [p.zero] if p.zero is not None else ([0, 1, 2, 3] if dp * cp > 1 else [0])
             for ep in eps:
                 if dp % ep:
                     why_none = f"ep={ep} does not divide dp={dp} (expert ranks reuse DP ranks)"
@@ -2090,7 +2091,7 @@ def _why_nothing_fits(out: _Outcome, cluster: Cluster) -> str:
         hints = []
         if c.recompute != Recompute.FULL:
             hints.append("allow recomputation")
-        if c.zero != 3 and c.dp > 1:
+        if c.zero != 3 and c.dp * c.cp > 1:
             hints.append("allow ZeRO-3")
         hints += ["add GPUs", "use a larger-memory GPU type"]
         # GiB, the unit meshplan.ir.hardware stores a datasheet's "80 GB" in, so the capacity

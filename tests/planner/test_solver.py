@@ -109,7 +109,7 @@ def brute_force(graph, cluster, global_batch, pinned=None):
                         continue
                     m = global_batch // (dp * mb)
                     for zero, rc, ep, (sched, v) in itertools.product(
-                        (0, 1, 2, 3) if dp > 1 else (0,),
+                        (0, 1, 2, 3) if dp * cp > 1 else (0,),
                         Recompute,
                         [e for e in eps if dp % e == 0],
                         _schedules(pp, n_layers, m),
