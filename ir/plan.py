@@ -296,8 +296,9 @@ class Plan:
         lines = [
             f"Plan for {self.model.name} ({self.model.num_params / 1e9:.2f}B params) on "
             f"{self.cluster.name} ({self.world_size} of {self.cluster.world_size} GPUs)",
-            f"  degrees: dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp} ep={p.ep}; "
-            f"mesh {dict(zip(MESH_AXES, self.mesh_shape))}",
+            f"  degrees: dp={p.dp} tp={_tp_text(p.tp, self.stages)} pp={p.pp} cp={p.cp} "
+            f"ep={p.ep}; mesh {dict(zip(MESH_AXES, self.mesh_shape))}"
+            + (" (the first group's; each group has its own)" if self.stages[0].group_tp else ""),
             f"  batch: global {p.global_batch} = dp {p.dp} x micro-batch {p.micro_batch} x "
             f"{p.num_microbatches} micro-batches; schedule {p.schedule}"
             f"{f' ({p.chunks} chunks per rank)' if p.chunks > 1 else ''}; recompute "
@@ -347,6 +348,12 @@ class Plan:
             f"{self.solver.candidates} configurations priced"
         )
         return "\n".join(lines)
+
+
+def _tp_text(tp: int | None, stages: tuple[StagePlacement, ...]) -> str:
+    """`8`, or under per-group TP `a100 4 / h100 2`."""
+    group_tp = stages[0].group_tp if stages else ()
+    return " / ".join(f"{g} {t}" for g, t in group_tp) if group_tp else str(tp)
 
 
 _PARALLEL_KEYS = (
