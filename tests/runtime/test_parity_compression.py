@@ -106,6 +106,14 @@ CONFIGS_4 = {
         "lossless",
         MOE_NO_DROP,
     ),
+    # ZeRO-2: the experts' FSDP2 units reduce-scatter and all-gather over their 2 replicas,
+    # coded
+    "epxfsdp-zero2-lossless": (
+        dict(dp=4, ep=2, zero=2, micro_batch=1, global_batch=4),
+        "off",
+        "lossless",
+        MOE_NO_DROP,
+    ),
 }
 
 
