@@ -72,8 +72,9 @@ def apply_data_parallel(
     `coded`: the plan codes this stage's gradient reduction; where `replicate()` would be
     used (it has no hook) the module is returned unwrapped for `CodedGradients`.
 
-    `ignored` parameters (expert shards, reduced by expert parallelism over their own
-    replicas) stay out of FSDP (`fully_shard(ignored_params=...)`); DDP is told by name
+    `ignored` parameters (expert shards, left to expert parallelism, which reduces them over
+    their own replicas: under ZeRO > 0 in FSDP2 units of its own, wrapped before this) stay
+    out of the dense units (`fully_shard(ignored_params=...)`); DDP is told by name
     beforehand (`ExpertParallel.ignore_in_ddp`). `split_backward` (zero-bubble schedules,
     which run the input and the weight gradients as separate passes) uses `replicate()` for
     zero=0: torch's pipeline stage drives FSDP2-style modules through split backwards, while

@@ -60,7 +60,8 @@ CONFIGS_2 = {
     ),
     "ep-tokens": (dict(dp=2, ep=2, micro_batch=2, global_batch=8), {}, MOE),
     "ep-slots": (dict(dp=2, ep=2, micro_batch=2, global_batch=8), {"ep_dispatch": "slots"}, MOE),
-    # FSDP2 shards the dense parameters; the expert shards stay out of it (ignored_params).
+    # FSDP2 shards the dense parameters; each expert shard has one replica (dp = ep), so
+    # there is nothing to shard it over: it stays out of FSDP2 (ignored_params).
     "epxfsdp-zero3": (dict(dp=2, ep=2, zero=3, micro_batch=2, global_batch=8), {}, MOE),
 }
 CONFIGS_4 = {
