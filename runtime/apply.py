@@ -13,7 +13,8 @@ The order of the transformations is fixed, and matters (as in torchtitan's paral
                     the ffn dim: DTensors on the tp mesh), tokens all-to-all'd to their
                     owners / the MoE made one TP region; before TP (which leaves the MoE's
                     experts to this step) and before the optimizer and DP, which must see
-                    the sharded expert parameters
+                    the sharded expert parameters (under EP the experts' DTensors live on
+                    the experts' own mesh, `mesh.expert_groups`)
     2. tensor par.  DTensor sharding of the stage's projections (+ sequence parallelism);
                     before recompute, so checkpointed regions re-run the sharded code
     3. recompute    checkpoint wrappers around units; before FSDP, so FSDP's per-unit
@@ -23,11 +24,16 @@ The order of the transformations is fixed, and matters (as in torchtitan's paral
     4b. activations the plan's AGoQ widths for this stage (`plan.quantization`): each chunk's
                     forward runs under an `ActivationQuantizer` (saved tensors block-quantized;
                     inside checkpointed units recomputation saves nothing to quantize)
+    5a. experts     under EP x ZeRO > 0 every experts module becomes an FSDP2 unit over
+                    the ranks holding the same expert shard (`ExpertParallel.
+                    shard_over_replicas`): after TP and recompute like any FSDP unit, and
+                    before step 5, since FSDP2 wraps bottom-up
     5. data par.    DDP / FSDP2 on the dp axis, last: it must see the final parameters
                     (DTensors from step 2) and wraps the checkpointed units from step 3.
                     With cp > 1 the axis is dp x cp (cp ranks hold different tokens of the
-                    same sequences); expert parameters are left to EP's own reduction over
-                    the ranks holding the same shard
+                    same sequences); expert parameters are left to EP: its FSDP2 units
+                    (5a), or under ZeRO-0 its all-reduce over the ranks holding the same
+                    shard after backward
     5b. coded DP    the plan's decisions for this stage's DP traffic (`plan.compression`):
                     DDP comm hook, FSDP2 custom reduce-scatter / all-gather, or a coded
                     all-reduce after backward where `replicate()` has no hook
@@ -447,6 +453,8 @@ def apply(
     # per-group TP: no DDP/FSDP (replicas shard differently); `HeteroGradients` below
     dp_ctx = ctx if hetero else data_parallel_context(ctx)
     coding = dp_coding(plan, ctx.stage_index)  # the plan's coded DP traffic of this stage
+    if ep is not None:  # 5a: ZeRO > 0: the experts as FSDP2 units over their replicas, first
+        ep.shard_over_replicas(p.zero or 0)
     wrapped, coded_grads = [], []
     for m, u in zip(modules, units):
         bits = plan_activation_bits(plan, m, ctx.stage_index)  # 4b
@@ -467,8 +475,8 @@ def apply(
             coded_grads.append(handle)
     if hetero:  # 5: the average over replicas of every group, after backward
         coded_grads.append(HeteroGradients(ctx, wrapped))
-    if ep is not None:
-        ep.coding = coding.experts
+    if ep is not None:  # 5b: the experts' coded traffic
+        ep.install_coding(coding.experts, coding.expert_weights)
     params = [q for m in wrapped for q in m.parameters()]
     optimizer = optimizer_factory(params)  # 6
     schedule = None

@@ -72,8 +72,9 @@ def apply_data_parallel(
     `coded`: the plan codes this stage's gradient reduction; where `replicate()` would be
     used (it has no hook) the module is returned unwrapped for `CodedGradients`.
 
-    `ignored` parameters (expert shards, reduced by expert parallelism over their own
-    replicas) stay out of FSDP (`fully_shard(ignored_params=...)`); DDP is told by name
+    `ignored` parameters (expert shards, left to expert parallelism, which reduces them over
+    their own replicas: under ZeRO > 0 in FSDP2 units of its own, wrapped before this) stay
+    out of the dense units (`fully_shard(ignored_params=...)`); DDP is told by name
     beforehand (`ExpertParallel.ignore_in_ddp`). `split_backward` (zero-bubble schedules,
     which run the input and the weight gradients as separate passes) uses `replicate()` for
     zero=0: torch's pipeline stage drives FSDP2-style modules through split backwards, while
@@ -131,16 +132,17 @@ RAW: Method = ("raw", 1)
 @dataclass(frozen=True, slots=True)
 class DpCoding:
     """How one pipeline stage's data-parallel traffic travels, from the plan: the gradient
-    reduction (all-reduce or reduce-scatter), the weight all-gather (ZeRO > 0) and the expert
-    gradients' reduction over their replicas (EP)."""
+    reduction (all-reduce or reduce-scatter), the weight all-gather (ZeRO > 0), and the same
+    two of the expert parameters over their replicas (EP)."""
 
     gradients: Method = RAW
     weights: Method = RAW
     experts: Method = RAW
+    expert_weights: Method = RAW
 
     @property
     def active(self) -> bool:
-        return (self.gradients, self.weights, self.experts) != (RAW, RAW, RAW)
+        return (self.gradients, self.weights, self.experts, self.expert_weights) != (RAW,) * 4
 
 
 def dp_coding(plan, stage: int) -> DpCoding:
@@ -154,10 +156,13 @@ def dp_coding(plan, stage: int) -> DpCoding:
     mine = [d for d in mine if d.group == mine[0].group]
     grads = [(d.method, d.chunks) for d in mine if d.tensor == "gradients"]
     weights = [(d.method, d.chunks) for d in mine if d.tensor == "weights"]
+    # Weight all-gathers per parameter set (and per reduction): 2 under ZeRO-3, else 1 (0).
+    per = len(weights) // len(grads) if grads else 0
     return DpCoding(
         gradients=grads[0] if grads else RAW,
         weights=weights[0] if weights else RAW,
         experts=grads[1] if len(grads) > 1 else RAW,
+        expert_weights=weights[per] if per and len(weights) > per else RAW,
     )
 
 
@@ -232,21 +237,33 @@ def install_gradient_coding(
         elif kind == "int8":
             module.register_comm_hook(Q.QuantHookState(group), Q.quantized_allreduce_hook)
         return None
+    skip = {id(p) for p in ignored}
     fsdp = [m for m in module.modules() if isinstance(m, FSDPModule)]
     if fsdp:
         for m in fsdp:
-            if kind == "lossless":
-                m.set_custom_reduce_scatter(cc.LosslessReduceScatter(chunks))
-            elif kind == "int8":
-                m.set_custom_reduce_scatter(Q.QuantizedReduceScatter())
-            if coding.weights[0] == "lossless":
-                m.set_custom_all_gather(cc.LosslessAllGather(coding.weights[1]))
+            # units of ignored parameters only (the experts' own, `ExpertParallel`) are coded
+            # by their owner
+            mine = list(m.parameters())
+            if mine and all(id(q) in skip for q in mine):
+                continue
+            code_fsdp_module(m, coding.gradients, coding.weights)
         return None
     if kind == "raw":
         return None
-    skip = {id(p) for p in ignored}
     params = [p for p in module.parameters() if p.requires_grad and id(p) not in skip]
     return CodedGradients(params, group, coding.gradients)
+
+
+def code_fsdp_module(module: FSDPModule, gradients: Method, weights: Method) -> None:
+    """Run one FSDP2 unit's reduce-scatter (`gradients`: lossless or int8) and all-gather
+    (`weights`: lossless) coded, on FSDP2's custom collectives."""
+    kind, chunks = gradients
+    if kind == "lossless":
+        module.set_custom_reduce_scatter(cc.LosslessReduceScatter(chunks))
+    elif kind == "int8":
+        module.set_custom_reduce_scatter(Q.QuantizedReduceScatter())
+    if weights[0] == "lossless":
+        module.set_custom_all_gather(cc.LosslessAllGather(weights[1]))
 
 
 # -- per-group TP: gradients of replicas with different TP degrees ------------------------------

@@ -36,8 +36,9 @@ EP: two dispatches, both exact against one process running the same MoE:
 ETP (zoo-shaped MoE modules; `ExpertTensorParallel`). The experts' stacked weights follow the
 plan's tp placements (`passes.sharding`: Megatron's column/row rule on their last two dims:
 w_up / w_gate (E, h, ffn) S(2), w_down (E, ffn, h) S(1), a column bias (E, 1, ffn) S(2)) and
-become DTensors on the tp mesh; the MoE's forward hands their local shards to the experts
-module's own code (`torch.func.functional_call`). With ep == 1 the MoE is one region:
+become DTensors on the tp mesh; the experts module's own forward runs on their local shards
+(`ExpertTensorParallel.run_on_shards`; the router's through `torch.func.functional_call`).
+With ep == 1 the MoE is one region:
 
     x (b, s/tp, h) under SP, (b, s, h) without
       -> all-gather over tp (backward: reduce-scatter)   | without SP: identity (backward:
@@ -70,18 +71,36 @@ shard its own capacity, so drops differ from one process unless the capacity nev
 
 Gradients. Dense parameters stay data-parallel over the full dp (x cp) group. With ep == 1
 the expert shards are ordinary TP parameters (DDP / FSDP2 reduce them over dp x cp). With
-ep > 1 expert parameters are left out of DDP / `replicate` / FSDP2; after backward,
-`ExpertParallel.finish_gradients` sums each expert gradient over the ranks holding the same
-shard (dp/ep x cp of them; same tp rank) and divides by dp*cp: the gradient a shard owner
-accumulates already sums the contributions of all ep (and tp) ranks' tokens (they flow back
-through the all-to-all and the tp gather), so the sum over replicas counts every dp x cp
-rank's mean loss once. With ZeRO > 0 the dense parameters are sharded by FSDP2 over dp (x cp)
-and the expert parameters are left out of it (`fully_shard(ignored_params=...)`): they are
-already sharded over ep and reduced as above.
+ep > 1 expert parameters are left out of DDP / `replicate` / the dense FSDP2 units; the
+gradient a shard owner accumulates already sums the contributions of all ep (and tp) ranks'
+tokens (they flow back through the all-to-all and the tp gather), so summing it over the
+ranks holding the same shard (its R = dp/ep x cp replicas; same tp rank) and dividing by
+dp*cp counts every dp x cp rank's mean loss once. How, by ZeRO stage, as the cost model
+prices it (`cost_model.simulate.Pricer.dp_traffic`, `cost_model.memory`):
+
+    zero=0   after backward `ExpertParallel.finish_gradients` all-reduces the expert gradients
+             over the replicas (one flat buffer), / dp*cp
+    zero>0   the expert parameters are sharded over their replicas, as Megatron-LM's
+             distributed optimizer and torchtitan's FSDP over `dp_shard_mod_ep` do: every
+             experts module is an FSDP2 unit of its own (`shard_over_replicas`) on the
+             "replica" axis of the experts' mesh (`mesh.expert_groups`: axes (pp, ep,
+             replica, tp) over the plan's rank grid), resharded after forward under ZeRO-3
+             only, gradients reduce-scattered (sum, / dp*cp: FSDP2's divide factor) and
+             parameters all-gathered over the replicas. Under EP x TP the parameters are
+             DTensors on that mesh's tp axis, so FSDP2 shards them on the 2-D (replica, tp)
+             mesh, as FSDP2 x TP does for dense parameters; their forward takes its local
+             shards after FSDP2's pre-forward gather (`ExpertTensorParallel.run_on_shards`).
+             Each unit cuts the first dim R divides and tp does not (dim 0, the local experts,
+             first; `_replica_placement`), so every replica holds exactly 1/R. Gradient
+             accumulation treats the units as the dense ones (`data_parallel.gradient_sync`
+             reaches every FSDP2 module under the root: under ZeRO-1/2 they stay gathered
+             until the last micro-batch). With one replica (R == 1) there is nothing to
+             shard: zero=0's path, without collectives.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -90,9 +109,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.func import functional_call
 
+from .data_parallel import Method, code_fsdp_module, reduce_flat
 from .errors import RuntimePlanError
 from .mesh import ExpertGroups, RankContext, expert_groups
 from .tensor_parallel import is_zoo_moe, placement_of
@@ -277,7 +298,11 @@ class ExpertTensorParallel:
         return _ScatterRows.apply(y_rh, counts, self.group, self.size, self.rank)
 
     def call(self, module: nn.Module, *args, once: bool = False):
-        """`module(*args)` on this rank's local shards of its DTensor parameters.
+        """`module(*args)` on this rank's local shards of its DTensor parameters (`views`)."""
+        return functional_call(module, self.views(module, once), args)
+
+    def views(self, module: nn.Module, once: bool = False) -> dict[str, torch.Tensor]:
+        """This rank's local shards of `module`'s DTensor parameters, by name.
 
         Sharded parameters are used as they are. Replicated ones are handed on with partial
         gradients over tp (see the module docstring); `once`: they are applied on tp rank 0
@@ -291,7 +316,38 @@ class ExpertTensorParallel:
                 continue
             local = p.to_local(grad_placements=_partial_over_tp(p))
             views[name] = local * 0.0 if once and self.rank != 0 else local
-        return functional_call(module, views, args)
+        return views
+
+    def run_on_shards(self, module: nn.Module, once: bool = False) -> None:
+        """Make `module`'s own forward run on its local shards (`views`), taken each time it
+        is called, inside its hooks: when `module` is an FSDP2 unit of its own (experts under
+        EP x ZeRO > 0) its pre-forward hook has gathered the parameters by then, so the views
+        are of the gathered (tp-sharded) weights. (`call` takes the views before the module's
+        hooks run.)"""
+        forward = module.forward
+
+        def local_forward(*args, **kwargs):
+            with _parameters_replaced(module, self.views(module, once)):
+                return forward(*args, **kwargs)
+
+        module.forward = local_forward
+
+
+@contextlib.contextmanager
+def _parameters_replaced(module: nn.Module, tensors: dict[str, torch.Tensor]):
+    """Within: `module`'s parameters named in `tensors` read as those tensors (as
+    `torch.func.functional_call` does, without calling the module and so its hooks again)."""
+    saved = []
+    for name, t in tensors.items():
+        owner, _, leaf = name.rpartition(".")
+        sub = module.get_submodule(owner)
+        saved.append((sub, leaf, sub._parameters[leaf]))
+        sub._parameters[leaf] = t
+    try:
+        yield
+    finally:
+        for sub, leaf, p in reversed(saved):
+            sub._parameters[leaf] = p
 
 
 def _partial_over_tp(p: DTensor) -> list[Placement]:
@@ -325,10 +381,15 @@ class ExpertParallel:
     grad_divisor: int  # dp * cp
     mode: str = "tokens"
     params: list[nn.Parameter] = field(default_factory=list)
+    # The experts modules holding them (one per MoE layer of this rank's chunks).
+    modules: list[nn.Module] = field(default_factory=list)
     # How the expert gradients travel (the plan's decision: `data_parallel.DpCoding.experts`).
     coding: tuple[str, int] = ("raw", 1)
     # EP x TP: the experts are also cut on the ffn dim over tp (None: tp == 1).
     tp: ExpertTensorParallel | None = None
+    # ZeRO > 0: the experts modules are FSDP2 units over their replicas (`shard_over_replicas`),
+    # which reduce their gradients themselves.
+    sharded: bool = False
 
     @property
     def local_experts(self) -> int:
@@ -345,12 +406,51 @@ class ExpertParallel:
                 module, names
             )
 
+    def shard_over_replicas(self, zero: int) -> None:
+        """ZeRO > 0: make every experts module an FSDP2 unit on the replica axis of the
+        experts' mesh (module docstring), as the cost model prices the experts' states and
+        traffic. Call after tensor parallelism and recomputation, before the dense units are
+        wrapped (FSDP2 wraps bottom-up; the dense units then skip the experts' parameters).
+        Nothing under ZeRO-0 or with one replica (`finish_gradients` reduces, or only
+        divides)."""
+        if zero == 0 or self.groups.replicas == 1:
+            return
+        mesh = self.groups.mesh["replica"]
+        placement = _replica_placement(self.groups.replicas)
+        for experts in self.modules:
+            # Under EP x TP the parameters are DTensors on the experts' tp axis: FSDP2 shards
+            # them on the 2-D (replica, tp) mesh.
+            fully_shard(
+                experts,
+                mesh=mesh,
+                reshard_after_forward=zero == 3,
+                shard_placement_fn=placement,
+            )
+            # Sum over the replicas / (dp * cp), not FSDP's mean over the replicas (module
+            # docstring); sum reductions then one division (gloo has no PREMUL_SUM).
+            experts.set_gradient_divide_factor(float(self.grad_divisor))
+            experts.set_force_sum_reduction_for_comms(True)
+        # FSDP2 registered new (sharded) parameters in place of the shards.
+        self.params = [q for m in self.modules for q in m.parameters()]
+        self.sharded = True
+
+    def install_coding(self, gradients: Method, weights: Method) -> None:
+        """The plan's coded traffic for the expert parameters (`DpCoding.experts` and
+        `.expert_weights`): on the FSDP2 experts units, their custom reduce-scatter and
+        all-gather (as `data_parallel.install_gradient_coding` for the dense units); else the
+        method of `finish_gradients`' all-reduce (weights are not gathered there)."""
+        self.coding = gradients
+        if self.sharded:
+            for experts in self.modules:
+                code_fsdp_module(experts, gradients, weights)
+
     def finish_gradients(self) -> None:
         """Sum expert gradients over the shard's replicas (one flat all-reduce), / dp*cp.
 
         Under EP x TP the gradients are DTensors on the tp mesh: their local shards are
-        reduced (a replicated parameter's partial gradient is first summed over tp)."""
-        if not self.params:
+        reduced (a replicated parameter's partial gradient is first summed over tp). Nothing
+        when FSDP2 reduced them (`shard_over_replicas`)."""
+        if not self.params or self.sharded:
             return
         grads = []
         for p in self.params:
@@ -362,8 +462,6 @@ class ExpertParallel:
             grads.append(g)
         flat = torch.cat([g.reshape(-1) for g in grads])
         if self.groups.replica_group is not None:
-            from .data_parallel import reduce_flat
-
             flat = reduce_flat(flat, self.groups.replica_group, self.coding)
         flat /= self.grad_divisor
         offset = 0
@@ -376,8 +474,8 @@ class ExpertParallel:
             offset += n
 
     def full_tensor(self, p: torch.Tensor) -> torch.Tensor:
-        """All experts of a sharded parameter (all-gather over tp, then over the ep group;
-        every tp and ep rank must call it for the same parameter)."""
+        """All experts of a sharded parameter (all-gather over the replicas (FSDP2) and tp,
+        then over the ep group; every rank must call it for the same parameter)."""
         x = p.full_tensor() if isinstance(p, DTensor) else p
         x = x.detach().contiguous()
         out = x.new_empty((self.groups.ep * x.shape[0], *x.shape[1:]))
@@ -436,9 +534,8 @@ class ExpertParallel:
         rows = counts.sum((1, 2)).tolist()
         x_all = tp.gather_rows(x_rh, rows)
         el = recv_counts.shape[1]
-        y_all = _run_local(
-            lambda buf: tp.call(experts, buf, once=True), x_all, counts.reshape(-1, el)
-        )
+        # `experts` runs on its local shards (`ExpertTensorParallel.run_on_shards`)
+        y_all = _run_local(experts, x_all, counts.reshape(-1, el))
         return tp.scatter_rows(y_all, rows)
 
     def slots_forward(self, experts_forward, x_ech: torch.Tensor) -> torch.Tensor:
@@ -451,6 +548,27 @@ class ExpertParallel:
         y = experts_forward(local)
         back = y.view(el, ep, cap, h).transpose(0, 1).reshape(e * cap, h)
         return self.exchange(back, equal, equal).view(e, cap, h)
+
+
+def _replica_placement(replicas: int):
+    """FSDP2's `shard_placement_fn` for expert parameters: the first dim the replicas divide
+    that tp does not cut, dim 0 (the local experts) first, so that every replica holds exactly
+    1/replicas of the shard, as the cost model assumes (FSDP2 would pad dim 0 when there are
+    fewer local experts than replicas, e.g. one expert per rank, and save nothing). Dim 0,
+    padded, when no dim divides."""
+
+    def placement(p: nn.Parameter) -> Shard:
+        cut = (
+            {pl.dim for pl in p.placements if isinstance(pl, Shard)}
+            if isinstance(p, DTensor)
+            else set()
+        )
+        for dim, size in enumerate(p.shape):
+            if dim not in cut and size % replicas == 0:
+                return Shard(dim)
+        return Shard(0)
+
+    return placement
 
 
 def _run_local(experts, x_rh: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
@@ -495,7 +613,7 @@ def moe_region_forward(
     src_index = src_index.scatter(0, dest_n, token_n)[: e * cap]
     x_padded = torch.cat([x_th, x_th.new_zeros(1, h)])
     x_ech = x_padded.index_select(0, src_index).view(e, cap, h)
-    y_ech = tp.call(moe.experts, x_ech, once=True)  # partial sums over tp
+    y_ech = moe.experts(x_ech)  # on its local shards (`run_on_shards`): partial sums over tp
     y_flat = torch.cat([y_ech.reshape(e * cap, h), y_ech.new_zeros(1, h)])
     y_nh = y_flat.index_select(0, dest_n) * weights_tk.reshape(-1, 1)
     out = tp.leave(y_nh.view(t, k, h).sum(1).view(b, s, h))
@@ -540,9 +658,17 @@ def _tp_placement(name: str, plan, where: str) -> Placement:
     raise RuntimePlanError(f"runtime: placement {got} of {where} {name!r} is unsupported")
 
 
-def _distribute(module: nn.Module, prefix: str, tp: ExpertTensorParallel, plan, where: str):
-    """Make every parameter of `module` a DTensor on the tp mesh with the plan's placement
-    (this rank's shard of the current local values); returns them."""
+def _distribute(
+    module: nn.Module,
+    prefix: str,
+    tp: ExpertTensorParallel,
+    plan,
+    where: str,
+    mesh: DeviceMesh | None = None,
+):
+    """Make every parameter of `module` a DTensor on the tp mesh (`mesh`, a 1-D tp mesh of
+    the same ranks, when given) with the plan's placement (this rank's shard of the current
+    local values); returns them."""
     out = []
     for sub_path, sub in module.named_modules():
         for name, p in list(sub.named_parameters(recurse=False)):
@@ -559,19 +685,29 @@ def _distribute(module: nn.Module, prefix: str, tp: ExpertTensorParallel, plan, 
                         f"{tuple(local.shape)}"
                     )
                 local = local.chunk(tp.size, dim=pl.dim)[tp.rank]
-            d = DTensor.from_local(local.clone(), tp.mesh, [pl], run_check=False)
+            d = DTensor.from_local(local.clone(), mesh or tp.mesh, [pl], run_check=False)
             q = nn.Parameter(d, requires_grad=p.requires_grad)
             sub._parameters[name] = q
             out.append(q)
     return out
 
 
-def _distribute_moe(moe: nn.Module, experts_path: str, tp: ExpertTensorParallel, plan):
+def _distribute_moe(
+    moe: nn.Module,
+    experts_path: str,
+    tp: ExpertTensorParallel,
+    plan,
+    experts_mesh: DeviceMesh | None = None,
+):
     """A zoo MoE's router (whole) and experts (the plan's tp placements) as DTensors on the
-    tp mesh; returns the experts' parameters."""
+    tp mesh (the experts on `experts_mesh` when given: the tp axis of the experts' mesh under
+    EP); the experts' forward then runs on their local shards. Returns the experts'
+    parameters."""
     moe_path = experts_path.rpartition(".")[0]
     _distribute(moe.router, f"{moe_path}.router" if moe_path else "router", tp, plan, "router")
-    return _distribute(moe.experts, experts_path, tp, plan, "experts")
+    shards = _distribute(moe.experts, experts_path, tp, plan, "experts", experts_mesh)
+    tp.run_on_shards(moe.experts, once=True)
+    return shards
 
 
 def _find_moes(modules: Sequence[nn.Module]):
@@ -643,8 +779,9 @@ def apply_expert_parallel(
         el = e // ep
         shards = _shard(experts, groups.ep_rank * el, (groups.ep_rank + 1) * el)
         if tp is not None:
-            shards = _distribute_moe(moe, path, tp, ctx.plan)
+            shards = _distribute_moe(moe, path, tp, ctx.plan, groups.mesh["tp"])
         handle.params += shards
+        handle.modules.append(experts)
         if moe is not None and mode == "tokens":
             moe.forward = _bind(handle.moe_forward, moe)
         else:

@@ -16,7 +16,8 @@ Two derived groupings (no new plan axes):
   consecutive dp ranks with the same (pp, cp, tp) coordinates (dp coordinates
   `[j*ep, (j+1)*ep)`); its i-th member holds experts `[i*E/ep, (i+1)*E/ep)`. Expert
   parameters are replicated on the dp/ep ranks with the same dp coordinate mod ep (and on
-  every cp rank), which reduce their gradients (`expert_groups`).
+  every cp rank), which reduce their gradients (under ZeRO > 0: shard them). These groups
+  are the axes of the experts' own mesh `(pp, ep, replica, tp)` (`expert_groups`).
 
 Per-group TP (`StagePlacement.group_tp`): the replicas of each device group use their own
 tp, so the ranks do not form one mesh. Each group's pipelines are a homogeneous plan of
@@ -291,6 +292,9 @@ def data_parallel_context(ctx: RankContext) -> RankContext:
     return RankContext(plan=plan, rank=ctx.rank, assignment=me, mesh=mesh, device=ctx.device)
 
 
+EXPERT_MESH_AXES = ("pp", "ep", "replica", "tp")
+
+
 @dataclass(frozen=True)
 class ExpertGroups:
     """This rank's expert-parallel groups (see the module docstring)."""
@@ -300,28 +304,36 @@ class ExpertGroups:
     ep: int
     replica_group: dist.ProcessGroup | None  # ranks holding the same shard (None: only me)
     replicas: int
+    # The experts' own mesh, axes ("pp", "ep", "replica", "tp"): the ep and replica groups
+    # above are its "ep" and "replica" axes; expert DTensors live on its "tp" axis, so that
+    # FSDP2 can shard them over "replica" (its 2-D (replica, tp) mesh needs both to be axes
+    # of one mesh).
+    mesh: DeviceMesh
 
 
 def expert_groups(ctx: RankContext, ep: int) -> ExpertGroups:
-    """Create the ep and expert-replica groups (every rank must call it, same order)."""
+    """Create the experts' mesh and its ep and expert-replica groups (every rank must call
+    it, in the same order: creating a mesh's process groups is collective)."""
     pp, dp, cp, tp = ctx.plan.mesh_shape
     if ep < 1 or dp % ep:
         raise RuntimePlanError(
             f"runtime: ep={ep} must divide dp={dp} (expert ranks reuse data-parallel ranks)"
         )
-    grid = ctx.mesh.mesh.reshape(pp, dp // ep, ep, cp, tp)
-    # ep groups: vary the ep index, fix (pp, dp block, cp, tp).
-    ep_lists = grid.permute(0, 1, 3, 4, 2).reshape(-1, ep).tolist()
-    # replica groups: vary (dp block, cp), fix (pp, ep index, tp).
-    rep_lists = grid.permute(0, 2, 4, 1, 3).reshape(-1, (dp // ep) * cp).tolist()
-    ep_group, _ = dist.new_subgroups_by_enumeration(ep_lists)
     replicas = (dp // ep) * cp
-    replica_group = None
-    if replicas > 1:
-        replica_group, _ = dist.new_subgroups_by_enumeration(rep_lists)
+    grid = ctx.mesh.mesh.reshape(pp, dp // ep, ep, cp, tp)
+    # ep groups vary the ep index and fix (pp, dp block, cp, tp); replica groups vary
+    # (dp block, cp), in that order, and fix (pp, ep index, tp).
+    grid = grid.permute(0, 2, 1, 3, 4).reshape(pp, ep, replicas, tp)
+    mesh = DeviceMesh(ctx.device.type, grid, mesh_dim_names=EXPERT_MESH_AXES)
     # The shard index is the rank inside the group (all-to-all split j goes to group rank j).
-    ep_rank = dist.get_group_rank(ep_group, dist.get_rank())
-    return ExpertGroups(ep_group, ep_rank, ep, replica_group, replicas)
+    return ExpertGroups(
+        ep_group=mesh.get_group("ep"),
+        ep_rank=mesh.get_local_rank("ep"),
+        ep=ep,
+        replica_group=mesh.get_group("replica") if replicas > 1 else None,
+        replicas=replicas,
+        mesh=mesh,
+    )
 
 
 # -- counting collectives -----------------------------------------------------------------------

@@ -270,7 +270,7 @@ def expected_dp_volume(plan, graph_, pp_rank: int, *, experts: bool = False) -> 
     """kind -> elements the gradient group moves in one step of pipeline rank `pp_rank`: the
     cost model's `dp_traffic` over dp x cp, times its occurrences per step (m under ZeRO-3,
     else 1). Dense parameters, or (`experts`) the expert parameters, which move on their own
-    replica group (the dp x cp / ep ranks holding the same experts) once per step."""
+    replica group (the dp x cp / ep ranks holding the same experts)."""
     from meshplan.cost_model.simulate import model_costs, pricer_for
 
     p = plan.parallel
@@ -278,7 +278,7 @@ def expected_dp_volume(plan, graph_, pp_rank: int, *, experts: bool = False) -> 
     pricer = pricer_for(graph_, plan.cluster, dtype="float32")
     comp = _composition(costs, rank_ranges(plan, pp_rank))
     traffic = pricer.dp_traffic(comp, tp=p.tp, ep=p.ep, dp=p.dp, zero=p.zero, cp=p.cp)
-    rep = p.num_microbatches if p.zero == 3 and not experts else 1
+    rep = p.num_microbatches if p.zero == 3 else 1
     group = p.dp * p.cp // p.ep if experts else p.dp * p.cp
     want: Counter = Counter()
     for kind, size, n in traffic.collectives:
@@ -326,12 +326,6 @@ def check_step_collectives(
         volume[groups["grad"]] = expected_dp_volume(plan, graph_, pp_rank)
     if p.ep > 1 and p.dp * p.cp // p.ep > 1:
         experts = expected_dp_volume(plan, graph_, pp_rank, experts=True)
-        if p.zero > 0:
-            # The one gap left (docs/runtime.md, Known limits): under ZeRO > 0 the cost model
-            # shards expert parameters over their replicas (reduce-scatter + all-gather, as
-            # Megatron-LM and torchtitan do); the runtime keeps them out of FSDP and
-            # all-reduces the same elements.
-            experts = Counter({"all_reduce": experts["reduce_scatter"]})
         volume.setdefault(groups["replica"], Counter()).update(experts)
     for group in set(exact) | set(volume):
         recs = [

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import types
 
 import meshplan
 import pytest
@@ -101,6 +102,14 @@ CONFIGS_4 = {
     # dense gradients over dp = 4 ranks, expert gradients over their 2 replicas (one per site)
     "epxdp-lossless": (
         dict(dp=4, ep=2, micro_batch=1, global_batch=4),
+        "off",
+        "lossless",
+        MOE_NO_DROP,
+    ),
+    # ZeRO-2: the experts' FSDP2 units reduce-scatter and all-gather over their 2 replicas,
+    # coded
+    "epxfsdp-zero2-lossless": (
+        dict(dp=4, ep=2, zero=2, micro_batch=1, global_batch=4),
         "off",
         "lossless",
         MOE_NO_DROP,
@@ -240,6 +249,30 @@ def _coded_wire(name, plan, result, group_key, *, kinds, graph_, int8=False):
     coded = sum(r.numel for r in data)
     assert 0 < coded < raw, f"{name}: {coded} coded bytes vs {raw} raw"
     return raw / coded
+
+
+def test_dp_coding_reads_dense_then_expert_decisions():
+    """`dp_coding` splits a stage's DP decisions as `Pricer.dp_traffic` lists them: the dense
+    parameters' collectives, then the experts' (ZeRO-1/2: reduce-scatter, all-gather; ZeRO-3:
+    two all-gathers, then the reduce-scatter), no process needed."""
+    from meshplan.ir.plan import CommDecision
+    from meshplan.runtime.data_parallel import RAW, DpCoding, dp_coding
+
+    def plan(*methods):
+        decisions = tuple(
+            CommDecision("dp stage 0 in a", kind, tensor, "lossless", 1.0, 0.5, None, 2.0, n)
+            for n, (kind, tensor) in enumerate(methods, start=1)
+        )
+        return types.SimpleNamespace(compression=CompressionPlan("auto", "", decisions))
+
+    rs, ag = ("reduce_scatter", "gradients"), ("all_gather", "weights")
+    l1, l2, l3, l4, _, l6 = (("lossless", n) for n in range(1, 7))  # chunks = position
+    assert dp_coding(plan(rs, ag, rs, ag), 0) == DpCoding(l1, l2, l3, l4)
+    assert dp_coding(plan(ag, ag, rs, ag, ag, rs), 0) == DpCoding(l3, l1, l6, l4)
+    assert dp_coding(plan(rs, ag), 0) == DpCoding(l1, l2, RAW, RAW)  # no expert replicas
+    ar = ("all_reduce", "gradients")  # ZeRO-0
+    assert dp_coding(plan(ar, ar), 0) == DpCoding(l1, RAW, l2, RAW)
+    assert dp_coding(plan(("all_reduce", "gradients")), 1) == DpCoding()
 
 
 def test_planner_codes_only_what_the_runtime_codes():

@@ -60,7 +60,8 @@ CONFIGS_2 = {
     ),
     "ep-tokens": (dict(dp=2, ep=2, micro_batch=2, global_batch=8), {}, MOE),
     "ep-slots": (dict(dp=2, ep=2, micro_batch=2, global_batch=8), {"ep_dispatch": "slots"}, MOE),
-    # FSDP2 shards the dense parameters; the expert shards stay out of it (ignored_params).
+    # FSDP2 shards the dense parameters; each expert shard has one replica (dp = ep), so
+    # there is nothing to shard it over: it stays out of FSDP2 (ignored_params).
     "epxfsdp-zero3": (dict(dp=2, ep=2, zero=3, micro_batch=2, global_batch=8), {}, MOE),
 }
 CONFIGS_4 = {
@@ -85,6 +86,12 @@ CONFIGS_4 = {
         dict(dp=2, cp=2, ep=2, zero=2, micro_batch=1, global_batch=4),
         {},
         MOE_NO_DROP,
+    ),
+    # the experts sharded over their 2 replicas, gathered again for each micro-batch's backward
+    "epxfsdp4-zero3-slots": (
+        dict(dp=4, ep=2, zero=3, micro_batch=1, global_batch=8),
+        {"ep_dispatch": "slots"},
+        MOE,
     ),
 }
 
@@ -117,6 +124,7 @@ def _run(plan, apply_kw, model_kw):
 
     t0 = time.perf_counter()
     runner = apply(build_model(**model_kw), plan, loss_fn, sgd, **apply_kw)
+    experts = _expert_storage(runner)
     states, losses, records = [runner.full_state_dict()], [], []
     for step in range(STEPS):
         x, y = batch(plan.parallel.global_batch, step)
@@ -136,8 +144,30 @@ def _run(plan, apply_kw, model_kw):
         "groups": groups,
         "coords": ctx.coords,
         "stage": ctx.stage_index,
+        "experts": experts,
         "seconds": time.perf_counter() - t0,
     }
+
+
+def _expert_storage(runner) -> dict[str, int]:
+    """Elements this rank stores of the expert parameters (local shards: of FSDP2's DTensors
+    under EP x ZeRO > 0, of TP's under EP x TP) and, filled in when the optimizer steps (all
+    reductions done), of their gradients."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    if runner.ep is None:
+        return {}
+    params = runner.ep.params
+    out = {"params": sum(local(q).numel() for q in params)}
+
+    def gradients(optimizer, args, kwargs):
+        out["grads"] = sum(local(q.grad).numel() for q in params if q.grad is not None)
+
+    runner.optimizer.register_step_pre_hook(gradients)
+    return out
 
 
 def _all(plans, configs, extra):
@@ -165,6 +195,8 @@ def _check_all(world, configs, extra=None):
     for name, plan in plans.items():
         assert_parity(name, refs[name], [r[name] for r in results])
         _check_step(plan, results, name, configs[name])
+        if plan.parallel.ep > 1:
+            _check_expert_memory(plan, results, name, configs[name])
     return plans, results
 
 
@@ -201,12 +233,44 @@ def test_cp_ep_parity_two_ranks():
 
 
 def test_cp_ep_parity_four_ranks():
-    plans, results = _check_all(4, CONFIGS_4)
+    plans, results = _check_all(4, CONFIGS_4, extra=_one_expert_over_two_replicas)
+    assert [r["extra"] for r in results] == [1] * 4  # the experts' FSDP2 shard dim
     cp_names = ("cpxdp-ring", "cp4-ring-recompute", "cpxtp", "cpxfsdp-zero3", "cpxpp-ring")
     for name in (*cp_names, "cpxepxdp", "cpxepxfsdp-zero2"):
         _check_cp_collectives(plans[name], results, name, CONFIGS_4[name])
-    for name in ("epxdp4-tokens", "epxpp-recompute-slots", "cpxepxdp", "cpxepxfsdp-zero2"):
+    ep_names = ("epxdp4-tokens", "epxpp-recompute-slots", "cpxepxdp", "cpxepxfsdp-zero2")
+    for name in (*ep_names, "epxfsdp4-zero3-slots"):
         _check_ep_collectives(plans[name], results, name, CONFIGS_4[name])
+
+
+# -- expert memory against the cost model -------------------------------------------------------
+
+
+def _check_expert_memory(plan, results, name, config):
+    """What each rank stores of the expert parameters and, after backward, of their gradients,
+    against `cost_model.memory.stage_memory`: the EP (x TP) shard, `params_expert / (tp * ep)`
+    per MoE layer, whole under ZeRO-0, split over its R = dp * cp / ep replicas under ZeRO > 0
+    (`state_bytes_per_param(zero, R)`: gradients / R under ZeRO-2/3, weights / R under ZeRO-3
+    and, being FSDP2's sharded parameters, the optimizer states they size / R). ZeRO-1 runs as
+    ZeRO-2 (`data_parallel`): gradients / R, less than it is priced at."""
+    from meshplan.cost_model.memory import FP32 as PRECISION
+    from meshplan.cost_model.memory import state_bytes_per_param
+
+    p = plan.parallel
+    replicas = p.dp * p.cp // p.ep
+    w, g, o = state_bytes_per_param(p.zero, replicas, PRECISION)
+    for rank, r in enumerate(results):
+        _, facts = _stage_facts(plan, config[2], r[name]["stage"])
+        shard = sum(f.memory.params_expert for f in facts) // (p.tp * p.ep)
+        got = r[name]["experts"]
+        split = replicas if p.zero > 0 else 1
+        assert got["params"] * split == shard, f"{name}: rank {rank} stores {got} of {shard}"
+        assert got["grads"] * split == shard, f"{name}: rank {rank} gradients {got} of {shard}"
+        # what the cost model charges per expert parameter, relative to an unsharded one
+        assert got["params"] == shard * o / PRECISION.optimizer_bytes
+        assert got["grads"] <= shard * g / PRECISION.grad_bytes
+        if p.zero == 3:
+            assert got["params"] == shard * w / PRECISION.weight_bytes
 
 
 # -- collectives against the cost model ---------------------------------------------------------
@@ -253,7 +317,8 @@ def _check_cp_collectives(plan, results, name, config):
     are TP-sharded). The all-gather variant runs exactly those, with the same sizes. Ring
     attention moves the same K/V by send/recv instead: per attention and micro-batch cp-1
     hops of the local K/V in forward, cp-1 in backward plus cp hops of the K/V gradients (the
-    last brings them home)."""
+    last brings them home). When the cp group is also the expert-replica group (dp / ep = 1),
+    the experts' FSDP2 collectives under ZeRO > 0 run on it as well (`_expert_units`)."""
     p = plan.parallel
     ring = config[1].get("cp_attention") == "ring"
     m, cp, fwd = p.num_microbatches, p.cp, _forwards(plan)
@@ -271,8 +336,29 @@ def _check_cp_collectives(plan, results, name, config):
             else:
                 want[("all_gather", n)] += fwd * m
                 want[("reduce_scatter", n)] += m
+        groups = r[name]["groups"]
+        if groups.get("replica") == groups["cp"]:
+            want.update(_expert_units(plan, facts))
         got = Counter((c.kind, c.numel) for c in _records(r[name], "cp", kinds))
         assert sizes and got == want, f"{name}: rank {rank} CP {dict(got)}, plan {dict(want)}"
+
+
+def _expert_units(plan, facts) -> Counter:
+    """(kind, elements) of the experts' FSDP2 units in one step (EP x ZeRO > 0): per MoE layer
+    the cost model's expert parameters of a rank (`params_expert / (tp * ep)`, gathered
+    whole over the replicas), reduce-scattered and all-gathered once per step under ZeRO-1/2,
+    every micro-batch and twice gathered under ZeRO-3 (`Pricer.dp_traffic`)."""
+    p = plan.parallel
+    want: Counter = Counter()
+    if p.zero == 0 or p.dp * p.cp // p.ep == 1:
+        return want
+    m = p.num_microbatches
+    for f in facts:
+        n = f.memory.params_expert // (p.tp * p.ep)
+        if n:
+            want[("reduce_scatter", n)] += m if p.zero == 3 else 1
+            want[("all_gather", n)] += 2 * m if p.zero == 3 else 1
+    return want
 
 
 def _check_ep_collectives(plan, results, name, config):
@@ -376,6 +462,52 @@ def _refusals_and_zero_splits():
     out["received_rows"] = a2a[1].numel // cfg.hidden  # [0]: counts, [1]: token dispatch
     out["attention"] = _attention_checks()
     return out
+
+
+def _one_expert_over_two_replicas():
+    """Runs on 4 ranks (dp=4, ep=2, ZeRO-3: each expert shard on 2 replicas) with one expert
+    per rank: the experts' FSDP2 units cut dim 1 (dim 0, one expert, would leave one replica
+    a padded copy and save nothing); each rank stores exactly half of its expert's weights
+    and, after backward, of their gradients, and the MoE's output and every gradient match
+    one process. Returns the dim FSDP2 cut."""
+    import copy
+    import importlib
+
+    import torch.distributed as dist
+    from meshplan.runtime import build_mesh
+    from meshplan.runtime.expert_parallel import apply_expert_parallel
+
+    zoo = importlib.import_module("meshplan.models.transformer")
+    moe_kw = dict(experts=2, top_k=1, capacity_factor=2.0)  # never drops
+    torch.manual_seed(0)
+    cfg = zoo.TransformerConfig(layers=1, hidden=CFG["hidden"], heads=4, vocab=8, ffn=16, **moe_kw)
+    ref = zoo.MoE(cfg)
+    moe = copy.deepcopy(ref)
+    rank = dist.get_rank()
+    x = torch.randn(4, 2, SEQ, cfg.hidden)  # one (2, SEQ) batch per rank
+    plan = _plan(4, dict(dp=4, ep=2, zero=3, micro_batch=2, global_batch=8), moe_kw)
+    handle = apply_expert_parallel(moe, build_mesh(plan), "tokens")
+    handle.shard_over_replicas(3)
+    y = moe(x[rank])
+    y.square().mean().backward()
+    y_ref = ref(x.reshape(8, SEQ, cfg.hidden)).view(4, 2, SEQ, cfg.hidden)
+    y_ref.square().mean().backward()  # the mean over all ranks' tokens
+    torch.testing.assert_close(y, y_ref[rank], atol=1e-5, rtol=1e-5)
+    placements = set()
+    for name, p in moe.named_parameters():
+        want = ref.get_parameter(name).grad
+        if handle.owns(p):  # FSDP2 reduced it: the sum over replicas / dp
+            assert 2 * p.to_local().numel() == p.numel() == want.numel() // 2, name
+            assert 2 * p.grad.to_local().numel() == p.numel(), name
+            placements.add(p.placements[0].dim)
+            g = handle.full_tensor(p.grad)
+        else:  # the router: averaged over dp, as the dense units do
+            g = p.grad.clone()
+            dist.all_reduce(g)
+            g /= 4
+        torch.testing.assert_close(g, want, atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+    (dim,) = placements
+    return dim
 
 
 def _attention_checks():

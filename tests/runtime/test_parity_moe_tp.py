@@ -64,6 +64,12 @@ CONFIGS_8 = {
         {},
         MOE_NO_DROP,
     ),
+    # each expert shard on 2 replicas: FSDP2 over the 2-D (replica, tp) mesh (2 layers: time)
+    "moe-epxtpxfsdp-zero3": (
+        dict(tp=2, dp=4, ep=2, zero=3, micro_batch=1, global_batch=8),
+        {},
+        dict(MOE_NO_DROP, layers=2),
+    ),
 }
 
 
@@ -81,9 +87,9 @@ def test_moe_tp_parity_four_ranks():
 
 def test_moe_ep_tp_pp_parity_eight_ranks():
     plans, results = _check_all(8, CONFIGS_8)
-    name = "moe-epxtpxpp-recompute"
-    _check_ep_collectives(plans[name], results, name, CONFIGS_8[name])
-    _check_tp_rows(plans[name], results, name, CONFIGS_8[name])
+    for name in CONFIGS_8:
+        _check_ep_collectives(plans[name], results, name, CONFIGS_8[name])
+        _check_tp_rows(plans[name], results, name, CONFIGS_8[name])
 
 
 def _check_tp_rows(plan, results, name, config):
