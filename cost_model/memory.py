@@ -217,9 +217,13 @@ def block_memory(block: Block) -> BlockMemory:
         if i in tt_ops:
             kept_tt[cls] += sum(t.nbytes for t in op.outputs)
         out_max[cls] = max(out_max[cls], sum(t.nbytes for t in op.outputs))
+    # Stacked expert biases (GPT-style `b_up` (E, 1, f), `b_down` (E, 1, h)) are read by `add`
+    # ops, not the expert GEMMs: a 3-D parameter whose leading dim is the expert count is an
+    # expert parameter too (EP shards it on dim 0 with the weights).
+    lead = {p.shape[0] for p in block.params if p.name in expert and len(p.shape) == 3}
     p_tp = p_rep = p_exp = 0
     for p in block.params:
-        if p.name in expert:
+        if p.name in expert or (len(p.shape) == 3 and p.shape[0] in lead):
             p_exp += p.numel
         elif p.name in sharded or p.name not in seen:  # unread params: assume TP-sharded
             p_tp += p.numel
