@@ -45,6 +45,7 @@ Data parallelism therefore reduces gradients over dp x cp together
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from dataclasses import dataclass
@@ -358,9 +359,15 @@ def _wrap_attention(m: nn.Module, cp: ContextParallel) -> None:
     except (TypeError, ValueError):
         names = []
     rope_at = names.index("rope") if "rope" in names else None
+    first = names[0] if names else ""
 
+    # `wraps`: the signature stays the original's, which TP's `RegionInput` reads to find the
+    # activation when the module is called by keywords (HF's decoder layers call
+    # `self_attn(hidden_states=...)`); without it the region input was not converted and
+    # every projection gathered its own input (3 all-gathers for q/k/v, caught under CP x SP).
+    @functools.wraps(orig)
     def forward(*args, **kwargs):
-        x = args[0] if args else next(iter(kwargs.values()))
+        x = args[0] if args else kwargs.get(first, next(iter(kwargs.values())))
         local = x.shape[1]
         if rope_at is not None:
             args, kwargs = _reindex_rope(args, kwargs, rope_at, cp.positions(local, x.device))
