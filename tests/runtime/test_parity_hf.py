@@ -1,5 +1,6 @@
-"""A user's model as written: HuggingFace `LlamaForCausalLM` (tiny config) trained under plans
-traced from the same model, against one process.
+"""A user's model as written: HuggingFace `LlamaForCausalLM` (tiny config; also Qwen2, Mistral
+and the Llama inside a user's module) trained under plans traced from the same model, against
+one process.
 
 The plan is made by `meshplan.trace` of the model (built on meta) and `estimate_plan`; the
 runtime matches it to the real model by module path (`model.layers.N` units, placements such
@@ -67,11 +68,20 @@ class Wrapped(torch.nn.Module):
         return self.lm(input_ids=tokens, labels=labels, use_cache=use_cache)
 
 
-def build(device: str = "cpu", attn: str = "sdpa", wrapped: bool = False):
+# kind -> (config class, model class): the Llama family's shapes (Qwen2: q/k/v biases;
+# Mistral: a sliding window, 4096 tokens by default, longer than the sequence)
+KINDS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+}
+
+
+def build(device: str = "cpu", attn: str = "sdpa", wrapped: bool = False, kind: str = "llama"):
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(**CONFIG)
+    config_cls, model_cls = (getattr(transformers, n) for n in KINDS[kind])
     with torch.device(device):
-        lm = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation=attn)
+        lm = model_cls._from_config(config_cls(**CONFIG), attn_implementation=attn)
     return Wrapped(lm) if wrapped else lm
 
 
@@ -101,17 +111,18 @@ def trace_hf(model):
 _GRAPHS: dict = {}
 
 
-def hf_graph(wrapped: bool = False):
-    """The plans' graph: the model traced once on meta."""
-    if wrapped not in _GRAPHS:
-        _GRAPHS[wrapped] = trace_hf(build("meta", wrapped=wrapped))
-    return _GRAPHS[wrapped]
+def hf_graph(**model_kw):
+    """The plans' graph: the model (`build(**model_kw)`) traced once on meta."""
+    key = tuple(sorted(model_kw.items()))
+    if key not in _GRAPHS:
+        _GRAPHS[key] = trace_hf(build("meta", **model_kw))
+    return _GRAPHS[key]
 
 
-def make_plan(world: int, wrapped: bool = False, **parallel):
+def make_plan(world: int, model_kw: dict | None = None, **parallel):
     cluster = meshplan.Cluster.preset("cpu", gpus=world)
     return meshplan.estimate_plan(
-        hf_graph(wrapped), cluster=cluster, parallel=meshplan.Parallel(**parallel)
+        hf_graph(**(model_kw or {})), cluster=cluster, parallel=meshplan.Parallel(**parallel)
     )
 
 
@@ -141,6 +152,8 @@ CONFIGS_2 = {
     "hf-cp-ring": (dict(cp=2, micro_batch=2, global_batch=2), {"cp_attention": "ring"}),
     # the HF model inside a user's module: units `lm.model.layers.N`
     "wrapped-hf-tp-sp": (dict(tp=2, micro_batch=1, global_batch=2), {}, {"wrapped": True}),
+    "qwen2-tp-sp": (dict(tp=2, micro_batch=1, global_batch=2), {}, {"kind": "qwen2"}),
+    "mistral-cp": (dict(cp=2, micro_batch=1, global_batch=2), {}, {"kind": "mistral"}),
 }
 CONFIGS_4 = {
     "hf-dpxtp": (dict(dp=2, tp=2, micro_batch=1, global_batch=4, sequence_parallel=False), {}),
@@ -205,14 +218,14 @@ def _model_kw(config) -> dict:
     return config[2] if len(config) > 2 else {}
 
 
-def _cp_expected(plan, pp_rank: int) -> Counter:
+def _cp_expected(plan, graph, pp_rank: int) -> Counter:
     """The all-gather CP variant's collectives in one step, as the cost model prices them
     (`cp_comm`): per attention and micro-batch one all-gather of K and V (/tp: heads are
     TP-sharded) in forward and one reduce-scatter of their gradients in backward."""
     from meshplan.cost_model.simulate import model_costs
 
     p = plan.parallel
-    costs = model_costs(hf_graph())
+    costs = model_costs(graph)
     scale = p.micro_batch / costs.traced_micro_batch
     want: Counter = Counter()
     for a, b in rank_ranges(plan, pp_rank):
@@ -226,7 +239,7 @@ def _cp_expected(plan, pp_rank: int) -> Counter:
 
 
 def _check_all(world, configs):
-    plans = {name: make_plan(world, **c[0], **_model_kw(c)) for name, c in configs.items()}
+    plans = {name: make_plan(world, _model_kw(c), **c[0]) for name, c in configs.items()}
     # References first, on one intra-op thread (two threads of these tiny ops wait on each
     # other on a shared 2-core machine; see test_parity_cp_ep.py).
     refs = {}
@@ -243,24 +256,26 @@ def _check_all(world, configs):
     for name, plan in plans.items():
         assert_parity(name, refs[name], [r[name] for r in results])
         ring = configs[name][1].get("cp_attention") == "ring"
+        graph = hf_graph(**_model_kw(configs[name]))
         for rank, r in enumerate(results):
             extra = {}
             if plan.parallel.cp > 1 and not ring:
-                extra["cp"] = _cp_expected(plan, r[name]["coords"][0])
-            graph = hf_graph(**_model_kw(configs[name]))
+                extra["cp"] = _cp_expected(plan, graph, r[name]["coords"][0])
             check_step_collectives(f"{name} rank {rank}", plan, graph, r[name], extra=extra)
     return plans, results
 
 
-def test_hf_llama_parity_two_ranks():
+def test_hf_decoder_parity_two_ranks():
     plans, results = _check_all(2, CONFIGS_2)
     assert plans["hf-tp-sp"].parallel.sequence_parallel
     for r in results:  # `apply` refuses SP for a model with eager attention
         assert "'eager'" in r["refused"] and r["refused"].endswith("sequence_parallel=False")
-    # TP sharded all 7 projections per layer, the embedding and the LM head.
+    # TP sharded all 7 projections per layer, the embedding and the LM head (Qwen2: and the
+    # q/k/v biases).
     assert plans["wrapped-hf-tp-sp"].model.units[1] == "lm.model.layers.0"
     for name in ("hf-tp-sp", "wrapped-hf-tp-sp"):
         assert results[0][name]["sharded"] == 7 * 2 + 2
+    assert results[0]["qwen2-tp-sp"]["sharded"] == (7 + 3) * 2 + 2
     # Ring CP moved K/V by send/recv on the cp group.
     ring = results[0]["hf-cp-ring"]
     assert any(r.kind == "send" and r.group == ring["groups"]["cp"] for r in ring["records"])
