@@ -486,6 +486,10 @@ def check_sequence_sharding(model: nn.Module, plan: Plan) -> bool:
     return bool(hf_models(model))
 
 
+# Marks a rotary module `reposition_hf_decoder` has hooked.
+_REPOSITIONED = "_meshplan_repositioned"
+
+
 def reposition_hf_decoder(module: nn.Module, shards: int, cp: ContextParallel | None) -> int:
     """Give every HF decoder's rotary module in `module` (a `rotary_emb` beside `layers`: in
     `LlamaModel`, or in an `HFDecoderStage`) the positions of the tokens its attention's
@@ -496,7 +500,10 @@ def reposition_hf_decoder(module: nn.Module, shards: int, cp: ContextParallel | 
     runner never does). They become `first + arange(n x shards)` (`shards`: tp under sequence
     parallelism), mapped to this rank's positions by `cp`. A sequence longer than the model's
     sliding window (`config.sliding_window` of the rotary module) is refused: a sliding
-    window is causal attention only up to its length."""
+    window is causal attention only up to its length.
+
+    Hooked once per rotary module: a rank's pipeline chunks (interleaved 1F1B, ZB-V) share the
+    model's one `rotary_emb`, and a second hook would stretch the ids again."""
     size = cp.size if cp is not None else 1
     rotaries = [
         m.rotary_emb
@@ -504,6 +511,9 @@ def reposition_hf_decoder(module: nn.Module, shards: int, cp: ContextParallel | 
         if isinstance(getattr(m, "rotary_emb", None), nn.Module) and hasattr(m, "layers")
     ]
     for rotary in rotaries:
+        if getattr(rotary, _REPOSITIONED, False):
+            continue
+        setattr(rotary, _REPOSITIONED, True)
         window = getattr(getattr(rotary, "config", None), "sliding_window", None)
 
         def hook(_m, args, kwargs, window=window):

@@ -77,11 +77,18 @@ KINDS = {
 }
 
 
-def build(device: str = "cpu", attn: str = "sdpa", wrapped: bool = False, kind: str = "llama"):
+def build(
+    device: str = "cpu",
+    attn: str = "sdpa",
+    wrapped: bool = False,
+    kind: str = "llama",
+    layers: int = CONFIG["num_hidden_layers"],
+):
     torch.manual_seed(0)
     config_cls, model_cls = (getattr(transformers, n) for n in KINDS[kind])
+    cfg = config_cls(**{**CONFIG, "num_hidden_layers": layers})
     with torch.device(device):
-        lm = model_cls._from_config(config_cls(**CONFIG), attn_implementation=attn)
+        lm = model_cls._from_config(cfg, attn_implementation=attn)
     return Wrapped(lm) if wrapped else lm
 
 
@@ -155,16 +162,24 @@ CONFIGS_2 = {
     "qwen2-tp-sp": (dict(tp=2, micro_batch=1, global_batch=2), {}, {"kind": "qwen2"}),
     "mistral-cp": (dict(cp=2, micro_batch=1, global_batch=2), {}, {"kind": "mistral"}),
 }
-CONFIGS_4 = {
+CONFIGS_4_TP = {
+    # SP off: what the planner plans for a model it cannot shard (and all HF ran before)
     "hf-dpxtp": (dict(dp=2, tp=2, micro_batch=1, global_batch=4, sequence_parallel=False), {}),
-    "hf-tpxpp": (dict(tp=2, pp=2, micro_batch=1, global_batch=4, sequence_parallel=False), {}),
     "hf-dpxtp-sp": (dict(dp=2, tp=2, micro_batch=1, global_batch=4), {}),
-    "hf-tpxpp-sp": (dict(tp=2, pp=2, micro_batch=1, global_batch=4), {}),
     "hf-cpxtp-sp": (dict(cp=2, tp=2, micro_batch=1, global_batch=2), {}),
-    "hf-cpxpp": (dict(cp=2, pp=2, micro_batch=1, global_batch=2), {}),
     "hf-fsdpxtp-sp-recompute": (
         dict(dp=2, tp=2, zero=3, recompute="full", micro_batch=1, global_batch=4),
         {},
+    ),
+}
+CONFIGS_4_PP = {
+    "hf-tpxpp-sp": (dict(tp=2, pp=2, micro_batch=1, global_batch=4), {}),
+    "hf-cpxpp": (dict(cp=2, pp=2, micro_batch=1, global_batch=2), {}),
+    # a rank's two chunks share the model's one rotary module (hooked once)
+    "hf-tpxinterleaved-sp": (
+        dict(tp=2, pp=2, schedule="interleaved_1f1b", virtual_stages=2, global_batch=4),
+        {},
+        {"layers": 4},
     ),
 }
 
@@ -177,9 +192,10 @@ def _run(plans, configs):
     from torch.distributed.tensor import DTensor, Shard
 
     out = {}
-    sp_plan = next(p for p in plans.values() if p.parallel.sequence_parallel)
+    sp_plan = next((p for p in plans.values() if p.parallel.sequence_parallel), None)
     try:
-        apply(build(attn="eager"), sp_plan, loss_fn, sgd)
+        if sp_plan is not None:
+            apply(build(attn="eager"), sp_plan, loss_fn, sgd)
     except RuntimePlanError as e:
         out["refused"] = str(e)
     for name, plan in plans.items():
@@ -281,13 +297,20 @@ def test_hf_decoder_parity_two_ranks():
     assert any(r.kind == "send" and r.group == ring["groups"]["cp"] for r in ring["records"])
 
 
-def test_hf_llama_parity_four_ranks():
-    plans, results = _check_all(4, CONFIGS_4)
+def test_hf_llama_tp_parity_four_ranks():
+    plans, results = _check_all(4, CONFIGS_4_TP)
     assert plans["hf-dpxtp"].model.units[1] == "model.layers.0"
+    assert not plans["hf-dpxtp"].parallel.sequence_parallel
+    assert plans["hf-dpxtp-sp"].parallel.sequence_parallel
+    for name in ("hf-dpxtp", "hf-dpxtp-sp"):
+        assert results[0][name]["sharded"] == 7 * 2 + 2
+
+
+def test_hf_llama_pipeline_parity_four_ranks():
+    plans, results = _check_all(4, CONFIGS_4_PP)
     assert plans["hf-tpxpp-sp"].parallel.sequence_parallel
-    assert results[0]["hf-dpxtp-sp"]["sharded"] == 7 * 2 + 2
-    # PP ran HF stages of the model, with and without SP.
-    for name in ("hf-tpxpp", "hf-tpxpp-sp", "hf-cpxpp"):
+    # PP ran HF stages of the model (with SP, CP, and two chunks per rank).
+    for name in CONFIGS_4_PP:
         assert results[0][name]["kinds"] == ["HFDecoderStage"]
 
 
