@@ -196,7 +196,7 @@ class BlockFacts:
     kind: str
     memory: BlockMemory
     tp_collectives: tuple[TpCollective, ...]
-    kv_bytes: int  # K and V of every attention op (context-parallel all-gather)
+    kv_bytes: int  # K and V of every attention op with their KV heads (CP all-gather)
     a2a_bytes: int  # top_k * tokens * hidden * 2 if the block routes tokens to experts
     output_bytes: int  # the activation leaving one instance (pipeline boundary)
     wgrad_fraction: float = 0.0  # share of backward FLOPs that are weight gradients (ZB-V's W)
@@ -301,8 +301,23 @@ def is_lm_head(op: Op, hidden: int) -> bool:
     )
 
 
+def _kv_bytes(op: Op) -> int:
+    """K and V of one attention op as context parallelism moves them: with the model's KV
+    heads. A model that widens grouped-query K/V to the query heads before SDPA (HF's
+    `repeat_kv`, which HF runs whenever it passes a mask, as it does under tracing) hands SDPA
+    heads / kv_heads copies; the tracer's `kv_heads` attr looks through them, and CP (this
+    runtime, Megatron-LM) gathers K/V before the repetition."""
+    k_v = op.inputs[1:3]
+    full = sum(t.nbytes for t in k_v)
+    heads = k_v[0].shape[1] if k_v and len(k_v[0].shape) == 4 else 0
+    kv_heads = int(op.attr("kv_heads", heads))
+    if heads and 0 < kv_heads < heads and heads % kv_heads == 0:
+        return full * kv_heads // heads
+    return full
+
+
 def _block_facts(graph: Graph, block: Block, hidden: int) -> BlockFacts:
-    kv = sum(sum(t.nbytes for t in op.inputs[1:3]) for op in block.ops_of(OpKind.ATTENTION))
+    kv = sum(_kv_bytes(op) for op in block.ops_of(OpKind.ATTENTION))
     a2a = assignments = 0
     capacity = math.inf
     experts = block.ops_of(OpKind.EXPERTS)

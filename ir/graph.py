@@ -227,7 +227,11 @@ class Unit:
 class ModelInfo:
     """Architecture facts the planner needs for divisibility, read off the traced ops.
 
-    Zero means "not found" (e.g. `experts` of a dense model).
+    Zero means "not found" (e.g. `experts` of a dense model). `no_sequence_sharding`: why the
+    model cannot run on a share of each sequence (sequence parallelism shards the hidden
+    state over tp, context parallelism the tokens over cp), "" when it can; set by the tracer
+    (`trace.sequence_sharding_blocker`: HuggingFace models whose positions the runtime cannot
+    give), read by the planner, which then keeps both off.
     """
 
     hidden: int = 0
@@ -241,6 +245,7 @@ class ModelInfo:
     experts: int = 0
     top_k: int = 0
     layers: int = 0
+    no_sequence_sharding: str = ""
 
 
 @dataclass(frozen=True, slots=True)

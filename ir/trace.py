@@ -37,6 +37,7 @@ layers that really differ are never assumed equal.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -56,7 +57,16 @@ from .flops import ATTENTION_TARGETS, is_metadata_op, iter_tensors, op_bytes, op
 from .graph import DTYPE_BYTES, Graph, Param, TensorMeta
 from .lower import LOSS_MODULE, OpRecord, Source, TraceRecord, lower
 
-__all__ = ["TraceError", "find_layer_container", "trace"]
+__all__ = [
+    "TraceError",
+    "find_layer_container",
+    "hf_decoder_body",
+    "hf_models",
+    "is_hf_decoder",
+    "is_transformers_model",
+    "sequence_sharding_blocker",
+    "trace",
+]
 
 
 class TraceError(ValueError):
@@ -132,6 +142,89 @@ def find_layer_container(model: nn.Module) -> tuple[str | None, tuple[str, ...]]
     if best is None:
         return None, ()
     return best[1], best[2]
+
+
+# The parts of a HuggingFace Llama-family decoder body (`LlamaModel`, `MistralModel`, ...).
+_HF_DECODER_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
+
+
+def is_hf_decoder(model: nn.Module) -> bool:
+    """A HuggingFace decoder-only LM of the Llama family's shape: `model.embed_tokens`,
+    `model.layers`, `model.norm`, `model.rotary_emb`, `lm_head` (LlamaForCausalLM, Mistral,
+    Qwen2, ...). Read off attribute names only, so a pipeline stage keeping them passes too."""
+    inner = getattr(model, "model", None)
+    return (
+        inner is not None
+        and hasattr(model, "lm_head")
+        and all(hasattr(inner, a) for a in _HF_DECODER_PARTS)
+    )
+
+
+def is_transformers_model(model: nn.Module) -> bool:
+    """Whether `model`'s class is (or derives from) a HuggingFace transformers class."""
+    return any(c.__module__.startswith("transformers.") for c in type(model).__mro__)
+
+
+def hf_models(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost HuggingFace models in `model`'s tree, the root included (modules of a
+    transformers class that hold a `config`), with their paths: the user's model itself, or
+    the HF models a user's module wraps."""
+    found: list[tuple[str, nn.Module]] = []
+    for path, m in model.named_modules():
+        inside = any(p == "" or path.startswith(p + ".") for p, _ in found)
+        if not inside and hasattr(m, "config") and is_transformers_model(m):
+            found.append((path, m))
+    return found
+
+
+def hf_decoder_body(model: nn.Module) -> nn.Module | None:
+    """The module of a HuggingFace model that embeds, runs the layers and computes the rotary
+    tables (`embed_tokens`, `layers`, `norm`, `rotary_emb`): the model itself (`LlamaModel`)
+    or its `model` (`LlamaForCausalLM`); None for other shapes."""
+    for body in (model, getattr(model, "model", None)):
+        if isinstance(body, nn.Module) and all(hasattr(body, a) for a in _HF_DECODER_PARTS):
+            return body
+    return None
+
+
+def sequence_sharding_blocker(model: nn.Module, seq_len: int = 0) -> str:
+    """Why `model` cannot run on a share of each sequence (sequence parallelism shards the
+    hidden state over tp, context parallelism the tokens over cp), or "" when it can.
+
+    Only HuggingFace models are judged, the user's model itself or those it wraps
+    (`hf_models`). They count token positions (rotary tables, the causal mask) from the
+    length of the hidden state they hold, which SP and CP shard; the runtime gives one shape
+    the positions of the whole sequence (`runtime.context_parallel.reposition_hf_decoder`):
+    the Llama family's decoder (`hf_decoder_body`: LlamaForCausalLM, LlamaModel, Mistral,
+    Qwen2, ...) whose layers' `self_attn` have `q_proj`/`k_proj`/`v_proj`, built with SDPA
+    attention (the mask is then left to SDPA's `is_causal`, and CP redirects SDPA), and with
+    no sliding window shorter than `seq_len` tokens (0: unknown, not checked). Models outside
+    transformers are taken to follow the runtime's contract (positions from the tokens,
+    docs/runtime.md).
+    """
+    for path, hf in hf_models(model):
+        name = type(hf).__name__ + (f" (at {path!r})" if path else "")
+        body = hf_decoder_body(hf)
+        if body is None:
+            return (
+                f"{name} is a HuggingFace model outside the Llama decoder shape (embed_tokens, "
+                "layers, norm, rotary_emb): it counts positions from its sequence-sharded "
+                "hidden state"
+            )
+        for i, layer in enumerate(body.layers):
+            attn = getattr(layer, "self_attn", None)
+            if not all(hasattr(attn, a) for a in ("q_proj", "k_proj", "v_proj")):
+                return f"{name} layer {i} has no self_attn with q_proj/k_proj/v_proj"
+        impl = getattr(hf.config, "_attn_implementation", None)
+        if impl != "sdpa":
+            return (
+                f"{name} uses attention implementation {impl!r}; sharded sequences need "
+                "attn_implementation='sdpa'"
+            )
+        window = getattr(hf.config, "sliding_window", None)
+        if isinstance(window, int) and seq_len > window:
+            return f"{name} attends through a sliding window of {window} < {seq_len} tokens"
+    return ""
 
 
 def _structure(module: nn.Module) -> tuple:
@@ -693,6 +786,10 @@ def _trace(
     )
     report("lowering", advance=1)
     graph = lower(record, _pointwise_packets(cap))
+    blocker = sequence_sharding_blocker(model, graph.info.seq_len)
+    if blocker:
+        info = dataclasses.replace(graph.info, no_sequence_sharding=blocker)
+        graph = dataclasses.replace(graph, info=info)
     report(graph.summary())
     return graph
 

@@ -115,7 +115,8 @@ def complete_parallel(graph: Graph, cluster: Cluster, parallel: Parallel) -> Par
     """Fill the fields a hand-written configuration left out with the obvious choice.
 
     tp, pp, cp, ep default to 1; dp to every GPU left (world / (tp*pp*cp)); micro_batch to 1;
-    global_batch to the default; recompute none; ZeRO 0; 1F1B; sequence parallel when tp > 1.
+    global_batch to the default; recompute none; ZeRO 0; 1F1B; sequence parallel when tp > 1
+    (and the model can run on sequence shards: `ModelInfo.no_sequence_sharding`).
     """
     p = parallel
     tp, pp, cp, ep = p.tp or 1, p.pp or 1, p.cp or 1, p.ep or 1
@@ -136,7 +137,11 @@ def complete_parallel(graph: Graph, cluster: Cluster, parallel: Parallel) -> Par
         recompute=p.recompute or Recompute.NONE,
         zero=p.zero if p.zero is not None else 0,
         schedule=p.schedule or Schedule.ONE_F_ONE_B,
-        sequence_parallel=p.sequence_parallel if p.sequence_parallel is not None else tp > 1,
+        sequence_parallel=(
+            p.sequence_parallel
+            if p.sequence_parallel is not None
+            else tp > 1 and not graph.info.no_sequence_sharding
+        ),
         virtual_stages=p.virtual_stages,
         quantize_activations=p.quantize_activations,
     )
@@ -175,6 +180,10 @@ def check_config(
         raise ValueError(f"ep={p.ep} but the model has no experts")
     if info.seq_len and info.seq_len % p.cp:  # type: ignore[operator]
         raise ValueError(f"cp={p.cp} does not divide the sequence length ({info.seq_len})")
+    if info.no_sequence_sharding and (p.sequence_parallel or p.cp > 1):  # type: ignore[operator]
+        raise ValueError(
+            f"{info.no_sequence_sharding}; use sequence_parallel=False and cp=1 for this model"
+        )
 
     used = p.dp * p.tp * p.pp * p.cp  # type: ignore[operator]
     q = pinned

@@ -456,6 +456,11 @@ def enumerate_candidates(
     """
     info = graph.info
     p = pinned
+    if info.no_sequence_sharding:  # the runtime cannot run this model on sequence shards
+        if p.sequence_parallel or (p.cp or 1) > 1:
+            why = info.no_sequence_sharding
+            raise InfeasibleError(f"no plan: {why}; pin sequence_parallel=False and cp=1")
+        p = dataclasses.replace(p, sequence_parallel=False, cp=1)
     if p.global_batch is not None and p.global_batch != global_batch:
         raise ValueError(
             f"global_batch={global_batch} conflicts with pinned global_batch={p.global_batch}"

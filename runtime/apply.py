@@ -8,7 +8,11 @@ The order of the transformations is fixed, and matters (as in torchtitan's paral
                     and sees only that chunk's modules and parameters
     1b. context p.  attention of the stage works on this rank's sequence share (forward
                     wrapped; K/V all-gather or ring); before TP/recompute so they wrap the
-                    changed attention, and checkpointed regions re-run its collectives
+                    changed attention, and checkpointed regions re-run its collectives.
+                    Here too, under CP or sequence parallelism, a HuggingFace decoder's
+                    rotary module is given the positions of the tokens its attention holds
+                    (`context_parallel.reposition_hf_decoder`: HF counts them from the
+                    sharded hidden state); models that cannot be given them are refused
     1c. expert p.   experts cut to this rank's shard (over ep on the expert dim, over tp on
                     the ffn dim: DTensors on the tp mesh), tokens all-to-all'd to their
                     owners / the MoE made one TP region; before TP (which leaves the MoE's
@@ -70,7 +74,13 @@ from meshplan.ir.plan import Plan
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .context_parallel import ContextParallel, apply_context_parallel
+from .context_parallel import (
+    ContextParallel,
+    apply_context_parallel,
+    check_sequence_sharding,
+    reposition_hf_decoder,
+    sequence_shards,
+)
 from .data_parallel import (
     HeteroGradients,
     apply_data_parallel,
@@ -428,6 +438,9 @@ def apply(
     hetero = ctx.whole is not None
     p = plan.parallel
     vocab_parallel = _vocab_parallel_loss(model, plan, loss_fn, loss_parallel)
+    # Under SP or CP an HF decoder is given the positions of the whole sequence (1b);
+    # models that cannot run on a share of their sequences are refused here.
+    reposition = check_sequence_sharding(model, plan)
     counts = replica_microbatches(whole)  # refuses unsupported uneven shares early
     check_schedule(plan)
     pipelined = ctx.num_stages > 1
@@ -444,6 +457,11 @@ def apply(
     cp = None
     for m, u in zip(modules, units):  # 1b (None when cp == 1)
         cp = apply_context_parallel(m, ctx, cp_attention, has_layers=bool(u)) or cp
+        if reposition and not reposition_hf_decoder(m, sequence_shards(plan), cp):
+            raise RuntimePlanError(
+                f"runtime: {type(m).__name__} holds a HuggingFace model but no rotary_emb "
+                "beside its layers to give the sequence's positions to"
+            )
     # 1c (None when ep == 1); one handle for all chunks (it creates the ep groups once)
     ep = apply_expert_parallel(modules, ctx, ep_dispatch)
     for m, u in zip(modules, units):

@@ -34,7 +34,25 @@ Which modules are changed (the contract for user models):
   argument holding (cos, sin) tables indexed by absolute position (the zoo's) is re-indexed
   to this rank's positions. Explicit `attn_mask` and dropout are refused (not exact under CP);
 - a root child `pos_embed` (an `nn.Embedding` of learned positions called with
-  `arange(local_len)`, the zoo's GPT style) maps its indices to this rank's positions.
+  `arange(local_len)`, the zoo's GPT style) maps its indices to this rank's positions;
+- a HuggingFace decoder of the Llama family's shape (`rotary_emb` beside `layers`, attention
+  modules with q/k/v projections, SDPA), the user's model or one it wraps, gets its rotary
+  positions from `reposition_hf_decoder` (below), which sequence parallelism needs too.
+
+HuggingFace decoders count positions from the hidden state they hold. `LlamaModel.forward`
+takes `position_ids = arange(len)` of its embedded input and builds the causal mask from the
+same length; `HFDecoderStage` does the same per pipeline stage. Under sequence parallelism
+that length is 1/tp of the rank's tokens (the embedding's output is sequence-sharded) while
+attention, which applies the rotary tables to q and k, runs on the tp-gathered sequence;
+under context parallelism the rank holds the zig-zag share, not the first tokens. So the
+runtime leaves the model's code alone and gives its rotary module (`rotary_emb`, one per HF
+decoder or stage) the positions of the tokens the attention's queries hold: len x tp under SP,
+mapped to this rank's cp positions under CP (a forward pre-hook). The mask needs nothing:
+without padding HF's SDPA path skips it (`is_causal`, decided on the sharded length, which is
+causal as well for the whole sequence) and CP's attention masks by absolute positions. What
+this cannot fix (other HF shapes, eager attention, sliding windows shorter than the sequence)
+is refused in one line (`check_sequence_sharding`, from the tracer's
+`meshplan.ir.trace.sequence_sharding_blocker`, which also keeps the planner from emitting it).
 
 Loss and gradients: each cp rank's loss is the mean over its own tokens (equal counts), so the
 global loss is the mean over cp ranks and the parameter gradient is the average over cp ranks
@@ -45,6 +63,7 @@ Data parallelism therefore reduces gradients over dp x cp together
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from dataclasses import dataclass
@@ -52,6 +71,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from meshplan.ir.plan import Plan
+from meshplan.ir.trace import hf_models, sequence_sharding_blocker
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -358,9 +379,15 @@ def _wrap_attention(m: nn.Module, cp: ContextParallel) -> None:
     except (TypeError, ValueError):
         names = []
     rope_at = names.index("rope") if "rope" in names else None
+    first = names[0] if names else ""
 
+    # `wraps`: the signature stays the original's, which TP's `RegionInput` reads to find the
+    # activation when the module is called by keywords (HF's decoder layers call
+    # `self_attn(hidden_states=...)`); without it the region input was not converted and
+    # every projection gathered its own input (3 all-gathers for q/k/v, caught under CP x SP).
+    @functools.wraps(orig)
     def forward(*args, **kwargs):
-        x = args[0] if args else next(iter(kwargs.values()))
+        x = args[0] if args else kwargs.get(first, next(iter(kwargs.values())))
         local = x.shape[1]
         if rope_at is not None:
             args, kwargs = _reindex_rope(args, kwargs, rope_at, cp.positions(local, x.device))
@@ -431,3 +458,77 @@ def apply_context_parallel(
             "F.scaled_dot_product_attention, or a `context_parallel_attention(cp)` method"
         )
     return cp
+
+
+# -- HuggingFace decoders: the positions of the sequence the attention sees (see the docstring) -
+
+
+def sequence_shards(plan: Plan) -> int:
+    """How many shards of its (cp share of the) sequence a rank's hidden state holds between
+    attention regions: tp under sequence parallelism, else 1."""
+    tp = plan.parallel.tp or 1
+    return tp if plan.parallel.sequence_parallel and tp > 1 else 1
+
+
+def check_sequence_sharding(model: nn.Module, plan: Plan) -> bool:
+    """Refuse, in one line naming the fix, a plan that shards sequences (sequence parallelism,
+    cp > 1) of a model that cannot run on a share of them
+    (`meshplan.ir.trace.sequence_sharding_blocker`). True when the runtime must give the
+    model positions (`reposition_hf_decoder`): it is or holds HuggingFace decoders, under SP
+    or CP."""
+    sp, cp = sequence_shards(plan) > 1, (plan.parallel.cp or 1) > 1
+    if not (sp or cp):
+        return False
+    why = sequence_sharding_blocker(model, plan.model.seq_len)
+    if why:
+        fix = " and ".join(f for f, on in (("sequence_parallel=False", sp), ("cp=1", cp)) if on)
+        raise RuntimePlanError(f"runtime: {why}; plan with {fix}")
+    return bool(hf_models(model))
+
+
+# Marks a rotary module `reposition_hf_decoder` has hooked.
+_REPOSITIONED = "_meshplan_repositioned"
+
+
+def reposition_hf_decoder(module: nn.Module, shards: int, cp: ContextParallel | None) -> int:
+    """Give every HF decoder's rotary module in `module` (a `rotary_emb` beside `layers`: in
+    `LlamaModel`, or in an `HFDecoderStage`) the positions of the tokens its attention's
+    queries hold; returns how many were found.
+
+    The model calls `rotary_emb(hidden, position_ids)` with `position_ids` an arange over the
+    n tokens of the hidden state it holds (HF's default when no ids are passed, which the
+    runner never does). They become `first + arange(n x shards)` (`shards`: tp under sequence
+    parallelism), mapped to this rank's positions by `cp`. A sequence longer than the model's
+    sliding window (`config.sliding_window` of the rotary module) is refused: a sliding
+    window is causal attention only up to its length.
+
+    Hooked once per rotary module: a rank's pipeline chunks (interleaved 1F1B, ZB-V) share the
+    model's one `rotary_emb`, and a second hook would stretch the ids again."""
+    size = cp.size if cp is not None else 1
+    rotaries = [
+        m.rotary_emb
+        for m in module.modules()
+        if isinstance(getattr(m, "rotary_emb", None), nn.Module) and hasattr(m, "layers")
+    ]
+    for rotary in rotaries:
+        if getattr(rotary, _REPOSITIONED, False):
+            continue
+        setattr(rotary, _REPOSITIONED, True)
+        window = getattr(getattr(rotary, "config", None), "sliding_window", None)
+
+        def hook(_m, args, kwargs, window=window):
+            ids = args[1] if len(args) > 1 else kwargs["position_ids"]
+            n = ids.shape[-1] * shards
+            if isinstance(window, int) and n * size > window:
+                raise RuntimePlanError(
+                    f"runtime: sequences of {n * size} tokens exceed the model's sliding window "
+                    f"({window}); plan with sequence_parallel=False and cp=1"
+                )
+            pos = torch.arange(n, device=ids.device) if cp is None else cp.positions(n, ids.device)
+            ids = ids[..., :1] + pos  # keeps the batch dim and HF's offset (tokens already seen)
+            if len(args) > 1:
+                return (args[0], ids, *args[2:]), kwargs
+            return args, {**kwargs, "position_ids": ids}
+
+        rotary.register_forward_pre_hook(hook, with_kwargs=True)
+    return len(rotaries)

@@ -43,6 +43,7 @@ from __future__ import annotations
 import torch
 from meshplan.ir.parallel import Schedule
 from meshplan.ir.plan import Plan
+from meshplan.ir.trace import is_hf_decoder
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
@@ -210,7 +211,10 @@ class HFDecoderStage(nn.Module):
     names and the plan's placements match. Every stage recomputes the rotary tables from the
     positions (they are a function of the sequence length, not activations), and passes no
     attention mask: HF's SDPA attention is then causal (`is_causal`), as the unsplit model
-    is for a batch without padding. Padding masks are not supported across stages.
+    is for a batch without padding. Padding masks are not supported across stages. The
+    positions count the hidden state the stage holds, as HF does; under sequence or context
+    parallelism that is a share of the sequence, and `context_parallel.reposition_hf_decoder`
+    (a hook on `model.rotary_emb`) gives the stage the whole sequence's positions.
     """
 
     def __init__(self, model: nn.Module, first: int, last: int, units: tuple[str, ...]) -> None:
@@ -275,22 +279,13 @@ def _container_name(units: tuple[str, ...]) -> str:
     return heads.pop()
 
 
-def _is_hf_decoder(model: nn.Module) -> bool:
-    inner = getattr(model, "model", None)
-    return (
-        inner is not None
-        and hasattr(model, "lm_head")
-        and all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb"))
-    )
-
-
 def stage_module(model: nn.Module, plan: Plan, chunk: int) -> nn.Module:
     """The module chunk-stage `chunk` runs (see module docstring for how models are cut)."""
     first, last = chunk_ranges(plan)[chunk]
     units = plan.model.units
     if hasattr(model, "pipeline_stage"):
         return model.pipeline_stage(first, last, units)
-    if _is_hf_decoder(model):
+    if is_hf_decoder(model):
         return HFDecoderStage(model, first, last, units)
     zoo_shape = all(hasattr(model, a) for a in ("embed", "norm", "lm_head"))
     if not zoo_shape:

@@ -275,3 +275,28 @@ def test_expert_parallel_with_tensor_parallel_gathers_routed_rows_by_hand():
     # without EP the experts are one region of the block output's size (tokens)
     dense = run(g, h100_cluster(1), config(dp=4, tp=tp, global_batch=4, sequence_parallel=True))
     assert dense.breakdown_dict()["tp_comm"] == pytest.approx(4 * ag_rs(tokens), rel=1e-9)
+
+
+def test_cp_kv_bytes_count_the_kv_heads_not_their_repetition():
+    """Context parallelism moves K and V with the model's KV heads. A traced attention whose K/V
+    were widened to the query heads before SDPA (HF's `repeat_kv`, which HF runs whenever it
+    passes a mask, as under tracing; the tracer's `kv_heads` attr looks through it) is priced
+    as the un-repeated K/V, like the one that hands SDPA the KV heads."""
+    from meshplan.cost_model.simulate import model_costs
+    from meshplan.ir import OpKind
+
+    g = transformer_graph(2, 256, 8, 2, 1024, 1000, 512, 1, dtype="float32")
+    key = g.layer_units[0].block
+    block = g.block(key)
+    attn = block.ops_of(OpKind.ATTENTION)[0]
+    q, k, v = attn.inputs[:3]
+    assert k.shape[1] == 2 and q.shape[1] == 8
+    kv = model_costs(g).facts[key].kv_bytes
+    assert kv == 2 * 256 // 8 * 2 * 512 * 4  # K and V: kv_heads x head_dim x seq, fp32
+    widened = dataclasses.replace(
+        attn,
+        inputs=(q, dataclasses.replace(k, shape=q.shape), dataclasses.replace(v, shape=q.shape)),
+    )
+    ops = tuple(widened if op is attn else op for op in block.ops)
+    blocks = tuple((k_, dataclasses.replace(b, ops=ops) if k_ == key else b) for k_, b in g.blocks)
+    assert model_costs(dataclasses.replace(g, blocks=blocks)).facts[key].kv_bytes == kv

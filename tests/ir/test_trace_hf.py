@@ -41,6 +41,18 @@ def flash_recompute(graph: Graph) -> int:
 LAYERS, BATCH, SEQ = 3, 2, 16
 
 
+def _common() -> dict:
+    return {
+        "num_hidden_layers": LAYERS,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 96,
+        "vocab_size": 128,
+        "max_position_embeddings": 64,
+    }
+
+
 def _config(kind: str):
     if kind == "gpt2":
         return transformers.GPT2Config(
@@ -53,15 +65,7 @@ def _config(kind: str):
             embd_pdrop=0.0,
             attn_pdrop=0.0,
         )
-    common = {
-        "num_hidden_layers": LAYERS,
-        "hidden_size": 64,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "intermediate_size": 96,
-        "vocab_size": 128,
-        "max_position_embeddings": 64,
-    }
+    common = _common()
     if kind == "llama":
         return transformers.LlamaConfig(**common)
     return transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
@@ -155,3 +159,43 @@ def test_mixtral_eager_experts_loop_is_reported():
     ids, kwargs = _inputs("meta")
     with pytest.raises(TraceError, match="data-dependent.*mlp.experts"):
         trace(model, ids, kwargs=kwargs)
+
+
+def test_sequence_sharding_flag(traced):
+    """The tracer marks HF models the runtime cannot run on sequence shards (SP, CP): GPT-2
+    counts positions from its hidden state outside the Llama decoder shape; Llama and Mixtral
+    (that shape, SDPA) are left unmarked."""
+    kind, _, graph = traced
+    why = graph.info.no_sequence_sharding
+    if kind == "gpt2":
+        assert why.startswith("GPT2LMHeadModel is a HuggingFace model outside the Llama decoder")
+    else:
+        assert why == ""
+
+
+def test_sequence_sharding_blocker_reasons():
+    """Eager attention and a sliding window shorter than the sequence block sequence
+    sharding; a window at least as long as the sequence, and non-HF models, do not."""
+    from meshplan.ir.trace import sequence_sharding_blocker
+    from meshplan.models import transformer
+
+    with torch.device("meta"):
+        eager = transformers.AutoModelForCausalLM.from_config(
+            _config("llama"), attn_implementation="eager"
+        )
+        mistral = transformers.MistralForCausalLM._from_config(
+            transformers.MistralConfig(**{**_common(), "sliding_window": 8}),
+            attn_implementation="sdpa",
+        )
+    assert "attention implementation 'eager'" in sequence_sharding_blocker(eager, SEQ)
+    assert "sliding window of 8 < 16 tokens" in sequence_sharding_blocker(mistral, SEQ)
+    assert sequence_sharding_blocker(mistral, 8) == ""
+    zoo, _ = transformer(layers=2, hidden=32, heads=4, ffn=64, vocab=64, seq_len=SEQ)
+    assert sequence_sharding_blocker(zoo, SEQ) == ""
+    # HF models inside a user's module are judged too: a bare LlamaModel is the decoder body.
+    with torch.device("meta"):
+        gpt2 = transformers.AutoModelForCausalLM.from_config(_config("gpt2"))
+        body = transformers.LlamaModel._from_config(_config("llama"), attn_implementation="sdpa")
+    wrapper = torch.nn.ModuleDict({"lm": gpt2, "zoo": zoo})
+    assert sequence_sharding_blocker(wrapper, SEQ).startswith("GPT2LMHeadModel (at 'lm') is a")
+    assert sequence_sharding_blocker(torch.nn.ModuleDict({"body": body}), SEQ) == ""

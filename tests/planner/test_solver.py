@@ -574,3 +574,32 @@ def test_expert_parallel_with_tensor_parallel_needs_sequence_parallelism():
     assert any(c.ep > 1 and c.tp > 1 and c.sequence_parallel for c in free)
     with pytest.raises(InfeasibleError, match="ep > 1 with tp > 1 needs sequence parallelism"):
         solve(graph, cluster, Parallel(ep=2, tp=2, sequence_parallel=False), global_batch=8)
+
+
+def test_no_sequence_parallelism_or_cp_for_a_model_the_runtime_cannot_shard():
+    """A model the tracer marks as unable to run on sequence shards
+    (`ModelInfo.no_sequence_sharding`: e.g. a HuggingFace model outside the Llama decoder
+    shape) gets neither sequence parallelism nor cp > 1 from the planner, nor from
+    `estimate_plan`'s defaults; pinning either is infeasible with the reason."""
+    import meshplan
+    from meshplan.solver import enumerate_candidates
+
+    base = transformer_graph(2, 512, 8, 8, 2048, 8000, 4096, 1)
+    why = "GPT2LMHeadModel counts positions from its hidden state"
+    info = dataclasses.replace(base.info, no_sequence_sharding=why)
+    graph = dataclasses.replace(base, info=info)
+    cluster = h100_cluster(1)
+    free = enumerate_candidates(base, cluster, Parallel(), 8)
+    assert any(c.sequence_parallel for c in free) and any(c.cp > 1 for c in free)
+    blocked = enumerate_candidates(graph, cluster, Parallel(), 8)
+    assert any(c.tp > 1 for c in blocked)
+    assert not any(c.sequence_parallel or c.cp > 1 for c in blocked)
+    plan = solve(graph, cluster, Parallel(tp=2), global_batch=8)
+    assert not plan.parallel.sequence_parallel and plan.parallel.cp == 1
+    for pinned in (Parallel(tp=2, sequence_parallel=True), Parallel(cp=2)):
+        with pytest.raises(InfeasibleError, match="counts positions from its hidden state"):
+            solve(graph, cluster, pinned, global_batch=8)
+    est = meshplan.estimate_plan(graph, cluster=cluster, parallel=Parallel(tp=2, dp=4))
+    assert not est.parallel.sequence_parallel
+    with pytest.raises(ValueError, match="use sequence_parallel=False and cp=1"):
+        meshplan.estimate_plan(graph, cluster=cluster, parallel=Parallel(cp=2, dp=4))
