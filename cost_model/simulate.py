@@ -86,6 +86,7 @@ from meshplan.ir import (
     Recompute,
     Schedule,
     StagePlacement,
+    group_tp_problem,
 )
 from meshplan.passes.partition import layer_counts, rank_chunks, replica_capacity
 from meshplan.passes.sharding import row_parallel_ops
@@ -1560,8 +1561,8 @@ def check_parallel(
                 f"micro-batch shares add up to {total} micro-batches, but dp * num_microbatches "
                 f"= {p.dp}*{p.num_microbatches} = {p.dp * p.num_microbatches}"
             )
-    if any(st.group_tp for st in stages):
-        _check_group_tp(p, stages)
+    if any(st.group_tp for st in stages) and (why := group_tp_problem(p, tuple(stages))):
+        raise ValueError(why)
     if p.pp > 1 and p.chunks > 1:
         counts = layer_counts(graph, [(st.first_unit, st.last_unit) for st in stages])
         n_layers = sum(counts)
@@ -1600,33 +1601,6 @@ def check_parallel(
                 f"group {g}: {n} replicas of tp*cp={tp * p.cp} GPUs need "
                 f"{n * tp * p.cp} GPUs, it has {known[g].num_gpus}"
             )
-
-
-def _check_group_tp(p: Parallel, stages: Sequence[StagePlacement]) -> None:
-    """Per-group TP (`StagePlacement.group_tp`): group-pure pipelines, ZeRO-0, no EP, and
-    `Parallel.tp` the first group's degree."""
-    first = stages[0]
-    if any(
-        (st.replicas, dict(st.group_tp), dict(st.microbatches))
-        != (first.replicas, dict(first.group_tp), dict(first.microbatches))
-        for st in stages
-    ):
-        raise ValueError(
-            "per-group tp needs group-pure pipelines: every stage must have the same replicas, "
-            "shares and tp per group"
-        )
-    if p.zero != 0:
-        raise ValueError(
-            f"per-group tp needs zero=0, got zero={p.zero} (replicas with different tp cannot "
-            "share optimizer or gradient shards)"
-        )
-    if (p.ep or 1) > 1:
-        raise ValueError(f"per-group tp needs ep=1, got ep={p.ep}")
-    lead = first.tp_of(first.replicas[0][0], p.tp)
-    if lead != p.tp:
-        raise ValueError(
-            f"Parallel.tp={p.tp} must be the first group's tp ({first.replicas[0][0]}: {lead})"
-        )
 
 
 def predict(

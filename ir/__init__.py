@@ -13,6 +13,7 @@ from .parallel import (
     Recompute,
     Schedule,
     StagePlacement,
+    group_tp_problem,
 )
 from .trace import TraceError, trace
 
@@ -42,4 +43,5 @@ __all__ = [
     "Unit",
     "TraceError",
     "trace",
+    "group_tp_problem",
 ]

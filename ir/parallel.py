@@ -222,6 +222,34 @@ class StagePlacement:
         return dict(self.group_tp).get(group, default)
 
 
+def group_tp_problem(parallel: Parallel, stages: tuple[StagePlacement, ...]) -> str | None:
+    """What keeps `stages` from being a valid per-group TP plan (`StagePlacement.group_tp`),
+    or None: group-pure pipelines (every stage the same replicas, shares and degrees),
+    ZeRO-0 and no EP (replicas whose shards differ in shape cannot share ZeRO shards), and
+    `Parallel.tp` the first group's degree. The cost model and the runtime both ask it."""
+    p, first = parallel, stages[0]
+    if any(
+        (st.replicas, dict(st.group_tp), dict(st.microbatches))
+        != (first.replicas, dict(first.group_tp), dict(first.microbatches))
+        for st in stages
+    ):
+        return (
+            "per-group tp needs group-pure pipelines: every stage must have the same replicas, "
+            "shares and tp per group"
+        )
+    if p.zero != 0:
+        return (
+            f"per-group tp needs zero=0, got zero={p.zero} (replicas with different tp cannot "
+            "share optimizer or gradient shards)"
+        )
+    if (p.ep or 1) > 1:
+        return f"per-group tp needs ep=1, got ep={p.ep}"
+    lead = first.tp_of(first.replicas[0][0], p.tp)
+    if lead != p.tp:
+        return f"Parallel.tp={p.tp} must be the first group's tp ({first.replicas[0][0]}: {lead})"
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class RankMemory:
     """Peak memory of the ranks of one (stage, group) pair, with its breakdown by kind."""

@@ -444,6 +444,16 @@ def assign_ranks(
 # -- loading ----------------------------------------------------------------------------------
 
 _POS_INT = {"type": "integer", "minimum": 1}
+# [[group name, positive integer], ...]: per-group micro-batch shares and TP degrees
+_GROUP_INTS = {
+    "type": "array",
+    "items": {
+        "type": "array",
+        "prefixItems": [{"type": "string"}, _POS_INT],
+        "minItems": 2,
+        "maxItems": 2,
+    },
+}
 PLAN_SCHEMA: dict = {
     "type": "object",
     "required": [
@@ -518,15 +528,7 @@ PLAN_SCHEMA: dict = {
                             "properties": {"group": {"type": "string"}, "count": _POS_INT},
                         },
                     },
-                    "microbatches": {
-                        "type": "array",
-                        "items": {
-                            "type": "array",
-                            "prefixItems": [{"type": "string"}, _POS_INT],
-                            "minItems": 2,
-                            "maxItems": 2,
-                        },
-                    },
+                    "microbatches": _GROUP_INTS,
                     "chunks": {
                         "type": "array",
                         "items": {
@@ -536,15 +538,7 @@ PLAN_SCHEMA: dict = {
                             "maxItems": 2,
                         },
                     },
-                    "tp": {
-                        "type": "array",
-                        "items": {
-                            "type": "array",
-                            "prefixItems": [{"type": "string"}, _POS_INT],
-                            "minItems": 2,
-                            "maxItems": 2,
-                        },
-                    },
+                    "tp": _GROUP_INTS,
                 },
             },
         },

@@ -1346,16 +1346,17 @@ def _screen(
     def capacity_of(c: Candidate) -> dict[str, int]:
         return {g: replica_capacity(pricer.groups[g], c.tp_of(g), c.cp) for g in groups_for(c)}
 
-    def too_big(c: Candidate, need_of: Callable[[Candidate], int]) -> int | None:
-        """The memory a stage of c needs where it fits on no GPU it may use, else None
-        (per-group TP: each group at its own tp, and both must host pipelines)."""
+    def too_big(c: Candidate, need_of: Callable[[Candidate], tuple[int, int]]):
+        """(bytes, stage) that c needs where it fits on no GPU it may use, else None;
+        `need_of(candidate)` gives a homogeneous candidate's need (per-group TP: each group's
+        at its own tp, and both must host pipelines)."""
         if not c.group_tp:
             need = need_of(c)
             top = max(pricer.groups[g].gpu.memory_bytes for g in groups_for(c))
-            return need if need > top else None
+            return need if need[0] > top else None
         for g, _ in c.group_tp:
             need = need_of(c.view(g))
-            if need > pricer.groups[g].gpu.memory_bytes:
+            if need[0] > pricer.groups[g].gpu.memory_bytes:
                 return need
         return None
 
@@ -1431,10 +1432,10 @@ def _screen(
             continue
         groups = groups_for(c)
         if not split:  # expand the candidate into its splits
-            need = too_big(c, lambda x: _split_free_memory(pricer, x, n_layers, cache))
+            need = too_big(c, lambda x: (_split_free_memory(pricer, x, n_layers, cache), x.pp - 1))
             if need is not None:
-                if smallest is None or need < smallest[0]:
-                    smallest = (need, c.pp - 1, c)
+                if smallest is None or need[0] < smallest[0]:
+                    smallest = (*need, c)
                 continue  # no split fits: some stage holds ceil(L / pp) layers
             skey = (c.tp, c.cp, c.ep, c.sequence_parallel, c.pp, c.dp, c.micro_batch)
             skey += (c.recompute, c.group_tp)
@@ -1465,17 +1466,10 @@ def _screen(
             continue  # a warm start priced already
         done.add((c, split))
         ranges = ranges_of[split]
-        largest: dict = {}
-
-        def need_of(x: Candidate) -> int:
-            largest[x.tp] = _largest_stage(pricer, x, ranges, global_batch)
-            return largest[x.tp][0]
-
-        need = too_big(c, need_of)
+        need = too_big(c, lambda x: _largest_stage(pricer, x, ranges, global_batch))
         if need is not None:
-            if smallest is None or need < smallest[0]:
-                stage = next(st for n, st in largest.values() if n == need)
-                smallest = (need, stage, c)
+            if smallest is None or need[0] < smallest[0]:
+                smallest = (*need, c)
             continue  # some stage fits on no GPU: no tables needed to know
         priced += 1
         if c.group_tp:

@@ -69,7 +69,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
-from meshplan.ir.parallel import Schedule
+from meshplan.ir.parallel import Schedule, group_tp_problem
 from meshplan.ir.plan import Plan
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -79,6 +79,7 @@ from .context_parallel import (
     apply_context_parallel,
     check_sequence_sharding,
     reposition_hf_decoder,
+    sequence_layout,
     sequence_shards,
 )
 from .data_parallel import (
@@ -90,9 +91,10 @@ from .data_parallel import (
 )
 from .errors import RuntimePlanError
 from .expert_parallel import ExpertParallel, apply_expert_parallel
-from .mesh import RankContext, build_mesh, data_parallel_context
+from .mesh import RankContext, build_mesh, check_stage_widths, data_parallel_context
 from .pipeline_parallel import (
     build_schedule,
+    check_microbatches,
     check_schedule,
     chunk_unit_paths,
     chunks_per_rank,
@@ -199,47 +201,21 @@ def check_plan(plan: Plan) -> None:
     launch` before starting any process; what depends on the model (module paths, head
     counts, expert counts) is checked by `apply` itself."""
     p = plan.parallel
-    counts = replica_microbatches(plan)
+    for n in set(replica_microbatches(plan)):
+        check_microbatches(plan, n)
     check_schedule(plan)
-    pp, dp = p.pp or 1, p.dp or 1
-    if p.schedule == Schedule.INTERLEAVED_1F1B and pp > 1:
-        for d, n in enumerate(counts):
-            if n % max(1, n // pp):
-                raise RuntimePlanError(
-                    f"runtime: interleaved 1F1B with pp={pp} needs micro-batches in whole "
-                    f"rounds of {pp} (torch's ScheduleInterleaved1F1B); replica {d} runs {n}"
-                )
-    for st in plan.stages:
-        if st.dp != dp:
-            raise RuntimePlanError(
-                f"runtime: stage {st.index} has {st.dp} replicas but dp={dp}; stages with "
-                "different data-parallel widths are not supported"
-            )
-    ep, tp, cp = p.ep or 1, p.tp or 1, p.cp or 1
+    check_stage_widths(plan)
     group_tp = plan.stages[0].group_tp
-    if ep > 1 and max([tp, *(t for _, t in group_tp)]) > 1 and not p.sequence_parallel:
+    tp = max([p.tp or 1, *(t for _, t in group_tp)])
+    if (p.ep or 1) > 1 and tp > 1 and not p.sequence_parallel:
         raise RuntimePlanError(
             "runtime: expert parallelism with tp > 1 needs sequence parallelism (each tp rank "
             "routes its own sequence shard)"
         )
-    if group_tp and ((p.zero or 0) != 0 or ep > 1):
-        raise RuntimePlanError(
-            f"runtime: per-group tp needs zero=0 and ep=1 (got zero={p.zero}, ep={ep}); the "
-            "replicas' shards differ in shape"
-        )
-    if group_tp and any(
-        st.group_tp != group_tp or st.replicas != plan.stages[0].replicas for st in plan.stages
-    ):
-        raise RuntimePlanError(
-            "runtime: per-group tp needs group-pure pipelines (every stage "
-            "the same replicas and tp per group)"
-        )
-    seq = plan.model.seq_len
-    if cp > 1 and seq and seq % cp:
-        raise RuntimePlanError(
-            f"runtime: sequence length {seq} is not divisible by cp={cp}; context parallelism "
-            "splits every sequence into cp shares"
-        )
+    if group_tp and (why := group_tp_problem(p, plan.stages)):
+        raise RuntimePlanError(f"runtime: {why}")
+    if (p.cp or 1) > 1 and plan.model.seq_len:
+        sequence_layout(plan.model.seq_len, p.cp)  # refuses a sequence cp cannot split
 
 
 class Runner:

@@ -146,6 +146,16 @@ def _is_cpu_plan(plan: Plan) -> bool:
     return all(g.gpu.name.upper() == "CPU" for g in plan.cluster.groups)
 
 
+def check_stage_widths(plan: Plan) -> None:
+    """Refuse stages whose data-parallel widths differ (one line)."""
+    for s in plan.stages:
+        if s.dp != plan.parallel.dp:
+            raise RuntimePlanError(
+                f"runtime: stage {s.index} has {s.dp} replicas but dp={plan.parallel.dp}; "
+                "stages with different data-parallel widths are not supported yet"
+            )
+
+
 def build_mesh(plan: Plan, device: torch.device | None = None) -> RankContext:
     """The plan's DeviceMesh and this rank's coordinates.
 
@@ -164,12 +174,7 @@ def build_mesh(plan: Plan, device: torch.device | None = None) -> RankContext:
             f"runtime: the plan runs on {len(ranks)} ranks but the process group has {world}; "
             f"launch with `meshplan launch` (or torchrun --nproc-per-node {len(ranks)})"
         )
-    for s in plan.stages:
-        if s.dp != plan.parallel.dp:
-            raise RuntimePlanError(
-                f"runtime: stage {s.index} has {s.dp} replicas but dp={plan.parallel.dp}; "
-                "stages with different data-parallel widths are not supported yet"
-            )
+    check_stage_widths(plan)
     if plan.stages[0].group_tp:
         return _build_group_meshes(plan, ranks, device)
     shape = plan.mesh_shape

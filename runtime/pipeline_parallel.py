@@ -95,6 +95,19 @@ def check_schedule(plan: Plan) -> None:
         )
 
 
+def check_microbatches(plan: Plan, n_microbatches: int) -> None:
+    """Refuse a replica's micro-batch count its schedule cannot run: interleaved 1F1B needs
+    whole rounds of pp (torch's `ScheduleInterleaved1F1B`: m % max(1, m // pp) == 0)."""
+    pp = plan.parallel.pp or 1
+    if plan.parallel.schedule != Schedule.INTERLEAVED_1F1B or pp == 1:
+        return
+    if n_microbatches % max(1, n_microbatches // pp):
+        raise RuntimePlanError(
+            f"runtime: interleaved 1F1B with pp={pp} needs micro-batches in whole rounds of "
+            f"{pp} (torch's ScheduleInterleaved1F1B); the plan has {n_microbatches}"
+        )
+
+
 def rank_chunks(plan: Plan, pp_rank: int) -> list[int]:
     """The chunk-stage indices pipeline rank `pp_rank` holds, in its schedule's order."""
     pp, v = plan.parallel.pp or 1, chunks_per_rank(plan)
@@ -370,13 +383,7 @@ def build_schedule(
         cls = ScheduleGPipe if kind == Schedule.GPIPE else Schedule1F1B
         return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
     if kind == Schedule.INTERLEAVED_1F1B:
-        pp = plan.parallel.pp or 1
-        rounds = max(1, n_microbatches // pp)
-        if n_microbatches % rounds:
-            raise RuntimePlanError(
-                f"runtime: interleaved 1F1B with pp={pp} needs micro-batches in whole rounds of "
-                f"{pp} (torch's ScheduleInterleaved1F1B); the plan has {n_microbatches}"
-            )
+        check_microbatches(plan, n_microbatches)
         cls = ScheduleInterleaved1F1B
     elif kind == Schedule.ZERO_BUBBLE:
         cls = ScheduleZBVZeroBubble

@@ -414,3 +414,16 @@ def mixed_cluster(
         links=(NVLINK4, NVLINK3, IB_NDR, IB_HDR, WAN),
         group_links=(GroupLink("a", "b", "wan-100g"),) if wan else (),
     )
+
+
+def two_node_sizes_cluster() -> Cluster:
+    """8 A100-40GB in one NVLink node beside 2 nodes of 2 H100s: a TP of 4 fits only the
+    A100 node, the H100 nodes take at most 2 (where per-group TP degrees pay)."""
+    return Cluster(
+        name="a100x8+h100x2x2",
+        groups=(
+            DeviceGroup("a100", A100_40, 1, 8, "nvlink3", "ib-hdr", nics_per_node=8),
+            DeviceGroup("h100", H100, 2, 2, "nvlink4", "ib-ndr", nics_per_node=2),
+        ),
+        links=(NVLINK4, NVLINK3, IB_NDR, IB_HDR),
+    )

@@ -20,7 +20,14 @@ from meshplan.ir import Parallel, Recompute
 from meshplan.passes.partition import compositions, replica_capacity, stages_of
 from meshplan.solver import InfeasibleError, solve
 
-from tests.synthetic import A100_40, H100, h100_cluster, mixed_cluster, transformer_graph
+from tests.synthetic import (
+    A100_40,
+    H100,
+    h100_cluster,
+    mixed_cluster,
+    transformer_graph,
+    two_node_sizes_cluster,
+)
 
 GiB = 2**30
 
@@ -523,29 +530,12 @@ def test_70b_on_512_mixed_gpus_is_solved_to_optimality():
     assert result.candidates > 10_000  # the whole space was bounded, not sampled
 
 
-def _nodes_of_two_sizes():
-    """8 A100-40GB in one NVLink node beside 2 nodes of 2 H100s: a TP of 4 fits only the
-    A100 node, the H100 nodes take at most 2."""
-    from meshplan.ir import Cluster, DeviceGroup
-
-    from tests.synthetic import IB_HDR, IB_NDR, NVLINK3, NVLINK4
-
-    return Cluster(
-        name="a100x8+h100x2x2",
-        groups=(
-            DeviceGroup("a100", A100_40, 1, 8, "nvlink3", "ib-hdr", nics_per_node=8),
-            DeviceGroup("h100", H100, 2, 2, "nvlink4", "ib-ndr", nics_per_node=2),
-        ),
-        links=(NVLINK4, NVLINK3, IB_NDR, IB_HDR),
-    )
-
-
 @pytest.mark.parametrize("squeeze", [(0.3, 0.6), (0.25, 0.5), (0.35, 0.7), (0.2, 0.45)])
 def test_per_group_tp_matches_exhaustive_search(squeeze):
     # Long sequences on memory-tight GPUs: the A100s need a wide TP that the 2-GPU H100
     # nodes cannot host, so the best plan runs each group's pipelines at its own TP degree.
     graph = transformer_graph(4, 1024, 16, 16, 4096, 8000, 4096, 1)
-    cluster = _squeezed(graph, _nodes_of_two_sizes(), squeeze)
+    cluster = _squeezed(graph, two_node_sizes_cluster(), squeeze)
     best, best_p, best_pl = brute_force(graph, cluster, 16)
     assert len(best_pl) == 3, "the exhaustive optimum of this instance uses per-group TP"
     result = solve(graph, cluster, Parallel(), global_batch=16, time_limit_s=20)

@@ -112,6 +112,37 @@ def reference(
     return losses, states
 
 
+def train(
+    runner,
+    global_batch: int,
+    steps: int = STEPS,
+    count_step: int | None = COUNT_STEP,
+    batch_fn=batch,
+):
+    """Inside a rank: `steps` steps of `runner` on `batch_fn(global_batch, step)`; (losses,
+    parameter snapshots (rank 0: before and after every step), the collectives of step
+    `count_step` with their groups as ranks)."""
+    from meshplan.runtime import CollectiveCounter
+
+    states = [runner.full_state_dict()]
+    losses, records = [], []
+    for step in range(steps):
+        x, y = batch_fn(global_batch, step)
+        if step == count_step:
+            with CollectiveCounter() as counter:
+                losses.append(runner.step(x, y))
+            records = by_ranks(counter.records)
+        else:
+            losses.append(runner.step(x, y))
+        states.append(runner.full_state_dict())
+    return losses, states, records
+
+
+def run_all(plans):
+    """Inside a rank: `distributed_run` of every plan, by name."""
+    return {name: distributed_run(plan) for name, plan in plans.items()}
+
+
 def distributed_run(
     plan,
     steps: int = STEPS,
@@ -121,23 +152,12 @@ def distributed_run(
 ):
     """Inside a rank: apply the plan, train, return losses, snapshots (rank 0) and the
     collectives of step `count_step` (see `COUNT_STEP`)."""
-    from meshplan.runtime import CollectiveCounter, apply
+    from meshplan.runtime import apply
 
     t0 = time.perf_counter()
     model = build_model(**model_kw)
     runner = apply(model, plan, loss_fn, sgd, **(apply_kw or {}))
-    states = [runner.full_state_dict()]
-    losses, records = [], []
-    for step in range(steps):
-        x, y = batch(plan.parallel.global_batch, step)
-        if step == count_step:
-            counter = CollectiveCounter()
-            with counter:
-                losses.append(runner.step(x, y))
-            records = by_ranks(counter.records)
-        else:
-            losses.append(runner.step(x, y))
-        states.append(runner.full_state_dict())
+    losses, states, records = train(runner, plan.parallel.global_batch, steps, count_step)
     return {
         "losses": losses,
         "states": states,

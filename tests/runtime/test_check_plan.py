@@ -13,32 +13,16 @@ import random
 
 import meshplan
 import pytest
-from meshplan.ir import Cluster, DeviceGroup, Parallel
+from meshplan.ir import Parallel
 from meshplan.runtime import RuntimePlanError, check_plan
 
 from tests.synthetic import (
     A100_40,
-    H100,
-    IB_HDR,
-    IB_NDR,
-    NVLINK3,
-    NVLINK4,
     h100_cluster,
     mixed_cluster,
     transformer_graph,
+    two_node_sizes_cluster,
 )
-
-
-def _two_node_sizes() -> Cluster:
-    return Cluster(
-        name="a100x8+h100x2x2",
-        groups=(
-            DeviceGroup("a100", A100_40, 1, 8, "nvlink3", "ib-hdr", nics_per_node=8),
-            DeviceGroup("h100", H100, 2, 2, "nvlink4", "ib-ndr", nics_per_node=2),
-        ),
-        links=(NVLINK4, NVLINK3, IB_NDR, IB_HDR),
-    )
-
 
 CLUSTERS = (
     lambda: h100_cluster(2),
@@ -46,7 +30,7 @@ CLUSTERS = (
     lambda: mixed_cluster(1, 1, gpus_per_node=4),
     lambda: mixed_cluster(1, 3, a100=A100_40, gpus_per_node=4),
     lambda: mixed_cluster(1, 1, wan=True, gpus_per_node=4),
-    _two_node_sizes,
+    two_node_sizes_cluster,
 )
 PINS = (
     Parallel(),

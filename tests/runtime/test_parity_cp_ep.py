@@ -31,19 +31,16 @@ from meshplan.runtime import run_local
 
 from tests.runtime.harness import (
     CFG,
-    COUNT_STEP,
     SEQ,
-    STEPS,
     assert_parity,
-    batch,
     build_model,
-    by_ranks,
     check_step_collectives,
     graph,
     group_names,
     loss_fn,
     reference,
     sgd,
+    train,
 )
 
 MOE = dict(experts=4, top_k=2)  # capacity_factor 1: some choices are dropped
@@ -120,21 +117,12 @@ def _plan(world, fields, model_kw):
 
 def _run(plan, apply_kw, model_kw):
     """Inside a rank: apply, train; losses, snapshots, one step's collectives, the groups."""
-    from meshplan.runtime import CollectiveCounter, apply
+    from meshplan.runtime import apply
 
     t0 = time.perf_counter()
     runner = apply(build_model(**model_kw), plan, loss_fn, sgd, **apply_kw)
     experts = _expert_storage(runner)
-    states, losses, records = [runner.full_state_dict()], [], []
-    for step in range(STEPS):
-        x, y = batch(plan.parallel.global_batch, step)
-        if step == COUNT_STEP:
-            with CollectiveCounter() as counter:
-                losses.append(runner.step(x, y))
-            records = by_ranks(counter.records)
-        else:
-            losses.append(runner.step(x, y))
-        states.append(runner.full_state_dict())
+    losses, states, records = train(runner, plan.parallel.global_batch)
     ctx = runner.ctx
     groups = group_names(runner)
     return {

@@ -32,12 +32,12 @@ from meshplan.runtime.mesh import group_view
 from tests.runtime.harness import (
     _composition,
     assert_parity,
-    distributed_run,
     expected_loss_sync,
     expected_tp,
     graph,
     rank_ranges,
     reference,
+    run_all,
 )
 
 
@@ -54,15 +54,17 @@ def cpu_groups(sizes: dict[str, int]):
 
 
 def group_tp_plan(
-    sizes: dict[str, int],
-    tps: dict[str, int],
     replicas: dict[str, int],
     shares: dict[str, int],
+    tps: dict[str, int] | None = None,
     **parallel,
 ) -> Plan:
     """A per-group TP plan for the tiny model, priced by the cost model (group-pure
-    pipelines, ZeRO-0, SP where a group's tp > 1)."""
-    cluster = cpu_groups(sizes)
+    pipelines, ZeRO-0, SP where a group's tp > 1): `replicas` pipelines per group at its tp
+    (default "fast" 1, "slow" 2), on CPU groups of exactly the ranks they need."""
+    tps = tps or {"fast": 1, "slow": 2}
+    per = parallel.get("pp", 1) * parallel.get("cp", 1)
+    cluster = cpu_groups({g: n * tps[g] * per for g, n in replicas.items()})
     g = graph()
     first = next(iter(tps))
     dp = sum(replicas.values())
@@ -97,16 +99,12 @@ def _plans_3():
     return {
         # one replica at tp 1, one at tp 2 (SP), 3 and 1 micro-batches of 2 rows
         "tp1+tp2": group_tp_plan(
-            {"fast": 1, "slow": 2},
-            {"fast": 1, "slow": 2},
             {"fast": 1, "slow": 1},
             {"fast": 3, "slow": 1},
             micro_batch=2,
             global_batch=8,
         ),
         "tp1+tp2-full-recompute": group_tp_plan(
-            {"fast": 1, "slow": 2},
-            {"fast": 1, "slow": 2},
             {"fast": 1, "slow": 1},
             {"fast": 2, "slow": 2},
             micro_batch=2,
@@ -120,8 +118,6 @@ def _plans_4():
     return {
         # two tp-1 replicas in one group (dp 3 in all), shares 1 / 1 / 4
         "2xtp1+tp2": group_tp_plan(
-            {"fast": 2, "slow": 2},
-            {"fast": 1, "slow": 2},
             {"fast": 2, "slow": 1},
             {"fast": 1, "slow": 4},
             micro_batch=2,
@@ -134,8 +130,6 @@ def _plans_6():
     return {
         # pipelines inside each group: 2 stages at tp 1 and 2 stages at tp 2
         "pp2: tp1+tp2": group_tp_plan(
-            {"fast": 2, "slow": 4},
-            {"fast": 1, "slow": 2},
             {"fast": 1, "slow": 1},
             {"fast": 5, "slow": 3},
             pp=2,
@@ -144,8 +138,6 @@ def _plans_6():
         ),
         # the zero-bubble schedule (ZB-V, split backward) and interleaved 1F1B in each group
         "zbv: tp1+tp2": group_tp_plan(
-            {"fast": 2, "slow": 4},
-            {"fast": 1, "slow": 2},
             {"fast": 1, "slow": 1},
             {"fast": 5, "slow": 3},
             pp=2,
@@ -154,8 +146,6 @@ def _plans_6():
             schedule="zero_bubble",
         ),
         "interleaved: tp1+tp2": group_tp_plan(
-            {"fast": 2, "slow": 4},
-            {"fast": 1, "slow": 2},
             {"fast": 1, "slow": 1},
             {"fast": 4, "slow": 4},
             pp=2,
@@ -166,8 +156,6 @@ def _plans_6():
         ),
         # context parallelism in both groups (dp x cp = 4 ranks reduce each piece)
         "cp2: tp1+tp2": group_tp_plan(
-            {"fast": 2, "slow": 4},
-            {"fast": 1, "slow": 2},
             {"fast": 1, "slow": 1},
             {"fast": 2, "slow": 2},
             cp=2,
@@ -177,12 +165,8 @@ def _plans_6():
     }
 
 
-def _run_all(plans):
-    return {name: distributed_run(plan) for name, plan in plans.items()}
-
-
 def _check(world, plans):
-    results = run_local(_run_all, world, plans, timeout_s=240)
+    results = run_local(run_all, world, plans, timeout_s=240)
     for name, plan in plans.items():
         p = plan.parallel
         assert plan.world_size == world

@@ -31,14 +31,13 @@ import torch.nn.functional as F
 from meshplan.runtime import RuntimePlanError, run_local
 
 from tests.runtime.harness import (
-    COUNT_STEP,
     LR,
     STEPS,
     assert_parity,
-    by_ranks,
     check_step_collectives,
     group_names,
     rank_ranges,
+    train,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -188,7 +187,7 @@ def _run(plans, configs):
     """Inside a rank: apply each plan to a fresh model, train; losses, snapshots, one step's
     collectives, the groups, what TP sharded and which modules ran. First, `apply` of the
     first SP plan to the model with eager attention, which it must refuse ("refused")."""
-    from meshplan.runtime import CollectiveCounter, apply
+    from meshplan.runtime import apply
     from torch.distributed.tensor import DTensor, Shard
 
     out = {}
@@ -206,16 +205,7 @@ def _run(plans, configs):
             for m in runner.modules
             for q in m.parameters()
         )
-        states, losses, records = [runner.full_state_dict()], [], []
-        for step in range(STEPS):
-            x, y = batch(plan.parallel.global_batch, step)
-            if step == COUNT_STEP:
-                with CollectiveCounter() as counter:
-                    losses.append(runner.step(x, y))
-                records = by_ranks(counter.records)
-            else:
-                losses.append(runner.step(x, y))
-            states.append(runner.full_state_dict())
+        losses, states, records = train(runner, plan.parallel.global_batch, batch_fn=batch)
         out[name] = {
             "losses": losses,
             "states": states,

@@ -28,6 +28,8 @@ from meshplan.runtime import RuntimePlanError
 
 from tests.runtime.harness import CFG, FP32, SEQ, build_model
 from tests.runtime.test_parity_cp_ep import (
+    MOE,
+    MOE_NO_DROP,
     _check_all,
     _check_ep_collectives,
     _forwards,
@@ -37,9 +39,7 @@ from tests.runtime.test_parity_cp_ep import (
     _stage_facts,
 )
 
-MOE = dict(experts=4, top_k=2)  # capacity_factor 1: some choices are dropped
 MOE_SHARED = dict(experts=4, top_k=2, shared_experts=1)
-MOE_NO_DROP = dict(experts=4, top_k=2, capacity_factor=2.0)
 GPT_MOE = dict(experts=4, top_k=2, style="gpt", kv_heads=4)
 
 # name -> (plan fields, apply() keywords, model overrides)

@@ -38,10 +38,10 @@ from meshplan.runtime.pipeline_parallel import chunk_ranges, rank_chunks
 from tests.runtime.harness import (
     assert_parity,
     check_step_collectives,
-    distributed_run,
     graph,
     make_plan,
     reference,
+    run_all,
 )
 
 
@@ -124,12 +124,8 @@ def _plans_4():
     }
 
 
-def _run_all(plans):
-    return {name: distributed_run(plan) for name, plan in plans.items()}
-
-
 def _check(world, plans):
-    results = run_local(_run_all, world, plans, timeout_s=240)
+    results = run_local(run_all, world, plans, timeout_s=240)
     for name, plan in plans.items():
         p = plan.parallel
         # One process over the whole global batch in micro-batches of micro_batch rows.
