@@ -14,6 +14,13 @@ pipeline depth pp, m = global_batch / (dp * micro_batch) micro-batches per pipel
   (pp - 1) stage times (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
   Clusters Using Megatron-LM", SC'21); with unequal stages the fill and drain pass every stage
   once, so the bubble is sum_s u_s - U + (pp - 1) * P.
+- EP across device groups: an expert-parallel group is ep consecutive dp ranks, so where a
+  stage's replicas are split over groups (dp indices in placement order) an ep group can
+  hold ranks of several groups; its all-to-alls then send the share of their bytes that goes
+  to the other groups over those groups' path (NICs, and a shared GroupLink such as a WAN),
+  not over the group's own (`Pricer.ep_span_all_to_all`). `evaluate` prices the spanning
+  ep groups of the placement it is given; the per-(stage, group) tables, which the CP-SAT
+  model reads, hold for a group too small for a whole ep group the cheapest such span.
 - P: the point-to-point time of one micro-batch's boundary activation (forward send plus
   backward send) over the slowest stage boundary, on the link between the two stages' groups;
   each TP rank sends 1/tp of it (Megatron's scatter/gather, Narayanan et al. sec. 4.1).
@@ -68,7 +75,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from meshplan.ir import (
@@ -92,6 +99,7 @@ from meshplan.passes.partition import layer_counts, rank_chunks, replica_capacit
 from meshplan.passes.sharding import row_parallel_ops
 
 from .collectives import (
+    BASE_LATENCY_S,
     Collective,
     CrossPath,
     Path,
@@ -464,6 +472,57 @@ def model_costs(graph: Graph) -> ModelCosts:
 
 
 @dataclass(frozen=True, slots=True)
+class EpSpan:
+    """An expert-parallel group whose ranks sit in several device groups.
+
+    `members`: (group, ranks of the ep group in it) in rank order, at least two groups.
+    `streams`: how many such ep groups cross a shared GroupLink at once (tp * cp per spanning
+    chunk of dp ranks, summed over the pipeline stages, which run concurrently).
+    """
+
+    members: tuple[tuple[str, int], ...]
+    streams: int = 1
+
+    def __post_init__(self) -> None:
+        if len({g for g, _ in self.members}) < 2 or any(n < 1 for _, n in self.members):
+            raise ValueError(f"EpSpan needs ranks in at least two groups, got {self.members}")
+        if self.streams < 1:
+            raise ValueError(f"EpSpan streams must be >= 1, got {self.streams}")
+
+    @property
+    def ranks(self) -> int:
+        """The ep group's size."""
+        return sum(n for _, n in self.members)
+
+
+def ep_spans(replicas: Sequence[tuple[str, int]], ep: int) -> tuple[list[tuple], set[str]]:
+    """The ep groups of one stage's replicas (group, count) in placement (dp index) order:
+    ([members of each ep group that spans groups], {groups holding a whole ep group}).
+
+    An ep group is ep consecutive dp indices (`meshplan.runtime.mesh`), and dp indices are
+    numbered across the groups in placement order (`meshplan.ir.plan.assign_ranks`)."""
+    spanning: list[tuple] = []
+    whole: set[str] = set()
+    chunk: list[list] = []
+    left = ep
+    for group, count in replicas:
+        while count > 0:
+            take = min(count, left)
+            if chunk and chunk[-1][0] == group:
+                chunk[-1][1] += take
+            else:
+                chunk.append([group, take])
+            count, left = count - take, left - take
+            if left == 0:
+                if len(chunk) > 1:
+                    spanning.append(tuple((g, n) for g, n in chunk))
+                else:
+                    whole.add(chunk[0][0])
+                chunk, left = [], ep
+    return spanning, whole
+
+
+@dataclass(frozen=True, slots=True)
 class StageTime:
     """One micro-batch (forward + backward) of one stage on one rank of a device group (s)."""
 
@@ -582,11 +641,13 @@ class Pricer:
         micro_batch: int,
         recompute: Recompute,
         quantize: bool = False,
+        span: EpSpan | None = None,
     ) -> StageTime:
         """Forward/backward/recompute compute and TP/CP/EP traffic of one micro-batch: the sum
         over the stage's blocks of `block_time` times their instance counts. `quantize`: saved
-        activations are quantized (AGoQ), which adds quantize/dequantize time."""
-        key = (comp, group, tp, cp, ep, sp, micro_batch, recompute, quantize)
+        activations are quantized (AGoQ), which adds quantize/dequantize time. `span`: the
+        rank's ep group spans device groups (`EpSpan`); None: it lies inside `group`."""
+        key = (comp, group, tp, cp, ep, sp, micro_batch, recompute, quantize, span)
         got = self._time.get(key)
         if got is None:
             parts = [0.0] * 7
@@ -601,6 +662,7 @@ class Pricer:
                     micro_batch=micro_batch,
                     recompute=recompute,
                     quantize=quantize,
+                    span=span,
                 )
                 for i, v in enumerate(
                     (t.forward, t.backward, t.recompute, t.tp_comm, t.cp_comm, t.ep_comm, t.wgrad)
@@ -621,9 +683,11 @@ class Pricer:
         micro_batch: int,
         recompute: Recompute,
         quantize: bool = False,
+        span: EpSpan | None = None,
     ) -> StageTime:
-        """One instance of block `bkey`, one micro-batch, on one rank of `group`."""
-        key = (bkey, group, tp, cp, ep, sp, micro_batch, recompute, quantize)
+        """One instance of block `bkey`, one micro-batch, on one rank of `group` (`span`: its
+        ep group spans device groups, see `stage_time`)."""
+        key = (bkey, group, tp, cp, ep, sp, micro_batch, recompute, quantize, span)
         got = self._block_time.get(key)
         if got is not None:
             return got
@@ -639,7 +703,7 @@ class Pricer:
             g_fwd, g_bwd = bc.gemm_times(tp=tp, cp=cp, scale=scale)
             t_fwd, t_bwd = exposed(t_fwd, g_fwd), exposed(t_bwd, g_bwd)
         c_fwd, c_bwd = self._cp_traffic(facts, g, tp, cp, scale)
-        e_fwd, e_bwd = self._ep_traffic(facts, g, tp, cp, ep, sp, scale)
+        e_fwd, e_bwd = self._ep_traffic(facts, g, tp, cp, ep, sp, scale, span)
         rc = 0.0
         policy = self.selective_policy
         if facts.kind == "layer" and recompute == Recompute.SELECTIVE:
@@ -766,21 +830,71 @@ class Pricer:
             return moe_imbalance(facts.assignments * share, ep, facts.capacity_factor)
         return min(factor, max(1.0, facts.capacity_factor))
 
-    def _ep_traffic(self, facts, g: DeviceGroup, tp, cp, ep, sp, scale) -> tuple[float, float]:
+    def _ep_traffic(
+        self, facts, g: DeviceGroup, tp, cp, ep, sp, scale, span: EpSpan | None = None
+    ) -> tuple[float, float]:
         """Expert parallelism: dispatch + combine all-to-alls of top_k * tokens * hidden in
         forward and again in backward, over ep ranks strided by tp * cp, at the busiest rank's
         load: the mean times the routing imbalance (`Engine.moe_imbalance`, else the balanced
-        router's bound `moe_imbalance`, capped by the capacity factor)."""
+        router's bound `moe_imbalance`, capped by the capacity factor). Inside group g, or,
+        with `span`, over the groups the ep group spans (`ep_span_all_to_all`, raw)."""
         if ep <= 1 or not facts.a2a_bytes:
             return 0.0, 0.0
         share = scale / (cp * (tp if sp else 1))
         factor = self.moe_load_factor(facts, tp=tp, cp=cp, ep=ep, sp=sp, scale=scale)
         size = facts.a2a_bytes * share * factor
+        if span is not None:
+            t = self.ep_span_all_to_all(size, span, tp=tp, cp=cp)
+            return 2 * t, 2 * t
         path = group_path(self.cluster, g, ep, max(1, g.gpus_per_node // (tp * cp)))
         t = self.comm_choice(
             Collective.ALL_TO_ALL, size, ep, path, g.gpu, "activations", "ep"
         ).time_s
         return 2 * t, 2 * t
+
+    def ep_span_all_to_all(self, size: float, span: EpSpan, *, tp: int, cp: int) -> float:
+        """One all-to-all of `size` bytes per rank (`size / n` to each of the n ranks, itself
+        included) over an ep group that spans device groups (seconds).
+
+        Derivation. Let the n = sum_g c_g ranks sit c_g in group g. A rank of g sends
+        (c_g - 1) size / n to the other ranks of g and c_h size / n to each group h != g: in
+        all (n - 1) size / n, NCCL's all-to-all bus factor. Between groups g and h the link
+        carries, in each direction, c_g c_h size / n bytes per ep group (c_g ranks sending
+        c_h size / n each); with `span.streams` ep groups crossing at once, streams times that.
+        For two groups split a | b, 2 a b size / n bytes cross (a b size / n each way) of the
+        (n - 1) size the all-to-all moves in all: a fraction 2 a b / (n (n - 1)), e.g. 16/31
+        for 16 | 16. The transfers run concurrently (one latency step, as inside a group), so
+        the time is the base latency plus one step at the slowest path's latency plus the
+        largest of
+
+        - c_g's own part: (c_g - 1) size / n over the group's path for c_g ranks (`group_path`,
+          as the all-to-all inside a group);
+        - a rank's part leaving its group: sum_h c_h size / n over its NIC share towards h
+          (`cross_group_path` with one rank per node: every rank drives its own share);
+        - a shared GroupLink between g and h (a WAN): streams c_g c_h size / n over the whole
+          link's bandwidth.
+
+        Raw traffic only (lossless coding of a spanning all-to-all is not priced)."""
+        n = span.ranks
+        per_byte, latency = 0.0, 0.0
+        for i, (a, ca) in enumerate(span.members):
+            ga = self.groups[a]
+            if ca > 1:
+                inside = group_path(self.cluster, ga, ca, max(1, ga.gpus_per_node // (tp * cp)))
+                per_byte = max(per_byte, (ca - 1) / n / inside.bandwidth)
+                latency = max(latency, inside.latency)
+            out = 0.0
+            for j, (b, cb) in enumerate(span.members):
+                if b == a:
+                    continue
+                cross = self.cross_path(a, b, 1, 1)
+                out += cb / n / cross.bandwidth
+                latency = max(latency, cross.latency)
+                if j > i and cross.shared_bandwidth is not None:
+                    shared = span.streams * ca * cb / n / cross.shared_bandwidth
+                    per_byte = max(per_byte, shared)
+            per_byte = max(per_byte, out)
+        return BASE_LATENCY_S + latency + size * per_byte
 
     # -- per stage composition (group-independent) ---------------------------------------------
     def stage_memory(
@@ -1170,6 +1284,11 @@ class PlanTables:
     group_memory: list[dict[str, tuple[int, tuple[tuple[str, int], ...]]]] = field(
         default_factory=list
     )
+    # EP on several groups: (stage, group, EpSpan) -> the StageTime of a rank of that group
+    # whose ep group spans groups (`Pricer.stage_time` with `span`). None: no EP all-to-all or
+    # one group. `time[s][g]` of a group that cannot hold a whole ep group already holds the
+    # cheapest span (`_ep_floor`); `evaluate` prices the placement's own spans with this.
+    ep_span: Callable[[int, str, EpSpan], StageTime] | None = None
 
     @property
     def pp(self) -> int:
@@ -1258,6 +1377,21 @@ def plan_tables(
             ),
         }
     capacity = {g: replica_capacity(pricer.groups[g], tp, cp) for g in names}
+    ep_span = None
+    moe = any(costs.facts[k].a2a_bytes for comp in comps for k, _ in comp)
+    if ep > 1 and len(names) > 1 and moe:
+        kw = dict(tp=tp, cp=cp, ep=ep, sp=sp, micro_batch=mb, recompute=rc, quantize=quant)
+
+        def ep_span(s: int, g: str, span: EpSpan) -> StageTime:
+            return pricer.stage_time(comps[s], g, **kw, span=span)
+
+        for comp, u in uniq.items():
+            for g in names:
+                if capacity[g] < ep:  # every ep group with ranks here spans groups
+                    floor = _ep_floor(pricer, comp, g, names, capacity, kw)
+                    if floor is not None:
+                        u["time"][g] = floor
+                        u["window"][g] = _dp_window(floor, zero)
     time, window, opt, memory, fits, single, cross = [], [], [], [], [], [], []
     peaks: dict[tuple, tuple] = {}
     for s, comp in enumerate(comps):
@@ -1325,7 +1459,34 @@ def plan_tables(
         p2p=p2p,
         chunks=p.chunks if pp > 1 else 1,
         zero_bubble=p.schedule == Schedule.ZERO_BUBBLE and pp > 1,
+        ep_span=ep_span,
     )
+
+
+def _ep_floor(
+    pricer: Pricer,
+    comp: Composition,
+    g: str,
+    names: Sequence[str],
+    capacity: Mapping[str, int],
+    kw: Mapping,
+) -> StageTime | None:
+    """A rank of group g whose ep group cannot fit in g (capacity[g] < ep replicas): the
+    cheapest `EpSpan` it can be part of, over a partner group h and g's share c of the ep
+    ranks (c <= capacity[g], ep - c <= capacity[h]), with the fewest streams (tp * cp: one
+    spanning chunk). A lower bound on what `evaluate` charges any placement (exact for two
+    groups split at one chunk); None when no partner can hold the rest."""
+    ep, lanes = kw["ep"], kw["tp"] * kw["cp"]
+    best: StageTime | None = None
+    for h in names:
+        if h == g:
+            continue
+        for c in range(max(1, ep - capacity[h]), min(capacity[g], ep - 1) + 1):
+            span = EpSpan(((g, c), (h, ep - c)), streams=lanes)
+            t = pricer.stage_time(comp, g, **kw, span=span)
+            if best is None or t.total < best.total:
+                best = t
+    return best
 
 
 def hetero_tables(
@@ -1455,11 +1616,12 @@ def evaluate(
     else:
         m = tables.m
         used_pipe = used
+    times = tables.time if shares else _span_times(tables, placement)
     stage_u, stage_g = [], []
     for s in range(pp):
-        g = max(used_pipe[s], key=lambda x: tables.time[s][x].total)
+        g = max(used_pipe[s], key=lambda x: times[s][x].total)
         stage_g.append(g)
-        stage_u.append(tables.time[s][g].total)
+        stage_u.append(times[s][g].total)
     s_star = max(range(pp), key=lambda s: stage_u[s])
     big_u = stage_u[s_star]
     p2p = max(
@@ -1486,9 +1648,13 @@ def evaluate(
         window = max(tables.window[s][g] for g in used[s])
         exposed = max(exposed, comm - OVERLAP_EFFICIENCY * min(comm, window))
     optimizer = max(tables.optimizer[s][g] for s in range(pp) for g in used[s])
-    t = tables.time[s_star][stage_g[s_star]]
+    t = times[s_star][stage_g[s_star]]
     v = tables.chunks
-    z = max(tables.bubble_unit(s, g) for s in range(pp) for g in used_pipe[s])
+    z = max(
+        times[s][g].zb_bubble if tables.zero_bubble else 0.0
+        for s in range(pp)
+        for g in used_pipe[s]
+    )
     parts = {
         "compute": m * t.compute,
         "recompute": m * t.recompute,
@@ -1502,6 +1668,35 @@ def evaluate(
     }
     breakdown = tuple((k, parts[k]) for k in BREAKDOWN_PARTS)
     return Evaluation(sum(parts.values()), breakdown, s_star, stage_g[s_star])
+
+
+def _span_times(tables: PlanTables, placement: Placement) -> list[dict[str, StageTime]]:
+    """Per (stage, group) the StageTime a rank there takes under `placement`: the table's,
+    but where the stage's ep groups span device groups (`ep_spans`), the slowest of the
+    spanning ep groups the group takes part in, priced with every spanning ep group of the
+    step crossing at once (tp * cp per spanning chunk, over all stages)."""
+    ep = tables.parallel.ep or 1
+    if ep <= 1 or tables.ep_span is None:
+        return tables.time
+    per_stage = [ep_spans([(g, n) for g, n in reps if n > 0], ep) for reps in placement]
+    chunks = sum(len(spanning) for spanning, _ in per_stage)
+    if not chunks:
+        return tables.time
+    streams = chunks * (tables.parallel.tp or 1) * (tables.parallel.cp or 1)
+    out = []
+    for s, (spanning, whole) in enumerate(per_stage):
+        row = dict(tables.time[s])
+        priced: set[str] = set(whole)  # groups whose row already holds a time that applies
+        for members in spanning:
+            span = EpSpan(members, streams)
+            for g, _ in members:
+                t = tables.ep_span(s, g, span)
+                # without a whole ep group in g, the table's time (in-group EP) does not apply
+                if g not in priced or t.total > row[g].total:
+                    row[g] = t
+                priced.add(g)
+        out.append(row)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1681,6 +1876,13 @@ def predict(
         )
     if not graph.info.seq_len:
         notes.append("graph.info.seq_len is unknown: tokens/s counts sequences")
+    for st in stages if p.ep > 1 else ():
+        for members in ep_spans(st.replicas, p.ep)[0]:
+            split = " | ".join(f"{n} in {g}" for g, n in members)
+            notes.append(
+                f"stage {st.index}: an ep group spans device groups ({split}): its "
+                "all-to-alls cross between the groups"
+            )
     bottleneck = f"bottleneck: stage {ev.bottleneck_stage} on {ev.bottleneck_group}"
     notes.append(bottleneck)
     latency = _latency_sources([pricer.groups[g].gpu for g in names])

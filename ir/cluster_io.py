@@ -1233,6 +1233,18 @@ _NODE_NETWORK: dict[str, tuple[str, int]] = {
     "L40S": ("roce-200g", 4),
     "RTX4090": ("100gbe", 1),  # consumer-GPU boxes: one 100 GbE port
     "A10": ("100gbe", 1),
+    "GH200": ("ib-ndr", 8),  # GH200 systems: one 400 Gb/s NIC per superchip, typical
+    "GH200-144GB": ("ib-ndr", 8),
+    "H800": ("ib-ndr", 8),  # HGX H800: 8 x 400 Gb/s ConnectX-7, as DGX H100
+    "H20": ("ib-ndr", 8),  # HGX H20: 8 x 400 Gb/s, as HGX H100, typical
+    "GB200": ("ib-ndr", 8),  # GB200 NVL72 compute tray: 4 x 400 Gb/s ConnectX-7 per 4 GPUs
+    "GB300": ("ib-xdr", 8),  # GB300 NVL72: one 800 Gb/s ConnectX-8 per GPU
+    "L4": ("100gbe", 1),  # inference boxes: one 100 GbE port, as the consumer boxes
+    "A40": ("roce-200g", 4),  # PCIe servers, as L40S
+    "RTX-A6000": ("100gbe", 1),  # workstation-class boxes: one 100 GbE port
+    "RTX3090": ("100gbe", 1),
+    "RTX2080Ti": ("100gbe", 1),
+    "T4": ("25gbe", 1),  # T4 inference servers: commonly one 25 GbE port
 }
 
 

@@ -114,6 +114,106 @@ _SPECS: tuple[GpuSpec, ...] = (
         source=f"NVIDIA HGX B200 datasheet; {_HW_MD}",
     ),
     GpuSpec(
+        # The Hopper GPU of the GH200 Grace Hopper Superchip, first (HBM3) version. Compute is
+        # the H100 SXM5's; the datasheet prints its tensor rates with sparsity.
+        name="GH200",
+        peak_flops=(
+            ("bfloat16", 989 * TERA),  # GH200 datasheet: BF16 1,979 with sparsity / 2
+            ("float16", 989 * TERA),  # GH200 datasheet: FP16 1,979 with sparsity / 2
+            ("float32", 494.5 * TERA),  # TF32 dense: GH200 datasheet 989 with sparsity / 2
+            ("float8_e4m3fn", 1979 * TERA),  # GH200 datasheet: FP8 3,958 with sparsity / 2
+        ),
+        memory_bytes=96 * GiB,  # GH200 datasheet: 96 GB HBM3
+        hbm_bandwidth=4000 * GB,  # GH200 datasheet: up to 4 TB/s
+        sms=132,  # NVIDIA Grace Hopper Superchip architecture whitepaper: the H100 SXM5 GPU
+        # GH200 datasheet: NVLink4 900 GB/s bidirectional GPU-GPU / 2 (NVLink-C2C to the
+        # Grace CPU, also 900 GB/s, is host memory, not a GPU-GPU path).
+        nvlink_bandwidth=450 * GB,
+        source="NVIDIA GH200 Grace Hopper Superchip datasheet (96GB HBM3)",
+    ),
+    GpuSpec(
+        # GH200 with HBM3e (the GH200 NVL2 part): same GPU, more and faster memory.
+        name="GH200-144GB",
+        peak_flops=(
+            ("bfloat16", 989 * TERA),  # GH200 datasheet: BF16 1,979 with sparsity / 2
+            ("float16", 989 * TERA),  # GH200 datasheet: FP16 1,979 with sparsity / 2
+            ("float32", 494.5 * TERA),  # TF32 dense: GH200 datasheet 989 with sparsity / 2
+            ("float8_e4m3fn", 1979 * TERA),  # GH200 datasheet: FP8 3,958 with sparsity / 2
+        ),
+        memory_bytes=144 * GiB,  # GH200 datasheet: 144 GB HBM3e
+        hbm_bandwidth=4900 * GB,  # GH200 datasheet: up to 4.9 TB/s
+        sms=132,  # as GH200 (H100 SXM5 GPU)
+        nvlink_bandwidth=450 * GB,  # GH200 datasheet: NVLink4 900 GB/s bidirectional / 2
+        source="NVIDIA GH200 Grace Hopper Superchip datasheet (144GB HBM3e)",
+    ),
+    GpuSpec(
+        # H100 SXM5 silicon with NVLink cut to 400 GB/s (and FP64 to ~1 TFLOP/s) for export.
+        name="H800",
+        peak_flops=(
+            ("bfloat16", 989 * TERA),  # H800 datasheet: BF16 1,979 with sparsity / 2
+            ("float16", 989 * TERA),  # H800 datasheet: FP16 1,979 with sparsity / 2
+            ("float32", 494.5 * TERA),  # TF32 dense: H800 datasheet 989 with sparsity / 2
+            ("float8_e4m3fn", 1979 * TERA),  # H800 datasheet: FP8 3,958 with sparsity / 2
+        ),
+        memory_bytes=80 * GiB,  # H800 datasheet: 80 GB HBM3
+        hbm_bandwidth=3350 * GB,  # H800 datasheet: 3.35 TB/s
+        sms=132,  # the H100 SXM5 configuration (same GH100 part)
+        nvlink_bandwidth=200 * GB,  # H800 datasheet: NVLink 400 GB/s bidirectional / 2
+        source="NVIDIA H800 Tensor Core GPU datasheet (SXM)",
+    ),
+    GpuSpec(
+        # Export Hopper with most tensor throughput removed but HBM3 and NVLink4 kept. NVIDIA
+        # has no public datasheet page; the figures are the HGX H20 product brief's as widely
+        # reported (they are dense: 148 BF16 is ~15% of H100 SXM's dense 989).
+        name="H20",
+        peak_flops=(
+            ("bfloat16", 148 * TERA),  # HGX H20 brief: BF16/FP16 148 (dense)
+            ("float16", 148 * TERA),  # HGX H20 brief
+            ("float32", 74 * TERA),  # TF32 dense: HGX H20 brief 74
+            ("float8_e4m3fn", 296 * TERA),  # HGX H20 brief: FP8 296 (dense)
+        ),
+        memory_bytes=96 * GiB,  # HGX H20 brief: 96 GB HBM3
+        hbm_bandwidth=4000 * GB,  # HGX H20 brief: 4.0 TB/s
+        sms=78,  # not in the brief: 78 SMs as the driver reports it (Geekbench 6 listing)
+        nvlink_bandwidth=450 * GB,  # HGX H20 brief: NVLink 900 GB/s bidirectional / 2
+        source="NVIDIA HGX H20 product brief (as reported; no public datasheet page)",
+    ),
+    GpuSpec(
+        # One B200 GPU of a GB200 NVL72 rack (liquid-cooled, 1,200 W: faster than HGX B200).
+        # Per-GPU figures are the NVL72 rack's divided by its 72 GPUs.
+        name="GB200",
+        peak_flops=(
+            ("bfloat16", 2500 * TERA),  # hardware.md: GB200 2,500 BF16 (360 PF sparse / 72 / 2)
+            ("float16", 2500 * TERA),  # GB200 NVL72 datasheet: FP16 as BF16
+            ("float32", 1250 * TERA),  # TF32 dense: GB200 NVL72 datasheet 180 PF sparse / 72 / 2
+            ("float8_e4m3fn", 5000 * TERA),  # GB200 NVL72 datasheet: FP8 720 PF sparse / 72 / 2
+        ),
+        # GB200 NVL72 datasheet: up to 13.4 TB HBM3e per rack; GB200 superchip: up to 372 GB
+        # for its two GPUs -> 186 GB per GPU.
+        memory_bytes=186 * GiB,
+        hbm_bandwidth=8000 * GB,  # GB200 NVL72 datasheet: 576 TB/s / 72 GPUs
+        sms=148,  # the B200 configuration (2 dies x 74 SMs), as HGX B200
+        nvlink_bandwidth=900 * GB,  # GB200 NVL72 datasheet: NVLink5 1.8 TB/s per GPU / 2
+        source=f"NVIDIA GB200 NVL72 datasheet, per GPU; {_HW_MD}",
+    ),
+    GpuSpec(
+        # One Blackwell Ultra GPU of a GB300 NVL72 rack; per-GPU figures are the rack's / 72.
+        name="GB300",
+        peak_flops=(
+            ("bfloat16", 2500 * TERA),  # GB300 NVL72 datasheet: FP16/BF16 360 PF sparse / 72 / 2
+            ("float16", 2500 * TERA),  # GB300 NVL72 datasheet
+            ("float32", 1250 * TERA),  # TF32 dense: GB300 NVL72 datasheet 180 PF sparse / 72 / 2
+            ("float8_e4m3fn", 5000 * TERA),  # GB300 NVL72 datasheet: FP8 720 PF sparse / 72 / 2
+        ),
+        memory_bytes=288 * GiB,  # NVIDIA "Inside Blackwell Ultra" blog: 288 GB HBM3e per GPU
+        hbm_bandwidth=8000 * GB,  # same blog: 8 TB/s per GPU (GB300 NVL72: 576 TB/s / 72)
+        # Same blog: 160 SMs "in the full GPU implementation"; shipping parts may enable fewer.
+        sms=160,
+        nvlink_bandwidth=900 * GB,  # GB300 NVL72 datasheet: NVLink5 1.8 TB/s per GPU / 2
+        source="NVIDIA GB300 NVL72 datasheet, per GPU; NVIDIA technical blog "
+        '"Inside NVIDIA Blackwell Ultra" (2025)',
+    ),
+    GpuSpec(
         name="A100-80GB",
         peak_flops=(
             ("bfloat16", 312 * TERA),  # hardware.md, A100 SXM4
@@ -208,6 +308,95 @@ _SPECS: tuple[GpuSpec, ...] = (
         source=f"NVIDIA A10 Tensor Core GPU datasheet; {_HW_MD}",
     ),
     GpuSpec(
+        name="L4",
+        peak_flops=(
+            ("bfloat16", 121 * TERA),  # L4 datasheet: BF16 242 with sparsity / 2
+            ("float16", 121 * TERA),  # L4 datasheet: FP16 242 with sparsity / 2
+            ("float32", 60 * TERA),  # TF32 dense: L4 datasheet 120 with sparsity / 2
+            ("float8_e4m3fn", 242.5 * TERA),  # L4 datasheet: FP8 485 with sparsity / 2
+        ),
+        memory_bytes=24 * GiB,  # L4 datasheet: 24 GB GDDR6
+        hbm_bandwidth=300 * GB,  # L4 datasheet: 300 GB/s
+        # TechPowerUp GPU database: 7,424 CUDA cores / 128 per SM. (Some databases print 60,
+        # the full AD104; 58 is what the 121 TFLOP/s dense rate at 2,040 MHz implies.)
+        sms=58,
+        nvlink_bandwidth=0.0,  # L4 datasheet: PCIe Gen4 x16, no NVLink
+        source="NVIDIA L4 Tensor Core GPU datasheet",
+    ),
+    GpuSpec(
+        name="A40",
+        peak_flops=(
+            ("bfloat16", 149.7 * TERA),  # A40 datasheet: BF16 (FP32 accumulate) 149.7 dense
+            ("float16", 149.7 * TERA),  # A40 datasheet: FP16 tensor 149.7 dense
+            ("float32", 74.8 * TERA),  # TF32 dense: A40 datasheet 74.8
+        ),
+        memory_bytes=48 * GiB,  # A40 datasheet: 48 GB GDDR6 with ECC
+        hbm_bandwidth=696 * GB,  # A40 datasheet: 696 GB/s
+        sms=84,  # A40 datasheet: 10,752 CUDA cores / 128 per SM (GA102 whitepaper)
+        # The optional 2-GPU NVLink bridge (112.5 GB/s) is ignored: modelled over PCIe Gen4.
+        nvlink_bandwidth=0.0,
+        source="NVIDIA A40 datasheet; NVIDIA Ampere GA102 GPU architecture whitepaper v2",
+    ),
+    GpuSpec(
+        name="RTX-A6000",
+        peak_flops=(
+            # GA102 whitepaper v2 appendix C / RTX A6000 datasheet: tensor 309.7 with sparsity
+            # / 2 = 84 SMs x 4 tensor cores x 256 FLOP/clock x 1.80 GHz (FP32 accumulate at full
+            # rate on professional parts).
+            ("bfloat16", 154.8 * TERA),
+            ("float16", 154.8 * TERA),
+            ("float32", 77.4 * TERA),  # TF32 dense: half the FP16 tensor rate (GA102 whitepaper)
+        ),
+        memory_bytes=48 * GiB,  # RTX A6000 datasheet: 48 GB GDDR6 with ECC
+        hbm_bandwidth=768 * GB,  # RTX A6000 datasheet: 768 GB/s
+        sms=84,  # 10,752 CUDA cores / 128 per SM (GA102 whitepaper)
+        nvlink_bandwidth=0.0,  # the optional 2-GPU NVLink bridge is ignored (PCIe Gen4)
+        source="NVIDIA RTX A6000 datasheet; NVIDIA Ampere GA102 GPU architecture whitepaper v2",
+    ),
+    GpuSpec(
+        name="RTX3090",
+        peak_flops=(
+            # GA102 whitepaper appendix A: FP16 tensor 142 dense with FP16 accumulate, 71 with
+            # FP32 accumulate (what mixed-precision training uses; GeForce halves it).
+            ("bfloat16", 71 * TERA),  # GA102 whitepaper: BF16 (FP32 accumulate) 71 dense
+            ("float16", 71 * TERA),  # GA102 whitepaper: FP16, FP32 accumulate
+            ("float32", 35.6 * TERA),  # TF32 dense: GA102 whitepaper 35.6
+        ),
+        memory_bytes=24 * GiB,  # GA102 whitepaper: 24 GB GDDR6X
+        hbm_bandwidth=936 * GB,  # GA102 whitepaper: 936 GB/s
+        sms=82,  # GA102 whitepaper appendix A: 82 SMs
+        nvlink_bandwidth=0.0,  # the optional 2-GPU NVLink bridge is ignored (PCIe Gen4)
+        source="NVIDIA Ampere GA102 GPU architecture whitepaper, appendix A (GeForce RTX 3090)",
+    ),
+    GpuSpec(
+        name="RTX2080Ti",
+        peak_flops=(
+            # No BF16 hardware (Turing): no bfloat16 entry (see V100). FP16 tensor rate with
+            # FP32 accumulate at reference clocks (1,545 MHz): NVIDIA Turing whitepaper 53.8
+            # (107.6 with FP16 accumulate; Founders Edition 56.9 / 113.8).
+            ("float16", 53.8 * TERA),
+            ("float32", 13.4 * TERA),  # CUDA-core FP32 (no TF32): Turing whitepaper 13.4
+        ),
+        memory_bytes=11 * GiB,  # Turing whitepaper: 11 GB GDDR6
+        hbm_bandwidth=616 * GB,  # Turing whitepaper: 616 GB/s
+        sms=68,  # Turing whitepaper: 68 SMs
+        nvlink_bandwidth=0.0,  # the optional 2-GPU NVLink bridge is ignored (PCIe Gen3)
+        source="NVIDIA Turing GPU architecture whitepaper (GeForce RTX 2080 Ti)",
+    ),
+    GpuSpec(
+        name="T4",
+        peak_flops=(
+            # No BF16 hardware (Turing): no bfloat16 entry (see V100).
+            ("float16", 65 * TERA),  # T4 datasheet: mixed precision (FP16/FP32) 65, dense
+            ("float32", 8.1 * TERA),  # CUDA-core FP32 (no TF32): T4 datasheet 8.1
+        ),
+        memory_bytes=16 * GiB,  # T4 datasheet: 16 GB GDDR6
+        hbm_bandwidth=320 * GB,  # T4 datasheet: 320+ GB/s (TechPowerUp: 320.0)
+        sms=40,  # 2,560 CUDA cores / 64 per Turing SM (T4 datasheet; Turing whitepaper)
+        nvlink_bandwidth=0.0,  # T4 datasheet: x16 PCIe Gen3, no NVLink
+        source="NVIDIA T4 Tensor Core GPU datasheet",
+    ),
+    GpuSpec(
         # One graphics compute die (GCD): ROCm shows each MI250X as two GPUs.
         name="MI250X",
         peak_flops=(
@@ -288,6 +477,12 @@ _ALIASES: dict[str, tuple[str, ...]] = {
     "H100-PCIe": ("H100-PCIe-80GB",),
     "H200": ("H200-SXM", "H200-141GB"),
     "B200": ("HGX-B200", "B200-SXM"),
+    "GH200": ("GH200-96GB", "GH200-HBM3", "Grace-Hopper", "GH200-Superchip"),
+    "GH200-144GB": ("GH200-HBM3e", "GH200-NVL2"),
+    "H800": ("H800-SXM", "H800-SXM5", "H800-80GB"),
+    "H20": ("H20-96GB", "HGX-H20"),
+    "GB200": ("GB200-NVL72", "GB200-Superchip"),
+    "GB300": ("GB300-NVL72", "GB300-Superchip"),
     "A100-80GB": ("A100", "A100-SXM", "A100-SXM4", "A100-SXM4-80GB", "A100-80GB-SXM"),
     "A100-40GB": ("A100-SXM4-40GB", "A100-40GB-SXM"),
     "A100-PCIe": ("A100-PCIe-80GB", "A100-80GB-PCIe"),
@@ -295,6 +490,12 @@ _ALIASES: dict[str, tuple[str, ...]] = {
     "L40S": (),
     "RTX4090": ("GeForce-RTX-4090", "4090"),
     "A10": ("A10-24GB",),
+    "L4": ("L4-24GB",),
+    "A40": ("A40-48GB",),
+    "RTX-A6000": ("A6000",),
+    "RTX3090": ("GeForce-RTX-3090", "3090"),
+    "RTX2080Ti": ("GeForce-RTX-2080-Ti", "2080Ti"),
+    "T4": ("Tesla-T4", "T4-16GB"),
     "MI250X": ("MI250X-GCD", "Instinct-MI250X"),
     "MI300X": ("Instinct-MI300X",),
     "CPU": ("host-cpu", "gloo-cpu"),
@@ -388,11 +589,13 @@ _TIERS: tuple[LinkTier, ...] = (
     _tier("nvlink2", LinkKind.NVLINK, 150 * GB),  # hardware.md: V100 NVLink2 300 GB/s
     _tier("nvlink3", LinkKind.NVLINK, 300 * GB),  # hardware.md: A100 NVLink3 600 GB/s
     _tier("nvlink4", LinkKind.NVLINK, 450 * GB),  # hardware.md: H100/H200 NVLink4 900 GB/s
+    _tier("nvlink4-h800", LinkKind.NVLINK, 200 * GB),  # H800 datasheet: NVLink 400 GB/s
     _tier("nvlink5", LinkKind.NVLINK, 900 * GB),  # hardware.md: B200 NVLink5 1,800 GB/s
     # AMD Infinity Fabric (xGMI). LinkKind has no AMD member; NVLINK stands for "GPU fabric".
     _tier("xgmi-mi250x", LinkKind.NVLINK, 200 * GB),  # hardware.md 800 GB/s per package / 4
     _tier("xgmi-mi300x", LinkKind.NVLINK, 448 * GB),  # hardware.md: 896 GB/s / 2
     # PCIe x16, per GPU, one direction.
+    _tier("pcie3", LinkKind.PCIE, 16 * GB),  # PCI-SIG: Gen3 x16, 8 GT/s x 16 lanes (128b/130b)
     _tier("pcie4", LinkKind.PCIE, 32 * GB),  # hardware.md: PCIe4 x16 64 GB/s bidirectional
     _tier("pcie5", LinkKind.PCIE, 64 * GB),  # PCI-SIG: Gen5 doubles Gen4's 32 GT/s lane rate
     # Inter-node, per NIC port, one direction.
@@ -441,6 +644,14 @@ _INTRA_LINK: dict[str, str] = {
     "H100-PCIe": "pcie5",
     "H200": "nvlink4",
     "B200": "nvlink5",
+    "GH200": "nvlink4",
+    "GH200-144GB": "nvlink4",
+    "H800": "nvlink4-h800",
+    "H20": "nvlink4",
+    # GB200/GB300 NVL72: one NVLink5 domain of 72 GPUs. A preset models 8-GPU nodes; write a
+    # cluster file with gpus_per_node: 72 for the whole rack as one NVLink island.
+    "GB200": "nvlink5",
+    "GB300": "nvlink5",
     "A100-80GB": "nvlink3",
     "A100-40GB": "nvlink3",
     "A100-PCIe": "pcie4",
@@ -448,6 +659,12 @@ _INTRA_LINK: dict[str, str] = {
     "L40S": "pcie4",
     "RTX4090": "pcie4",
     "A10": "pcie4",
+    "L4": "pcie4",  # L4 datasheet: PCIe Gen4 x16
+    "A40": "pcie4",  # A40 datasheet: PCIe Gen4
+    "RTX-A6000": "pcie4",  # RTX A6000 datasheet: PCIe Gen4 x16
+    "RTX3090": "pcie4",  # GA102 whitepaper: PCIe Gen4
+    "RTX2080Ti": "pcie3",  # Turing whitepaper: PCIe Gen3 x16
+    "T4": "pcie3",  # T4 datasheet: PCIe Gen3 x16
     "MI250X": "xgmi-mi250x",
     "MI300X": "xgmi-mi300x",
     "CPU": "loopback",
