@@ -14,6 +14,7 @@ from .parallel import (
     Schedule,
     StagePlacement,
     group_tp_problem,
+    microbatch_problem,
 )
 from .trace import TraceError, trace
 
@@ -44,4 +45,5 @@ __all__ = [
     "TraceError",
     "trace",
     "group_tp_problem",
+    "microbatch_problem",
 ]

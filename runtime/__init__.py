@@ -18,7 +18,14 @@ from .context_parallel import ContextParallel, sequence_positions
 from .errors import RankFailure, RuntimePlanError
 from .expert_parallel import ExpertParallel
 from .launch import check_machine, launch, run_local, torchrun_commands
-from .mesh import CollectiveCounter, CollectiveRecord, RankContext, build_mesh, init_distributed
+from .mesh import (
+    CollectiveCounter,
+    CollectiveRecord,
+    RankContext,
+    build_mesh,
+    init_distributed,
+    shutdown_distributed,
+)
 
 __all__ = [
     "CollectiveCounter",
@@ -39,5 +46,6 @@ __all__ = [
     "launch",
     "run_local",
     "sequence_positions",
+    "shutdown_distributed",
     "torchrun_commands",
 ]

@@ -197,9 +197,12 @@ def run_local(
     """Run `fn(*args)` on `world_size` forked CPU ranks joined in a gloo process group.
 
     Returns each rank's result (pickled back). Raises `RankFailure` naming the first rank
-    that failed (by time) with its exception; the other ranks are killed so nothing hangs.
-    When the only failures are peers timing out while a rank is still running (it never
-    reached the collective they wait in), that rank is named ("never arrived").
+    that failed (by time) with its exception, or the signal that killed it (named before the
+    peers failing on it with a lost connection or a collective timeout); the other ranks are
+    killed so nothing hangs. When the only failures are peers timing out while a rank is
+    still running (it never reached the collective they wait in), that rank is named ("never
+    arrived"). A rank that finished leaves through `mesh.shutdown_distributed` (after a
+    barrier, no gloo thread left running) before `os._exit`.
     Each rank sees RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* like under torchrun.
     """
     port = free_port()
@@ -222,6 +225,12 @@ def run_local(
                     threads_per_rank,
                 )
             finally:
+                # os._exit skips Python's exit: flush what the rank printed ourselves
+                for stream in (sys.stdout, sys.stderr):
+                    try:
+                        stream.flush()
+                    except Exception:
+                        pass
                 os._exit(code)
         pids[pid] = rank
     failures: list[tuple[float, int, str, str]] = []
@@ -279,12 +288,10 @@ def run_local(
 
 
 def _is_secondary(cause: str) -> bool:
-    """Errors a rank reports because a *peer* failed (connection closed, timeouts)."""
+    """Errors a rank reports because a *peer* failed (connection closed, timeouts). A rank
+    killed by a signal (OOM killer, SIGKILL) is a cause, named before the peers it fails."""
     text = cause.lower()
-    return any(
-        k in text
-        for k in ("connection closed", "connection reset", "timed out", "timeout", "killed")
-    )
+    return any(k in text for k in ("connection closed", "connection reset", "timed out", "timeout"))
 
 
 def _rank_main(
@@ -308,17 +315,17 @@ def _rank_main(
         import torch
         import torch.distributed as dist
 
+        from .mesh import shutdown_distributed
+
         torch.set_num_threads(threads)  # ranks share the host's cores
         dist.init_process_group(
             "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=coll_timeout_s)
         )
-        try:
-            result = fn(*args)
-        finally:
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
+        result = fn(*args)
+        # A rank that finished leaves only when every rank has, and with no gloo thread left
+        # (`mesh.shutdown_distributed`). One that failed exits at once (below): its peers
+        # fail on their next collective, within the collective timeout, and are reported.
+        shutdown_distributed()
         with open(workdir / f"{rank}.out", "wb") as f:
             pickle.dump(result, f)
         return 0

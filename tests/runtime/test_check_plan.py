@@ -98,3 +98,33 @@ def test_check_plan_refuses_what_the_runtime_cannot_run():
     zero3 = dataclasses.replace(ok, parallel=dataclasses.replace(ok.parallel, zero=3))
     with pytest.raises(RuntimePlanError, match="ZeRO-3"):
         check_plan(zero3)
+
+
+def test_check_plan_refuses_micro_batch_counts_the_schedule_cannot_run():
+    """A hand-edited plan whose pipelines get fewer micro-batches than 1F1B's stages (the
+    global batch lowered after planning), or whose uneven shares give one group such a count,
+    is refused in one line naming the rule (`ir.microbatch_problem`), before any process
+    starts; the same plan under GPipe runs."""
+    import dataclasses
+
+    from tests.runtime.harness import make_plan
+    from tests.runtime.test_parity_pipeline import uneven_plan
+
+    ok = make_plan(2, pp=2, micro_batch=2, global_batch=4, schedule="1f1b")
+    check_plan(ok)
+    short = dataclasses.replace(ok, parallel=dataclasses.replace(ok.parallel, global_batch=2))
+    rule = r"schedule '1f1b' needs at least pp=2 micro-batches per pipeline"
+    with pytest.raises(RuntimePlanError, match=rule) as err:
+        check_plan(short)
+    assert "\n" not in str(err.value)
+    p = dataclasses.replace(short.parallel, schedule="gpipe")
+    check_plan(dataclasses.replace(short, parallel=p))
+    # uneven shares: the slow group's pipeline runs 1 micro-batch over 2 stages
+    pp2 = dict(dp=2, pp=2, micro_batch=1, global_batch=4)
+    with pytest.raises(RuntimePlanError, match=rule):
+        check_plan(uneven_plan(4, {"fast": 3, "slow": 1}, **pp2))
+    check_plan(uneven_plan(4, {"fast": 2, "slow": 2}, **pp2))
+    # interleaved 1F1B: 5 micro-batches over pp=2 are 2 rounds and a remainder
+    interleaved = dict(pp2, global_batch=8, schedule="interleaved_1f1b")
+    with pytest.raises(RuntimePlanError, match="whole rounds"):
+        check_plan(uneven_plan(4, {"fast": 5, "slow": 3}, **interleaved))
