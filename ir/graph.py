@@ -231,7 +231,9 @@ class ModelInfo:
     model cannot run on a share of each sequence (sequence parallelism shards the hidden
     state over tp, context parallelism the tokens over cp), "" when it can; set by the tracer
     (`trace.sequence_sharding_blocker`: HuggingFace models whose positions the runtime cannot
-    give), read by the planner, which then keeps both off.
+    give), read by the planner, which then keeps both off. `blockers`: (dimension, reason)
+    pairs, sorted, for every parallel dimension the runtime cannot run on this model
+    (`ir.facts`, set by the tracer); the planner never plans them.
     """
 
     hidden: int = 0
@@ -246,6 +248,18 @@ class ModelInfo:
     top_k: int = 0
     layers: int = 0
     no_sequence_sharding: str = ""
+    blockers: tuple[tuple[str, str], ...] = ()
+
+    def blocker(self, dim: str) -> str:
+        """Why the runtime cannot run parallel dimension `dim` ("tp", "sp", "cp", "pp",
+        "ep") on this model, or "" (`ir.facts`; sequence sharding's own reason counts for
+        "sp" and "cp")."""
+        for d, why in self.blockers:
+            if d == dim:
+                return why
+        if dim in ("sp", "cp") and self.no_sequence_sharding:
+            return self.no_sequence_sharding
+        return ""
 
 
 @dataclass(frozen=True, slots=True)

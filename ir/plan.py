@@ -63,12 +63,21 @@ class RankAssignment:
 
 @dataclass(frozen=True, slots=True)
 class ModelRef:
+    """The model a plan is for. `blockers`: (dimension, reason) for every parallel dimension
+    the runtime cannot run on it (`ModelInfo.blockers`, `ir.facts`), so that a plan edited
+    by hand to use one is refused by `runtime.check_plan` before launch."""
+
     name: str
     fingerprint: str
     num_params: int
     units: tuple[str, ...]
     seq_len: int
     dtype: str = "bfloat16"
+    blockers: tuple[tuple[str, str], ...] = ()
+
+    def blocker(self, dim: str) -> str:
+        """Why dimension `dim` cannot run on the model, or "" (as `ModelInfo.blocker`)."""
+        return dict(self.blockers).get(dim, "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +193,7 @@ class Plan:
                 "units": list(self.model.units),
                 "seq_len": self.model.seq_len,
                 "dtype": self.model.dtype,
+                **({"blockers": dict(self.model.blockers)} if self.model.blockers else {}),
             },
             "cluster": {
                 "name": self.cluster.name,
@@ -326,6 +336,8 @@ class Plan:
                     f"({self.model.units[s.first_unit]} .. {self.model.units[s.last_unit - 1]})"
                 )
             lines.append(f"    stage {s.index}: {held}, {s.dp} replica(s) on {where}")
+        for dim, why in self.model.blockers:
+            lines.append(f"  not planned on this model: {dim} ({why})")
         lines.append("  memory per rank (peak / capacity):")
         for m in pr.memory:
             parts = ", ".join(f"{k} {v / gib:.1f}" for k, v in m.breakdown if v)
@@ -485,6 +497,11 @@ PLAN_SCHEMA: dict = {
                 "units": {"type": "array", "items": {"type": "string"}, "minItems": 1},
                 "seq_len": _POS_INT,
                 "dtype": {"type": "string"},
+                "blockers": {
+                    "type": "object",
+                    "propertyNames": {"enum": ["tp", "sp", "cp", "pp", "ep"]},
+                    "additionalProperties": {"type": "string", "minLength": 1},
+                },
             },
         },
         "cluster": {
@@ -833,6 +850,7 @@ def plan_from_dict(data: object, *, where: str = "plan", cluster: Cluster | None
                 units,
                 m["seq_len"],
                 m.get("dtype", "bfloat16"),
+                tuple(sorted((m.get("blockers") or {}).items())),
             ),
             cluster=plan_cluster,
             parallel=parallel,

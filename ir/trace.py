@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -53,8 +54,15 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .facts import (
+    _HF_DECODER_PARTS,
+    Dataflow,
+    dataflow_blockers,
+    is_hf_decoder,
+    structural_blockers,
+)
 from .flops import ATTENTION_TARGETS, is_metadata_op, iter_tensors, op_bytes, op_flops, packet_name
-from .graph import DTYPE_BYTES, Graph, Param, TensorMeta
+from .graph import DTYPE_BYTES, Graph, OpKind, Param, TensorMeta
 from .lower import LOSS_MODULE, OpRecord, Source, TraceRecord, lower
 
 __all__ = [
@@ -65,6 +73,7 @@ __all__ = [
     "is_hf_decoder",
     "is_transformers_model",
     "sequence_sharding_blocker",
+    "sliding_window",
     "trace",
 ]
 
@@ -86,6 +95,7 @@ def trace(
     kwargs: dict[str, object] | None = None,
     name: str | None = None,
     progress: ProgressArg = None,
+    param_shapes: dict[str, tuple[int, ...]] | None = None,
 ) -> Graph:
     """Trace one training step (forward + backward) of `model` into a `meshplan.ir.Graph`.
 
@@ -101,12 +111,14 @@ def trace(
     identical layers share one block.
 
     `progress` is a callback taking one-line messages, or True for a rich progress bar.
+    `param_shapes` gives some parameters another shape for this trace (their shards on one
+    tensor-parallel rank: `meshplan.rehearse`).
     Raises `TraceError` for data-dependent control flow, ops fake tensors cannot run, and
     models with no differentiable output.
     """
     report = _Progress(progress)
     try:
-        graph = _trace(model, example_inputs, dict(kwargs or {}), name, report)
+        graph = _trace(model, example_inputs, dict(kwargs or {}), name, report, param_shapes or {})
     finally:
         report.close()
     return graph
@@ -144,22 +156,6 @@ def find_layer_container(model: nn.Module) -> tuple[str | None, tuple[str, ...]]
     return best[1], best[2]
 
 
-# The parts of a HuggingFace Llama-family decoder body (`LlamaModel`, `MistralModel`, ...).
-_HF_DECODER_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
-
-
-def is_hf_decoder(model: nn.Module) -> bool:
-    """A HuggingFace decoder-only LM of the Llama family's shape: `model.embed_tokens`,
-    `model.layers`, `model.norm`, `model.rotary_emb`, `lm_head` (LlamaForCausalLM, Mistral,
-    Qwen2, ...). Read off attribute names only, so a pipeline stage keeping them passes too."""
-    inner = getattr(model, "model", None)
-    return (
-        inner is not None
-        and hasattr(model, "lm_head")
-        and all(hasattr(inner, a) for a in _HF_DECODER_PARTS)
-    )
-
-
 def is_transformers_model(model: nn.Module) -> bool:
     """Whether `model`'s class is (or derives from) a HuggingFace transformers class."""
     return any(c.__module__.startswith("transformers.") for c in type(model).__mro__)
@@ -185,6 +181,16 @@ def hf_decoder_body(model: nn.Module) -> nn.Module | None:
         if isinstance(body, nn.Module) and all(hasattr(body, a) for a in _HF_DECODER_PARTS):
             return body
     return None
+
+
+def sliding_window(config: object) -> int:
+    """The sliding-window length of a HuggingFace config, 0 when attention is not windowed:
+    HF writes "no window" as `sliding_window` None or 0, and Qwen2-style configs keep a size
+    but switch it off with `use_sliding_window=False`."""
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", True) is False:
+        return 0
+    return window if isinstance(window, int) and window > 0 else 0
 
 
 def sequence_sharding_blocker(model: nn.Module, seq_len: int = 0) -> str:
@@ -221,8 +227,8 @@ def sequence_sharding_blocker(model: nn.Module, seq_len: int = 0) -> str:
                 f"{name} uses attention implementation {impl!r}; sharded sequences need "
                 "attn_implementation='sdpa'"
             )
-        window = getattr(hf.config, "sliding_window", None)
-        if isinstance(window, int) and seq_len > window:
+        window = sliding_window(hf.config)
+        if window and seq_len > window:
             return f"{name} attends through a sliding window of {window} < {seq_len} tokens"
     return ""
 
@@ -312,6 +318,7 @@ class _Capture:
         self.error_op: str | None = None
         self.error_module: str | None = None
         self.meta_cache: dict[tuple[tuple[int, ...], torch.dtype], TensorMeta] = {}
+        self.flow = Dataflow()  # what the runtime needs to know (`facts`)
 
     # -- helpers ----------------------------------------------------------------------------
     def tensor_meta(self, t: torch.Tensor) -> TensorMeta:
@@ -328,6 +335,15 @@ class _Capture:
             meta = TensorMeta(shape=shape, dtype=dtype)
             self.meta_cache[cache_key] = meta
         return meta
+
+    def param_of(self, t: torch.Tensor) -> str | None:
+        info = self.info.get(id(t))
+        return info.param if info is not None else None
+
+    def is_state(self, t: torch.Tensor) -> bool:
+        """A parameter, buffer or constant made outside the step (not an activation)."""
+        info = self.info.get(id(t))
+        return info is None or info.is_state
 
     def new_key(self) -> int:
         self.next_key += 1
@@ -378,6 +394,10 @@ class _Capture:
         outs = list(iter_tensors(out))
         if not outs:
             return  # a query (prim.device, sym_size, ...): no tensor, no node, no cost
+        if self.phase == _FORWARD:
+            self.flow.on_op(
+                packet, args, kwargs, out, tuple(self.module_stack), self.param_of, self.is_state
+            )
         first_in = ins[0] if ins else None
         for o in outs:
             self.origin[id(o)] = (packet, first_in)
@@ -469,6 +489,8 @@ class _Capture:
         if packet == "aten.topk":
             bound = _bind(func, args, kwargs)
             return {"k": int(bound.get("k", 0))}
+        if packet == "aten.embedding" and len(args) > 1 and self.flow.is_position(args[1]):
+            return {"positions": True}  # a table of learned positions, not a vocabulary
         return {}
 
     def kv_heads(self, key: torch.Tensor, head_dim: int) -> int:
@@ -675,6 +697,7 @@ def _trace(
     kwargs: dict[str, object],
     name: str | None,
     report: _Progress,
+    param_shapes: dict[str, tuple[int, ...]],
 ) -> Graph:
     container, layer_names = find_layer_container(model)
     layer_of_path = {p: i for i, p in enumerate(layer_names)}
@@ -695,16 +718,16 @@ def _trace(
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
     cap = _Capture(layer_of_path, len(layer_names), report)
 
-    def fake_like(t: torch.Tensor) -> torch.Tensor:
+    def fake_like(t: torch.Tensor, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         # Fake *CPU* tensors whatever the source device (meta, cpu, cuda): CPU dispatch picks
         # the fused CPU attention kernel, meta would decompose it.
         with fake_mode:
-            return torch.empty(tuple(t.shape), dtype=t.dtype, device="cpu")
+            return torch.empty(shape or tuple(t.shape), dtype=t.dtype, device="cpu")
 
     params: dict[str, torch.Tensor] = {}
     trainable: list[torch.Tensor] = []
     for pname, p in named_params:
-        fp = fake_like(p)
+        fp = fake_like(p, param_shapes.get(pname))
         if p.requires_grad:
             fp.requires_grad_(True)
             trainable.append(fp)
@@ -748,6 +771,9 @@ def _trace(
         nn.modules.module.register_module_forward_pre_hook(pre_hook),
         nn.modules.module.register_module_forward_hook(post_hook),
     ]
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    log_level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)  # failures become one-line TraceErrors below
     try:
         with _fake_tensor_attributes(model, fake_like), fake_mode, recorder:
             # The sequence counter is per thread and keeps counting across autograd graphs.
@@ -766,6 +792,7 @@ def _trace(
     except Exception as exc:
         raise _trace_error(exc, cap, module_classes) from exc
     finally:
+        fake_log.setLevel(log_level)
         for h in handles:
             h.remove()
 
@@ -774,7 +801,7 @@ def _trace(
         name=graph_name,
         inputs=input_metas,
         params=tuple(
-            Param(n, tuple(int(d) for d in p.shape), str(p.dtype).removeprefix("torch."))
+            Param(n, tuple(int(d) for d in params[n].shape), str(p.dtype).removeprefix("torch."))
             for n, p in named_params
         ),
         ops=cap.finish(),
@@ -787,11 +814,43 @@ def _trace(
     report("lowering", advance=1)
     graph = lower(record, _pointwise_packets(cap))
     blocker = sequence_sharding_blocker(model, graph.info.seq_len)
-    if blocker:
-        info = dataclasses.replace(graph.info, no_sequence_sharding=blocker)
+    blockers = model_blockers(model, graph, cap.flow, layer_names, not blocker)
+    if blocker or blockers:
+        info = dataclasses.replace(
+            graph.info, no_sequence_sharding=blocker, blockers=tuple(sorted(blockers.items()))
+        )
         graph = dataclasses.replace(graph, info=info)
     report(graph.summary())
     return graph
+
+
+def model_blockers(
+    model: nn.Module, graph: Graph, flow: Dataflow, layer_names: tuple[str, ...], hf_ok: bool
+) -> dict[str, str]:
+    """Per parallel dimension, why the runtime cannot run it on `model` (`ir.facts`): the
+    module tree's reasons first, then the traced data flow's. `hf_ok`: no HuggingFace model
+    inside whose positions the runtime cannot give (`sequence_sharding_blocker`)."""
+    sharded: dict[str, str] = {}
+    experts: set[str] = set()
+    kinds = {OpKind.MATMUL: "matmul", OpKind.EXPERTS: "experts", OpKind.EMBEDDING: "embedding"}
+    for unit, block in graph.unit_blocks():
+        prefix = "" if unit.name.startswith("<") else unit.name + "."
+        for op in block.ops:
+            kind = kinds.get(op.kind)
+            if kind is None or op.attr("positions") or op.target.startswith("aten.convolution"):
+                continue  # replicated under TP (`passes.sharding`)
+            if op.kind is OpKind.EXPERTS:
+                experts.add(prefix + op.module if op.module else unit.name)
+            for p in op.params:
+                shape = next((q.shape for q in block.params if q.name == p), ())
+                if kind == "embedding" or len(shape) >= 2:
+                    sharded.setdefault(prefix + p, kind)
+    out = structural_blockers(model, tuple(layer_names), tuple(sorted(experts)))
+    hf_positions = hf_ok and bool(hf_models(model))
+    flow_blockers = dataflow_blockers(model, flow, graph.info.seq_len, sharded, hf_positions)
+    for dim, why in flow_blockers.items():
+        out.setdefault(dim, why)
+    return out
 
 
 def _pointwise_packets(cap: _Capture) -> frozenset[str]:
@@ -808,19 +867,27 @@ def _pointwise_packets(cap: _Capture) -> frozenset[str]:
 
 
 def _scalar_loss(out: object, graph_name: str) -> torch.Tensor:
-    """The scalar to differentiate: the output if scalar, `.loss`, else `.sum()` of the first
-    floating-point tensor output."""
+    """The scalar to differentiate: the output if scalar, its `.loss` (when set), else the
+    `.sum()` of its logits (`.logits`, or a `"logits"` key), else of its first floating-point
+    tensor (tuples, lists, dicts and HuggingFace `ModelOutput`s searched in order)."""
     loss: torch.Tensor | None = None
     if isinstance(out, torch.Tensor) and out.numel() == 1:
         loss = out.reshape(())
     elif isinstance(getattr(out, "loss", None), torch.Tensor):
         loss = out.loss
     else:
-        values = out.values() if hasattr(out, "values") and hasattr(out, "keys") else out
-        leaves = [t for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor)]
-        floats = [t for t in leaves if t.is_floating_point()]
-        if floats:
-            loss = floats[0].sum()
+        logits = getattr(out, "logits", None)
+        if logits is None and isinstance(out, dict):
+            logits = out.get("logits")
+        if isinstance(logits, torch.Tensor) and logits.is_floating_point():
+            loss = logits.sum()
+        else:
+            if hasattr(out, "values") and hasattr(out, "keys"):
+                out = list(out.values())  # dict_values is a pytree leaf
+            leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            floats = [t for t in leaves if t.is_floating_point() and t.requires_grad]
+            if floats:
+                loss = floats[0].sum()
     if loss is None or not loss.requires_grad:
         raise TraceError(
             f"{graph_name} produced no differentiable output (got {type(out).__name__}); return "
@@ -872,6 +939,12 @@ def _trace_error(exc: Exception, cap: _Capture, classes: dict[str, str]) -> Trac
             f"data-dependent control flow or output shape in {where} at op {op}: tracing uses "
             "fake tensors without values; make it static (branch on config, not tensor values; "
             "for HF MoE models pass experts_implementation='batched_mm' or 'grouped_mm')"
+        )
+    if "grouped_mm" in str(op) and "BF16" in first_line:
+        return TraceError(
+            f"op {op} in {where} runs only in bfloat16 (HF MoE experts default to "
+            "'grouped_mm'): build the model with torch_dtype=torch.bfloat16, or pass "
+            "experts_implementation='batched_mm' to from_config/from_pretrained"
         )
     if (
         isinstance(exc, UnsupportedOperatorException)

@@ -30,7 +30,7 @@ def replica_capacity(group: DeviceGroup, tp: int, cp: int = 1) -> int:
 def even_stages(graph: Graph, pp: int) -> tuple[tuple[int, int], ...]:
     """Split `graph.units` into `pp` contiguous ranges [first, last) of near-equal layer counts.
 
-    Requires: 1 <= pp <= number of layer units. Ensures: ranges cover every unit in order, each
+    Requires: 1 <= pp <= max(1, layer units). Ensures: ranges cover every unit in order, each
     stage has floor(L/pp) or ceil(L/pp) layers, the first L % pp stages taking the extra one (so
     the last stage, which also runs the LM head and loss, is never the one with more layers);
     units before the first layer (the prologue) go with stage 0, units after the last layer (the
@@ -42,6 +42,8 @@ def even_stages(graph: Graph, pp: int) -> tuple[tuple[int, int], ...]:
     lookup = dict(graph.blocks)
     layer_pos = [i for i, u in enumerate(graph.units) if lookup[u.block].kind == "layer"]
     n_layers = len(layer_pos)
+    if n_layers == 0 and pp == 1:  # no repeated layers (a conv net): one stage of everything
+        return ((0, len(graph.units)),)
     if pp > n_layers:
         raise ValueError(f"pp={pp} exceeds the {n_layers} layer units of {graph.name}")
     base, extra = divmod(n_layers, pp)
@@ -67,6 +69,8 @@ def stages_of(graph: Graph, counts: Sequence[int]) -> tuple[tuple[int, int], ...
     rules as `even_stages` (prologue with stage 0, epilogue with the last stage, a non-layer
     unit between layers with the stage of the layer that follows it)."""
     layer_pos = _layer_positions(graph)
+    if not layer_pos and tuple(counts) == (0,):  # no repeated layers: one stage of everything
+        return ((0, len(graph.units)),)
     if any(c < 1 for c in counts) or sum(counts) != len(layer_pos):
         raise ValueError(
             f"layer counts {tuple(counts)} must be positive and add up to the "

@@ -12,7 +12,8 @@ close a parallel region (attention output, MLP down; see `row_parallel_ops`) are
 split along its input features and its output is a partial sum (one all-reduce, or a
 reduce-scatter under sequence parallelism). Every other projection (q/k/v, MLP up/gate) is
 *column-parallel*: its weight is split along its output features and needs no communication.
-The embedding and the LM head are split along the vocabulary. Norm weights and MoE router
+The embedding and the LM head are split along the vocabulary (a table of learned positions,
+an embedding indexed by positions, is replicated, as are convolutions). Norm weights and MoE router
 gates are replicated; stacked expert weights `(experts, in, out)` follow the same column/row
 rule on their last two dims (expert parallelism, when used, splits dim 0 on the ep axis).
 An expert bias added by its own op right after a column-parallel expert GEMM (GPT-style
@@ -92,7 +93,11 @@ def tp_param_placements(graph: Graph) -> tuple[tuple[str, str], ...]:
                         decided[name] = Shard(len(p.shape) - 1)
                     continue
                 if op.kind is OpKind.EMBEDDING:
-                    decided[name] = Shard(0)  # vocab-parallel embedding
+                    # A vocabulary is split (vocab-parallel embedding); a table of learned
+                    # positions (indexed by an arange, `ir.facts`) is replicated.
+                    decided[name] = Replicate() if op.attr("positions") else Shard(0)
+                elif op.target.startswith("aten.convolution"):
+                    decided[name] = Replicate()  # a convolution (patch embedding): replicated
                 elif op.kind in (OpKind.MATMUL, OpKind.EXPERTS) and len(p.shape) >= 2:
                     decided[name] = _linear_placement(p, op, op.name in rows)
                 elif op.kind in (OpKind.MATMUL, OpKind.EXPERTS) and len(p.shape) == 1:

@@ -2,22 +2,26 @@
 
 The public API:
 
-- `meshplan.trace(model, *example_inputs)` -> `Graph` (the operator IR)
+- `meshplan.trace(model, *example_inputs)` -> `Graph` (the operator IR, with the parallel
+  dimensions the runtime cannot run on this model: `ModelInfo.blockers`)
 - `meshplan.plan(model, example_inputs, cluster, global_batch=..., parallel=...)` -> `Plan`
 - `meshplan.estimate(model, example_inputs, cluster, parallel=...)` -> `Prediction`
 - `meshplan.Cluster.load(path)`, `meshplan.Cluster.preset(name, gpus=N)`
 - `meshplan.Parallel(dp=, tp=, pp=, cp=, ep=, micro_batch=, global_batch=, recompute=, zero=)`
 - `meshplan.Plan.from_json(path)`, `plan.to_json(path)`, `plan.explain()`
 - `meshplan.models.get(name)`, `meshplan.models.transformer(...)`
+- `meshplan.verify(model_fn, plan)` -> `VerifyReport` (the plan's layout on CPU ranks vs one
+  process)
 """
 
 from meshplan import models
 from meshplan.ir import Cluster, Graph, Parallel, Prediction, Recompute, Schedule
 from meshplan.ir.plan import Plan, PlanError
-from meshplan.ir.trace import TraceError, trace
+from meshplan.ir.trace import TraceError
 
-from .api import estimate, estimate_plan, load_model, plan
+from .api import estimate, estimate_plan, load_model, plan, trace
 from .solver import InfeasibleError
+from .verify import VerifyReport, verify
 from .whatif import whatif
 
 __version__ = "0.1.0"
@@ -33,11 +37,13 @@ __all__ = [
     "Recompute",
     "Schedule",
     "TraceError",
+    "VerifyReport",
     "estimate",
     "estimate_plan",
     "load_model",
     "models",
     "plan",
     "trace",
+    "verify",
     "whatif",
 ]

@@ -42,7 +42,9 @@ from meshplan.ir import (
     Recompute,
     Schedule,
     StagePlacement,
+    microbatch_problem,
 )
+from meshplan.ir.facts import DIMENSIONS, blocked_dimension
 from meshplan.ir.plan import (
     CompressionPlan,
     ModelRef,
@@ -51,10 +53,11 @@ from meshplan.ir.plan import (
     SolverInfo,
     assign_ranks,
 )
-from meshplan.ir.trace import trace
+from meshplan.ir.trace import trace as trace_ir
 from meshplan.passes.partition import even_stages, place_stages, rank_chunks
 from meshplan.passes.sharding import tp_param_placements
 
+from .rehearse import rehearse_tensor_parallel
 from .solver import Objective, solve
 
 # Tokens per optimizer step when the user gives no global batch: about 2M tokens, the order
@@ -90,6 +93,20 @@ def as_graph(
     return trace(model, *(example_inputs or ()), name=name, progress=progress)
 
 
+def trace(
+    model: torch.nn.Module,
+    *example_inputs: object,
+    kwargs: dict[str, object] | None = None,
+    name: str | None = None,
+    progress: Progress = None,
+) -> Graph:
+    """`meshplan.ir.trace.trace` (one training step on fake tensors -> the operator IR), then
+    one tensor-parallel rank rehearsed on the model's own code (`rehearse`): the graph's
+    `ModelInfo.blockers` name every parallel dimension the runtime cannot run on it."""
+    graph = trace_ir(model, *example_inputs, kwargs=kwargs, name=name, progress=progress)
+    return rehearse_tensor_parallel(model, graph, example_inputs, kwargs)
+
+
 def _model_ref(graph: Graph) -> ModelRef:
     dtype = graph.params[0].dtype if graph.params else "bfloat16"
     return ModelRef(
@@ -99,6 +116,7 @@ def _model_ref(graph: Graph) -> ModelRef:
         units=tuple(u.name for u in graph.units),
         seq_len=graph.info.seq_len or 1,
         dtype=dtype,
+        blockers=tuple(sorted((d, w) for d in DIMENSIONS if (w := graph.info.blocker(d)))),
     )
 
 
@@ -115,8 +133,10 @@ def complete_parallel(graph: Graph, cluster: Cluster, parallel: Parallel) -> Par
     """Fill the fields a hand-written configuration left out with the obvious choice.
 
     tp, pp, cp, ep default to 1; dp to every GPU left (world / (tp*pp*cp)); micro_batch to 1;
-    global_batch to the default; recompute none; ZeRO 0; 1F1B; sequence parallel when tp > 1
-    (and the model can run on sequence shards: `ModelInfo.no_sequence_sharding`).
+    global_batch to the default; recompute none; ZeRO 0; 1F1B, or GPipe where the pipeline
+    gets fewer micro-batches than stages (torch's 1F1B refuses that, `microbatch_problem`;
+    with m < pp both take the same time); sequence parallel when tp > 1 (and the model can run on
+    sequence shards: `ModelInfo.no_sequence_sharding`).
     """
     p = parallel
     tp, pp, cp, ep = p.tp or 1, p.pp or 1, p.cp or 1, p.ep or 1
@@ -126,6 +146,10 @@ def complete_parallel(graph: Graph, cluster: Cluster, parallel: Parallel) -> Par
     # Round the default up to a multiple of dp*micro_batch so any dp divides it.
     default = default_global_batch(graph.info.seq_len or 1)
     global_batch = p.global_batch or per_step * -(-default // per_step)
+    schedule = p.schedule or Schedule.ONE_F_ONE_B
+    m = global_batch // per_step
+    if p.schedule is None and m >= 1 and microbatch_problem(schedule, pp, m):
+        schedule = Schedule.GPIPE
     return Parallel(
         dp=dp,
         tp=tp,
@@ -136,11 +160,11 @@ def complete_parallel(graph: Graph, cluster: Cluster, parallel: Parallel) -> Par
         global_batch=global_batch,
         recompute=p.recompute or Recompute.NONE,
         zero=p.zero if p.zero is not None else 0,
-        schedule=p.schedule or Schedule.ONE_F_ONE_B,
+        schedule=schedule,
         sequence_parallel=(
             p.sequence_parallel
             if p.sequence_parallel is not None
-            else tp > 1 and not graph.info.no_sequence_sharding
+            else tp > 1 and not graph.info.blocker("sp")
         ),
         virtual_stages=p.virtual_stages,
         quantize_activations=p.quantize_activations,
@@ -180,10 +204,8 @@ def check_config(
         raise ValueError(f"ep={p.ep} but the model has no experts")
     if info.seq_len and info.seq_len % p.cp:  # type: ignore[operator]
         raise ValueError(f"cp={p.cp} does not divide the sequence length ({info.seq_len})")
-    if info.no_sequence_sharding and (p.sequence_parallel or p.cp > 1):  # type: ignore[operator]
-        raise ValueError(
-            f"{info.no_sequence_sharding}; use sequence_parallel=False and cp=1 for this model"
-        )
+    if (why := blocked_dimension(info, p)) is not None:  # the runtime cannot run it (`ir.facts`)
+        raise ValueError(why)
 
     used = p.dp * p.tp * p.pp * p.cp  # type: ignore[operator]
     q = pinned
@@ -202,6 +224,8 @@ def check_config(
             f"global_batch {p.global_batch} is not divisible by dp*micro_batch = "
             f"{p.dp}*{p.micro_batch}; pick a global batch that is"
         )
+    if why := microbatch_problem(p.schedule, p.pp, p.num_microbatches):  # type: ignore[arg-type]
+        raise ValueError(why)
 
 
 def estimate(

@@ -4,6 +4,7 @@
     meshplan plan --model llama3-70b --cluster dgx-h100 --gpus 256 --global-batch 512 -o plan.json
     meshplan estimate --model llama3-8b --cluster dgx-h100 --gpus 64 --tp 2 --pp 1 --zero 1
     meshplan validate plan.json
+    meshplan verify plan.json --model llama3-8b    # the plan's layout on CPU ranks vs one process
     meshplan calibrate --nproc 4 -o profile.json   # measure links and GEMMs on this host
     meshplan estimate --profile profile.json ...   # price with the measurements
     meshplan models
@@ -129,7 +130,7 @@ def _load(
 
 
 def _trace(name: str, model, inputs):
-    from meshplan.ir import trace
+    from .api import trace
 
     with status(f"tracing {name}") as update:
         graph = trace(model, *inputs, name=name, progress=update)
@@ -646,6 +647,104 @@ def whatif(
         err.print(f"wrote {plot_records(records, plot)}")
 
 
+def _verify(plan_or_pins, model: str | None, *, steps, nproc_max, seq_len, timeout):
+    """Run `meshplan.verify` for the CLI and print the layouts, the notes and the verdict."""
+    from meshplan.ir.plan import Plan
+
+    from .verify import layout_text, model_fn_for
+    from .verify import verify as run_verify
+
+    is_plan = isinstance(plan_or_pins, Plan)
+    parallel = plan_or_pins.parallel if is_plan else plan_or_pins
+    if model is None:
+        from meshplan.models import PRESETS
+
+        name = plan_or_pins.model.name if is_plan else ""
+        if name.lower() not in PRESETS:
+            raise ValueError(
+                f"the plan's model {name!r} is not a preset: give --model file.py:factory (a "
+                "small real model)"
+                if is_plan
+                else "give --model NAME or path/to/file.py:factory"
+            )
+        model = name
+    model_fn = model_fn_for(model, parallel, seq_len=seq_len)
+    if is_plan:
+        out.print(f"plan:   {layout_text(parallel)}", markup=False, soft_wrap=True)
+    # No spinner: its thread would be running when the ranks fork.
+    report = run_verify(
+        model_fn, plan_or_pins, steps=steps, seq_len=seq_len, max_ranks=nproc_max, timeout_s=timeout
+    )
+    out.print(f"verify: {report.layout}", markup=False, soft_wrap=True)
+    out.print(f"model:  {model} ({report.model})", markup=False, soft_wrap=True)
+    for note in report.notes:
+        out.print(f"note: {note}", markup=False, soft_wrap=True)
+    out.print(report.summary(), markup=False, soft_wrap=True)
+    return report
+
+
+StepsOpt = Annotated[int, typer.Option("--steps", help="SGD steps compared.")]
+NprocMaxOpt = Annotated[
+    int, typer.Option("--nproc-max", help="At most this many CPU ranks (degrees reduced).")
+]
+VerifyTimeoutOpt = Annotated[
+    float, typer.Option("--timeout", help="Seconds before the ranks are stopped.")
+]
+
+
+@app.command()
+@user_errors
+def verify(
+    plan_file: Annotated[
+        Path | None, typer.Argument(help="Plan JSON to verify (or pin a layout: --tp 2 ...).")
+    ] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            "-m",
+            help="Preset (built at verify size; default: the plan's) or path/to/file.py:factory "
+            "building a small real model.",
+        ),
+    ] = None,
+    steps: StepsOpt = 2,
+    nproc_max: NprocMaxOpt = 8,
+    seq_len: SeqOpt = None,
+    dp: IntOpt = None,
+    tp: IntOpt = None,
+    pp: IntOpt = None,
+    cp: IntOpt = None,
+    ep: IntOpt = None,
+    micro_batch: Annotated[int | None, typer.Option("--micro-batch")] = None,
+    global_batch: BatchOpt = None,
+    recompute: Annotated[str | None, typer.Option(help="none, selective or full")] = None,
+    zero: Annotated[int | None, typer.Option(help="ZeRO stage 0-3")] = None,
+    schedule: ScheduleOpt = None,
+    virtual_stages: VirtualOpt = None,
+    timeout: VerifyTimeoutOpt = 300.0,
+) -> None:
+    """Run a plan's layout on CPU ranks with the model at a small size and compare losses and
+    gradients with one process: PASS, or the first parameter that diverges.
+
+    Exit status 0 on PASS, 1 on FAIL, 2 on a usage mistake.
+    """
+    from meshplan.ir.plan import Plan
+
+    pins = _pins(
+        dp, tp, pp, cp, ep, micro_batch, global_batch, recompute, zero, schedule, virtual_stages
+    )
+    if plan_file is not None and pins.pinned():
+        raise ValueError("give a plan file or pin a layout (--tp 2 ...), not both")
+    if plan_file is None and not pins.pinned():
+        raise ValueError("give a plan file (meshplan verify plan.json) or pin a layout (--tp 2)")
+    target = Plan.from_json(plan_file) if plan_file is not None else pins
+    report = _verify(
+        target, model, steps=steps, nproc_max=nproc_max, seq_len=seq_len, timeout=timeout
+    )
+    if not report.ok:
+        raise typer.Exit(1)
+
+
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def launch(
     ctx: typer.Context,
@@ -657,12 +756,37 @@ def launch(
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print every node's command; start nothing.")
     ] = False,
+    verify_first: Annotated[
+        bool,
+        typer.Option("--verify", help="Run `meshplan verify` first; launch nothing on FAIL."),
+    ] = False,
+    verify_model: Annotated[
+        str | None,
+        typer.Option(
+            "--verify-model",
+            help="Model for --verify: preset or path/to/file.py:factory (default: the plan's).",
+        ),
+    ] = None,
 ) -> None:
     """Run a plan: torchrun for this node (`meshplan launch plan.json -- python train.py`)."""
     from meshplan.runtime.launch import launch as run_launch
 
     @user_errors
     def go() -> int:
+        if verify_first:
+            from meshplan.ir.plan import Plan
+
+            report = _verify(
+                Plan.from_json(plan_file),
+                verify_model,
+                steps=2,
+                nproc_max=8,
+                seq_len=None,
+                timeout=300.0,
+            )
+            if not report.ok:
+                err.print("[bold red]error:[/] verify failed; not launching")
+                raise typer.Exit(1)
         return run_launch(
             plan_file,
             list(ctx.args),

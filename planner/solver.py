@@ -49,7 +49,9 @@ expert-tensor-parallel = tp: the dp ranks of a stage form dp / ep expert-DP grou
 ranks), and ep > 1 with tp > 1 only under sequence parallelism (Megatron-Core's rule; the
 runtime's EP x TP dispatch routes each sequence shard); pp <= layers; dp * micro_batch divides
 the global batch; interleaved 1F1B needs
-pp >= 2, v divides layers / pp and pp divides the micro-batch count (Megatron-LM's rule).
+pp >= 2, v divides layers / pp and pp divides the micro-batch count (Megatron-LM's rule);
+every pipeline's micro-batch count, uneven shares included, is one torch's schedule runs
+(`ir.microbatch_problem`: 1F1B at least pp, GPipe in its place below that when unpinned).
 
 Uneven data-parallel batch shares (`_share_placements`): besides lock-step placements (every
 replica runs m micro-batches, the model above), a configuration with ZeRO <= 2 may run
@@ -144,7 +146,9 @@ from meshplan.ir import (
     Recompute,
     Schedule,
     StagePlacement,
+    microbatch_problem,
 )
+from meshplan.ir.facts import blocked_dimension, without_blocked
 from meshplan.passes.partition import (
     balanced_counts,
     compositions,
@@ -399,13 +403,15 @@ def cp_options(seq_len: int) -> list[int]:
 def schedule_options(
     pinned: Parallel, pp: int, n_layers: int, m: int
 ) -> list[tuple[Schedule, int]]:
-    """(schedule, virtual stages) pairs: 1F1B, interleaved 1F1B with every v in
-    2..MAX_VIRTUAL_STAGES dividing n_layers / pp when pp >= 2, pp divides n_layers and pp
-    divides the micro-batch count m (Megatron-LM's requirement), and ZB-V (two chunks per rank)
-    when pp >= 2, 2 pp divides n_layers (equal chunks) and m >= 2 pp - 1 (torch's
-    `ScheduleZBVZeroBubble` fills its warm-up with 2 pp - 1 micro-batches). A pinned schedule or
-    virtual_stages restricts the list; GPipe only when pinned (it is never faster than 1F1B
-    under this cost model, and holds more activations)."""
+    """(schedule, virtual stages) pairs for m micro-batches per pipeline: 1F1B when torch runs
+    it (`microbatch_problem`: m >= pp), else GPipe in its place (with m < pp both take the same
+    time); interleaved 1F1B with every v in 2..MAX_VIRTUAL_STAGES dividing n_layers / pp when
+    pp >= 2, pp divides n_layers and pp divides m (Megatron-LM's requirement, stricter than
+    torch's whole rounds), and ZB-V (two chunks per rank) when pp >= 2, 2 pp divides n_layers
+    (equal chunks) and m >= 2 pp - 1 (the cost model prices ZB-V's full warm-up of 2 pp - 1
+    micro-batches). A pinned schedule or virtual_stages restricts the list (a pinned 1F1B or
+    interleaved 1F1B only where `microbatch_problem` accepts m); GPipe otherwise only when
+    pinned (it is never faster than 1F1B under this cost model, and holds more activations)."""
     sched, pv = pinned.schedule, pinned.virtual_stages
     if sched == Schedule.GPIPE:
         return [(sched, 1)]
@@ -414,7 +420,10 @@ def schedule_options(
         return [(sched, 2)] if zb_ok else []
     out: list[tuple[Schedule, int]] = []
     if sched in (None, Schedule.ONE_F_ONE_B) and pv in (None, 1):
-        out.append((Schedule.ONE_F_ONE_B, 1))
+        if microbatch_problem(Schedule.ONE_F_ONE_B, pp, m) is None:
+            out.append((Schedule.ONE_F_ONE_B, 1))
+        elif sched is None:
+            out.append((Schedule.GPIPE, 1))
     if (
         sched in (None, Schedule.INTERLEAVED_1F1B)
         and pp >= 2
@@ -424,8 +433,9 @@ def schedule_options(
         per = n_layers // pp
         vs = [pv] if pv else [v for v in range(2, MAX_VIRTUAL_STAGES + 1) if per % v == 0]
         out += [(Schedule.INTERLEAVED_1F1B, v) for v in vs if v >= 2 and per % v == 0]
-    if sched == Schedule.INTERLEAVED_1F1B and pv in (None, 1):
-        out.append((Schedule.INTERLEAVED_1F1B, 1))  # one chunk: plain 1F1B, always valid
+    one_round = microbatch_problem(Schedule.INTERLEAVED_1F1B, pp, m) is None
+    if sched == Schedule.INTERLEAVED_1F1B and pv in (None, 1) and one_round:
+        out.append((Schedule.INTERLEAVED_1F1B, 1))  # one chunk per rank: 1F1B's timing
     if sched is None and zb_ok:
         out.append((Schedule.ZERO_BUBBLE, 2))
     return out
@@ -456,11 +466,10 @@ def enumerate_candidates(
     """
     info = graph.info
     p = pinned
-    if info.no_sequence_sharding:  # the runtime cannot run this model on sequence shards
-        if p.sequence_parallel or (p.cp or 1) > 1:
-            why = info.no_sequence_sharding
-            raise InfeasibleError(f"no plan: {why}; pin sequence_parallel=False and cp=1")
-        p = dataclasses.replace(p, sequence_parallel=False, cp=1)
+    # Dimensions the runtime cannot run on this model (`ir.facts`): off, or refused if pinned.
+    if (why := blocked_dimension(info, p)) is not None:
+        raise InfeasibleError(f"no plan: {why}")
+    p = without_blocked(info, p)
     if p.global_batch is not None and p.global_batch != global_batch:
         raise ValueError(
             f"global_batch={global_batch} conflicts with pinned global_batch={p.global_batch}"
@@ -510,9 +519,11 @@ def enumerate_candidates(
         eps = [p.ep]
     else:
         eps = _divisors(info.experts) if info.experts else [1]
-    if p.pp is not None and not 1 <= p.pp <= n_layers:
+    # A model without repeated layers (a conv net, one block reused at every depth) is one
+    # unit: one pipeline stage (`ModelInfo.blocker("pp")` says so when pp is pinned).
+    if p.pp is not None and not 1 <= p.pp <= max(1, n_layers):
         raise InfeasibleError(f"no plan: pp={p.pp} but the model has {n_layers} layers")
-    pps = [p.pp] if p.pp is not None else list(range(1, n_layers + 1))
+    pps = [p.pp] if p.pp is not None else list(range(1, max(1, n_layers) + 1))
     pinned_rows = [("dp", p.dp), ("micro_batch", p.micro_batch)]
     if p.dp is not None and p.micro_batch is not None:
         pinned_rows.append(("dp*micro_batch", p.dp * p.micro_batch))
@@ -564,7 +575,7 @@ def enumerate_candidates(
                     scheds = schedule_options(p, pp, n_layers, global_batch // (dp * mb))
                     if not scheds:
                         m_ = global_batch // (dp * mb)
-                        why_none = (
+                        why_none = (p.schedule and microbatch_problem(p.schedule, pp, m_)) or (
                             f"zero_bubble (ZB-V) needs pp >= 2 with 2*pp dividing the {n_layers} "
                             f"layers and at least 2*pp - 1 micro-batches (pp={pp}, {m_} "
                             "micro-batches)"
@@ -907,7 +918,8 @@ def _split_free_memory(pricer: Pricer, c: Candidate, n_layers: int, cache: dict)
         comps = {
             costs.composition(layer_pos[i], layer_pos[i + width - 1] + 1)
             for i in range(len(layer_pos) - width + 1)
-        }
+            if width
+        } or {costs.composition(0, len(costs.unit_keys))}  # no layers: the whole model
         got = cache[key] = min(_stage_memory(pricer, comp, c).peak(1)[0] for comp in comps)
     return got
 
@@ -1103,29 +1115,35 @@ def _share_bound(t: PlanTables, allowed: list[list[str]]) -> float:
 
 
 def _pair_shares(
-    fa: tuple[float, float], fb: tuple[float, float], na: int, nb: int, total: int, cap: int
+    fa: tuple[float, float],
+    fb: tuple[float, float],
+    na: int,
+    nb: int,
+    total: int,
+    cap: int,
+    runs: Callable[[int], bool] = lambda m: True,
 ) -> tuple[int, int] | None:
-    """Integer (m_a, m_b) >= 1, <= cap, with na m_a + nb m_b = total minimising
-    max(fa(m_a), fb(m_b)) for increasing linear fa, fb: the feasible m_a nearest the crossing
-    point on either side (feasible m_a repeat every nb / gcd(na, nb))."""
+    """Integer (m_a, m_b) >= 1, <= cap, both counts the schedule runs (`runs`,
+    `ir.microbatch_problem`), with na m_a + nb m_b = total minimising max(fa(m_a), fb(m_b))
+    for increasing linear fa, fb: the feasible m_a nearest the crossing point on either side
+    (divisibility alone repeats every nb / gcd(na, nb); `runs` may skip further)."""
     (sa, ca), (sb, cb) = fa, fb
     lo = max(1, -(-(total - nb * cap) // na))
     hi = min(cap, (total - nb) // na)
     if lo > hi:
         return None
     x = (sb * total / nb + cb - ca) / (sa + sb * na / nb)
-    period = nb // math.gcd(na, nb)
+
+    def feasible(ma: int) -> bool:
+        rest = total - na * ma
+        return rest % nb == 0 and runs(ma) and runs(rest // nb)
+
     picks = []
     down = min(hi, max(lo, math.floor(x)))
-    for ma in range(down, max(lo, down - period) - 1, -1):
-        if (total - na * ma) % nb == 0:
-            picks.append(ma)
-            break
+    picks += [next((ma for ma in range(down, lo - 1, -1) if feasible(ma)), None)]
     up = max(lo, min(hi, math.ceil(x)))
-    for ma in range(up, min(hi, up + period) + 1):
-        if (total - na * ma) % nb == 0:
-            picks.append(ma)
-            break
+    picks += [next((ma for ma in range(up, hi + 1) if feasible(ma)), None)]
+    picks = [ma for ma in picks if ma is not None]
     if not picks:
         return None
     ma = min(picks, key=lambda a: (max(sa * a + ca, sb * ((total - na * a) // nb) + cb), a))
@@ -1136,8 +1154,9 @@ def _share_placements(t: PlanTables, allowed: list[list[str]], prune: bool = Tru
     """Group-pure placements with uneven shares: ([(placement, shares)], exact).
 
     For every pair of host groups (a, b) and n_a + n_b = dp pipelines, the best shares come
-    from `_pair_shares`. With `prune` (objectives that rank by step time) the n_a are visited
-    in order of their continuous bound T(n_a) = (M + sum_g n_g c_g / s_g) / (sum_g n_g / s_g)
+    from `_pair_shares` (counts the schedule runs only). With `prune` (objectives that rank
+    by step time) the n_a are visited in order of their continuous bound
+    T(n_a) = (M + sum_g n_g c_g / s_g) / (sum_g n_g / s_g)
     and the visit stops once T(n_a) reaches the best integer pipeline term found: exact for
     every pair. Without it (cost: the group mix changes the price) every n_a is tried up to
     dp = SHARE_EXHAUSTIVE_DP, a window around the fastest-first split beyond. `exact` says that
@@ -1152,6 +1171,10 @@ def _share_placements(t: PlanTables, allowed: list[list[str]], prune: bool = Tru
         return [], True
     dp, pp, total = t.parallel.dp, t.pp, t.parallel.dp * t.m
     terms = {g: _share_terms(t, g) for g in hosts}
+    schedule = t.parallel.schedule
+
+    def runs(m: int) -> bool:
+        return microbatch_problem(schedule, pp, m) is None
     out = []
     exact = len(hosts) == 2 and (prune or dp <= SHARE_EXHAUSTIVE_DP)
     ep = t.parallel.ep or 1
@@ -1183,7 +1206,7 @@ def _share_placements(t: PlanTables, allowed: list[list[str]], prune: bool = Tru
                 bound = (total + na * ca / sa + nb * cb / sb) / (na / sa + nb / sb)
                 if bound >= best_pipe * (1 - 1e-12):
                     break
-            got = _pair_shares(terms[a], terms[b], na, nb, total, cap)
+            got = _pair_shares(terms[a], terms[b], na, nb, total, cap, runs)
             if got is None:
                 continue
             pipe = max(sa * got[0] + ca, sb * got[1] + cb)

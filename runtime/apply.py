@@ -49,7 +49,8 @@ Semantics of `Runner.step(inputs, targets)`: `inputs`/`targets` hold the *global
 (`plan.global_batch` rows, the same on every rank) or this dp replica's share; each dp
 replica takes its rows, splits them into micro-batches of `micro_batch` rows, and the
 returned loss is the mean over the global batch, identical on every rank.
-`loss_fn(outputs, targets)` must return the mean loss of one micro-batch.
+`loss_fn(outputs, targets)` must return the mean loss of one micro-batch; `outputs` is what
+the model returns, under PP too (`pipeline_parallel.as_model_output`).
 
 How the global batch is split over dp replicas: replica d runs m_d micro-batches (the plan's
 `num_microbatches`, or under uneven shares `StagePlacement.microbatches` of d's device group)
@@ -65,10 +66,12 @@ cp ranks' losses are averaged (equal token counts).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
+from meshplan.ir.facts import blocked_dimension
 from meshplan.ir.parallel import Schedule, group_tp_problem
 from meshplan.ir.plan import Plan
 from torch import nn
@@ -93,6 +96,7 @@ from .errors import RuntimePlanError
 from .expert_parallel import ExpertParallel, apply_expert_parallel
 from .mesh import RankContext, build_mesh, check_stage_widths, data_parallel_context
 from .pipeline_parallel import (
+    as_model_output,
     build_schedule,
     check_microbatches,
     check_schedule,
@@ -195,12 +199,17 @@ def replica_microbatches(plan: Plan) -> list[int]:
 def check_plan(plan: Plan) -> None:
     """Refuse, with one line, a plan this runtime cannot execute, from the plan alone (no
     process group, no model): uneven shares (`replica_microbatches`), schedules
-    (`pipeline_parallel.check_schedule`, and each replica's micro-batch count under
-    interleaved 1F1B), stage widths, EP x TP without sequence parallelism, per-group TP's
-    rules, and context parallelism's sequence split. `apply` runs it first and `meshplan
-    launch` before starting any process; what depends on the model (module paths, head
-    counts, expert counts) is checked by `apply` itself."""
+    (`pipeline_parallel.check_schedule`, and each replica's micro-batch count against its
+    schedule, `ir.microbatch_problem`), stage widths, EP x TP without sequence parallelism,
+    per-group TP's rules, context parallelism's sequence split, and the dimensions the plan's
+    model cannot run (`Plan.model.blockers`, `ir.facts.blocked_dimension`). `apply` runs it
+    first and `meshplan launch` before starting any process; what depends on the model
+    (module paths, head counts, expert counts) is checked by `apply` itself."""
     p = plan.parallel
+    tps = [t for st in plan.stages[:1] for _, t in st.group_tp]
+    widest = dataclasses.replace(p, tp=max([p.tp or 1, *tps]))
+    if (why := blocked_dimension(plan.model, widest)) is not None:
+        raise RuntimePlanError(f"runtime: {why}")
     for n in set(replica_microbatches(plan)):
         check_microbatches(plan, n)
     check_schedule(plan)
@@ -375,9 +384,12 @@ def _local_value(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor().detach() if isinstance(t, DTensor) else t.detach()
 
 
-def _weighted(loss_fn: LossFn, weight: float) -> LossFn:
+def _weighted(loss_fn: LossFn, weight: float, as_output=lambda logits: logits) -> LossFn:
+    """The pipeline's loss: `loss_fn` on the last stage's logits given as the unsplit model's
+    kind of output (`as_output`, `pipeline_parallel.as_model_output`), times `weight`."""
+
     def weighted(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return loss_fn(outputs, targets) * weight
+        return loss_fn(as_output(outputs), targets) * weight
 
     return weighted
 
@@ -420,6 +432,8 @@ def apply(
     counts = replica_microbatches(whole)  # refuses unsupported uneven shares early
     check_schedule(plan)
     pipelined = ctx.num_stages > 1
+    # what the unsplit model returns, read before the cut: the loss gets it under PP too
+    as_output = as_model_output(model)
     if pipelined:  # 1
         chunks = rank_chunks(plan, ctx.stage_index)
         modules = [stage_module(model, plan, c) for c in chunks]
@@ -480,9 +494,8 @@ def apply(
         # before DP reduces (the schedule's own 1/m scaling runs after DDP/FSDP have reduced,
         # which is wrong when replicas run different m).
         weight = whole.parallel.dp / sum(counts)
-        schedule = build_schedule(
-            wrapped, chunks, ctx, _weighted(loss_fn, weight), counts[ctx.replica]
-        )
+        loss = _weighted(loss_fn, weight, as_output)
+        schedule = build_schedule(wrapped, chunks, ctx, loss, counts[ctx.replica])
     return Runner(
         ctx,
         wrapped,

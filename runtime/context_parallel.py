@@ -72,7 +72,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from meshplan.ir.plan import Plan
-from meshplan.ir.trace import hf_models, sequence_sharding_blocker
+from meshplan.ir.trace import hf_models, sequence_sharding_blocker, sliding_window
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -514,12 +514,12 @@ def reposition_hf_decoder(module: nn.Module, shards: int, cp: ContextParallel | 
         if getattr(rotary, _REPOSITIONED, False):
             continue
         setattr(rotary, _REPOSITIONED, True)
-        window = getattr(getattr(rotary, "config", None), "sliding_window", None)
+        window = sliding_window(getattr(rotary, "config", None))
 
         def hook(_m, args, kwargs, window=window):
             ids = args[1] if len(args) > 1 else kwargs["position_ids"]
             n = ids.shape[-1] * shards
-            if isinstance(window, int) and n * size > window:
+            if window and n * size > window:
                 raise RuntimePlanError(
                     f"runtime: sequences of {n * size} tokens exceed the model's sliding window "
                     f"({window}); plan with sequence_parallel=False and cp=1"

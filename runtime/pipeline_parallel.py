@@ -34,16 +34,26 @@ How a model is cut (`stage_module`):
   `model.layers`, `model.norm`, `model.rotary_emb`, `lm_head`) are cut by `HFDecoderStage`;
 - anything else is refused with a one-line reason.
 
+What the loss sees (`as_model_output`): the last chunk-stage returns the logits tensor, which
+the loss gets as the unsplit model's kind of output, so one `loss_fn` serves with and without
+PP: for a HuggingFace model the ModelOutput class its forward returns (only `.logits` set),
+or `(logits,)` under `config.return_dict=False`; for other models the tensor, as they return
+it (a model's own `pipeline_stage` returns from its last stage what its forward returns).
+
 Each chunk keeps only its own modules; the rest are dropped, so the optimizer and data
 parallelism only see this rank's parameters.
 """
 
 from __future__ import annotations
 
+import typing
+from collections.abc import Callable
+
 import torch
-from meshplan.ir.parallel import Schedule
+from meshplan.ir.facts import pipeline_cut
+from meshplan.ir.parallel import Schedule, microbatch_problem
 from meshplan.ir.plan import Plan
-from meshplan.ir.trace import is_hf_decoder
+from meshplan.ir.trace import is_hf_decoder, is_transformers_model
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
@@ -96,16 +106,12 @@ def check_schedule(plan: Plan) -> None:
 
 
 def check_microbatches(plan: Plan, n_microbatches: int) -> None:
-    """Refuse a replica's micro-batch count its schedule cannot run: interleaved 1F1B needs
-    whole rounds of pp (torch's `ScheduleInterleaved1F1B`: m % max(1, m // pp) == 0)."""
-    pp = plan.parallel.pp or 1
-    if plan.parallel.schedule != Schedule.INTERLEAVED_1F1B or pp == 1:
-        return
-    if n_microbatches % max(1, n_microbatches // pp):
-        raise RuntimePlanError(
-            f"runtime: interleaved 1F1B with pp={pp} needs micro-batches in whole rounds of "
-            f"{pp} (torch's ScheduleInterleaved1F1B); the plan has {n_microbatches}"
-        )
+    """Refuse a replica's micro-batch count its schedule cannot run (`ir.microbatch_problem`,
+    what torch's schedule constructors refuse: 1F1B below pp, interleaved 1F1B off whole
+    rounds)."""
+    why = microbatch_problem(plan.parallel.schedule, plan.parallel.pp or 1, n_microbatches)
+    if why:
+        raise RuntimePlanError(f"runtime: {why}")
 
 
 def rank_chunks(plan: Plan, pp_rank: int) -> list[int]:
@@ -296,17 +302,41 @@ def stage_module(model: nn.Module, plan: Plan, chunk: int) -> nn.Module:
     """The module chunk-stage `chunk` runs (see module docstring for how models are cut)."""
     first, last = chunk_ranges(plan)[chunk]
     units = plan.model.units
-    if hasattr(model, "pipeline_stage"):
+    cut = pipeline_cut(model)  # the rule the tracer's "pp" blocker states (`ir.facts`)
+    if cut == "hook":
         return model.pipeline_stage(first, last, units)
-    if is_hf_decoder(model):
+    if cut == "hf_decoder":
         return HFDecoderStage(model, first, last, units)
-    zoo_shape = all(hasattr(model, a) for a in ("embed", "norm", "lm_head"))
-    if not zoo_shape:
+    if cut != "zoo":
         raise RuntimePlanError(
             f"runtime: cannot cut {type(model).__name__} into pipeline stages: define "
             "`pipeline_stage(first_unit, last_unit, units) -> nn.Module` on the model"
         )
     return TransformerStage(model, first, last, units)
+
+
+def as_model_output(model: nn.Module) -> Callable[[torch.Tensor], object]:
+    """How the last chunk-stage's logits become the kind of object `model(inputs)` returns
+    (see the module docstring), read from the unsplit model before it is cut: for a
+    HuggingFace decoder its forward's return annotation (a `ModelOutput` class; the
+    `CausalLMOutputWithPast` of every `*ForCausalLM` where the annotation cannot be read), or
+    a 1-tuple when its config turns `return_dict` off; the logits as they are otherwise."""
+    if not (is_hf_decoder(model) and is_transformers_model(model)):
+        return lambda logits: logits
+    if not getattr(getattr(model, "config", None), "return_dict", True):
+        return lambda logits: (logits,)
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+    from transformers.utils import ModelOutput
+
+    try:
+        hint = typing.get_type_hints(type(model).forward).get("return")
+    except Exception:  # unresolvable annotations: the causal LMs' class
+        hint = None
+    # `-> CausalLMOutputWithPast`, or `Union[Tuple, CausalLMOutputWithPast]` (older releases)
+    found = [c for c in (hint, *typing.get_args(hint)) if isinstance(c, type)]
+    found = [c for c in found if issubclass(c, ModelOutput)] or [CausalLMOutputWithPast]
+    cls = found[0]
+    return lambda logits: cls(logits=logits)
 
 
 # -- schedules --------------------------------------------------------------------------------
@@ -379,11 +409,11 @@ def build_schedule(
     for stage in stages:
         stage.keep_sharded = (plan.parallel.zero or 0) == 3
     kind = plan.parallel.schedule
+    check_microbatches(plan, n_microbatches)  # one line instead of torch's ValueError
     if kind in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
         cls = ScheduleGPipe if kind == Schedule.GPIPE else Schedule1F1B
         return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
     if kind == Schedule.INTERLEAVED_1F1B:
-        check_microbatches(plan, n_microbatches)
         cls = ScheduleInterleaved1F1B
     elif kind == Schedule.ZERO_BUBBLE:
         cls = ScheduleZBVZeroBubble

@@ -50,6 +50,7 @@ import inspect
 import types
 
 import torch
+from meshplan.ir.facts import is_zoo_moe
 from meshplan.ir.plan import Plan
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -143,12 +144,6 @@ def placement_of(name: str, plan: Plan, placements: dict[str, str] | None = None
     return placements.get(f"prologue:{name}") or placements.get(f"epilogue:{name}")
 
 
-def is_zoo_moe(m: nn.Module) -> bool:
-    """An MoE module of the zoo's shape: `router(x_th) -> (weights_tk, experts_tk)`,
-    `capacity(tokens)`, `top_k`, `experts` (stacked weights), optional `shared`."""
-    return all(hasattr(m, a) for a in ("router", "experts", "capacity", "top_k"))
-
-
 def _in_unit(name: str, plan: Plan) -> bool:
     return any(
         not u.startswith("<") and (name == u or name.startswith(u + ".")) for u in plan.model.units
@@ -179,11 +174,15 @@ def tp_styles(
     experts = [
         f"{p}.experts" if p else "experts" for p, m in model.named_modules() if is_zoo_moe(m)
     ]
+    # A weight tied to another (an LM head sharing the embedding's) is placed under the name
+    # the trace keeps, the first (`named_parameters` drops the repeats).
+    canonical = {n: names[0] for names in _tied_parameters(model) for n in names[1:]}
     for path, mod in model.named_modules():
         if any(path == e or path.startswith(e + ".") for e in experts):
             continue
         if isinstance(mod, (nn.Linear, nn.Embedding)):
-            p = placement_of(f"{path}.weight", plan, placements)
+            weight = f"{path}.weight"
+            p = placement_of(canonical.get(weight, weight), plan, placements)
             if p is None or p == "R":
                 continue
             inside = _in_unit(path, plan)
@@ -214,9 +213,10 @@ def tp_styles(
                 p = placement_of(f"{path}.{n}" if path else n, plan, placements)
                 if p not in (None, "R"):
                     raise RuntimePlanError(
-                        f"runtime: tensor parallelism of {type(mod).__name__} parameter "
-                        f"{path}.{n} ({p}) is not supported (stacked experts outside the zoo's "
-                        "MoE shape, i.e. the slots dispatch, run with tp == 1)"
+                        f"runtime: {path}.{n} is a parameter of {type(mod).__name__} with tp "
+                        f"placement {p}; the runtime shards only nn.Linear, nn.Embedding and "
+                        "the zoo's MoE experts: re-plan with tp=1 (meshplan plans refuse it: "
+                        "`ModelInfo.blockers`)"
                     )
             children_have_params = any(any(True for _ in c.parameters()) for c in mod.children())
             if sp and own and not children_have_params and all(p.dim() == 1 for _, p in own):
@@ -260,9 +260,42 @@ def apply_tensor_parallel(
             "runtime: tp > 1 but no module of the model matches the plan's placements "
             f"(units {plan.model.units[:3]}...); is this the model the plan was made for?"
         )
+    ties = _tied_parameters(model)
     parallelize_module(model, tp_mesh, styles)
+    _retie(model, ties)
     localise_head_counts(model, heads)
     return model
+
+
+def _tied_parameters(model: nn.Module) -> list[list[str]]:
+    """Names of parameters that are one tensor (input and output embeddings tied)."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def _retie(model: nn.Module, ties: list[list[str]]) -> None:
+    """Make tied parameters one tensor again after `parallelize_module`, which distributes
+    each module's parameter on its own (so a tied embedding and LM head would train as two).
+    The vocab-parallel embedding and the column-parallel LM head shard the same (vocab,
+    hidden) weight the same way (`Shard(0)`), as Megatron-LM ties them under TP."""
+    for names in ties:
+        first = model.get_parameter(names[0])
+        for name in names[1:]:
+            other = model.get_parameter(name)
+            if other is first:
+                continue
+            same = type(first) is type(other) and first.shape == other.shape
+            if isinstance(first, DTensor) and isinstance(other, DTensor):
+                same = same and first.placements == other.placements
+            if not same:
+                raise RuntimePlanError(
+                    f"runtime: {names[0]} and {name} are one tensor in the model but the plan "
+                    "shards them differently under tp; re-plan with tp=1"
+                )
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner) if owner else model, attr, first)
 
 
 # -- the loss, and gradients left partial by sequence parallelism ------------------------------

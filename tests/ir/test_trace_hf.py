@@ -199,3 +199,72 @@ def test_sequence_sharding_blocker_reasons():
     wrapper = torch.nn.ModuleDict({"lm": gpt2, "zoo": zoo})
     assert sequence_sharding_blocker(wrapper, SEQ).startswith("GPT2LMHeadModel (at 'lm') is a")
     assert sequence_sharding_blocker(torch.nn.ModuleDict({"body": body}), SEQ) == ""
+
+
+def test_traced_as_users_do_without_labels():
+    """`trace(hf_model, input_ids)`: no loss in the output, so the logits of the ModelOutput
+    are differentiated; the same FLOPs as with labels bar the loss's own ops (the LM head's
+    GEMM and everything before it are there). A dict output is searched the same way."""
+    model = _build("llama", "meta")
+    ids, kwargs = _inputs("meta")
+    plain = trace(model, ids)
+    with_labels = trace(model, ids, kwargs=kwargs)
+    matmul = [op.fwd_flops for op in all_ops(plain) if op.kind is OpKind.MATMUL]
+    assert matmul == [op.fwd_flops for op in all_ops(with_labels) if op.kind is OpKind.MATMUL]
+
+    class DictOut(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(128, 16)
+            self.head = torch.nn.Linear(16, 128)
+
+        def forward(self, ids):
+            return {"hidden": self.emb(ids).detach(), "logits": self.head(self.emb(ids))}
+
+    with torch.device("meta"):
+        graph = trace(DictOut(), ids)
+    assert graph.num_params() == 128 * 16 + 16 * 128 + 128
+
+
+def test_sliding_window_zero_or_switched_off_is_no_window():
+    """HF writes "no window" as `sliding_window=0` or `use_sliding_window=False` (Qwen2):
+    neither is read as a window shorter than the sequence."""
+    from meshplan.ir.trace import sequence_sharding_blocker
+
+    with torch.device("meta"):
+        zero = transformers.Qwen2ForCausalLM._from_config(
+            transformers.Qwen2Config(**{**_common(), "sliding_window": 0}),
+            attn_implementation="sdpa",
+        )
+        off = transformers.Qwen2ForCausalLM._from_config(
+            transformers.Qwen2Config(
+                **{**_common(), "sliding_window": 4, "use_sliding_window": False}
+            ),
+            attn_implementation="sdpa",
+        )
+    assert sequence_sharding_blocker(zero, SEQ) == ""
+    assert sequence_sharding_blocker(off, SEQ) == ""
+
+
+def test_moe_experts_that_need_bf16_get_a_one_line_hint():
+    """transformers' default `grouped_mm` experts run only in bf16: fp32 tracing fails with
+    the fix named (bf16, or experts_implementation='batched_mm')."""
+    model = _build("mixtral", "meta")
+    with pytest.raises(TraceError, match="experts_implementation='batched_mm'") as err:
+        trace(model, _inputs("meta")[0])
+    assert "\n" not in str(err.value)
+
+
+def test_hf_shapes_the_runtime_cannot_run_are_blocked_with_their_reason(traced):
+    """GPT-2 (fused c_attn split into q/k/v, eager attention, learned positions, no stage
+    cut), Mixtral's stacked experts (not the zoo's MoE shape): blocked dimensions, named.
+    Llama runs every dimension."""
+    kind, _, graph = traced
+    blocked = dict(graph.info.blockers)
+    if kind == "llama":
+        assert blocked == {}
+    elif kind == "gpt2":
+        assert set(blocked) == {"tp", "sp", "cp", "pp"}
+        assert "c_attn" in blocked["tp"]
+    else:
+        assert set(blocked) == {"tp", "ep"} and "MixtralExperts" in blocked["ep"]

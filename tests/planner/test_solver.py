@@ -16,7 +16,7 @@ import random
 import pytest
 from meshplan.cost_model import evaluate, hetero_tables, plan_tables, predict, pricer_for
 from meshplan.cost_model.memory import in_flight_microbatches
-from meshplan.ir import Parallel, Recompute
+from meshplan.ir import Parallel, Recompute, microbatch_problem
 from meshplan.passes.partition import compositions, replica_capacity, stages_of
 from meshplan.solver import InfeasibleError, solve
 
@@ -53,9 +53,10 @@ def _placements(tables, cap):
 
 def _share_placements(tables, cap):
     """Every group-pure placement with uneven shares (ZeRO <= 2): n_g whole pipelines in group
-    g (every stage fits there), each replica running m_g >= 1 micro-batches, sum n_g m_g =
-    dp * m, and no m_g past the point where a stage would hold more in-flight micro-batches
-    than with m (the model's rule: shares never raise activation memory)."""
+    g (every stage fits there), each replica running m_g >= 1 micro-batches its schedule
+    runs (`microbatch_problem`), sum n_g m_g = dp * m, and no m_g past the point where a
+    stage would hold more in-flight micro-batches than with m (the model's rule: shares never
+    raise activation memory)."""
     p, pp, m = tables.parallel, tables.pp, tables.m
     if p.zero == 3:
         return
@@ -75,6 +76,8 @@ def _share_placements(tables, cap):
         if any(n % p.ep for _, n in used):  # an ep group must sit inside one group
             continue
         for ms in itertools.product(range(1, total + 1), repeat=len(used)):
+            if any(microbatch_problem(p.schedule, pp, k) for k in ms):
+                continue  # a count the schedule cannot run
             if sum(n * k for (_, n), k in zip(used, ms)) == total:
                 yield [list(used) for _ in range(pp)], {g: k for (g, _), k in zip(used, ms)}
 
@@ -84,7 +87,7 @@ def _cps(seq_len):
 
 
 def _schedules(pp, n_layers, m):
-    out = [("1f1b", None)]
+    out = [("1f1b", None) if m >= pp else ("gpipe", None)]  # torch's 1F1B needs m >= pp
     if pp >= 2 and n_layers % pp == 0 and m % pp == 0:
         out += [("interleaved_1f1b", v) for v in range(2, 9) if (n_layers // pp) % v == 0]
     if pp >= 2 and n_layers % (2 * pp) == 0 and m >= 2 * pp - 1:  # ZB-V: two equal chunks
@@ -144,7 +147,7 @@ def brute_force(graph, cluster, global_batch, pinned=None):
                             continue
                         splits = (
                             list(compositions(n_layers, pp))
-                            if sched == "1f1b"
+                            if sched in ("1f1b", "gpipe")
                             else [tuple([n_layers // pp] * pp)]
                         )
                         cap = {g.name: replica_capacity(g, tp, cp) for g in cluster.groups}
@@ -207,7 +210,7 @@ def _per_group_tp(graph, cluster, global_batch, pinned, pricer, best):
                                 continue
                             splits = (
                                 list(compositions(n_layers, pp))
-                                if sched == "1f1b"
+                                if sched in ("1f1b", "gpipe")
                                 else [tuple([n_layers // pp] * pp)]
                             )
                             for split in splits:
@@ -241,7 +244,7 @@ def _best_hetero(t, cap, best):
             else [(m, m)]
         )
         for ma, mb_ in options:
-            if mb_ < 1:
+            if mb_ < 1 or any(microbatch_problem(p.schedule, pp, k) for k in (ma, mb_)):
                 continue
             step = evaluate(t, pl, {a: ma, b: mb_}).step_time_s
             if step < best[0]:
@@ -591,5 +594,55 @@ def test_no_sequence_parallelism_or_cp_for_a_model_the_runtime_cannot_shard():
             solve(graph, cluster, pinned, global_batch=8)
     est = meshplan.estimate_plan(graph, cluster=cluster, parallel=Parallel(tp=2, dp=4))
     assert not est.parallel.sequence_parallel
-    with pytest.raises(ValueError, match="use sequence_parallel=False and cp=1"):
+    with pytest.raises(ValueError, match="cp=2 cannot run on this model: GPT2LMHeadModel"):
         meshplan.estimate_plan(graph, cluster=cluster, parallel=Parallel(cp=2, dp=4))
+
+
+def test_pipelines_get_micro_batch_counts_their_schedule_runs():
+    """With a global batch smaller than the pipeline depth the planner never emits 1F1B with
+    fewer micro-batches than stages (torch's Schedule1F1B refuses it at run time): every
+    pipeline candidate and plan passes `microbatch_problem`, GPipe stands in for 1F1B there,
+    and pinning such a 1F1B configuration is refused in one line naming the rule, by `plan`
+    and by `estimate`."""
+    import meshplan
+    from meshplan.solver import enumerate_candidates
+
+    graph = transformer_graph(4, 256, 4, 4, 1024, 1000, 128, 1)
+    cluster = meshplan.Cluster.preset("cpu", gpus=4)
+    gb = 2
+    piped = [c for c in enumerate_candidates(graph, cluster, Parallel(), gb) if c.pp > 1]
+    assert any(c.pp > gb for c in piped)
+    for c in piped:
+        assert microbatch_problem(c.schedule, c.pp, gb // (c.dp * c.micro_batch)) is None, c
+    assert any(c.schedule == "gpipe" for c in piped)  # in 1F1B's place where m < pp
+    for pins in (Parallel(), Parallel(pp=2), Parallel(pp=4), Parallel(pp=2, micro_batch=2)):
+        plan = meshplan.plan(graph, cluster=cluster, global_batch=gb, parallel=pins)
+        p = plan.parallel
+        counts = [k for st in plan.stages for _, k in st.microbatches] or [p.num_microbatches]
+        for k in counts:
+            assert microbatch_problem(p.schedule, p.pp, k) is None, (pins, p)
+    one_f1b = Parallel(tp=1, pp=2, dp=1, micro_batch=2, schedule="1f1b")
+    rule = r"schedule '1f1b' needs at least pp=2 micro-batches per pipeline"
+    with pytest.raises(InfeasibleError, match=rule) as err:
+        meshplan.plan(graph, cluster=cluster, global_batch=gb, parallel=one_f1b)
+    assert "\n" not in str(err.value)
+    pinned = dataclasses.replace(one_f1b, global_batch=gb)
+    with pytest.raises(ValueError, match=rule) as err:
+        meshplan.estimate(graph, cluster=cluster, parallel=pinned)
+    assert "\n" not in str(err.value)
+    unpinned = dataclasses.replace(pinned, schedule=None)
+    est = meshplan.estimate_plan(graph, cluster=cluster, parallel=unpinned)
+    assert est.parallel.schedule == "gpipe"
+
+
+def test_uneven_shares_are_counts_the_schedule_runs():
+    """`_pair_shares` moves off the best split to the nearest one whose counts both run: the
+    fast group's 7 + the slow group's 1 balances the two pipelines, but 1F1B with pp=2 needs
+    2 micro-batches per pipeline."""
+    from meshplan.solver import _pair_shares
+
+    fast, slow = (1.0, 0.0), (7.0, 0.0)
+    assert _pair_shares(fast, slow, 1, 1, 8, 1 << 30) == (7, 1)
+    runs = lambda m: microbatch_problem("1f1b", 2, m) is None  # noqa: E731
+    assert _pair_shares(fast, slow, 1, 1, 8, 1 << 30, runs) == (6, 2)
+    assert _pair_shares(fast, slow, 1, 1, 3, 1 << 30, runs) is None  # 2 + 2 > 3

@@ -336,3 +336,36 @@ def test_hf_models_that_cannot_be_sharded_are_refused_and_not_planned():
     assert reposition_hf_decoder(mistral, 1, None) == 1
     with pytest.raises(RuntimePlanError, match="exceed the model's sliding window"):
         mistral(batch(1, 0)[0])
+
+
+def logits_loss(out, targets):
+    """An HF-natural loss: it reads `out.logits` and has no fallback for a bare tensor. It
+    records the class of what it gets (each rank is a fork with its own copy of the set)."""
+    _LOSS_INPUTS.add(type(out).__name__)
+    return F.cross_entropy(out.logits.float().reshape(-1, VOCAB), targets.reshape(-1))
+
+
+_LOSS_INPUTS: set[str] = set()
+
+
+def _run_logits_loss(plan):
+    """Inside a rank: `plan` trained with `logits_loss`; losses, snapshots and the classes the
+    loss received."""
+    from meshplan.runtime import apply
+
+    runner = apply(build(), plan, logits_loss, sgd)
+    losses, states, _ = train(runner, plan.parallel.global_batch, count_step=None, batch_fn=batch)
+    return {"losses": losses, "states": states, "loss_inputs": sorted(_LOSS_INPUTS)}
+
+
+def test_loss_gets_the_model_output_under_pipeline_parallelism():
+    """The loss gets what the unsplit model returns (`CausalLMOutputWithPast`) under PP too,
+    not the last stage's logits tensor (`pipeline_parallel.as_model_output`), so a loss that
+    reads `out.logits` trains under pp=2 and matches one process running the same loss."""
+    plan = make_plan(2, pp=2, micro_batch=1, global_batch=2)
+    p = plan.parallel
+    ref = reference(p.global_batch, p.num_microbatches)
+    results = run_local(_run_logits_loss, 2, plan, timeout_s=120)
+    assert_parity("hf-pp-logits-loss", ref, results)
+    # pipeline rank 1 holds the LM head and runs the loss; rank 0 never calls it
+    assert [r["loss_inputs"] for r in results] == [[], ["CausalLMOutputWithPast"]]

@@ -1,0 +1,135 @@
+"""Rehearse one tensor-parallel rank on fake tensors, so that TP the model's code cannot run
+is refused at plan time instead of crashing, or silently computing something else, on GPUs.
+
+Under tensor parallelism the runtime hands the model's own code local shards: a
+column-parallel projection returns `out / tp` features, a row-parallel one reads `in / tp`,
+and the head-count attributes of each attention/MLP region are divided by tp
+(`runtime.tensor_parallel`). Code that takes a width from somewhere else (`C // self.n_head`
+with `C` the full model width, `view(b, s, C)`, a head count under an attribute name the
+runtime does not know) then either fails on the shard's shapes or, worse, runs with heads of
+the wrong size (`view(b, s, self.nh, -1)` with `self.nh` unchanged gives head_dim / tp).
+
+So the planner traces the model once more as tp rank 0 would run it: the parameters the
+plan shards inside the repeated layers get their shard's shape (`trace(..., param_shapes=)`),
+the runtime's own choice of regions localises head counts (`runtime.tensor_parallel.tp_styles`
+and `localise_head_counts`, undone afterwards), and every attention of the rehearsal must see
+heads / tp heads of the unsharded head_dim. A failure or a mismatch becomes the model's "tp"
+blocker (`ModelInfo.blockers`), which the planner honours like any other (`ir.facts`).
+
+Skipped, as already covered by the runtime's parity tests: the zoo's decoder and HuggingFace
+decoders of the Llama shape. A model whose TP is already blocked, or with no attention heads
+found, is not rehearsed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+
+from meshplan.ir import Graph, OpKind
+from meshplan.ir.facts import is_hf_decoder, is_zoo_model
+from meshplan.ir.trace import TraceError, trace
+from meshplan.passes.sharding import tp_param_placements
+from meshplan.runtime.errors import RuntimePlanError
+from meshplan.runtime.tensor_parallel import (
+    HEAD_COUNT_ATTRS,
+    localise_head_counts,
+    placement_of,
+    tp_styles,
+)
+from torch import nn
+
+
+def rehearsal_degree(graph: Graph) -> int:
+    """The tp degree rehearsed: the smallest >= 2 dividing the heads and KV heads (0: none)."""
+    info = graph.info
+    heads = math.gcd(info.heads, info.kv_heads or info.heads)
+    return next((t for t in range(2, heads + 1) if heads % t == 0), 0)
+
+
+def shard_shapes(model: nn.Module, view, tp: int) -> dict[str, tuple[int, ...]]:
+    """The shape the model's code sees of every nn.Linear weight the runtime shards on rank 0
+    (`runtime.tensor_parallel.tp_styles`): a row-parallel projection reads a share of its input
+    features anywhere; a column-parallel one hands on a share of its output features inside
+    the repeated layers, while outside them (an LM head, a projection before the layers) the
+    runtime gathers its output, so the code sees the whole width there."""
+    placements = dict(view.placements)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path, mod in model.named_modules():
+        if not isinstance(mod, nn.Linear):
+            continue
+        p = placement_of(f"{path}.weight", view, placements)
+        inside = any(path.startswith(u + ".") for u in view.model.units if not u.startswith("<"))
+        if p == "S(0)" and inside:  # column-parallel: a share of the output features
+            shapes[f"{path}.weight"] = (mod.out_features // tp, mod.in_features)
+            if mod.bias is not None:
+                shapes[f"{path}.bias"] = (mod.out_features // tp,)
+        elif p == "S(1)":  # row-parallel: a share of the input features
+            shapes[f"{path}.weight"] = (mod.out_features, mod.in_features // tp)
+    return shapes
+
+
+def rehearse_tensor_parallel(
+    model: nn.Module, graph: Graph, example_inputs: tuple, kwargs: dict | None = None
+) -> Graph:
+    """`graph` with a "tp" blocker when one tensor-parallel rank cannot run the model's code
+    correctly (module docstring); `graph` unchanged otherwise."""
+    info = graph.info
+    if info.blocker("tp") or is_zoo_model(model) or is_hf_decoder(model):
+        return graph
+    tp = rehearsal_degree(graph)
+    if not tp:
+        return graph
+    why = _rehearse(model, graph, example_inputs, kwargs or {}, tp)
+    if not why:
+        return graph
+    blockers = tuple(sorted((*info.blockers, ("tp", why))))
+    return dataclasses.replace(graph, info=dataclasses.replace(info, blockers=blockers))
+
+
+def _rehearse(model: nn.Module, graph: Graph, inputs: tuple, kwargs: dict, tp: int) -> str:
+    view = types.SimpleNamespace(  # the parts of a Plan `tp_styles` reads
+        parallel=types.SimpleNamespace(tp=tp, sequence_parallel=False),
+        placements=tp_param_placements(graph),
+        model=types.SimpleNamespace(units=tuple(u.name for u in graph.units)),
+    )
+    try:
+        _, regions = tp_styles(model, view)  # type: ignore[arg-type]
+    except RuntimePlanError as exc:
+        return str(exc).removeprefix("runtime: ")
+    saved = [
+        (model.get_submodule(path), attr, getattr(model.get_submodule(path), attr))
+        for path in regions
+        for attr in HEAD_COUNT_ATTRS
+        if isinstance(getattr(model.get_submodule(path), attr, None), int)
+    ]
+    try:
+        localise_head_counts(model, regions)
+        rank = trace(model, *inputs, kwargs=kwargs, param_shapes=shard_shapes(model, view, tp))
+    except (RuntimePlanError, TraceError) as exc:
+        first = str(exc).removeprefix("runtime: ")
+        return f"one tp={tp} rank cannot run the model's code on its shards: {first}"
+    finally:
+        for mod, attr, value in saved:
+            setattr(mod, attr, value)
+    return _compare_attention(graph, rank, tp)
+
+
+def _compare_attention(whole: Graph, rank: Graph, tp: int) -> str:
+    """Every attention of the rehearsed rank must see heads / tp heads of full head_dim."""
+    want = [op for _, b in whole.unit_blocks() for op in b.ops if op.kind is OpKind.ATTENTION]
+    got = [
+        (u.name, op) for u, b in rank.unit_blocks() for op in b.ops if op.kind is OpKind.ATTENTION
+    ]
+    for w, (unit, g) in zip(want, got):
+        where = ".".join(p for p in (unit if not unit.startswith("<") else "", g.module) if p)
+        heads, head_dim = w.attr("heads"), w.attr("head_dim")
+        if (g.attr("heads"), g.attr("head_dim")) != (heads // tp if heads else None, head_dim):
+            return (
+                f"under tp={tp} the attention in {where or '<root>'} would run "
+                f"{g.attr('heads')} heads of {g.attr('head_dim')} features instead of "
+                f"{heads // tp} of {head_dim}: its head count is not an attribute the runtime "
+                f"divides by tp ({', '.join(HEAD_COUNT_ATTRS[:4])}, ...)"
+            )
+    return ""
