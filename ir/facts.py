@@ -48,8 +48,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-# Dimensions a blocker can name (`ModelInfo.blockers` keys).
-DIMENSIONS = ("tp", "sp", "cp", "pp", "ep")
+# Dimensions a blocker can name (`ModelInfo.blockers` keys); "zb": the zero-bubble (ZB-V)
+# schedule, which puts a pipeline's first and last chunks on one rank.
+DIMENSIONS = ("tp", "sp", "cp", "pp", "ep", "zb")
 
 # Ops that only re-arrange a tensor's dims (the features are followed through them).
 _VIEWS = frozenset(
@@ -422,7 +423,9 @@ def structural_blockers(
             "cut it into stages"
         )
     elif (tied := _tied_across_stages(model, layer_names)) and pipeline_cut(model) != "hook":
-        out["pp"] = f"{tied}: pipeline stages would train two copies"
+        # The runtime sums the copies' gradients over the stages holding them
+        # (`runtime.pipeline_parallel.TiedGradients`), unless one rank holds both (ZB-V).
+        out["zb"] = f"{tied} and ZB-V holds both on pipeline rank 0"
     for path in expert_modules:
         moe = _enclosing(model, path, lambda m: is_zoo_moe(m) or getattr(m, "stacked_experts", 0))
         if moe is None:
@@ -576,6 +579,9 @@ def blocked_dimension(info, parallel) -> str | None:
         why = info.blocker(dim)
         if why:
             return f"{name}={value} cannot run on this model: {why}; use {name}={off}"
+    schedule = getattr(parallel.schedule, "value", parallel.schedule)
+    if schedule == "zero_bubble" and (why := info.blocker("zb")):
+        return f"schedule zero_bubble cannot run on this model: {why}; use 1f1b"
     return None
 
 

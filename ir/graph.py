@@ -252,7 +252,7 @@ class ModelInfo:
 
     def blocker(self, dim: str) -> str:
         """Why the runtime cannot run parallel dimension `dim` ("tp", "sp", "cp", "pp",
-        "ep") on this model, or "" (`ir.facts`; sequence sharding's own reason counts for
+        "ep", or "zb": the ZB-V schedule) on this model, or "" (`ir.facts`; sequence sharding's own reason counts for
         "sp" and "cp")."""
         for d, why in self.blockers:
             if d == dim:

@@ -499,7 +499,7 @@ PLAN_SCHEMA: dict = {
                 "dtype": {"type": "string"},
                 "blockers": {
                     "type": "object",
-                    "propertyNames": {"enum": ["tp", "sp", "cp", "pp", "ep"]},
+                    "propertyNames": {"enum": ["tp", "sp", "cp", "pp", "ep", "zb"]},
                     "additionalProperties": {"type": "string", "minLength": 1},
                 },
             },

@@ -401,7 +401,7 @@ def cp_options(seq_len: int) -> list[int]:
 
 
 def schedule_options(
-    pinned: Parallel, pp: int, n_layers: int, m: int
+    pinned: Parallel, pp: int, n_layers: int, m: int, zero_bubble: bool = True
 ) -> list[tuple[Schedule, int]]:
     """(schedule, virtual stages) pairs for m micro-batches per pipeline: 1F1B when torch runs
     it (`microbatch_problem`: m >= pp), else GPipe in its place (with m < pp both take the same
@@ -409,13 +409,15 @@ def schedule_options(
     pp >= 2, pp divides n_layers and pp divides m (Megatron-LM's requirement, stricter than
     torch's whole rounds), and ZB-V (two chunks per rank) when pp >= 2, 2 pp divides n_layers
     (equal chunks) and m >= 2 pp - 1 (the cost model prices ZB-V's full warm-up of 2 pp - 1
-    micro-batches). A pinned schedule or virtual_stages restricts the list (a pinned 1F1B or
+    micro-batches; not when `zero_bubble` is False: the model's "zb" blocker, `ir.facts`).
+    A pinned schedule or virtual_stages restricts the list (a pinned 1F1B or
     interleaved 1F1B only where `microbatch_problem` accepts m); GPipe otherwise only when
     pinned (it is never faster than 1F1B under this cost model, and holds more activations)."""
     sched, pv = pinned.schedule, pinned.virtual_stages
     if sched == Schedule.GPIPE:
         return [(sched, 1)]
     zb_ok = pp >= 2 and n_layers % (2 * pp) == 0 and m >= 2 * pp - 1 and pv in (None, 2)
+    zb_ok = zb_ok and zero_bubble
     if sched == Schedule.ZERO_BUBBLE:
         return [(sched, 2)] if zb_ok else []
     out: list[tuple[Schedule, int]] = []
@@ -470,6 +472,7 @@ def enumerate_candidates(
     if (why := blocked_dimension(info, p)) is not None:
         raise InfeasibleError(f"no plan: {why}")
     p = without_blocked(info, p)
+    zb = not info.blocker("zb")  # ZB-V, unless the model ties weights across its stages
     if p.global_batch is not None and p.global_batch != global_batch:
         raise ValueError(
             f"global_batch={global_batch} conflicts with pinned global_batch={p.global_batch}"
@@ -572,7 +575,7 @@ def enumerate_candidates(
                             f"dp*micro_batch={dp}*{mb}={dp * mb} for any dp that fits"
                         )
                         continue
-                    scheds = schedule_options(p, pp, n_layers, global_batch // (dp * mb))
+                    scheds = schedule_options(p, pp, n_layers, global_batch // (dp * mb), zb)
                     if not scheds:
                         m_ = global_batch // (dp * mb)
                         why_none = (p.schedule and microbatch_problem(p.schedule, pp, m_)) or (
@@ -594,7 +597,9 @@ def enumerate_candidates(
                             continue
                         out.append(Candidate(tp, pp, dp, cp, ep, mb, zero, rc, sched, sp, v, qa))
     if per_group_tp and len(cluster.groups) > 1:
-        out += _per_group_tp_candidates(cluster, p, global_batch, tps, cps, pps, rcs, qas, n_layers)
+        out += _per_group_tp_candidates(
+            cluster, p, global_batch, tps, cps, pps, rcs, qas, n_layers, zb
+        )
     if not out:
         raise InfeasibleError(f"no plan: {why_none}")
     return out
@@ -610,6 +615,7 @@ def _per_group_tp_candidates(
     rcs: Sequence[Recompute],
     qas: Sequence[bool],
     n_layers: int,
+    zb: bool = True,
 ) -> list[Candidate]:
     """Per-group TP (`Candidate.group_tp`): for every pair of device groups (a, b) and TP
     degrees tp_a != tp_b (each dividing its group's GPUs per node, and the heads), the
@@ -641,7 +647,7 @@ def _per_group_tp_candidates(
                 for mb in mbs:
                     if global_batch % (dp * mb):
                         continue
-                    scheds = schedule_options(p, pp, n_layers, global_batch // (dp * mb))
+                    scheds = schedule_options(p, pp, n_layers, global_batch // (dp * mb), zb)
                     for rc, (sched, v), qa in itertools.product(rcs, scheds, qas):
                         group_tp = ((a.name, ta), (b.name, tb))
                         out.append(

@@ -42,6 +42,9 @@ The order of the transformations is fixed, and matters (as in torchtitan's paral
                     DDP comm hook, FSDP2 custom reduce-scatter / all-gather, or a coded
                     all-reduce after backward where `replicate()` has no hook
                     (`data_parallel.install_gradient_coding`); EP's expert reduction too
+    5c. tied        a weight tied across pipeline stages (input and output embeddings):
+                    its copies' gradients summed over the stages holding them, after the
+                    dp reduction (`pipeline_parallel.TiedGradients`)
     6. optimizer    built by the caller's factory over the final (sharded) parameters
     7. schedule     torch.distributed.pipelining around the wrapped stage
 
@@ -104,6 +107,8 @@ from .pipeline_parallel import (
     chunks_per_rank,
     rank_chunks,
     stage_module,
+    tie_gradients,
+    tied_across_stages,
 )
 from .quantize import plan_activation_bits, quantize_saved_activations
 from .recompute import apply_recompute
@@ -248,6 +253,7 @@ class Runner:
         vocab_parallel_loss: bool = False,
         dp_ctx: RankContext | None = None,
         coded_grads: list | None = None,
+        second_names: frozenset[str] = frozenset(),
     ) -> None:
         self.ctx, self.modules, self.optimizer, self.loss_fn = ctx, modules, optimizer, loss_fn
         # The loss runs on vocab-sharded logits under torch's `loss_parallel` (TP only).
@@ -257,6 +263,7 @@ class Runner:
         self.dp_ctx = dp_ctx or ctx
         # Coded gradient averages run after backward (`data_parallel.CodedGradients`).
         self.coded_grads = list(coded_grads or ())
+        self.second_names = second_names  # later names of tied weights (`full_state_dict`)
         self.schedule = schedule
         self.cp, self.ep = cp, ep
         p = ctx.plan.parallel
@@ -368,7 +375,9 @@ class Runner:
         for part in gathered or []:
             if part:
                 out.update(part)
-        return dict(sorted(out.items()))
+        # A weight tied across stages is held under each name by its stage; the model's
+        # own `named_parameters()` lists it once, under its first name.
+        return dict(sorted((k, v) for k, v in out.items() if k not in self.second_names))
 
 
 def clean_name(name: str) -> str:
@@ -435,11 +444,13 @@ def apply(
     # what the unsplit model returns, read before the cut: the loss gets it under PP too
     as_output = as_model_output(model)
     if pipelined:  # 1
+        ties = tied_across_stages(model, plan)  # tied embeddings on two stages: 5c
         chunks = rank_chunks(plan, ctx.stage_index)
         modules = [stage_module(model, plan, c) for c in chunks]
         units = [chunk_unit_paths(plan, c) for c in chunks]
         num_chunks = ctx.num_stages * chunks_per_rank(plan)
     else:
+        ties = []
         chunks, modules, num_chunks = [0], [model], 1
         units = [[u for u in plan.model.units if not u.startswith("<")]]
     for m in modules:
@@ -485,6 +496,9 @@ def apply(
         coded_grads.append(HeteroGradients(ctx, wrapped))
     if ep is not None:  # 5b: the experts' coded traffic
         ep.install_coding(coding.experts, coding.expert_weights)
+    tied = tie_gradients(ties, ctx, wrapped, clean_name)  # 5c: after the dp reduction
+    if tied is not None:
+        coded_grads.append(tied)
     params = [q for m in wrapped for q in m.parameters()]
     optimizer = optimizer_factory(params)  # 6
     schedule = None
@@ -509,6 +523,7 @@ def apply(
         vocab_parallel_loss=vocab_parallel,
         dp_ctx=dp_ctx,
         coded_grads=coded_grads,
+        second_names=frozenset(n for names, _ in ties for n in names[1:]),
     )
 
 

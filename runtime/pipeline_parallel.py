@@ -420,3 +420,105 @@ def build_schedule(
     else:
         raise RuntimePlanError(f"runtime: schedule {kind} is not supported")
     return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+# -- weights tied across stages ---------------------------------------------------------------
+
+
+def tied_across_stages(model: nn.Module, plan: Plan) -> list[tuple[tuple[str, ...], list[int]]]:
+    """(names, pipeline ranks holding a copy) of every weight the model ties (one tensor under
+    several names: input and output embeddings) whose names fall on two or more pipeline
+    ranks. Read from the unsplit model, cutting it as `stage_module` does. A rank holding the
+    weight in two of its chunks (ZB-V puts the first and the last chunk on rank 0) is refused:
+    its chunks' data-parallel wrappers would each reduce the same tensor."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    ties = [tuple(names) for names in by_id.values() if len(names) > 1]
+    if not ties or (plan.parallel.pp or 1) == 1:
+        return []
+    held: dict[int, set[str]] = {}  # chunk -> tied names it holds
+    wanted = {n for names in ties for n in names}
+    pp = plan.parallel.pp or 1
+    for r in range(pp):
+        for c in rank_chunks(plan, r):
+            stage = stage_module(model, plan, c)
+            held[c] = {n for n, _ in stage.named_parameters(remove_duplicate=False)} & wanted
+    out = []
+    for names in ties:
+        ranks = []
+        for r in range(pp):
+            chunks = [c for c in rank_chunks(plan, r) if held[c] & set(names)]
+            if len(chunks) > 1:
+                raise RuntimePlanError(
+                    f"runtime: {' and '.join(names)} are one tensor and pipeline rank {r} holds "
+                    f"it in two chunks ({plan.parallel.schedule}); use schedule 1f1b or "
+                    "interleaved_1f1b for this model"
+                )
+            if chunks:
+                ranks.append(r)
+        if len(ranks) > 1:
+            out.append((names, ranks))
+    return out
+
+
+class TiedGradients:
+    """Gradients of a weight tied across pipeline stages, summed over the pipeline ranks that
+    hold a copy (Megatron-LM's embedding group). With input and output embeddings tied, stage
+    0 trains the embedding and the last stage the LM head: two copies of one weight, equal at
+    the start (every rank builds the model identically). After each stage's data-parallel
+    reduction, adding the copies' gradients gives each the tied weight's gradient, so the
+    optimizer keeps them equal. `finish()` runs after backward, before the optimizer; for
+    DTensor gradients (TP, ZeRO) the local shards are added (the copies are sharded alike).
+    One all-reduce of the weight's (local) size per step: not priced by the cost model."""
+
+    def __init__(self, params: list[nn.Parameter], group) -> None:
+        self.params, self.group = params, group
+
+    def finish(self) -> None:
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
+
+        for p in self.params:
+            if p.grad is None:
+                continue
+            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            dist.all_reduce(local, group=self.group)
+
+
+def tie_gradients(
+    ties: list[tuple[tuple[str, ...], list[int]]],
+    ctx: RankContext,
+    modules: list[nn.Module],
+    clean: Callable[[str], str],
+) -> TiedGradients | None:
+    """The `TiedGradients` of this rank for `ties` (`tied_across_stages`), over `modules` (its
+    wrapped chunks; `clean` strips wrapper prefixes from names). Every rank calls it: one
+    process group per tie and (dp, cp, tp) coordinate, created in the same order everywhere."""
+    import torch.distributed as dist
+
+    if not ties:
+        return None
+    if ctx.whole is not None:
+        raise RuntimePlanError(
+            "runtime: weights tied across pipeline stages with per-group tp are not supported; "
+            "plan without per-group tp for this model"
+        )
+    grid = ctx.mesh.mesh  # global ranks, axes (pp, dp, cp, tp)
+    me = dist.get_rank()
+    params: list[nn.Parameter] = []
+    mine = None
+    for names, pp_ranks in ties:
+        for d in range(grid.shape[1]):
+            for c in range(grid.shape[2]):
+                for t in range(grid.shape[3]):
+                    ranks = [int(grid[r, d, c, t]) for r in pp_ranks]
+                    group = dist.new_group(ranks)
+                    if me in ranks:
+                        mine = group
+        if ctx.stage_index in pp_ranks:
+            for m in modules:
+                for n, p in m.named_parameters(remove_duplicate=False):
+                    if clean(n) in names and all(p is not q for q in params):
+                        params.append(p)
+    return TiedGradients(params, mine) if params else None

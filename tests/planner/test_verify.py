@@ -154,11 +154,20 @@ def test_wrong_numbers_under_tp_name_the_module():
     assert meshplan.verify(factory(centred=True), dp).ok
 
 
-def test_tied_embeddings_under_tp_train_as_one_tensor():
-    """GPT-style zoo model with the LM head tied to the embedding, TP=2: the runtime keeps the
-    tie (one vocab-sharded tensor for both), so losses and gradients equal one process (before
-    the fix the head was a second, separately trained copy: FAIL from step 2)."""
-    kw = dict(layers=2, hidden=32, heads=4, ffn=64, vocab=64, seq_len=8, style="gpt")
+@pytest.mark.parametrize(
+    "layout",
+    [dict(tp=2), dict(pp=2, global_batch=4), dict(tp=2, pp=2, dp=1, global_batch=4)],
+    ids=["tp2", "pp2", "tp2xpp2"],
+)
+def test_tied_embeddings_train_as_one_tensor(layout):
+    """GPT-style zoo model with the LM head tied to the embedding. TP=2: the runtime keeps the
+    tie (one vocab-sharded tensor for both); PP=2: stage 0's embedding and the last stage's
+    head are two copies whose gradients are summed over the two stages
+    (`TiedGradients`). Losses and gradients equal one process (before the fixes the head was
+    a second, separately trained copy: FAIL from step 2). ZB-V, which would hold both copies
+    on rank 0, is refused at plan time."""
+    kw = dict(layers=4, hidden=32, heads=4, ffn=64, vocab=64, seq_len=8, style="gpt")
+    layout = {"global_batch": 2, **layout}
 
     def model_fn():
         torch.manual_seed(0)
@@ -169,11 +178,15 @@ def test_tied_embeddings_under_tp_train_as_one_tensor():
 
     meta, inputs = meshplan.models.transformer(**kw, tie_embeddings=True, micro_batch=1)
     graph = meshplan.trace(meta, *inputs)
-    plan = meshplan.estimate_plan(
-        graph, cluster=Cluster.preset("cpu", gpus=2), parallel=Parallel(tp=2, global_batch=2)
-    )
+    world = layout.get("tp", 1) * layout.get("pp", 1)
+    cluster = Cluster.preset("cpu", gpus=world)
+    plan = meshplan.estimate_plan(graph, cluster=cluster, parallel=Parallel(**layout))
     report = meshplan.verify(model_fn, plan)
     assert report.ok, report.summary()
+    if layout.get("pp"):
+        zbv = Parallel(pp=2, global_batch=4, schedule=Schedule.ZERO_BUBBLE)
+        with pytest.raises(ValueError, match="zero_bubble cannot run on this model: .*tied"):
+            meshplan.estimate_plan(graph, cluster=cluster, parallel=zbv)
 
 
 # -- reduced_parallel: pure -------------------------------------------------------------------
