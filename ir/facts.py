@@ -134,6 +134,7 @@ class Dataflow:
     fused: dict[str, str] = field(default_factory=dict)  # weight -> how its output is split
     position_reads: list[tuple[str, str, int]] = field(default_factory=list)  # module, what, len
     position_tables: dict[str, str] = field(default_factory=dict)  # embedding weight -> module
+    token_embeddings: list[str] = field(default_factory=list)  # embeddings of ids (weights)
     eager_attention: list[str] = field(default_factory=list)  # modules with q @ k^T
     attention_modules: list[tuple[str, ...]] = field(default_factory=list)  # SDPA module stacks
     _features: dict[int, _Features] = field(default_factory=dict)
@@ -185,6 +186,10 @@ class Dataflow:
             else:
                 for o in outs:
                     self._positions[id(o)] = (origin, n)
+        if packet == "aten.embedding" and not tagged and isinstance(args[0], torch.Tensor):
+            weight = param_of(args[0])
+            if weight is not None and weight not in self.token_embeddings:
+                self.token_embeddings.append(weight)
         # Attention.
         if packet in (
             "aten._scaled_dot_product_flash_attention_for_cpu",
@@ -490,11 +495,13 @@ def dataflow_blockers(
                 f"({owner_path or '<root>'}), not nn.Linear/nn.Embedding: the runtime can only "
                 "shard nn.Linear and nn.Embedding modules"
             )
-    # SP: learned positions added to the sequence-sharded token embedding.
-    for weight, module in sorted(flow.position_tables.items()):
-        out.setdefault(
-            "sp",
-            f"{module or '<root>'} adds learned positions ({weight}) that are not sequence-sharded",
+    # SP: the sequence enters sharded through the vocab-parallel token embedding (learned
+    # position tables are cut to the same share by the runtime); without one, the layers
+    # would take a whole sequence for a shard.
+    if not flow.token_embeddings:
+        out["sp"] = (
+            f"{type(model).__name__} has no token embedding (an nn.Embedding of ids) whose "
+            "output sequence parallelism shards"
         )
     # CP: attention the runtime can redirect, positions it can give.
     if flow.eager_attention:

@@ -252,8 +252,8 @@ class ModelInfo:
 
     def blocker(self, dim: str) -> str:
         """Why the runtime cannot run parallel dimension `dim` ("tp", "sp", "cp", "pp",
-        "ep", or "zb": the ZB-V schedule) on this model, or "" (`ir.facts`; sequence sharding's own reason counts for
-        "sp" and "cp")."""
+        "ep", or "zb": the ZB-V schedule) on this model, or "" (`ir.facts`; sequence
+        sharding's own reason counts for "sp" and "cp")."""
         for d, why in self.blockers:
             if d == dim:
                 return why

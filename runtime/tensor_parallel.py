@@ -54,7 +54,14 @@ from meshplan.ir.facts import is_zoo_moe
 from meshplan.ir.plan import Plan
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -115,6 +122,31 @@ class RegionInput(ParallelStyle):
 
         module.register_forward_pre_hook(hook, with_kwargs=True)
         return module
+
+
+class PositionsSequenceShard(ParallelStyle):
+    """A table of learned positions under sequence parallelism: its weight replicated on the
+    tp mesh, its output (positions x hidden, or batch x positions x hidden) cut to this tp
+    rank's share of the sequence (dim -2), the share the vocab-parallel token embedding hands
+    on (`Shard(1)`), so the two add as Megatron-LM adds them before scattering the sum. The
+    cut is local; its backward all-gathers the output gradient, so every rank computes the
+    table's whole gradient (no partial sums to reduce)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(_name, mod, mesh):
+            for n, p in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(n, nn.Parameter(distribute_tensor(p, mesh, [Replicate()])))
+
+        def inputs(_mod, args, mesh):
+            idx = args[0]
+            if not isinstance(idx, DTensor):
+                idx = DTensor.from_local(idx, mesh, [Replicate()], run_check=False)
+            return (idx, *args[1:])
+
+        def outputs(_mod, out, _mesh):
+            return out.redistribute(placements=[Shard(out.ndim - 2)]).to_local()
+
+        return distribute_module(module, device_mesh, partition, inputs, outputs)
 
 
 def _first_param_name(module: nn.Module) -> str:
@@ -183,9 +215,14 @@ def tp_styles(
         if isinstance(mod, (nn.Linear, nn.Embedding)):
             weight = f"{path}.weight"
             p = placement_of(canonical.get(weight, weight), plan, placements)
+            inside = _in_unit(path, plan)
+            if isinstance(mod, nn.Embedding) and p == "R" and sp and not inside:
+                # A table of learned positions (`passes.sharding` replicates those): its
+                # output is added to the sequence-sharded token embedding.
+                styles[path] = PositionsSequenceShard()
+                continue
             if p is None or p == "R":
                 continue
-            inside = _in_unit(path, plan)
             if isinstance(mod, nn.Embedding):
                 if p != "S(0)":
                     raise RuntimePlanError(f"runtime: embedding {path!r} placement {p} unsupported")

@@ -290,9 +290,10 @@ def test_blocked_dimension_rule_table():
     assert (free.tp, free.cp, free.pp, free.sequence_parallel) == (1, 1, 2, None)
 
 
-def test_learned_positions_are_replicated_and_block_sequence_parallelism():
+def test_learned_positions_are_replicated_and_sequence_parallelism_needs_token_ids():
     """An embedding indexed by an arange is a position table: replicated under TP (not split
-    on a 'vocabulary' of positions), and SP refused (its output is not sequence-sharded)."""
+    on a 'vocabulary' of positions; the runtime cuts its output to the sequence share under
+    SP). SP needs a token embedding to shard the sequence: a model fed vectors has none."""
     model = meta(LM, positions=True)
     graph = meshplan.trace(model, torch.zeros(1, SEQ, dtype=torch.long, device="meta"))
     embeds = [op for _, b in graph.unit_blocks() for op in b.ops if op.kind is OpKind.EMBEDDING]
@@ -300,7 +301,16 @@ def test_learned_positions_are_replicated_and_block_sequence_parallelism():
     placements = dict(tp_param_placements(graph))
     assert placements["prologue:pos.weight"] == "R"
     assert placements["prologue:tok.weight"] == "S(0)"
-    assert "learned positions (pos.weight)" in graph.info.blocker("sp")
+    assert graph.info.blocker("sp") == ""
+
+    class Vectors(LM):  # inputs are vectors (patches, frames): no token embedding
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x)
+
+    vectors = meshplan.trace(meta(Vectors), torch.zeros(1, SEQ, H, device="meta"))
+    assert "Vectors has no token embedding" in vectors.info.blocker("sp")
 
 
 def test_positions_counted_from_the_held_length_block_context_parallelism():

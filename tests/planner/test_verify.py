@@ -156,11 +156,19 @@ def test_wrong_numbers_under_tp_name_the_module():
 
 @pytest.mark.parametrize(
     "layout",
-    [dict(tp=2), dict(pp=2, global_batch=4), dict(tp=2, pp=2, dp=1, global_batch=4)],
-    ids=["tp2", "pp2", "tp2xpp2"],
+    [
+        dict(tp=2, sequence_parallel=False),
+        dict(pp=2, global_batch=4),
+        dict(tp=2, pp=2, dp=1, global_batch=4, sequence_parallel=False),
+        dict(tp=2, sequence_parallel=True),
+        dict(tp=2, dp=2, zero=3, global_batch=4, sequence_parallel=True),
+    ],
+    ids=["tp2", "pp2", "tp2xpp2", "tp2+sp", "tp2+sp x fsdp"],
 )
 def test_tied_embeddings_train_as_one_tensor(layout):
-    """GPT-style zoo model with the LM head tied to the embedding. TP=2: the runtime keeps the
+    """GPT-style zoo model (learned positions) with the LM head tied to the embedding. Under
+    SP the position table's output is cut to the rank's share of the sequence
+    (`PositionsSequenceShard`) to add to the sharded token embedding. TP=2: the runtime keeps the
     tie (one vocab-sharded tensor for both); PP=2: stage 0's embedding and the last stage's
     head are two copies whose gradients are summed over the two stages
     (`TiedGradients`). Losses and gradients equal one process (before the fixes the head was
@@ -178,7 +186,7 @@ def test_tied_embeddings_train_as_one_tensor(layout):
 
     meta, inputs = meshplan.models.transformer(**kw, tie_embeddings=True, micro_batch=1)
     graph = meshplan.trace(meta, *inputs)
-    world = layout.get("tp", 1) * layout.get("pp", 1)
+    world = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("dp", 1)
     cluster = Cluster.preset("cpu", gpus=world)
     plan = meshplan.estimate_plan(graph, cluster=cluster, parallel=Parallel(**layout))
     report = meshplan.verify(model_fn, plan)
