@@ -376,6 +376,21 @@ def is_zoo_moe(m: nn.Module) -> bool:
     return all(hasattr(m, a) for a in ("router", "experts", "capacity", "top_k"))
 
 
+def is_hf_experts(m: nn.Module) -> bool:
+    """A HuggingFace experts module (transformers >= 5: Mixtral, Qwen2-MoE, Qwen3-MoE, ...):
+    weights stacked along dim 0 (`num_experts` of them), called as
+    `experts(hidden (t, h), top_k_index (t, k), top_k_weights (t, k)) -> (t, h)`."""
+    n = getattr(m, "num_experts", None)
+    params = list(m.parameters(recurse=False))
+    if not isinstance(n, int) or not params or any(p.shape[0] != n for p in params):
+        return False
+    try:
+        names = list(inspect.signature(m.forward).parameters)
+    except (TypeError, ValueError):
+        return False
+    return "top_k_index" in names and "top_k_weights" in names
+
+
 def cp_wrappable(m: nn.Module) -> bool:
     """A module whose attention the runtime makes context-parallel: it has the hook, or
     q/k/v projection children (its forward's SDPA calls are redirected)."""
@@ -432,13 +447,21 @@ def structural_blockers(
         # (`runtime.pipeline_parallel.TiedGradients`), unless one rank holds both (ZB-V).
         out["zb"] = f"{tied} and ZB-V holds both on pipeline rank 0"
     for path in expert_modules:
+        hf = _enclosing(model, path, is_hf_experts)
+        if hf is not None:  # EP by token dispatch (`runtime.expert_parallel`); no expert TP
+            out.setdefault(
+                "tp",
+                f"experts {hf[0]!r} ({type(hf[1]).__name__}) run expert parallelism but not "
+                "tensor parallelism (only the zoo's MoE shape is a TP region)",
+            )
+            continue
         moe = _enclosing(model, path, lambda m: is_zoo_moe(m) or getattr(m, "stacked_experts", 0))
         if moe is None:
             cls = type(model.get_submodule(path)).__name__ if path else name
             why = (
                 f"MoE experts {path!r} ({cls}) are not of a shape the runtime shards (the zoo's "
-                "MoE: router/experts/capacity/top_k, or an experts module marked "
-                "`stacked_experts = True`)"
+                "MoE: router/experts/capacity/top_k; a HuggingFace experts module with "
+                "stacked weights; or an experts module marked `stacked_experts = True`)"
             )
             out.setdefault("ep", why)
             out.setdefault("tp", why)

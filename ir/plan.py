@@ -33,9 +33,12 @@ corrupt file, or (when a cluster is given) a cluster mismatch, each with a one-l
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import tempfile
+import re
+import secrets
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,6 +94,7 @@ class SolverInfo:
 COMM_METHODS = ("raw", "lossless", "int8")
 _DECISION_KEYS = ("group", "collective", "tensor", "method", "raw_s", "lossless_s", "int8_s")
 _DECISION_KEYS += ("ratio", "chunks", "reason")
+_DECISION_TEXT = ("group", "collective", "tensor", "reason")
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,7 +274,7 @@ class Plan:
         """The plan as canonical JSON text; with `path`, also written there atomically."""
         text = json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
         if path is not None:
-            _atomic_write(Path(path), text)
+            write_text_file(path, text)
         return text
 
     @classmethod
@@ -392,20 +396,52 @@ def _meshplan_version() -> str:
         return "0.0.0"
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    """Write via a temporary file in the same folder and rename, so readers never see half."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+def write_text_file(path: str | os.PathLike, text: str) -> None:
+    """Write `text` to `path` the way a user expects of an output file, and atomically.
+
+    - A regular file (new or existing) is written to a temporary file in the same folder and
+      renamed over it, so readers never see half a file. The new file gets the mode the
+      umask gives (`open`'s 0o666 & ~umask), or an existing file's mode is kept: never
+      the 0600 of `tempfile.mkstemp`.
+    - A symbolic link is written through (its target is replaced, not the link).
+    - Anything that is not a regular file (`/dev/null`, `/dev/stdout`, a FIFO) is opened and
+      written in place: renaming over it would replace a device node with a plain file.
+    - A folder is refused with one line (`PlanError`) naming it.
+    Folders on the way are created. Write errors (no space, no permission) raise `OSError`.
+    """
+    target = Path(os.path.realpath(path))  # through symbolic links
+    if target.is_dir():
+        raise PlanError(f"{path}: is a directory; give a file name, e.g. {Path(path) / 'plan.json'}")
+    if target.exists() and not target.is_file():  # a device, a FIFO, a socket
+        with open(target, "w") as f:
+            f.write(text)
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    mode = stat.S_IMODE(target.stat().st_mode) if target.exists() else None
+    tmp, fd = _new_temp_file(target)
     try:
         with os.fdopen(fd, "w") as f:
+            if mode is not None:
+                os.fchmod(f.fileno(), mode)
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _new_temp_file(target: Path) -> tuple[str, int]:
+    """A new file next to `target`, created 0o666 so the umask applies (mkstemp's is 0600)."""
+    for _ in range(100):
+        tmp = str(target.parent / f".{target.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{target.parent}: cannot create a temporary file")
 
 
 # -- rank assignment ----------------------------------------------------------------------------
@@ -456,6 +492,9 @@ def assign_ranks(
 # -- loading ----------------------------------------------------------------------------------
 
 _POS_INT = {"type": "integer", "minimum": 1}
+_NAT = {"type": "integer", "minimum": 0}
+_NUMBERS = {"type": "object", "additionalProperties": {"type": "number"}}
+_PREDICTED_NUMBERS = ("step_time_s", "tokens_per_s", "mfu", "model_flops_per_step")
 # [[group name, positive integer], ...]: per-group micro-batch shares and TP degrees
 _GROUP_INTS = {
     "type": "array",
@@ -524,7 +563,13 @@ PLAN_SCHEMA: dict = {
         },
         "ranks": {
             "type": "array",
-            "items": {"type": "array", "minItems": 4, "maxItems": 8},
+            # [rank, node, local_rank, group] (idle) or that and [pp, dp, cp, tp]
+            "items": {
+                "type": "array",
+                "minItems": 4,
+                "maxItems": 8,
+                "prefixItems": [_NAT, _NAT, _NAT, {"type": "string"}, _NAT, _NAT, _NAT, _NAT],
+            },
         },
         "stages": {
             "type": "array",
@@ -577,13 +622,54 @@ PLAN_SCHEMA: dict = {
                 "breakdown",
                 "memory",
             ],
+            "properties": {
+                **{k: {"type": "number"} for k in _PREDICTED_NUMBERS},
+                "peak_memory_bytes": _NAT,
+                "fits": {"type": "boolean"},
+                "breakdown": _NUMBERS,
+                "memory": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["stage", "group", "peak_bytes", "capacity_bytes"],
+                        "properties": {
+                            "stage": _NAT,
+                            "group": {"type": "string"},
+                            "peak_bytes": _NAT,
+                            "capacity_bytes": _NAT,
+                            "breakdown": {"type": "object", "additionalProperties": _NAT},
+                        },
+                    },
+                },
+                "notes": {"type": "array", "items": {"type": "string"}},
+            },
         },
-        "solver": {"type": "object", "required": ["status", "gap", "candidates"]},
+        "solver": {
+            "type": "object",
+            "required": ["status", "gap", "candidates"],
+            "properties": {
+                "status": {"type": "string"},
+                "gap": {"type": "number"},
+                "candidates": _NAT,
+                "objective": {"type": "string"},
+            },
+        },
+        "placements": {"type": "object", "additionalProperties": {"type": "string"}},
+        "num_microbatches": _POS_INT,
+        "meshplan_version": {"type": "string"},
+        # Per-field digests of what the plan was made with (`_digests`); absent in old plans.
+        "digests": {"type": "object", "additionalProperties": {"type": "string"}},
         # Optional (v1 plans written before these decisions say "none" or lack them).
         "quantization": {
             "type": "object",
             "properties": {
                 "mode": {"enum": ["off", "auto", "activations", "gradients"]},
+                "reason": {"type": "string"},
+                "error": {
+                    "type": "object",
+                    "propertyNames": {"pattern": "^[0-9]+$"},
+                    "additionalProperties": {"type": "number"},
+                },
                 "activations": {
                     "if": {"type": "string"},
                     "then": {"const": "none"},
@@ -619,6 +705,7 @@ PLAN_SCHEMA: dict = {
             "type": "object",
             "properties": {
                 "mode": {"enum": ["off", "auto"]},
+                "codec": {"type": "string"},
                 "collectives": {
                     "if": {"type": "string"},
                     "then": {"const": "none"},
@@ -628,6 +715,7 @@ PLAN_SCHEMA: dict = {
                             "type": "object",
                             "required": list(_DECISION_KEYS),
                             "properties": {
+                                **{k: {"type": "string"} for k in _DECISION_TEXT},
                                 "method": {"enum": list(COMM_METHODS)},
                                 "raw_s": {"type": "number", "minimum": 0},
                                 "lossless_s": {"type": ["number", "null"]},

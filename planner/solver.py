@@ -108,8 +108,14 @@ restricted to that count, skipped when its memory-free bound already misses the 
 Structure exploited: identical layers share one block, so stage costs are priced per distinct
 stage composition; bounds are keyed without ZeRO (it does not change stage times) and are
 linear in m; a homogeneous cluster's bounds are exact, so no placement model is needed at all.
-Determinism: one search worker and a fixed seed (CP-SAT is then deterministic unless a time
-limit cuts it); candidates and splits are enumerated and sorted in a fixed order.
+Determinism: the budget is work, not seconds (`_Work`): each step of the screen is charged
+its calibrated cost (`WORK_COSTS`: bounds, memory checks, table cells priced, placements
+scored, model cells built) and each CP-SAT solve its deterministic time, with one worker and
+a fixed seed (`max_deterministic_time`, `num_workers = 1`, `random_seed = 0`: one search
+path); candidates and splits are enumerated and sorted in a fixed order. So identical inputs
+give identical plans on an idle and on a loaded machine, also when the budget cuts the search
+short. The wall clock is only a safety net (WALL_SAFETY_FACTOR x the budget): a search it
+stops is reported (`SolveResult.wall_clock_hit`, `WALL_CLOCK_NOTE` in the plan's notes).
 `export_model` (or `solve(export_model=path)`) writes the winning placement model.
 """
 
@@ -180,6 +186,44 @@ SHARE_WINDOW = 8
 # Integer time unit: the best greedy step time is represented by about this many units, so
 # rounding each table entry to a unit costs at most ~1e-7 of the step per term.
 UNITS_PER_STEP = 10_000_000
+
+# The search's budget is deterministic work, not seconds (`_Work`), so identical inputs give
+# identical plans on an idle and on a loaded machine. One work unit is about one second of
+# CPU time of the 2-core development machine the figures of docs/planner.md come from, so
+# `time_limit_s` keeps its meaning there ("about this many seconds") and means the same plan
+# everywhere; a faster machine finishes sooner, a loaded one later. Each step of the Python
+# search is charged its CPU cost (WORK_COSTS); CP-SAT is charged its own deterministic time.
+# WORK_COSTS: least-squares fit of the process time (time.process_time) against the counts of
+# each step over 1,128 snapshots of 24 solves (llama3-8b, mixtral-8x7b and llama3-70b on
+# examples/clusters/mixed_h100_a100.yaml, dgx-h100 x 64, two-sites and a 512-GPU
+# H100 + A100 cluster; budgets of 1 to 60 s) on that machine, Python 3.11, OR-Tools 9.15:
+# the fit explains the process time to within 20% at the 90th percentile.
+WORK_COSTS: dict[str, float] = {
+    "bound": 4.0e-5,  # a configuration's split-free bound (`_split_free_bound`)
+    "expand": 1.0e-4,  # a configuration's splits enumerated (`_splits`)
+    "split": 2.5e-4,  # a (configuration, split) pair's memory-free bound
+    "memory": 1.4e-4,  # a memory check (`_split_free_memory` or `_largest_stage`)
+    "cell": 1.0e-3,  # one (stage, group) cell of a pair's priced tables (`plan_tables`)
+    "placement": 3.0e-5,  # one placement scored (`evaluate`, warm starts and shares)
+    "model": 1.2e-3,  # one (stage, group) cell of a placement model built for CP-SAT
+}
+# CP-SAT deterministic time per work unit: its unit "is as close as possible to a second"
+# (OR-Tools, sat_parameters.proto, max_deterministic_time); measured on the same machine at
+# the same time as WORK_COSTS, one worker, over the placement models of those solves.
+CPSAT_DETERMINISTIC_PER_WORK = 1.0
+# Smallest CP-SAT budget of one placement model (deterministic seconds): enough to read the
+# hinted warm start back.
+CPSAT_MIN_DETERMINISTIC = 0.05
+# The wall-clock safety net: a search still running after this many times its budget in
+# seconds (at least WALL_SAFETY_MIN_S more) stops, and the plan says so (`WALL_CLOCK_NOTE`),
+# because only then may it depend on the machine's load.
+WALL_SAFETY_FACTOR = 5.0
+WALL_SAFETY_MIN_S = 30.0
+WALL_CLOCK_NOTE = (
+    "solver stopped on its wall-clock safety net ({wall:.0f} s) before its work budget "
+    "({budget:g} s): this plan may differ from run to run; rerun on a less loaded machine or "
+    "with a larger --time-limit"
+)
 
 OBJECTIVES = ("throughput", "cost", "min_gpus")
 
@@ -358,6 +402,68 @@ class SolveResult:
     objective: str = "throughput"
     objective_value: float = 0.0  # step s, $ per token or GPUs, by objective
     splits: int = 0  # (configuration, split) pairs bounded
+    work: float = 0.0  # deterministic work spent, in work units (`_Work`)
+    wall_clock_hit: bool = False  # stopped on the wall-clock safety net: may vary by load
+
+
+@dataclass(slots=True)
+class _Work:
+    """The search's budget: deterministic work spent against `limit` (work units, about CPU
+    seconds of the reference machine: `WORK_COSTS`), and the wall-clock safety net `deadline`
+    (a `time.perf_counter()` value) that stops the search only when the machine is far slower
+    or busier than the reference; `wall_hit` records that it did. `counts` is what was charged,
+    by kind (calibration and reports)."""
+
+    limit: float
+    deadline: float
+    safety_s: float  # the safety net in seconds from the start (for messages)
+    spent: float = 0.0
+    wall_hit: bool = False
+    counts: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def starting_now(cls, limit: float, wall_limit_s: float | None = None) -> _Work:
+        """A budget of `limit` work units whose safety net is `wall_limit_s` seconds from now
+        (default: WALL_SAFETY_FACTOR times the budget, at least WALL_SAFETY_MIN_S more)."""
+        if wall_limit_s is None:
+            wall_limit_s = max(WALL_SAFETY_FACTOR * limit, limit + WALL_SAFETY_MIN_S)
+        return cls(limit, time.perf_counter() + wall_limit_s, wall_limit_s)
+
+    def charge(self, kind: str, n: float = 1.0) -> None:
+        """Spend n steps of `kind` (a key of WORK_COSTS, or "cpsat": deterministic seconds)."""
+        self.counts[kind] = self.counts.get(kind, 0.0) + n
+        cost = 1.0 / CPSAT_DETERMINISTIC_PER_WORK if kind == "cpsat" else WORK_COSTS[kind]
+        self.spent += n * cost
+
+    def left(self) -> float:
+        """Work units left (0 when spent)."""
+        return max(0.0, self.limit - self.spent)
+
+    def at_least(self, units: float) -> None:
+        """Raise the limit so that at least `units` more may be spent."""
+        self.limit = max(self.limit, self.spent + units)
+
+    def absorb(self, result: SolveResult) -> None:
+        """Count the work of a nested solve (`_single_group_seed`) as spent here."""
+        self.spent += result.work
+        self.wall_hit = self.wall_hit or result.wall_clock_hit
+
+    def exhausted(self, until: float | None = None) -> bool:
+        """True once `until` work units (default the limit) are spent, or the safety net has
+        passed (which sets `wall_hit`: only then does the stop depend on the clock)."""
+        if self.spent >= (self.limit if until is None else until):
+            return True
+        return self.past_deadline()
+
+    def past_deadline(self) -> bool:
+        """Whether the wall-clock safety net has passed (sets `wall_hit`)."""
+        if time.perf_counter() > self.deadline:
+            self.wall_hit = True
+        return self.wall_hit
+
+    def seconds_left(self) -> float:
+        """Wall-clock seconds to the safety net."""
+        return max(0.0, self.deadline - time.perf_counter())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1337,7 +1443,8 @@ def _screen(
     graph: Graph,
     cands: list[Candidate],
     global_batch: int,
-    deadline: float,
+    work: _Work,
+    until: float,
     scorer: _Scorer,
     limit: float,
     say,
@@ -1347,8 +1454,10 @@ def _screen(
 
     Returns (priced pairs that may still win, pairs bounded, pairs priced in full, the
     smallest memory need (bytes, stage, candidate) when nothing fits, the bound of the first
-    pair left unpriced when the deadline cut the screen short, else infinity). Pairs whose
-    bound exceeds `limit` are dropped (min_gpus: the target step time)."""
+    pair left unpriced when the budget cut the screen short, else infinity). Every step is
+    charged to `work`; the screen stops once `until` work units are spent (or at the safety
+    net) and some plan is known. Pairs whose bound exceeds `limit` are dropped (min_gpus: the
+    target step time)."""
     cluster = pricer.cluster
     order = [g.name for g in cluster.groups]
     n_layers = len(graph.layer_units)
@@ -1404,6 +1513,7 @@ def _screen(
 
     def bounded(c: Candidate) -> tuple[float, float] | None:
         """(bound x factor, factor) of c, or None when it cannot win (`limit`)."""
+        work.charge("bound")
         groups = groups_for(c)
         m = global_batch // (c.dp * c.micro_batch)
         lb = _split_free_bound(pricer, c, groups, m, cache)
@@ -1448,9 +1558,9 @@ def _screen(
         lb0, sort_key, split, c, factor = heapq.heappop(heap)
         if lb0 > best * (1 + 1e-9):
             break
-        # Past the deadline, stop once there is a plan to return. Without one, go on: the
+        # Past the budget, stop once there is a plan to return. Without one, go on: the
         # memory check below makes pricing a candidate that fits nowhere cheap.
-        if lb0 >= 0 and math.isfinite(best) and time.perf_counter() > deadline:
+        if lb0 >= 0 and math.isfinite(best) and work.exhausted(until):
             cut = lb0
             break
         if split is None:  # a family: bound and queue its members
@@ -1461,6 +1571,7 @@ def _screen(
             continue
         groups = groups_for(c)
         if not split:  # expand the candidate into its splits
+            work.charge("memory")
             need = too_big(c, lambda x: (_split_free_memory(pricer, x, n_layers, cache), x.pp - 1))
             if need is not None:
                 if smallest is None or need[0] < smallest[0]:
@@ -1471,6 +1582,7 @@ def _screen(
             skey += (c.schedule in (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE),)
             splits = splits_of.get(skey)
             if splits is None:
+                work.charge("expand")
                 splits = splits_of[skey] = _splits(pricer, c, groups, n_layers, cache)
             m = global_batch // (c.dp * c.micro_batch)
             for sp_ in splits:
@@ -1481,6 +1593,7 @@ def _screen(
                 bkey = (*skey[:-1], sp_)
                 ab = bound_of.get(bkey)
                 if ab is None:
+                    work.charge("split")
                     ab = bound_of[bkey] = _memory_free_bound(pricer, c, ranges, groups, cache)
                 big_u, total, rate, fill = ab
                 lb = _pipeline_bound(big_u, total, m, c.fill)
@@ -1495,6 +1608,7 @@ def _screen(
             continue  # a warm start priced already
         done.add((c, split))
         ranges = ranges_of[split]
+        work.charge("memory")
         need = too_big(c, lambda x: _largest_stage(pricer, x, ranges, global_batch))
         if need is not None:
             if smallest is None or need[0] < smallest[0]:
@@ -1505,6 +1619,7 @@ def _screen(
             t = hetero_tables(pricer, c.parallel(global_batch), ranges, dict(c.group_tp))
         else:
             t = plan_tables(pricer, c.parallel(global_batch), ranges, groups)
+        work.charge("cell", t.pp * len(groups))
         allowed = [[g for g in groups if t.fits[s][g]] for s in range(t.pp)]
         if any(not a for a in allowed):
             continue
@@ -1517,6 +1632,7 @@ def _screen(
         pr = _Priced(c, split, t, allowed, lower, lock_lower, math.inf, None, math.inf)
         pr.factor = factor
         for pl in [] if c.group_tp else _greedy_placements(t, allowed, order):
+            work.charge("placement")
             sc = scorer.score(c, evaluate(t, pl).step_time_s, pl)
             if sc < pr.greedy_score:
                 pr.greedy_placement, pr.greedy_score = pl, sc
@@ -1524,6 +1640,7 @@ def _screen(
             pr.best = (pr.greedy_score, pr.greedy_placement, None)
         if share_lower < (pr.best[0] if pr.best else math.inf) * (1 - 1e-9):
             options, exact = _share_placements(t, allowed, prune=not scorer.cost)
+            work.charge("placement", len(options))
             for pl, shares in options:
                 sc = scorer.score(c, evaluate(t, pl, shares).step_time_s, pl)
                 if pr.best is None or sc < pr.best[0] * (1 - 1e-12):
@@ -1739,13 +1856,24 @@ class _PlacementModel:
                 self.m.AddHint(nv, chosen.get(g, 0))
                 self.m.AddHint(self.b[s][g], 1 if chosen.get(g, 0) else 0)
 
-    def solve(self, time_limit_s: float):
-        """(status, placement or None, lower bound in seconds)."""
+    def solve(self, work: _Work, share: float):
+        """(status, placement or None, lower bound in seconds), spending at most `share` work
+        units of `work` (at least CPSAT_MIN_DETERMINISTIC deterministic seconds).
+
+        Deterministic: one worker and a fixed seed make CP-SAT follow one search path, and its
+        limit is deterministic time (`max_deterministic_time`), which counts work, not
+        seconds; the wall-clock limit is only the budget's safety net."""
         solver = cp_model.CpSolver()
-        solver.parameters.num_workers = 1  # determinism: one worker, fixed seed
+        solver.parameters.num_workers = 1
         solver.parameters.random_seed = 0
-        solver.parameters.max_time_in_seconds = max(0.05, time_limit_s)
+        solver.parameters.max_deterministic_time = max(
+            CPSAT_MIN_DETERMINISTIC, share * CPSAT_DETERMINISTIC_PER_WORK
+        )
+        solver.parameters.max_time_in_seconds = work.seconds_left()
         status = solver.Solve(self.m)
+        work.charge("cpsat", solver.deterministic_time)
+        if status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE):
+            work.past_deadline()  # stopped on the safety net rather than its own budget?
         if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             placement = [
                 [(g, solver.Value(nv)) for g, nv in n_s.items() if solver.Value(nv)]
@@ -1778,25 +1906,25 @@ def _search(
     graph: Graph,
     cands: list[Candidate],
     global_batch: int,
-    start: float,
-    time_limit_s: float,
+    work: _Work,
     scorer: _Scorer,
     say,
     limit: float = math.inf,
     incumbent: float = math.inf,
 ) -> _Outcome:
-    """Steps 2-3 of the module docstring over `cands`: screen, then placement models.
-    `incumbent`: the score of a plan known from elsewhere (`_single_group_seed`); only pairs
-    that can beat it are priced, and `best` stays None when none does."""
-    deadline = start + time_limit_s
-    # The screen gets two thirds of the budget and the placement models the rest; but the
+    """Steps 2-3 of the module docstring over `cands`: screen, then placement models, until
+    `work` is spent. `incumbent`: the score of a plan known from elsewhere
+    (`_single_group_seed`); only pairs that can beat it are priced, and `best` stays None when
+    none does."""
+    # The screen gets two thirds of the work left and the placement models the rest; but the
     # screen goes on until it has found some plan (or shown that none fits).
     kept, pairs, priced, smallest, cut = _screen(
         pricer,
         graph,
         cands,
         global_batch,
-        start + time_limit_s * 2 / 3,
+        work,
+        work.spent + work.left() * 2 / 3,
         scorer,
         limit,
         say,
@@ -1824,8 +1952,7 @@ def _search(
             continue  # only share placements could win, and those were searched
         if pr.greedy_placement is not None and pr.greedy_score <= pr.lock_lower * (1 + 1e-9):
             continue  # the warm start already meets this pair's bound
-        left = deadline - time.perf_counter()
-        if left <= 0:
+        if work.exhausted():
             open_bounds += [k.lower for k in kept[i:] if k.lower < incumbent]
             break
         if scorer.cost and not scorer.uniform:
@@ -1841,9 +1968,10 @@ def _search(
             reference = step_cut if math.isfinite(step_cut) else 2 * pr.lock_lower / pr.factor
         # uniform prices: cost = step x price of the candidate's GPUs, so the step cut holds
         sub = _PlacementModel(pr, pricer.cluster, _Scale(reference), step_cut)
+        work.charge("model", sum(len(n_s) for n_s in sub.n))
         if pr.greedy_placement is not None:
             sub.hint(pr.greedy_placement)
-        status, placement, bound = sub.solve(left / 2)
+        status, placement, bound = sub.solve(work, work.left() / 2)
         models += 1
         if placement is not None:
             score = scorer.score(pr.cand, evaluate(pr.tables, placement).step_time_s, placement)
@@ -1896,6 +2024,7 @@ def solve(
     comm: CommOptions | None = None,
     quantize: bool = False,
     per_group_tp: bool = True,
+    wall_limit_s: float | None = None,
 ) -> SolveResult:
     """The best configuration and placement that fits, honouring the fields of `pinned`.
 
@@ -1906,14 +2035,21 @@ def solve(
     whose groups use different TP degrees (`Candidate.group_tp`).
 
     `objective` (default throughput) as in the module docstring. Returns the plan re-priced by
-    `predict`. `time_limit_s` bounds the search once some plan is known (the first one is
-    always looked for to the end); when it runs out the best plan so far comes back with status
-    "feasible" and its relative gap. `export_model` writes the winning (configuration, split)'s
+    `predict`. `time_limit_s` is the search's work budget, in seconds of the reference
+    machine (`_Work`, `WORK_COSTS`): deterministic, so identical inputs give the identical plan
+    however loaded the machine is (a faster machine takes less time, a busier one more). It
+    bounds the search once some plan is known (the first one is always looked for to the end);
+    when it runs out the best plan so far comes back with status "feasible" and its relative
+    gap. `wall_limit_s` is the safety net in real seconds (default WALL_SAFETY_FACTOR x
+    `time_limit_s`, at least WALL_SAFETY_MIN_S more); a search stopped by it says so
+    (`SolveResult.wall_clock_hit` and a note in the prediction: that plan may differ between
+    runs). `export_model` writes the winning (configuration, split)'s
     placement model (CP-SAT text proto) for debugging. Raises InfeasibleError with the binding
     constraint and by how much when nothing fits.
     """
     objective = objective or Objective()
     start = time.perf_counter()
+    work = _Work.starting_now(time_limit_s, wall_limit_s)
     say = progress or (lambda _msg: None)
     pricer = pricer_for(graph, cluster, dtype, comm)
     dtype = pricer.dtype  # None: the model's own (`simulate.compute_dtype`)
@@ -1924,20 +2060,20 @@ def solve(
     tokens = global_batch * (graph.info.seq_len or 1)
     seed: SolveResult | None = None
     if objective.kind == "min_gpus":
-        out = _min_gpus(pricer, graph, cands, global_batch, start, time_limit_s, say, objective)
+        out = _min_gpus(pricer, graph, cands, global_batch, work, say, objective)
     else:
         scorer = _Scorer(objective, cluster)
         if objective.kind == "throughput" and len(cluster.groups) > 1:
             seed = _single_group_seed(
-                graph, cluster, pinned, global_batch, time_limit_s, dtype, comm, quantize
+                graph, cluster, pinned, global_batch, work, dtype, comm, quantize
             )
+        work.at_least(0.5)  # the main search gets some work whatever the seeds took
         out = _search(
             pricer,
             graph,
             cands,
             global_batch,
-            time.perf_counter(),
-            max(0.5, start + time_limit_s - time.perf_counter()),
+            work,
             scorer,
             say,
             incumbent=seed.prediction.step_time_s if seed else math.inf,
@@ -1945,9 +2081,10 @@ def solve(
     if out.best is None and seed is not None:
         optimal = out.lowest_open >= seed.prediction.step_time_s * (1 - 1e-9)
         gap = 0.0 if optimal else 1 - out.lowest_open / seed.prediction.step_time_s
+        prediction = predict(graph, cluster, seed.parallel, seed.stages, dtype=dtype, comm=comm)
         return dataclasses.replace(
             seed,
-            prediction=predict(graph, cluster, seed.parallel, seed.stages, dtype=dtype, comm=comm),
+            prediction=_with_wall_note(prediction, work, time_limit_s, say),
             status="optimal" if optimal and seed.status == "optimal" else "feasible",
             gap=max(gap, seed.gap),
             wall_s=time.perf_counter() - start,
@@ -1955,6 +2092,8 @@ def solve(
             explored=seed.explored + out.priced,
             placement_models=seed.placement_models + out.models,
             splits=seed.splits + out.pairs,
+            work=work.spent,
+            wall_clock_hit=work.wall_hit,
         )
     if out.best is None:
         raise InfeasibleError(_why_nothing_fits(out, cluster))
@@ -1976,13 +2115,14 @@ def solve(
     }[objective.kind]
     wall = time.perf_counter() - start
     say(
-        f"{'optimal' if optimal else 'feasible'} plan in {wall:.2f} s: {pr.cand.describe()}, "
+        f"{'optimal' if optimal else 'feasible'} plan in {wall:.2f} s ({work.spent:.2f} of "
+        f"{time_limit_s:g} work units): {pr.cand.describe()}, "
         f"{prediction.step_time_s:.3f} s/step"
     )
     return SolveResult(
         parallel=parallel,
         stages=stages,
-        prediction=prediction,
+        prediction=_with_wall_note(prediction, work, time_limit_s, say),
         status="optimal" if optimal else "feasible",
         gap=gap,
         wall_s=wall,
@@ -1992,7 +2132,19 @@ def solve(
         objective=objective.kind,
         objective_value=value,
         splits=out.pairs,
+        work=work.spent,
+        wall_clock_hit=work.wall_hit,
     )
+
+
+def _with_wall_note(prediction: Prediction, work: _Work, budget: float, say) -> Prediction:
+    """The prediction, with `WALL_CLOCK_NOTE` among its notes (so in the plan JSON and
+    `Plan.explain()`) when the search stopped on its wall-clock safety net."""
+    if not work.wall_hit:
+        return prediction
+    note = WALL_CLOCK_NOTE.format(wall=work.safety_s, budget=budget)
+    say(note)
+    return dataclasses.replace(prediction, notes=(*prediction.notes, note))
 
 
 def _single_group_seed(
@@ -2000,7 +2152,7 @@ def _single_group_seed(
     cluster: Cluster,
     pinned: Parallel,
     global_batch: int,
-    time_limit_s: float,
+    work: _Work,
     dtype: str,
     comm: CommOptions | None = None,
     quantize: bool = False,
@@ -2018,13 +2170,15 @@ def _single_group_seed(
                 sub,
                 pinned,
                 global_batch=global_batch,
-                time_limit_s=0.6 * time_limit_s / len(cluster.groups),
+                time_limit_s=0.6 * work.limit / len(cluster.groups),
                 dtype=dtype,
                 comm=comm,
                 quantize=quantize,
+                wall_limit_s=work.seconds_left(),
             )
         except (InfeasibleError, ValueError):
             continue
+        work.absorb(r)
         if seed is None or r.prediction.step_time_s < seed.prediction.step_time_s:
             seed = r
     return seed
@@ -2035,13 +2189,13 @@ def _min_gpus(
     graph: Graph,
     cands: list[Candidate],
     global_batch: int,
-    start: float,
-    time_limit_s: float,
+    work: _Work,
     say,
     objective: Objective,
 ) -> _Outcome:
     """Fewest GPUs meeting the target: a throughput search per GPU count, in increasing order,
-    restricted to plans at least as fast as the target step time."""
+    restricted to plans at least as fast as the target step time, all drawing on `work` (each
+    count gets at least half a work unit)."""
     tokens = global_batch * (pricer.costs.graph.info.seq_len or 1)
     target_step = tokens / objective.target_tokens_per_s
     scorer = _Scorer(Objective(), pricer.cluster)
@@ -2052,14 +2206,13 @@ def _min_gpus(
     fastest: _Outcome | None = None
     pairs = priced = models = 0
     for gpus in sorted(by_gpus):
-        left = start + time_limit_s - time.perf_counter()
+        work.at_least(0.5)
         out = _search(
             pricer,
             graph,
             by_gpus[gpus],
             global_batch,
-            time.perf_counter(),
-            max(left, 0.5),
+            work,
             scorer,
             say,
             limit=target_step,
@@ -2072,7 +2225,8 @@ def _min_gpus(
         if out.best is not None and (fastest is None or out.best[0] < fastest.best[0]):
             fastest = out
     # Nothing meets the target: say how far the fastest plan is from it.
-    full = _search(pricer, graph, cands, global_batch, time.perf_counter(), 5.0, scorer, say)
+    work.at_least(5.0)
+    full = _search(pricer, graph, cands, global_batch, work, scorer, say)
     if full.best is None:
         raise InfeasibleError(_why_nothing_fits(full, pricer.cluster))
     reach = tokens / full.best[0]

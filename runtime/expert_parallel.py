@@ -101,12 +101,14 @@ prices it (`cost_model.simulate.Pricer.dp_traffic`, `cost_model.memory`):
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from meshplan.ir.facts import is_hf_experts, is_zoo_moe
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
@@ -116,7 +118,7 @@ from torch.func import functional_call
 from .data_parallel import Method, code_fsdp_module, reduce_flat
 from .errors import RuntimePlanError
 from .mesh import ExpertGroups, RankContext, expert_groups
-from .tensor_parallel import is_zoo_moe, placement_of
+from .tensor_parallel import placement_of
 
 MODES = ("tokens", "slots")
 
@@ -538,6 +540,39 @@ class ExpertParallel:
         y_all = _run_local(experts, x_all, counts.reshape(-1, el))
         return tp.scatter_rows(y_all, rows)
 
+    def hf_forward(
+        self,
+        experts: nn.Module,
+        experts_forward,
+        hidden_th: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        """A HuggingFace experts module's forward with each (token, choice) row sent to the
+        rank owning its expert: the router has already chosen (`top_k_index`, no capacity:
+        nothing drops), the rows go out sorted by expert (so by owner, then local expert),
+        the owner runs its local experts with the module's own code (`experts_forward` on
+        the received rows, each with its local expert id and weight 1), and the outputs come
+        back to be weighted and summed over the k choices, as the unsplit module does."""
+        t, h = hidden_th.shape
+        k = top_k_index.shape[1]
+        e, ep, el = self.num_experts, self.groups.ep, self.local_experts
+        expert_n = top_k_index.reshape(-1)  # n = t*k choices, token-major
+        order = torch.argsort(expert_n, stable=True)
+        send_counts = torch.bincount(expert_n, minlength=e).view(ep, el)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.groups.ep_group)
+        in_splits, out_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+        x_recv = self.exchange(hidden_th.index_select(0, order // k), out_splits, in_splits)
+        # Received rows are grouped by source, then by local expert.
+        local_ids = torch.arange(el, device=x_recv.device).repeat(ep)
+        ids = torch.repeat_interleave(local_ids, recv_counts.reshape(-1)).unsqueeze(1)
+        ones = x_recv.new_ones(x_recv.shape[0], 1)
+        y_recv = experts_forward(x_recv, ids, ones)
+        y_sent = self.exchange(y_recv, in_splits, out_splits)
+        y_nh = y_sent.new_zeros(t * k, h).index_copy(0, order, y_sent)
+        return (y_nh * top_k_weights.reshape(-1, 1).to(y_nh.dtype)).view(t, k, h).sum(1)
+
     def slots_forward(self, experts_forward, x_ech: torch.Tensor) -> torch.Tensor:
         """Slot buffers of all experts -> their owners, local experts, and back ("slots")."""
         e, cap, h = x_ech.shape
@@ -718,7 +753,9 @@ def _find_moes(modules: Sequence[nn.Module]):
         for path, m in root.named_modules():
             if is_zoo_moe(m):
                 found.append((f"{path}.experts" if path else "experts", m.experts, m))
-            elif getattr(m, "stacked_experts", False) and not any(m is f[1] for f in found):
+            elif (getattr(m, "stacked_experts", False) or is_hf_experts(m)) and not any(
+                m is f[1] for f in found
+            ):
                 found.append((path, m, None))
     return found
 
@@ -741,7 +778,13 @@ def apply_expert_parallel(
         raise RuntimePlanError(f"runtime: ep dispatch must be one of {MODES}, got {mode!r}")
     found = _find_moes(roots)
     if tp_size > 1:
-        for path, _, moe in found:
+        for path, experts, moe in found:
+            if is_hf_experts(experts):
+                raise RuntimePlanError(
+                    f"runtime: experts {path!r} ({type(experts).__name__}) with tp={tp_size}: "
+                    "HuggingFace experts run expert parallelism, not tensor parallelism; "
+                    "re-plan with tp=1"
+                )
             if moe is None or (ep > 1 and mode == "slots"):
                 raise RuntimePlanError(
                     f"runtime: experts {path!r} with tp={tp_size}: the slots dispatch (and "
@@ -770,6 +813,7 @@ def apply_expert_parallel(
     handle: ExpertParallel | None = None
     for path, experts, moe in found:
         e = _expert_count(experts, path)
+        hf = is_hf_experts(experts)  # before its weights are cut to the local experts
         if e % ep:
             raise RuntimePlanError(f"runtime: ep={ep} does not divide the {e} experts of {path}")
         if handle is None:
@@ -784,6 +828,9 @@ def apply_expert_parallel(
         handle.modules.append(experts)
         if moe is not None and mode == "tokens":
             moe.forward = _bind(handle.moe_forward, moe)
+        elif hf:  # HF's own interface: routed rows, whatever the mode
+            experts.num_experts = el  # its code indexes the local experts
+            experts.forward = functools.partial(handle.hf_forward, experts, experts.forward)
         else:
             experts.forward = _bind(handle.slots_forward, experts.forward)
     return handle

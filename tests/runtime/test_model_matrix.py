@@ -62,6 +62,8 @@ CONFIGS: dict[str, Config] = {
     "tpxpp": Config(4, dict(tp=2, pp=2, micro_batch=1, global_batch=4)),
     "cp": Config(2, dict(cp=2, micro_batch=1, global_batch=2)),
     "ep": Config(2, dict(dp=2, ep=2, micro_batch=1, global_batch=4), moe_only=True),
+    "ep-fsdp": Config(4, dict(dp=4, ep=2, zero=3, micro_batch=1, global_batch=4), moe_only=True),
+    "epxpp": Config(4, dict(dp=2, ep=2, pp=2, micro_batch=1, global_batch=4), moe_only=True),
     "recompute": Config(2, dict(dp=2, recompute="full", micro_batch=1, global_batch=4)),
     "solver-tp": Config(2, dict(dp=1, tp=2, pp=1, cp=1, micro_batch=1, global_batch=2), True),
     "solver-pp": Config(2, dict(dp=1, tp=1, pp=2, cp=1, micro_batch=1, global_batch=4), True),
@@ -219,6 +221,7 @@ DEFAULT_SLICE: tuple[tuple[str, str], ...] = (
     ("nanogpt", "tp"),
     ("rope-qproj", "cp"),
     ("user-moe", "ep"),
+    ("hf-mixtral", "ep"),
     ("convnet", "fsdp"),
 )
 

@@ -612,6 +612,8 @@ def _hf_config(kind: str):
             decoder_sparse_step=1,
             mlp_only_layers=[],
         )
+    if kind == "mixtral":
+        return transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
     if kind == "gpt_neox":
         return transformers.GPTNeoXConfig(
             hidden_size=HIDDEN,
@@ -661,6 +663,7 @@ _HF_CLASSES = {
     "llama": "LlamaForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
     "gpt_neox": "GPTNeoXForCausalLM",
     "gpt2": "GPT2LMHeadModel",
     "bart": "BartForConditionalGeneration",
@@ -668,12 +671,14 @@ _HF_CLASSES = {
 
 
 def hf_model(kind: str, device: str) -> nn.Module:
-    """An HF model from a tiny config with SDPA attention (Qwen2-MoE: batched experts, whose
+    """An HF model from a tiny config with SDPA attention (Qwen2-MoE, Mixtral: batched experts,
+    whose
     default loop is data-dependent and cannot be traced)."""
     import transformers
 
     cls = getattr(transformers, _HF_CLASSES[kind])
-    kw = {"experts_implementation": "batched_mm"} if kind == "qwen2_moe" else {}
+    moe = kind in ("qwen2_moe", "mixtral")
+    kw = {"experts_implementation": "batched_mm"} if moe else {}
     with torch.device(device):
         return cls._from_config(_hf_config(kind), attn_implementation="sdpa", **kw)
 
@@ -744,6 +749,7 @@ MODELS: dict[str, UserModel] = {
         _hf("gpt_neox"),
         _hf("phi3"),
         _hf("qwen2_moe", moe=True),
+        _hf("mixtral", moe=True),
         _hf("bart"),
     )
 }
