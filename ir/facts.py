@@ -81,6 +81,8 @@ _SPLITS = frozenset(
     }
 )
 _PROJECTIONS = frozenset({"aten.addmm", "aten.mm", "aten.linear", "aten.matmul", "aten.bmm"})
+# Ops that only change a shape (an arange through them is still the positions 0..n-1).
+_SHAPE_ONLY = frozenset({"aten.unsqueeze", "aten.squeeze", "aten.expand", "aten.repeat"})
 # Ops between attention scores and their softmax (scale, mask, bias, cast).
 _SCORE_OPS = frozenset(
     {
@@ -138,7 +140,8 @@ class Dataflow:
     eager_attention: list[str] = field(default_factory=list)  # modules with q @ k^T
     attention_modules: list[tuple[str, ...]] = field(default_factory=list)  # SDPA module stacks
     _features: dict[int, _Features] = field(default_factory=dict)
-    _positions: dict[int, tuple[str, int]] = field(default_factory=dict)  # id -> arange (module, n)
+    # id -> (module of the arange, its length, reached through views only)
+    _positions: dict[int, tuple[str, int, bool]] = field(default_factory=dict)
     _scores: dict[int, str] = field(default_factory=dict)  # id -> module of q @ k^T
     _keep: list[torch.Tensor] = field(default_factory=list)
 
@@ -162,7 +165,7 @@ class Dataflow:
         # Positions: aranges, and slices of state to some length (lengths judged later,
         # against the sequence length).
         if packet == "aten.arange":
-            self._positions[id(outs[0])] = (module, outs[0].numel())
+            self._positions[id(outs[0])] = (module, outs[0].numel(), True)
         elif packet in ("aten.slice", "aten.narrow") and first is not None and is_state(first):
             dim = _arg(args, kwargs, 1, "dim", 0) % max(first.dim(), 1)
             # Kept whatever its length: a table exactly as long as the sequence is sliced to
@@ -171,12 +174,15 @@ class Dataflow:
             self.position_reads.append((module, "slice of a buffer", int(n)))
         tagged = [self._positions[id(t)] for t in ins if id(t) in self._positions]
         if tagged:
-            origin, n = tagged[0]
+            origin, n, pure = tagged[0]
             if packet == "aten.embedding":
                 weight = param_of(args[0]) if isinstance(args[0], torch.Tensor) else None
                 if weight is not None:
                     self.position_tables[weight] = module
-                    self.position_reads.append((origin, "arange", n))
+                    # Looked up with the arange itself (no offset): the runtime can hand it
+                    # the rank's positions instead (`ModelInfo.position_tables`).
+                    what = "position table" if pure else "arange"
+                    self.position_reads.append((module if pure else origin, what, n))
             elif packet in _POSITION_SINKS:
                 reads_state = packet not in ("aten.index", "aten.index_select") or (
                     first is not None and is_state(first)
@@ -184,8 +190,9 @@ class Dataflow:
                 if reads_state and (origin, "arange", n) not in self.position_reads:
                     self.position_reads.append((origin, "arange", n))
             else:
+                keeps = packet in _VIEWS or packet in _PERMUTES or packet in _SHAPE_ONLY
                 for o in outs:
-                    self._positions[id(o)] = (origin, n)
+                    self._positions[id(o)] = (origin, n, pure and keeps)
         if packet == "aten.embedding" and not tagged and isinstance(args[0], torch.Tensor):
             weight = param_of(args[0])
             if weight is not None and weight not in self.token_embeddings:
@@ -489,6 +496,7 @@ def dataflow_blockers(
     seq_len: int,
     tp_params: dict[str, str],
     hf_positions_ok: bool,
+    layer_names: tuple[str, ...] = (),
 ) -> dict[str, str]:
     """Dimensions the traced data flow rules out (module docstring).
 
@@ -533,15 +541,17 @@ def dataflow_blockers(
             "F.scaled_dot_product_attention (q @ k^T, softmax, @ v), which context parallelism "
             "cannot redirect"
         )
+    units = set(layer_names)
     for stack in flow.attention_modules:
         if "cp" in out:
             break
-        if not any(_wrappable_at(model, p) for p in stack):
+        # Wrapped where it is: a module with q/k/v projections or the hook, else its layer.
+        if not any(p in units or _wrappable_at(model, p) for p in stack):
             where = stack[-1] if stack else "<root>"
             out["cp"] = (
-                f"the attention in {where!r} is not inside a module the runtime can make "
-                "context-parallel (one with q_proj/k_proj/v_proj children, or a "
-                "`context_parallel_attention(cp)` method)"
+                f"the attention in {where!r} is outside the repeated layers and not in a module "
+                "the runtime can make context-parallel (one with q_proj/k_proj/v_proj "
+                "children, or a `context_parallel_attention(cp)` method)"
             )
     if "cp" not in out and not hf_positions_ok:
         for module, what, n in flow.position_reads:
@@ -566,7 +576,8 @@ def _wrappable_at(model: nn.Module, path: str) -> bool:
 
 def _positions_handled(model: nn.Module, module: str, what: str) -> bool:
     """A position read the runtime re-positions: inside a module with the CP hook; the zoo's
-    `rope` tables sliced inside a wrapped attention; the zoo's root `pos_embed` arange."""
+    `rope` tables sliced inside a wrapped attention; a table of learned positions looked up
+    with the arange itself."""
     parts = module.split(".") if module else []
     for i in range(len(parts), -1, -1):
         try:
@@ -577,13 +588,9 @@ def _positions_handled(model: nn.Module, module: str, what: str) -> bool:
             return True
         if what != "arange" and cp_wrappable(m) and _rope_argument(m):
             return True
-    if (
-        module == ""
-        and what == "arange"
-        and isinstance(getattr(model, "pos_embed", None), nn.Embedding)
-    ):
-        return True
-    return False
+    # A table of learned positions looked up with 0..n-1: the runtime looks it up with the
+    # rank's positions (`context_parallel.apply_context_parallel`, `ModelInfo.position_tables`).
+    return what == "position table"
 
 
 # -- the rule every layer applies -----------------------------------------------------------

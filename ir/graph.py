@@ -249,6 +249,9 @@ class ModelInfo:
     layers: int = 0
     no_sequence_sharding: str = ""
     blockers: tuple[tuple[str, str], ...] = ()
+    # Module paths of nn.Embedding tables of learned positions looked up with 0..n-1 (the
+    # runtime looks them up with a rank's positions under context parallelism).
+    position_tables: tuple[str, ...] = ()
 
     def blocker(self, dim: str) -> str:
         """Why the runtime cannot run parallel dimension `dim` ("tp", "sp", "cp", "pp",

@@ -815,9 +815,14 @@ def _trace(
     graph = lower(record, _pointwise_packets(cap))
     blocker = sequence_sharding_blocker(model, graph.info.seq_len)
     blockers = model_blockers(model, graph, cap.flow, layer_names, not blocker)
-    if blocker or blockers:
+    reads = cap.flow.position_reads
+    tables = tuple(sorted({m for m, what, _ in reads if what == "position table"}))
+    if blocker or blockers or tables:
         info = dataclasses.replace(
-            graph.info, no_sequence_sharding=blocker, blockers=tuple(sorted(blockers.items()))
+            graph.info,
+            no_sequence_sharding=blocker,
+            blockers=tuple(sorted(blockers.items())),
+            position_tables=tables,
         )
         graph = dataclasses.replace(graph, info=info)
     report(graph.summary())
@@ -847,9 +852,20 @@ def model_blockers(
                     sharded.setdefault(prefix + p, kind)
     out = structural_blockers(model, tuple(layer_names), tuple(sorted(experts)))
     hf_positions = hf_ok and bool(hf_models(model))
-    flow_blockers = dataflow_blockers(model, flow, graph.info.seq_len, sharded, hf_positions)
+    flow_blockers = dataflow_blockers(
+        model, flow, graph.info.seq_len, sharded, hf_positions, tuple(layer_names)
+    )
     for dim, why in flow_blockers.items():
         out.setdefault(dim, why)
+    # The runner cuts every input on dim 1 under context parallelism: each must be laid out
+    # (batch, sequence, ...) for the model's sequence.
+    seq = graph.info.seq_len
+    for i, t in enumerate(graph.inputs):
+        if seq and len(t.shape) >= 2 and t.shape[1] != seq and "cp" not in out:
+            out["cp"] = (
+                f"input {i} has shape {list(t.shape)}, not (batch, {seq} tokens, ...): context "
+                "parallelism cuts every input along dim 1 as the sequence"
+            )
     return out
 
 

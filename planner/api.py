@@ -117,6 +117,7 @@ def _model_ref(graph: Graph) -> ModelRef:
         seq_len=graph.info.seq_len or 1,
         dtype=dtype,
         blockers=tuple(sorted((d, w) for d in DIMENSIONS if (w := graph.info.blocker(d)))),
+        positions=graph.info.position_tables,
     )
 
 

@@ -457,7 +457,7 @@ def apply(
         m.to(ctx.device)
     cp = None
     for m, u in zip(modules, units):  # 1b (None when cp == 1)
-        cp = apply_context_parallel(m, ctx, cp_attention, has_layers=bool(u)) or cp
+        cp = apply_context_parallel(m, ctx, cp_attention, has_layers=bool(u), units=u) or cp
         if reposition and not reposition_hf_decoder(m, sequence_shards(plan), cp):
             raise RuntimePlanError(
                 f"runtime: {type(m).__name__} holds a HuggingFace model but no rotary_emb "

@@ -421,12 +421,27 @@ def _wrap_positions(embedding: nn.Embedding, cp: ContextParallel) -> None:
     embedding.register_forward_pre_hook(hook)
 
 
+def _wrap_unit(unit: nn.Module, cp: ContextParallel) -> None:
+    """A repeated layer whose attention is not in a module with q/k/v projections: every
+    `F.scaled_dot_product_attention` its forward calls is redirected (no `rope` argument to
+    re-index; the tracer refuses cp for models that count positions inside it)."""
+    orig = unit.forward
+
+    @functools.wraps(orig)
+    def forward(*args, **kwargs):
+        with _RedirectSdpa(cp):
+            return orig(*args, **kwargs)
+
+    unit.forward = forward
+
+
 def apply_context_parallel(
     module: nn.Module,
     ctx: RankContext,
     mode: str = "allgather",
     *,
     has_layers: bool = True,
+    units: tuple[str, ...] | list[str] = (),
 ) -> ContextParallel | None:
     """Make `module`'s attention work on this rank's sequence share (see module docstring).
 
@@ -440,16 +455,37 @@ def apply_context_parallel(
         return None
     cp = ContextParallel(ctx.group("cp"), ctx.coord("cp"), size, mode)
     hooked = wrapped = 0
-    for _, m in module.named_modules():
+    taken: list[str] = []  # paths of modules whose attention is handled
+    for path, m in module.named_modules():
         if hasattr(m, "context_parallel_attention"):
             m.context_parallel_attention(cp)
             hooked += 1
+            taken.append(path)
         elif _is_attention(m):
             _wrap_attention(m, cp)
             wrapped += 1
-    pos_embed = getattr(module, "pos_embed", None)
-    if isinstance(pos_embed, nn.Embedding):
-        _wrap_positions(pos_embed, cp)
+            taken.append(path)
+    # Repeated layers with no such module inside: their SDPA calls, wherever they are.
+    for u in units:
+        try:
+            unit = module.get_submodule(u)
+        except AttributeError:
+            continue
+        if not any(t == u or t.startswith(u + ".") for t in taken):
+            _wrap_unit(unit, cp)
+            wrapped += 1
+    # Tables of learned positions looked up with 0..n-1 (the plan's, from the trace; and
+    # the zoo's root `pos_embed` for plans made before they were recorded).
+    tables = [*ctx.plan.model.positions, "pos_embed"]
+    seen: set[int] = set()
+    for path in tables:
+        try:
+            table = module.get_submodule(path)
+        except AttributeError:
+            continue
+        if isinstance(table, nn.Embedding) and id(table) not in seen:
+            seen.add(id(table))
+            _wrap_positions(table, cp)
     # A pipeline stage of only the prologue/epilogue has no attention to shard.
     if not (hooked or wrapped) and has_layers:
         raise RuntimePlanError(

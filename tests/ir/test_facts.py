@@ -322,14 +322,26 @@ def test_positions_counted_from_the_held_length_block_context_parallelism():
     assert "cp" not in facts(meta(LM, attention=HookedRopeAttention))
 
 
-def test_eager_attention_and_unwrappable_attention_block_context_parallelism():
+class PackedInput(LM):
+    """Takes (source, target) packed in one (batch, 2 x seq) tensor and uses the target half."""
+
+    def forward(self, ids):
+        return super().forward(ids[:, SEQ:])
+
+
+def test_eager_attention_blocks_context_parallelism_sdpa_anywhere_in_a_layer_does_not():
     assert (
         "without F.scaled_dot_product_attention" in facts(meta(LM, attention=EagerAttention))["cp"]
     )
-    assert (
-        "not inside a module the runtime can make context-parallel"
-        in facts(meta(LM, attention=SplitQKV))["cp"]
+    # SDPA in a layer without q/k/v projections (the runtime redirects the whole layer's);
+    # learned positions looked up with 0..n-1 (re-mapped by the runtime): no blocker.
+    assert "cp" not in facts(meta(LM, attention=SplitQKV, positions=True))
+    # An input that is not (batch, sequence): the runner could not cut it on dim 1.
+    packed = meshplan.trace(
+        meta(PackedInput, attention=SplitQKV, positions=True),
+        torch.zeros(1, 2 * SEQ, dtype=torch.long, device="meta"),
     )
+    assert "input 0 has shape [1, 32], not (batch, 16 tokens" in packed.info.blocker("cp")
 
 
 def test_multihead_attention_is_refused_for_tp_with_its_real_reason():
