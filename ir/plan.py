@@ -23,16 +23,32 @@ bytes, so the solver's wall time is deliberately not recorded):
       "placements", "quantization", "compression",
       "predicted": {"step_time_s", "tokens_per_s", "mfu", "peak_memory_bytes", "fits",
                     "breakdown": {...}, "memory": [...]},
-      "solver": {"status", "gap", "candidates", "objective"}
+      "solver": {"status", "gap", "candidates", "objective"},
+      "digests": {field: 12 hex digits of sha256 of its JSON, for every field but version,
+                  meshplan_version, predicted and solver; model and degrees key by key}
     }
 
-Loading (`Plan.from_json`) validates against a JSON schema and rejects an unknown version, a
-corrupt file, or (when a cluster is given) a cluster mismatch, each with a one-line
-`PlanError`.
+A plan file means what it says or is refused. Loading (`Plan.from_json`, and so `meshplan
+validate` and `meshplan launch`) refuses, each with a one-line `PlanError` naming the field:
+an unknown version, a corrupt file, a schema violation (integers are ints: 2.0 is not a
+count), a cluster spec that does not match its fingerprint (or, when a cluster is given, a
+cluster mismatch), a restated fact that disagrees with what it restates (cluster.world_size,
+mesh.shape from the degrees, num_microbatches, each stage's unit names), a broken rule
+(`plan_problem`: stages, batch arithmetic, schedule, per-group TP, blocked dimensions, ranks
+against `assign_ranks`, the model fingerprint's form), and a field whose digest differs: the
+plan's prediction and checks were made for the values it was written with, so an edit is
+refused rather than run with a stale prediction. Plans written before digests load without
+that last check. "predicted", "solver" and "meshplan_version" are free: the runtime never
+reads them.
+
+`write_text_file` is how plans (and other output files) are written: atomically for
+regular files, in place for devices and FIFOs, with the umask's permissions.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -43,7 +59,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .cluster import Cluster
-from .parallel import Parallel, Prediction, RankMemory, Recompute, Schedule, StagePlacement
+from .parallel import (
+    Parallel,
+    Prediction,
+    RankMemory,
+    Recompute,
+    Schedule,
+    StagePlacement,
+    group_tp_problem,
+    microbatch_problem,
+)
 
 PLAN_VERSION = "meshplan.plan/v1"
 MESH_AXES = ("pp", "dp", "cp", "tp")
@@ -77,6 +102,7 @@ class ModelRef:
     seq_len: int
     dtype: str = "bfloat16"
     blockers: tuple[tuple[str, str], ...] = ()
+    positions: tuple[str, ...] = ()  # module paths of learned position tables (`ir.facts`)
 
     def blocker(self, dim: str) -> str:
         """Why dimension `dim` cannot run on the model, or "" (as `ModelInfo.blocker`)."""
@@ -186,8 +212,9 @@ class Plan:
 
     # -- JSON ---------------------------------------------------------------------------------
     def to_dict(self) -> dict:
+        """The plan's JSON form (module docstring), with the `digests` of its fields."""
         p, pr = self.parallel, self.predicted
-        return {
+        d = {
             "version": self.version,
             "meshplan_version": _meshplan_version(),
             "model": {
@@ -198,6 +225,7 @@ class Plan:
                 "seq_len": self.model.seq_len,
                 "dtype": self.model.dtype,
                 **({"blockers": dict(self.model.blockers)} if self.model.blockers else {}),
+                **({"positions": list(self.model.positions)} if self.model.positions else {}),
             },
             "cluster": {
                 "name": self.cluster.name,
@@ -269,6 +297,8 @@ class Plan:
                 "objective": self.solver.objective,
             },
         }
+        d["digests"] = _digests(d)
+        return d
 
     def to_json(self, path: str | os.PathLike | None = None) -> str:
         """The plan as canonical JSON text; with `path`, also written there atomically."""
@@ -411,7 +441,8 @@ def write_text_file(path: str | os.PathLike, text: str) -> None:
     """
     target = Path(os.path.realpath(path))  # through symbolic links
     if target.is_dir():
-        raise PlanError(f"{path}: is a directory; give a file name, e.g. {Path(path) / 'plan.json'}")
+        example = Path(path) / "plan.json"
+        raise PlanError(f"{path}: is a directory; give a file name, e.g. {example}")
     if target.exists() and not target.is_file():  # a device, a FIFO, a socket
         with open(target, "w") as f:
             f.write(text)
@@ -536,6 +567,7 @@ PLAN_SCHEMA: dict = {
                 "units": {"type": "array", "items": {"type": "string"}, "minItems": 1},
                 "seq_len": _POS_INT,
                 "dtype": {"type": "string"},
+                "positions": {"type": "array", "items": {"type": "string"}},
                 "blockers": {
                     "type": "object",
                     "propertyNames": {"enum": ["tp", "sp", "cp", "pp", "ep", "zb"]},
@@ -608,7 +640,7 @@ PLAN_SCHEMA: dict = {
         "micro_batch": _POS_INT,
         "global_batch": _POS_INT,
         "recompute": {"enum": [r.value for r in Recompute]},
-        "zero": {"enum": [0, 1, 2, 3]},
+        "zero": {"type": "integer", "enum": [0, 1, 2, 3]},
         "sequence_parallel": {"type": "boolean"},
         "virtual_stages": {"type": ["integer", "null"], "minimum": 1},
         "predicted": {
@@ -655,7 +687,7 @@ PLAN_SCHEMA: dict = {
             },
         },
         "placements": {"type": "object", "additionalProperties": {"type": "string"}},
-        "num_microbatches": _POS_INT,
+        "num_microbatches": _NAT,  # derived: checked against the batch (`_derived_problem`)
         "meshplan_version": {"type": "string"},
         # Per-field digests of what the plan was made with (`_digests`); absent in old plans.
         "digests": {"type": "object", "additionalProperties": {"type": "string"}},
@@ -821,19 +853,292 @@ def _explain_decisions(c: CompressionPlan, q: QuantizationPlan) -> list[str]:
 
 
 def _schema_error(data: dict, where: str) -> str | None:
-    import jsonschema
-
-    validator = jsonschema.Draft202012Validator(PLAN_SCHEMA)
-    errors = sorted(validator.iter_errors(data), key=lambda e: list(e.absolute_path))
+    errors = sorted(
+        _validator().iter_errors(data),
+        key=lambda e: [(isinstance(p, str), p) for p in e.absolute_path],
+    )
     if not errors:
         return None
     e = errors[0]
     field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e.absolute_path)
-    return f"{where}: field {field.lstrip('.') or '(top level)'}: {e.message}"
+    message = e.message if len(e.message) <= 200 else e.message[:200] + "..."
+    return f"{where}: field {field.lstrip('.') or '(top level)'}: {message}"
+
+
+@functools.cache
+def _validator():
+    """The schema's validator, with "integer" meaning an int: JSON Schema also counts 2.0,
+    which no count, degree or coordinate of a plan may be (nor a bool)."""
+    import jsonschema
+
+    base = jsonschema.Draft202012Validator
+    checker = base.TYPE_CHECKER.redefine(
+        "integer", lambda _, x: isinstance(x, int) and not isinstance(x, bool)
+    )
+    return jsonschema.validators.extend(base, type_checker=checker)(PLAN_SCHEMA)
+
+
+# -- what a plan means: the rules every layer asks ---------------------------------------------
+
+
+def stages_problem(
+    parallel: Parallel, stages: tuple[StagePlacement, ...], n_units: int
+) -> str | None:
+    """What keeps `stages` from being the pipeline of `parallel` over a model of `n_units`
+    units, or None: pp stages in order, covering units [0, n_units) in order without gaps or
+    overlaps, each with replicas adding up to dp; chunk ranges (interleaved 1F1B, ZB-V) only
+    where the schedule runs several chunks per rank, that many per stage, covering the units
+    exactly once between them."""
+    p = parallel
+    if len(stages) != p.pp:
+        return f"stages lists {len(stages)} stages but degrees.pp={p.pp}"
+    expect = 0
+    for i, st in enumerate(stages):
+        if st.index != i:
+            return f"stages[{i}].index is {st.index}; stages are listed in pipeline order"
+        if st.first_unit != expect:
+            before = f"stage {i - 1} ends at unit {expect}" if i else "the first starts at 0"
+            return (
+                f"stages[{i}].first_unit is {st.first_unit} but {before} (stages cover the "
+                "units in order, without gaps or overlaps)"
+            )
+        if st.dp != p.dp:
+            return f"stages[{i}].replicas add up to {st.dp} but degrees.dp={p.dp}"
+        expect = st.last_unit
+    if expect != n_units:
+        return f"stages cover units [0, {expect}) but model.units lists {n_units}"
+    listed = [st for st in stages if st.chunks]
+    if listed:
+        if p.pp < 2 or p.chunks < 2:
+            return (
+                f"stages[{listed[0].index}].chunks lists chunks but schedule {p.schedule} "
+                f"with pp={p.pp} runs one per rank"
+            )
+        for st in stages:
+            if len(st.chunks) != p.chunks:
+                return (
+                    f"stages[{st.index}].chunks lists {len(st.chunks)} chunks but schedule "
+                    f"{p.schedule} runs {p.chunks} per rank"
+                )
+        covered = 0
+        for a, b in sorted(c for st in stages for c in st.chunks):
+            if a != covered:
+                return f"stages' chunks do not cover the units exactly once (unit {covered})"
+            covered = b
+        if covered != n_units:
+            return f"stages' chunks cover units [0, {covered}) of {n_units}"
+    return None
+
+
+def batch_problem(parallel: Parallel, stages: tuple[StagePlacement, ...]) -> str | None:
+    """What keeps the batch arithmetic of `parallel` and `stages` from adding up, or None:
+    global_batch = dp x micro_batch x num_microbatches; uneven micro-batch shares
+    (`StagePlacement.microbatches`) the same on every stage and adding up to
+    dp x num_microbatches; every replica's micro-batch count one its schedule runs
+    (`microbatch_problem`)."""
+    p = parallel
+    per_step = p.dp * p.micro_batch
+    if p.global_batch % per_step:
+        return (
+            f"global_batch {p.global_batch} is not divisible by degrees.dp x micro_batch = "
+            f"{p.dp} x {p.micro_batch} = {per_step} (rows would be dropped)"
+        )
+    counts = {p.num_microbatches}
+    if any(st.microbatches for st in stages):
+        first = stages[0]
+        for st in stages:
+            if (st.replicas, dict(st.microbatches)) != (first.replicas, dict(first.microbatches)):
+                return (
+                    f"stages[{st.index}].microbatches differ from stage 0's; uneven shares need "
+                    "every stage to have the same replicas and shares"
+                )
+        shares = dict(first.microbatches)
+        total = sum(n * shares[g] for g, n in first.replicas)
+        if total != p.dp * p.num_microbatches:
+            return (
+                f"stages[0].microbatches add up to {total} micro-batches but global_batch / "
+                f"micro_batch = {p.global_batch} / {p.micro_batch} = "
+                f"{p.dp * p.num_microbatches}"
+            )
+        counts = set(shares.values())
+    for m in sorted(counts):
+        if why := microbatch_problem(p.schedule, p.pp, m):
+            return why
+    return None
+
+
+def schedule_problem(parallel: Parallel) -> str | None:
+    """What keeps `parallel`'s schedule from describing the pipeline it runs, or None: ZB-V
+    needs a pipeline (pp >= 2: its V places two chunks on each of pp ranks); several chunks
+    per rank (`virtual_stages` > 1) only under interleaved 1F1B or ZB-V, and only with a
+    pipeline to interleave. With pp = 1 no schedule runs (the runner accumulates
+    micro-batches), so 1f1b, gpipe and one-chunk interleaved 1F1B (which the planner writes
+    when that schedule is pinned) run alike. How many micro-batches a schedule runs is
+    `microbatch_problem`."""
+    p = parallel
+    v = p.virtual_stages or 1
+    if p.schedule == Schedule.ZERO_BUBBLE and p.pp < 2:
+        return f"schedule zero_bubble needs a pipeline (degrees.pp >= 2), got pp={p.pp}"
+    if v > 1 and p.schedule not in (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE):
+        return f"virtual_stages={v} needs schedule interleaved_1f1b, got {p.schedule}"
+    if v > 1 and p.pp < 2:
+        return f"virtual_stages={v} needs a pipeline to interleave (degrees.pp >= 2), got pp=1"
+    return None
+
+
+def ranks_problem(plan: Plan) -> str | None:
+    """What keeps `plan.ranks` from being the rank assignment its cluster, degrees and stages
+    give (`assign_ranks`: every GPU of the cluster once, in order, with its node, local rank
+    and group; the dp x tp x pp x cp active ones at unique mesh coordinates), or None."""
+    try:
+        expected = assign_ranks(plan.cluster, plan.parallel, plan.stages)
+    except PlanError as e:
+        return str(e).removeprefix("plan: ")
+    if len(plan.ranks) != len(expected):
+        return f"ranks lists {len(plan.ranks)} GPUs but the cluster has {len(expected)}"
+    for i, (got, want) in enumerate(zip(plan.ranks, expected)):
+        if got != want:
+            return (
+                f"ranks[{i}] is {_rank_row(got)} but the cluster, degrees and stages give "
+                f"{_rank_row(want)} ([rank, node, local_rank, group, pp, dp, cp, tp])"
+            )
+    return None
+
+
+def plan_problem(plan: Plan) -> str | None:
+    """Why `plan` does not mean what it says, in one line naming the field, or None: its
+    stages (`stages_problem`), batch arithmetic (`batch_problem`), schedule
+    (`schedule_problem`), per-group TP (`group_tp_problem`), degrees (ep divides dp) and the
+    dimensions its model cannot run (`ir.facts.blocked_dimension`), its ranks
+    (`ranks_problem`) and the form of its model fingerprint. `Plan.from_json` refuses a plan
+    with a problem, so `meshplan validate` and `meshplan launch` do."""
+    from .facts import blocked_dimension
+
+    p = plan.parallel
+    if not _FINGERPRINT.fullmatch(plan.model.fingerprint):
+        return (
+            f"model.fingerprint {plan.model.fingerprint!r} is not a model fingerprint "
+            "(16 lowercase hex digits)"
+        )
+    if (p.ep or 1) > 1 and p.dp % p.ep:
+        return f"degrees.ep={p.ep} does not divide degrees.dp={p.dp} (expert ranks reuse dp ranks)"
+    tps = [t for _, t in plan.stages[0].group_tp]
+    widest = dataclasses.replace(p, tp=max([p.tp, *tps]))
+    checks = (
+        lambda: stages_problem(p, plan.stages, len(plan.model.units)),
+        lambda: batch_problem(p, plan.stages),
+        lambda: schedule_problem(p),
+        lambda: group_tp_problem(p, plan.stages) if tps else None,
+        lambda: blocked_dimension(plan.model, widest),
+        lambda: ranks_problem(plan),
+    )
+    for check in checks:
+        if why := check():
+            return why
+    return None
+
+
+_FINGERPRINT = re.compile(r"[0-9a-f]{16}")
+
+
+def _rank_row(r: RankAssignment) -> str:
+    row = [r.rank, r.node, r.local_rank, r.group, *(r.coords or ())]
+    return json.dumps(row, ensure_ascii=False)
+
+
+# -- loading ----------------------------------------------------------------------------------
+
+# Keys whose value the runtime never reads: free to differ (and to edit).
+_FREE_KEYS = frozenset({"version", "meshplan_version", "predicted", "solver", "digests"})
+_KEYED = ("model", "degrees")  # digested key by key, so an edit names its field
+
+
+def _digests(d: dict) -> dict[str, str]:
+    """A short hash of every field of plan JSON `d` but the free ones (`_FREE_KEYS`).
+
+    A plan's prediction, its checks and its runtime behaviour are for the values it was made
+    with; `plan_from_dict` recomputes the digests of what it loaded and refuses a field
+    whose digest differs, naming it. (A guard against edits and corruption, not a signature:
+    a deliberate edit rewrites the digest too.)"""
+    out = {}
+    for key, value in d.items():
+        if key in _FREE_KEYS:
+            continue
+        fields = (
+            {f"{key}.{k}": v for k, v in value.items()}
+            if key in _KEYED and isinstance(value, dict)
+            else {key: value}
+        )
+        for name, v in fields.items():
+            out[name] = hashlib.sha256(json.dumps(v, sort_keys=True).encode()).hexdigest()[:12]
+    return out
+
+
+def _restated_problem(data: dict, plan: Plan) -> str | None:
+    """Where the JSON restates a fact of `plan` (cluster.name and world_size, the mesh)
+    differently, or None."""
+    c, mesh = data["cluster"], data["mesh"]
+    if c["name"] != plan.cluster.name:
+        return f"cluster.name {c['name']!r} but cluster.spec names {plan.cluster.name!r}"
+    if c["world_size"] != plan.cluster.world_size:
+        return (
+            f"cluster.world_size is {c['world_size']} but cluster.spec has "
+            f"{plan.cluster.world_size} GPUs"
+        )
+    if mesh["axes"] != list(MESH_AXES):
+        return f"mesh.axes is {mesh['axes']} but plans use {list(MESH_AXES)}"
+    if mesh["shape"] != list(plan.mesh_shape):
+        degrees = " ".join(f"{a}={n}" for a, n in zip(MESH_AXES, plan.mesh_shape))
+        return f"mesh.shape is {mesh['shape']} but degrees give {list(plan.mesh_shape)} ({degrees})"
+    return None
+
+
+def _derived_problem(data: dict, plan: Plan) -> str | None:
+    """Where the JSON's derived counts and names (num_microbatches, each stage's unit names)
+    disagree with `plan` (checked once its batch and stages are known good), or None."""
+    m = plan.parallel.num_microbatches
+    if "num_microbatches" in data and data["num_microbatches"] != m:
+        p = plan.parallel
+        return (
+            f"num_microbatches is {data['num_microbatches']} but global_batch / (dp x "
+            f"micro_batch) = {p.global_batch} / ({p.dp} x {p.micro_batch}) = {m}"
+        )
+    units = plan.model.units
+    for i, (st, raw) in enumerate(zip(plan.stages, data["stages"])):
+        names = [units[st.first_unit], units[st.last_unit - 1]]
+        if "units" in raw and raw["units"] != names:
+            return (
+                f"stages[{i}].units is {raw['units']} but its units {st.first_unit}.."
+                f"{st.last_unit - 1} are {names}"
+            )
+    return None
+
+
+def _digest_problem(data: dict, plan: Plan) -> str | None:
+    """A field whose digest (`_digests`) differs from the one recorded, or None (and None
+    for plans written before digests)."""
+    recorded = data.get("digests")
+    if recorded is None:
+        return None
+    expected = _digests(plan.to_dict())
+    for key in sorted(set(recorded) | set(expected)):
+        if key not in expected:
+            return f"digests.{key} names no field of the plan"
+        if recorded.get(key) != expected[key]:
+            return (
+                f"field {key} does not match what the plan was made with (digests.{key}); its "
+                "prediction and checks are for the original: re-run `meshplan plan` or "
+                "`meshplan estimate` for the configuration you want instead of editing"
+            )
+    return None
 
 
 def plan_from_dict(data: object, *, where: str = "plan", cluster: Cluster | None = None) -> Plan:
-    """Rebuild a Plan from its JSON dict, validating version, schema and cluster."""
+    """Rebuild a Plan from its JSON dict, refusing with a one-line `PlanError` that names the
+    field a plan that does not mean what it says: an unknown version, a schema violation, a
+    cluster spec that does not match its fingerprint (or `cluster`), a restated fact that
+    disagrees (`_restated_problem`, `_derived_problem`), a broken rule (`plan_problem`), or a
+    field changed after the plan was made (`_digest_problem`)."""
     if not isinstance(data, dict):
         raise PlanError(f"{where}: a plan is a JSON object, got {type(data).__name__}")
     version = data.get("version")
@@ -863,24 +1168,45 @@ def plan_from_dict(data: object, *, where: str = "plan", cluster: Cluster | None
             f"this cluster is {cluster.name!r} ({cluster.world_size} GPUs, fingerprint "
             f"{cluster.fingerprint()}); re-plan for this cluster"
         )
+    try:
+        plan = _plan_of(data, plan_cluster)
+    except PlanError as e:
+        raise PlanError(f"{where}: {str(e).removeprefix('plan: ')}") from None
+    except (ValueError, TypeError, KeyError) as e:  # a shape the schema lets through
+        raise PlanError(f"{where}: malformed plan ({type(e).__name__}: {e})") from None
+    for check in (_restated_problem, lambda _, p: plan_problem(p), _derived_problem):
+        if why := check(data, plan):
+            raise PlanError(f"{where}: {why}")
+    if why := _digest_problem(data, plan):
+        raise PlanError(f"{where}: {why}")
+    return plan
+
+
+def _plan_of(data: dict, plan_cluster: Cluster) -> Plan:
+    """The Plan object a schema-valid plan dict describes (`plan_from_dict` checks it)."""
     d, m = data["degrees"], data["model"]
-    parallel = Parallel(
-        dp=d["dp"],
-        tp=d["tp"],
-        pp=d["pp"],
-        cp=d["cp"],
-        ep=d["ep"],
-        micro_batch=data["micro_batch"],
-        global_batch=data["global_batch"],
-        recompute=Recompute(data["recompute"]),
-        zero=data["zero"],
-        schedule=Schedule(data["schedule"]),
-        sequence_parallel=data["sequence_parallel"],
-        virtual_stages=data.get("virtual_stages"),
-        quantize_activations=(
-            True if isinstance((data.get("quantization") or {}).get("activations"), dict) else None
-        ),
-    )
+    try:
+        parallel = Parallel(
+            dp=d["dp"],
+            tp=d["tp"],
+            pp=d["pp"],
+            cp=d["cp"],
+            ep=d["ep"],
+            micro_batch=data["micro_batch"],
+            global_batch=data["global_batch"],
+            recompute=Recompute(data["recompute"]),
+            zero=data["zero"],
+            schedule=Schedule(data["schedule"]),
+            sequence_parallel=data["sequence_parallel"],
+            virtual_stages=data.get("virtual_stages"),
+            quantize_activations=(
+                True
+                if isinstance((data.get("quantization") or {}).get("activations"), dict)
+                else None
+            ),
+        )
+    except ValueError as e:
+        raise PlanError(str(e).replace("Parallel.", "")) from None
     try:
         stages = tuple(
             StagePlacement(
@@ -895,18 +1221,16 @@ def plan_from_dict(data: object, *, where: str = "plan", cluster: Cluster | None
             for s in data["stages"]
         )
     except ValueError as e:
-        raise PlanError(f"{where}: stages: {e}") from None
-    units = tuple(m["units"])
-    if stages[-1].last_unit > len(units):
-        raise PlanError(f"{where}: stages reach unit {stages[-1].last_unit} of {len(units)}")
+        raise PlanError(f"stages: {e}") from None
     ranks = []
-    for row in data["ranks"]:
+    for i, row in enumerate(data["ranks"]):
+        if len(row) not in (4, 8):
+            raise PlanError(
+                f"ranks[{i}] has {len(row)} entries; a rank is [rank, node, local_rank, group] "
+                "(idle) or that and its [pp, dp, cp, tp]"
+            )
         coords = tuple(row[4:8]) if len(row) == 8 else None
         ranks.append(RankAssignment(row[0], row[1], row[2], row[3], coords))  # type: ignore[arg-type]
-    if len(ranks) != plan_cluster.world_size:
-        raise PlanError(
-            f"{where}: ranks lists {len(ranks)} GPUs but the cluster has {plan_cluster.world_size}"
-        )
     pr = data["predicted"]
     prediction = Prediction(
         step_time_s=float(pr["step_time_s"]),
@@ -929,29 +1253,27 @@ def plan_from_dict(data: object, *, where: str = "plan", cluster: Cluster | None
         notes=tuple(pr.get("notes", ())),
     )
     s = data["solver"]
-    try:
-        return Plan(
-            model=ModelRef(
-                m["name"],
-                m["fingerprint"],
-                m["num_params"],
-                units,
-                m["seq_len"],
-                m.get("dtype", "bfloat16"),
-                tuple(sorted((m.get("blockers") or {}).items())),
-            ),
-            cluster=plan_cluster,
-            parallel=parallel,
-            stages=stages,
-            ranks=tuple(ranks),
-            predicted=prediction,
-            solver=SolverInfo(
-                s["status"], float(s["gap"]), int(s["candidates"]), s.get("objective", "throughput")
-            ),
-            placements=tuple(sorted(data.get("placements", {}).items())),
-            version=version,
-            compression=_compression_from_json(data.get("compression")),
-            quantization=_quantization_from_json(data.get("quantization")),
-        )
-    except PlanError as e:
-        raise PlanError(f"{where}: {str(e).removeprefix('plan: ')}") from None
+    return Plan(
+        model=ModelRef(
+            m["name"],
+            m["fingerprint"],
+            m["num_params"],
+            tuple(m["units"]),
+            m["seq_len"],
+            m.get("dtype", "bfloat16"),
+            tuple(sorted((m.get("blockers") or {}).items())),
+            tuple(m.get("positions") or ()),
+        ),
+        cluster=plan_cluster,
+        parallel=parallel,
+        stages=stages,
+        ranks=tuple(ranks),
+        predicted=prediction,
+        solver=SolverInfo(
+            s["status"], float(s["gap"]), int(s["candidates"]), s.get("objective", "throughput")
+        ),
+        placements=tuple(sorted(data.get("placements", {}).items())),
+        version=data["version"],
+        compression=_compression_from_json(data.get("compression")),
+        quantization=_quantization_from_json(data.get("quantization")),
+    )

@@ -11,32 +11,41 @@
     meshplan clusters
 
 A user mistake (unknown model, bad cluster field, a configuration that does not divide, a
-model that fits nowhere) prints one line starting with `error:` on stderr and exits with
-status 2; anything else is a bug and keeps its traceback.
+model that fits nowhere, an unknown option or a value not among a flag's choices, an output
+path that is a directory or cannot be written) prints one line starting with `error:` on
+stderr and exits with status 2; when the mistake is in the user's own code (a model factory
+that raises) the line names its file:line, and `meshplan --debug ...` prints the whole
+traceback first. Anything else is a bug and keeps its traceback. docs/errors.md lists the
+messages.
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
 import os
+import re
+import site
 import sys
+import sysconfig
+import traceback
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, TypeVar
 
 import typer
+from meshplan.ir import Recompute, Schedule
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from typer.core import TyperGroup
 
-app = typer.Typer(
-    name="meshplan",
-    help="Auto-parallelization planner for training on heterogeneous GPU clusters.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
+try:  # typer >= 0.22 carries its own copy of click
+    from typer._click.exceptions import NoSuchOption, UsageError
+except ImportError:  # pragma: no cover - older typer on click
+    from click.exceptions import NoSuchOption, UsageError
+
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
 
@@ -44,21 +53,175 @@ F = TypeVar("F", bound=Callable[..., object])
 EXIT_USER_ERROR = 2
 
 
+def _error_line(message: str) -> None:
+    err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
+
+
+class _OneLineUsageErrors(TyperGroup):
+    """Usage mistakes (an unknown option or command, a value not among a flag's choices, a
+    missing argument) as one `error:` line and exit status 2, like every other user mistake,
+    instead of click's usage box. An unknown option gets a did-you-mean over the command's
+    own options."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        with _usage_errors():
+            return super().make_context(info_name, args, parent=parent, **extra)
+
+    def invoke(self, ctx):
+        with _usage_errors():
+            return super().invoke(ctx)
+
+
+@contextmanager
+def _usage_errors():
+    try:
+        yield
+    except UsageError as e:
+        if type(e).__name__ == "NoArgsIsHelpError":  # `meshplan` alone: the help, as asked
+            raise
+        message = e.format_message()
+        if isinstance(e, NoSuchOption) and not e.possibilities and e.ctx is not None:
+            names = [o for p in e.ctx.command.params for o in getattr(p, "opts", ())]
+            close = difflib.get_close_matches(e.option_name, names, n=1, cutoff=0.4)
+            message += f" Did you mean {close[0]}?" if close else ""
+        if isinstance(e, NoSuchOption) and e.ctx is not None and e.ctx.command.name == "launch":
+            message += (
+                " (the program and its options go after `--`: meshplan launch plan.json -- "
+                "python train.py; torchrun's options come from the plan)"
+            )
+        elif e.ctx is not None:
+            message += f" (see `{e.ctx.command_path} --help`)"
+        _error_line(message)
+        raise typer.Exit(EXIT_USER_ERROR) from None
+
+
+app = typer.Typer(
+    name="meshplan",
+    cls=_OneLineUsageErrors,
+    help="Auto-parallelization planner for training on heterogeneous GPU clusters.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+# Set by the global options (`_global_options`) on every invocation.
+_debug = False
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from meshplan import __version__
+
+        out.print(f"meshplan {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _global_options(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            help="Print meshplan's version and exit.",
+            is_eager=True,
+            callback=_print_version,
+        ),
+    ] = False,
+    debug: Annotated[
+        bool,
+        typer.Option(
+            "--debug",
+            help="On an error, print the full traceback (also of errors in your model code) "
+            "before the one-line summary.",
+        ),
+    ] = False,
+) -> None:
+    """Auto-parallelization planner for training on heterogeneous GPU clusters."""
+    global _debug
+    _debug = debug
+
+
 def user_errors(fn: F) -> F:
-    """Turn user mistakes (ValueError and friends) into one line and exit status 2."""
+    """Turn user mistakes (ValueError and friends, a file that cannot be read or written)
+    into one line and exit status 2. The line names the file:line of the user's own code
+    where the error arose, if it did (`_user_frame`); `--debug` prints the traceback first."""
 
     @functools.wraps(fn)
     def wrapper(*args: object, **kwargs: object) -> object:
         try:
             return fn(*args, **kwargs)
-        except (ValueError, FileNotFoundError, KeyError) as e:
-            message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            if isinstance(e, KeyError):
-                message = f"unknown name {message}"
-            err.print(f"[bold red]error:[/] {message}", soft_wrap=True)
+        except (ValueError, OSError, KeyError) as e:
+            if _debug:  # the whole chain, the user's error behind a one-line summary too
+                e.__suppress_context__ = False
+                sys.stderr.write("".join(traceback.format_exception(e)))
+            _error_line(_one_line(e))
             raise typer.Exit(EXIT_USER_ERROR) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def _one_line(e: BaseException) -> str:
+    """The error's first line, what an OSError was about, and where in the user's code."""
+    if isinstance(e, OSError) and e.strerror:
+        message = f"{e.filename}: {e.strerror}" if e.filename else e.strerror
+    else:
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if isinstance(e, KeyError):
+        message = f"unknown name {message}"
+    where = _user_frame(e)
+    if where and where not in message:
+        debug = "" if _debug else "; `meshplan --debug ...` prints the traceback"
+        message += f" (at {where}{debug})"
+    return message
+
+
+def _user_frame(e: BaseException) -> str | None:
+    """'file:line in function' of the innermost frame of the user's own code (not meshplan,
+    the standard library or an installed package) in the traceback of `e` or of the errors
+    behind it (`raise ... from`, or raised while handling one), or None."""
+    chain, seen = [], set()
+    x: BaseException | None = e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        chain.append(x)
+        x = x.__cause__ or x.__context__
+    for exc in reversed(chain):  # the original error first
+        if isinstance(exc, SyntaxError) and exc.filename and _is_user_file(exc.filename):
+            return f"{exc.filename}:{exc.lineno}"
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if _is_user_file(f.filename)]
+        if frames:
+            return f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}"
+    return None
+
+
+@functools.cache
+def _library_dirs() -> tuple[str, ...]:
+    """Folders whose code is not the user's: meshplan's packages, the standard library and
+    the installed packages."""
+    import meshplan
+    import meshplan.cost_model
+    import meshplan.ir
+    import meshplan.passes
+    import meshplan.runtime
+
+    mods = (meshplan, meshplan.ir, meshplan.cost_model, meshplan.passes, meshplan.runtime)
+    dirs = {str(Path(m.__file__).resolve().parent) for m in mods}
+    paths = sysconfig.get_paths()
+    dirs |= {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+    dirs |= set(site.getsitepackages()) | {site.getusersitepackages()}
+    return tuple(os.path.realpath(d) + os.sep for d in dirs)
+
+
+def _is_user_file(filename: str) -> bool:
+    if not filename or filename.startswith("<"):
+        return False
+    return not os.path.realpath(filename).startswith(_library_dirs())
+
+
+def _check_output(path: Path | None) -> None:
+    """Refuse an output path that cannot be a file before any work is done."""
+    if path is not None and Path(path).is_dir():
+        raise ValueError(f"--output {path}: is a directory; give a file name")
 
 
 @contextmanager
@@ -90,6 +253,10 @@ BatchOpt = Annotated[
     int | None, typer.Option("--global-batch", help="Sequences per optimizer step.")
 ]
 IntOpt = Annotated[int | None, typer.Option()]
+RecomputeOpt = Annotated[
+    str | None, typer.Option(help=f"Recomputation: {', '.join(r.value for r in Recompute)}.")
+]
+ZeroOpt = Annotated[int | None, typer.Option(help="ZeRO stage 0-3.")]
 ProfileOpt = Annotated[
     Path | None,
     typer.Option(
@@ -140,26 +307,32 @@ def _trace(name: str, model, inputs):
 def _pins(
     dp, tp, pp, cp, ep, micro_batch, global_batch, recompute, zero, schedule=None, virtual=None
 ):
+    """The pinned choices as a `Parallel`, which checks them (call it before tracing); its
+    one-line error names the flag (`--micro-batch`, not `Parallel.micro_batch`)."""
     from meshplan.ir import Parallel
 
-    return Parallel(
-        dp=dp,
-        tp=tp,
-        pp=pp,
-        cp=cp,
-        ep=ep,
-        micro_batch=micro_batch,
-        global_batch=global_batch,
-        recompute=recompute,
-        zero=zero,
-        schedule=schedule,
-        virtual_stages=virtual,
-    )
+    try:
+        return Parallel(
+            dp=dp,
+            tp=tp,
+            pp=pp,
+            cp=cp,
+            ep=ep,
+            micro_batch=micro_batch,
+            global_batch=global_batch,
+            recompute=recompute,
+            zero=zero,
+            schedule=schedule,
+            virtual_stages=virtual,
+        )
+    except ValueError as e:
+        flag = re.sub(r"Parallel\.(\w+)", lambda m: "--" + m[1].replace("_", "-"), str(e))
+        raise ValueError(flag) from None
 
 
 ScheduleOpt = Annotated[
     str | None,
-    typer.Option(help="Pipeline schedule: 1f1b, interleaved_1f1b, zero_bubble or gpipe."),
+    typer.Option(help=f"Pipeline schedule: {', '.join(s.value for s in Schedule)}."),
 ]
 VirtualOpt = Annotated[
     int | None,
@@ -281,8 +454,8 @@ def plan(
     cp: IntOpt = None,
     ep: IntOpt = None,
     micro_batch: Annotated[int | None, typer.Option("--micro-batch")] = None,
-    recompute: Annotated[str | None, typer.Option(help="none, selective or full")] = None,
-    zero: Annotated[int | None, typer.Option(help="ZeRO stage 0-3")] = None,
+    recompute: RecomputeOpt = None,
+    zero: ZeroOpt = None,
     schedule: ScheduleOpt = None,
     virtual_stages: VirtualOpt = None,
     time_limit: Annotated[float, typer.Option("--time-limit", help="Solver seconds.")] = 10.0,
@@ -332,15 +505,22 @@ def plan(
     --dp/--tp/--pp/... pin those choices; the solver fills the rest. --objective picks what
     "best" means: throughput (default), cost per token, or the fewest GPUs for a target.
     """
+    from .api import comm_options
     from .api import plan as make_plan
+    from .solver import Objective
     from .whatif import parse_price
 
-    name, m, inputs, c = _load(model, cluster, gpus, seq_len, profile=profile)
-    graph = _trace(name, m, inputs)
+    # Everything the user typed is checked before the (long) trace, by the rules the
+    # planner applies later (`Parallel`, `Objective`, `comm_options`).
+    _check_output(output)
+    Objective(objective, target_tokens_per_s)
+    comm_options(compress, quantize)
     pins = _pins(
         dp, tp, pp, cp, ep, micro_batch, global_batch, recompute, zero, schedule, virtual_stages
     )
     prices = dict(parse_price(x) for x in price or [])
+    name, m, inputs, c = _load(model, cluster, gpus, seq_len, profile=profile)
+    graph = _trace(name, m, inputs)
     with status("solving") as update:
         result = make_plan(
             graph,
@@ -375,8 +555,8 @@ def estimate(
     cp: IntOpt = None,
     ep: IntOpt = None,
     micro_batch: Annotated[int | None, typer.Option("--micro-batch")] = None,
-    recompute: Annotated[str | None, typer.Option(help="none, selective or full")] = None,
-    zero: Annotated[int | None, typer.Option(help="ZeRO stage 0-3")] = None,
+    recompute: RecomputeOpt = None,
+    zero: ZeroOpt = None,
     schedule: ScheduleOpt = None,
     virtual_stages: VirtualOpt = None,
     output: Annotated[
@@ -415,11 +595,12 @@ def estimate(
     from .api import estimate_plan
 
     engine = Engine(compiled, float8, float8_all_gather, tp_overlap)  # checked before tracing
-    name, m, inputs, c = _load(model, cluster, gpus, seq_len, profile=profile)
-    graph = _trace(name, m, inputs)
+    _check_output(output)
     pins = _pins(
         dp, tp, pp, cp, ep, micro_batch, global_batch, recompute, zero, schedule, virtual_stages
     )
+    name, m, inputs, c = _load(model, cluster, gpus, seq_len, profile=profile)
+    graph = _trace(name, m, inputs)
     result = estimate_plan(graph, cluster=c, parallel=pins, engine=engine)
     _print_plan(result, as_json)
     if not result.predicted.fits:
@@ -439,9 +620,12 @@ def validate(
     cluster: ClusterOpt = None,
     gpus: GpusOpt = None,
 ) -> None:
-    """Check a plan file: version, schema, and (with --cluster) that it matches the cluster."""
+    """Check a plan file: version, schema, that it means what it says (every derived fact
+    recomputed, no field changed since it was made), that this runtime can run it, and (with
+    --cluster) that it matches the cluster. `meshplan launch` refuses what this refuses."""
     from meshplan.ir import Cluster
     from meshplan.ir.plan import Plan
+    from meshplan.runtime.apply import check_plan
 
     c = None
     if cluster:
@@ -451,6 +635,10 @@ def validate(
             else Cluster.preset(cluster, gpus=gpus)
         )
     p = Plan.from_json(plan_file, cluster=c)
+    try:
+        check_plan(p)  # what `meshplan launch` and `runtime.apply` refuse
+    except ValueError as e:
+        raise ValueError(f"{plan_file}: {e}") from None
     out.print(
         f"{plan_file}: valid {p.version} plan for {p.model.name} on {p.cluster.name} "
         f"({p.world_size} GPUs, dp={p.parallel.dp} tp={p.parallel.tp} pp={p.parallel.pp})"
@@ -545,8 +733,8 @@ def whatif(
     cp: IntOpt = None,
     ep: IntOpt = None,
     micro_batch: Annotated[int | None, typer.Option("--micro-batch")] = None,
-    recompute: Annotated[str | None, typer.Option(help="none, selective or full")] = None,
-    zero: Annotated[int | None, typer.Option(help="ZeRO stage 0-3")] = None,
+    recompute: RecomputeOpt = None,
+    zero: ZeroOpt = None,
     fmt: Annotated[str, typer.Option("--format", help="table, csv or json.")] = "table",
     plot: Annotated[
         Path | None,
@@ -609,6 +797,7 @@ def whatif(
     n_tokens = parse_tokens(tokens) if tokens else None
     if mix and cluster:
         raise ValueError("--mix builds its own clusters from GPU types; leave out --cluster")
+    pins = _pins(dp, tp, pp, cp, ep, micro_batch, global_batch, recompute, zero)
     name = model or DEFAULT_MODEL
     m, inputs = load_model(name, seq_len=seq_len)
     graph = _trace(name, m, inputs)
@@ -619,7 +808,7 @@ def whatif(
         gpus=gpus,
         vary=axes,
         mix=mix,
-        parallel=_pins(dp, tp, pp, cp, ep, micro_batch, global_batch, recompute, zero),
+        parallel=pins,
         tokens=n_tokens,
         prices=prices,
         time_limit_s=time_limit,
@@ -717,8 +906,8 @@ def verify(
     ep: IntOpt = None,
     micro_batch: Annotated[int | None, typer.Option("--micro-batch")] = None,
     global_batch: BatchOpt = None,
-    recompute: Annotated[str | None, typer.Option(help="none, selective or full")] = None,
-    zero: Annotated[int | None, typer.Option(help="ZeRO stage 0-3")] = None,
+    recompute: RecomputeOpt = None,
+    zero: ZeroOpt = None,
     schedule: ScheduleOpt = None,
     virtual_stages: VirtualOpt = None,
     timeout: VerifyTimeoutOpt = 300.0,
@@ -745,7 +934,9 @@ def verify(
         raise typer.Exit(1)
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+# The program comes after `--` (or, without options of its own, after the plan); an option
+# before `--` that launch does not know is a mistake, not something to hand to torchrun.
+@app.command(context_settings={"allow_extra_args": True})
 def launch(
     ctx: typer.Context,
     plan_file: Annotated[Path, typer.Argument(help="Plan JSON to run.")],
@@ -886,6 +1077,7 @@ def calibrate(
     from meshplan.ir.cluster_io import dump_profile
     from meshplan.runtime.errors import RankFailure
 
+    _check_output(output)
     if Path(output).suffix.lower() not in (".json", ".yaml", ".yml"):
         raise ValueError(f"--output {output}: a profile file ends in .json, .yaml or .yml")
     cfg = CalibrateConfig(

@@ -94,7 +94,7 @@ def torchrun_commands(
         raise RuntimePlanError("launch: the program names no script")
     nodes = nodes_of(plan)
     nnodes = len(nodes)
-    endpoint = rdzv_endpoint or f"localhost:{DEFAULT_PORT}"
+    host, port = parse_endpoint(rdzv_endpoint or f"localhost:{DEFAULT_PORT}")
     if nnodes > 1 and rdzv_endpoint is None:
         raise RuntimePlanError(
             f"launch: the plan spans {nnodes} nodes; give --rdzv-endpoint HOST:PORT of node 0"
@@ -107,8 +107,8 @@ def torchrun_commands(
             f"--nproc-per-node={nproc}",
             f"--node-rank={node_rank}",
             "--rdzv-backend=static",
-            f"--master-addr={endpoint.rsplit(':', 1)[0]}",
-            f"--master-port={endpoint.rsplit(':', 1)[1]}",
+            f"--master-addr={host}",
+            f"--master-port={port}",
         ]
         if module:
             argv.append("--module")
@@ -118,17 +118,45 @@ def torchrun_commands(
     return out
 
 
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """`HOST:PORT` (an IPv6 host in brackets, `[::1]:29500`) as (host, port), or a one-line
+    `RuntimePlanError` saying what is wrong with it."""
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    why = ""
+    if not sep or not host:
+        why = "is not HOST:PORT"
+    elif not port.isdigit() or not 1 <= int(port) <= 65535:
+        why = f"has port {port!r}; a port is a number from 1 to 65535"
+    elif any(c.isspace() or c in "/@" for c in host) or (":" in host and "[" not in text):
+        why = f"has host {host!r}; give a host name or address (IPv6 in brackets: [::1]:29500)"
+    if why:
+        raise RuntimePlanError(
+            f"launch: --rdzv-endpoint {text!r} {why} (e.g. node0:{DEFAULT_PORT}: node 0's "
+            "address and a free port)"
+        )
+    return host, int(port)
+
+
+def check_node_rank(plan: Plan, node_rank: int) -> None:
+    """Fail with one line when `node_rank` is not one of the plan's nodes."""
+    nodes = nodes_of(plan)
+    if not 0 <= node_rank < len(nodes):
+        raise RuntimePlanError(
+            f"launch: --node-rank {node_rank} but the plan runs on {len(nodes)} node(s) "
+            f"(node ranks 0..{len(nodes) - 1})"
+        )
+
+
 def check_machine(plan: Plan, node_rank: int, *, device_count: int | None = None) -> None:
     """Fail with one line when this machine cannot run node `node_rank` of the plan.
 
     CPU plans run anywhere (ranks are processes). A GPU plan needs at least as many visible
     CUDA devices as the node's ranks.
     """
+    check_node_rank(plan, node_rank)
     nodes = nodes_of(plan)
-    if not 0 <= node_rank < len(nodes):
-        raise RuntimePlanError(
-            f"launch: --node-rank {node_rank} but the plan runs on {len(nodes)} node(s)"
-        )
     if plan.world_size != sum(n for _, n in nodes):
         raise RuntimePlanError("launch: the plan's ranks do not add up to its world size")
     if all(g.gpu.name.upper() == "CPU" for g in plan.cluster.groups):
@@ -156,7 +184,10 @@ def launch(
 ) -> int:
     """`meshplan launch`: check the machine and run this node's torchrun (exit status back).
 
-    With `dry_run`, print every node's command and start nothing.
+    The plan is loaded as `Plan.from_json` loads it (a plan that does not mean what it says
+    is refused), checked by the runtime's `check_plan`, and the node rank and rendezvous
+    endpoint are checked, all before anything starts and under `dry_run` too. With
+    `dry_run`, print every node's command and start nothing.
     """
     import subprocess
 
@@ -165,6 +196,7 @@ def launch(
     plan = Plan.from_json(plan_path)
     check_plan(plan)  # a plan the runtime would refuse fails here, before any process starts
     commands = torchrun_commands(plan, program, plan_path=plan_path, rdzv_endpoint=rdzv_endpoint)
+    check_node_rank(plan, node_rank)
     if dry_run:
         for c in commands:
             echo(f"# node {c.node_rank}: {c.nproc} rank(s)")

@@ -1,0 +1,217 @@
+"""CLI hygiene (unit tier, no processes started): every user mistake is one `error:` line
+and exit status 2, output files behave like output files, launch checks its options, and
+`--version` / `--debug` exist. docs/errors.md lists these messages."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import threading
+import time
+
+import meshplan
+import pytest
+from meshplan.cli import app
+from meshplan.ir.plan import Plan, PlanError, write_text_file
+from meshplan.runtime.errors import RuntimePlanError
+from meshplan.runtime.launch import parse_endpoint
+from typer.testing import CliRunner
+
+runner = CliRunner()
+
+
+def run(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def assert_user_error(result, *needles):
+    assert result.exit_code == 2, (result.exit_code, result.output, result.stderr)
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr  # exactly one line, never a traceback
+    assert lines[0].startswith("error:"), lines[0]
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def plan_file(tmp_path_factory):
+    """A one-node plan on 2 CPU ranks for the tiny model."""
+    model, inputs = meshplan.models.get("tiny", seq_len=32, micro_batch=1)
+    graph = meshplan.trace(model, *inputs, name="tiny")
+    plan = meshplan.estimate_plan(
+        graph,
+        cluster=meshplan.Cluster.preset("cpu", gpus=2),
+        parallel=meshplan.Parallel(dp=2, micro_batch=1, global_batch=4),
+    )
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    plan.to_json(path)
+    return path
+
+
+@pytest.fixture
+def umask():
+    """Set the process umask for one test, then put the old one back."""
+    old = os.umask(0o022)
+    yield os.umask
+    os.umask(old)
+
+
+# -- output files ---------------------------------------------------------------------------
+
+
+def test_output_to_a_directory_is_one_line(tmp_path):
+    for command in ("plan", "estimate"):
+        assert_user_error(run(command, "--model", "tiny", "-o", str(tmp_path)), "is a directory")
+    assert_user_error(run("calibrate", "-o", str(tmp_path)), "is a directory")
+    with pytest.raises(PlanError, match="is a directory"):
+        write_text_file(tmp_path, "{}")
+
+
+def test_plan_files_follow_the_umask(plan_file, tmp_path, umask):
+    plan = Plan.from_json(plan_file)
+    for mask, mode in ((0o022, 0o644), (0o077, 0o600), (0o002, 0o664)):
+        umask(mask)
+        path = tmp_path / f"plan-{mask:o}.json"
+        plan.to_json(path)
+        assert stat.S_IMODE(path.stat().st_mode) == mode, oct(path.stat().st_mode)
+    # an existing file keeps its own mode
+    path = tmp_path / "kept.json"
+    path.write_text("old")
+    path.chmod(0o640)
+    plan.to_json(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640 and Plan.from_json(path)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_special_files_are_written_not_replaced(plan_file, tmp_path):
+    """A FIFO (like /dev/null or /dev/stdout: not a regular file) is written in place; the
+    atomic rename would have replaced it with a plain file."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    r = run("estimate", "--model", "tiny", "--cluster", "cpu", "--gpus", "2", "-o", str(fifo))
+    reader.join(timeout=30)
+    assert r.exit_code == 0, r.stderr
+    assert stat.S_ISFIFO(fifo.stat().st_mode)
+    assert got and got[0].startswith(b"{")
+    # a symbolic link is written through, and stays a link
+    target = tmp_path / "target.json"
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    write_text_file(link, "{}\n")
+    assert link.is_symlink() and target.read_text() == "{}\n"
+
+
+def test_a_failing_write_is_one_line(monkeypatch, tmp_path):
+    def full(path, text):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr("meshplan.ir.plan.write_text_file", full)
+    out = tmp_path / "p.json"
+    r = run("estimate", "--model", "tiny", "--cluster", "cpu", "--gpus", "2", "-o", str(out))
+    assert_user_error(r, str(out), "No space left on device")
+
+
+# -- launch ----------------------------------------------------------------------------------
+
+
+def test_malformed_rendezvous_endpoints(plan_file):
+    for bad in ("notahost", "host:", ":29500", "host:http", "host:70000", "a b:1", "::1:29500"):
+        with pytest.raises(RuntimePlanError, match="rdzv-endpoint"):
+            parse_endpoint(bad)
+        r = run("launch", str(plan_file), "--rdzv-endpoint", bad, "--dry-run", "--", "t.py")
+        assert_user_error(r, "--rdzv-endpoint", repr(bad))
+    assert parse_endpoint("node0:29400") == ("node0", 29400)
+    assert parse_endpoint("10.0.0.1:1") == ("10.0.0.1", 1)
+    assert parse_endpoint("[::1]:29500") == ("::1", 29500)
+
+
+def test_unknown_launch_options_are_refused_with_a_suggestion(plan_file):
+    r = run("launch", str(plan_file), "--nproc", "2", "--", "python", "train.py")
+    assert_user_error(r, "No such option: --nproc", "Did you mean --node-rank?", "after `--`")
+    assert_user_error(run("launch", str(plan_file), "--foo", "--", "python", "t.py"), "--foo")
+    assert_user_error(run("launch", str(plan_file), "--dryrun", "--", "python"), "--dry-run")
+    # after `--` everything is the program's, options included
+    r = run("launch", str(plan_file), "--dry-run", "--", "python", "train.py", "--nproc", "2")
+    assert r.exit_code == 0, r.stderr
+    assert "train.py --nproc 2" in r.stdout and "--nproc-per-node=2" in r.stdout
+
+
+def test_node_rank_is_checked_under_dry_run(plan_file):
+    r = run("launch", str(plan_file), "--node-rank", "3", "--dry-run", "--", "python", "t.py")
+    assert_user_error(r, "--node-rank 3", "1 node(s)")
+
+
+# -- flags, --version, --debug ------------------------------------------------------------------
+
+
+FACTORY = """\
+import pathlib
+
+import torch
+
+
+def build(n):
+    raise RuntimeError(f"cannot build layer {n}")
+
+
+def factory():
+    pathlib.Path(__file__).with_suffix(".called").touch()
+    model = torch.nn.Linear(4, 4)
+    build(3)
+    return model, (torch.randn(2, 4),)
+"""
+
+
+@pytest.fixture
+def bad_factory(tmp_path):
+    path = tmp_path / "badmodel.py"
+    path.write_text(FACTORY)
+    return path
+
+
+def test_enum_flags_are_checked_before_tracing(bad_factory):
+    """The factory (and any trace) never runs: the flag is refused while parsing."""
+    model = f"{bad_factory}:factory"
+    for flag, value, needle in (
+        ("--zero", "5", "--zero must be 0, 1, 2 or 3, got 5"),
+        ("--schedule", "1f2b", "--schedule must be one of gpipe, 1f1b"),
+        ("--recompute", "most", "--recompute must be one of none, selective, full, got 'most'"),
+        ("--objective", "fast", "objective must be one of throughput, cost, min_gpus"),
+        ("--compress", "zip", "compress must be one of auto, off, got 'zip'"),
+        ("--quantize", "fp4", "quantize must be one of off, auto"),
+        ("--micro-batch", "0", "--micro-batch must be a positive integer"),
+    ):
+        assert_user_error(run("plan", "--model", model, flag, value), needle)
+    assert_user_error(run("plan", "--model", model, "--objective", "min_gpus"), "target")
+    assert_user_error(run("estimate", "--model", model, "--schedule", "x"), "--schedule")
+    assert_user_error(run("estimate", "--model", model, "--zero", "4"), "--zero")
+    assert_user_error(run("whatif", "--model", model, "--recompute", "x"), "--recompute")
+    assert not bad_factory.with_suffix(".called").exists()
+
+
+def test_version():
+    r = run("--version")
+    assert r.exit_code == 0 and r.stdout.strip() == f"meshplan {meshplan.__version__}"
+
+
+def test_user_code_error_names_its_line_and_debug_prints_the_traceback(bad_factory):
+    model = f"{bad_factory}:factory"
+    line = assert_user_error(run("plan", "--model", model), "RuntimeError: cannot build layer 3")
+    assert f"at {bad_factory}:7 in build" in line and "--debug" in line
+    started = time.monotonic()
+    r = run("--debug", "plan", "--model", model)
+    assert r.exit_code == 2 and time.monotonic() - started < 60
+    assert "Traceback (most recent call last)" in r.stderr
+    assert f'File "{bad_factory}", line 13, in factory' in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error:")
+
+
+def test_usage_mistakes_are_one_line():
+    assert_user_error(run("plann"), "No such command")
+    assert_user_error(run("validate"), "Missing argument")
+    assert_user_error(run("plan", "--gpus", "many"), "--gpus")
