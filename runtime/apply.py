@@ -76,7 +76,7 @@ import torch
 import torch.distributed as dist
 from meshplan.ir.facts import blocked_dimension
 from meshplan.ir.parallel import Schedule, group_tp_problem
-from meshplan.ir.plan import Plan
+from meshplan.ir.plan import Plan, plan_problem
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -214,6 +214,9 @@ def check_plan(plan: Plan) -> None:
     tps = [t for st in plan.stages[:1] for _, t in st.group_tp]
     widest = dataclasses.replace(p, tp=max([p.tp or 1, *tps]))
     if (why := blocked_dimension(plan.model, widest)) is not None:
+        raise RuntimePlanError(f"runtime: {why}")
+    # What `Plan.from_json` checks of a loaded plan, for plans built in Python too.
+    if (why := plan_problem(plan)) is not None:
         raise RuntimePlanError(f"runtime: {why}")
     for n in set(replica_microbatches(plan)):
         check_microbatches(plan, n)
