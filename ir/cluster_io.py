@@ -44,16 +44,25 @@ Fields, units and defaults:
 - `group_links[]`: `a` and `b` are two group names or two site names; `link` a tier. A pair of
   groups at different sites must be connected by one. Groups at one site without an entry
   talk over the slower of their inter-node links.
-- Bandwidth: "400Gbps" / "400Gb/s" (bits), "50GB/s" / "12.5 GB/s" (bytes; also MB/s, TB/s,
-  GiB/s), or a bare number of bytes/s. Latency: "5us", "2ms", "100ns", "1s" or a number of
-  seconds. Memory: "80GiB", "80GB" (= 80e9: GB is decimal; the spec table uses GiB), or a
-  number of bytes. FLOP/s: "989TFLOP/s", "989 TFLOPS" or a number. Bare numbers may be
-  written "50e9" (PyYAML reads that as a string; it is parsed like any quantity).
-
 - `profile`: a cluster profile written by `meshplan calibrate` (a path, relative to the
   cluster file, or the profile mapping itself). The measured tiers and GPU types replace the
   datasheet defaults (`Cluster.with_profile`); `meshplan plan/estimate --profile FILE` does the
   same for any cluster or preset.
+
+Units, one convention for everything a person writes in a cluster file:
+
+- A bandwidth or latency carries its unit. Bandwidth: "400Gbps" / "100 Gb/s" / "200Gbit/s"
+  (bits per second, as networks are sold) or "50GB/s" / "12.5 GB/s" (bytes per second; also
+  MB/s, TB/s, GiB/s). Latency: "5us" / "2 us" / "5 µs", "2ms", "100ns", "1s". A bare number
+  is refused, with the field and these forms (`bandwidth: 100` could mean bytes/s or Gb/s,
+  `latency: 20` seconds or microseconds); only 0 needs no unit (`latency: 0`,
+  `nvlink_bandwidth: 0` for none).
+- Where the field names its unit a bare number is that unit: `memory_bytes` ("80GiB", "80GB"
+  = 80e9: GB is decimal, the spec table uses GiB; or a number of bytes) and `peak_flops`
+  ("989TFLOP/s", "989 TFLOPS" or a number of FLOP/s). Numbers may be written "50e9" (PyYAML
+  reads that as a string; it is parsed like any quantity).
+- In Python (`parse_bandwidth`, `parse_latency`, `LinkTier`, `GpuSpec`, `Cluster.to_dict()`)
+  numbers are SI base units: bytes/s, seconds, bytes, FLOP/s.
 
 Profile files (`load_profile`, `dump_profile`; JSON or YAML, checked against
 `PROFILE_SCHEMA`): `version` (1), `source`, `tiers[]` with `tier`, `intra_node`,
@@ -64,14 +73,17 @@ seconds] pairs, sizes increasing); `gemm[]` with `gpu`, `dtype`, `m`, `n`, `k`, 
 
 Errors raise `ClusterError`, one line: `<file>: <field path>: <what is wrong and what to do>`.
 
-The layout `Cluster.to_dict()` produces is also accepted (a GPU as a full spec mapping,
-`peak_flops` as [dtype, value] pairs), so JSON written from it loads back.
+`cluster_from_dict` also reads the layout `Cluster.to_dict()` produces (a GPU as a full spec
+mapping, `peak_flops` as [dtype, value] pairs, numbers in base units), which plan files embed;
+`load_cluster` reads files, whose bandwidths and latencies need units: write a cluster to a
+file with `dump_cluster`, which always writes them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import os
 import re
@@ -252,23 +264,52 @@ def _finite(value: Decimal, original: object, what: str) -> Decimal:
     return value
 
 
-_BANDWIDTH_WHAT = "a bandwidth like '400Gbps', '50GB/s' or a number of bytes/s"
-_LATENCY_WHAT = "a latency like '5us', '2ms' or a number of seconds"
+_BANDWIDTH_WHAT = "a bandwidth like '400Gbps', '100 Gb/s' or '25 GB/s'"
+_LATENCY_WHAT = "a latency like '5us', '2 ms' or '100ns'"
+# What a file must write instead of a bare number (the one-line refusal names the field).
+_BANDWIDTH_FORMS = (
+    "write it with its unit, e.g. '100 Gb/s' or '400Gbps' (bits per second, as networks are "
+    "sold) or '25 GB/s' (bytes per second; also MB/s, TB/s, GiB/s)"
+)
+_LATENCY_FORMS = "write it with its unit, e.g. '2 us', '5ms', '100ns' or '1s'"
 _MEMORY_WHAT = "a memory size like '80GiB', '96GB' or a number of bytes"
 _FLOPS_WHAT = "a rate like '989TFLOP/s' or a number of FLOP/s"
 
 
-def parse_bandwidth(value: object) -> float:
-    """Bytes per second from "400Gbps" (bits), "50GB/s", "12.5 GB/s", "1GiB/s" or a number
-    of bytes/s. Must be positive; raises ValueError saying what is accepted."""
+def _is_bare(value: object) -> bool:
+    """A number without a unit: an int or float, or a string such as "50e9" (PyYAML reads
+    50e9 as a string)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return True
+    match = _QUANTITY.match(value) if isinstance(value, str) else None
+    return bool(match) and not match.group(2)
+
+
+def _refuse_bare(value: object, forms: str, ambiguity: str) -> None:
+    """ValueError for a bare nonzero number where a unit is required (zero needs none)."""
+    if _is_bare(value) and float(value) != 0:  # type: ignore[arg-type]
+        raise ValueError(f"a bare number is ambiguous ({value!r}: {ambiguity}); {forms}")
+
+
+def parse_bandwidth(value: object, *, unit_required: bool = False) -> float:
+    """Bytes per second from "400Gbps" / "100 Gb/s" (bits), "50GB/s", "12.5 GB/s", "1GiB/s",
+    or (Python callers: SI base unit) a number of bytes/s. `unit_required` (cluster files)
+    refuses a bare number, naming the accepted forms. Must be positive; raises ValueError
+    saying what is accepted."""
+    if unit_required:
+        _refuse_bare(value, _BANDWIDTH_FORMS, "bytes/s? Gb/s?")
     out = float(_parse_quantity(value, _BANDWIDTH_UNITS, _BANDWIDTH_WHAT))
     if not out > 0:
         raise ValueError(f"must be a positive bandwidth, got {value!r}")
     return out
 
 
-def parse_latency(value: object) -> float:
-    """Seconds from "5us", "2ms", "100ns", "1s" or a number of seconds. Must be >= 0."""
+def parse_latency(value: object, *, unit_required: bool = False) -> float:
+    """Seconds from "5us", "2 ms", "100ns", "1s", or (Python callers: SI base unit) a number of
+    seconds. `unit_required` (cluster files) refuses a bare number other than 0, naming the
+    accepted forms. Must be >= 0."""
+    if unit_required:
+        _refuse_bare(value, _LATENCY_FORMS, "seconds? microseconds?")
     out = float(_parse_quantity(value, _LATENCY_UNITS, _LATENCY_WHAT))
     if out < 0:
         raise ValueError(f"must be a non-negative latency, got {value!r}")
@@ -292,9 +333,15 @@ def parse_flops(value: object) -> float:
     return out
 
 
-def _human(value: float, parse: Callable[[str], float], units: Sequence[tuple[str, Decimal]]):
-    """The shortest "<number><unit>" string that parses back to exactly `value`, else the
-    number itself (dumped files stay readable without losing a bit)."""
+def _human(
+    value: float,
+    parse: Callable[[str], float],
+    units: Sequence[tuple[str, Decimal]],
+    base_unit: str | None = None,
+):
+    """The shortest "<number><unit>" string that parses back to exactly `value`, else (when
+    no unit gives a short one) the exact number in `base_unit`, or the bare number when there
+    is none (dumped files stay readable without losing a bit)."""
     best: str | None = None
     for unit, scale in units:
         digits = format((Decimal(repr(float(value))) / scale).normalize(), "f")
@@ -306,6 +353,8 @@ def _human(value: float, parse: Callable[[str], float], units: Sequence[tuple[st
                 best = text
         except ValueError:
             continue
+    if best is None and base_unit is not None:
+        best = format(Decimal(repr(float(value))).normalize(), "f") + base_unit
     return best if best is not None else value
 
 
@@ -318,12 +367,12 @@ def _human_bandwidth(value: float, kind: LinkKind | None = None):
         units = [("Gbps", _BANDWIDTH_UNITS["Gbps"]), ("Mbps", _BANDWIDTH_UNITS["Mbps"])]
     else:
         units = [("GB/s", _BANDWIDTH_UNITS["GB/s"]), ("MB/s", _BANDWIDTH_UNITS["MB/s"])]
-    return _human(value, parse_bandwidth, units)
+    return _human(value, parse_bandwidth, units, base_unit="B/s")
 
 
 def _human_latency(value: float):
     units = [(u, _LATENCY_UNITS[u]) for u in ("s", "ms", "us", "ns")]
-    return _human(value, parse_latency, units) if value > 0 else value
+    return _human(value, parse_latency, units, base_unit="s") if value > 0 else 0
 
 
 def _human_memory(value: int):
@@ -648,7 +697,9 @@ def load_cluster(path: str | os.PathLike[str]) -> Cluster:
         raise ClusterError(
             f"not valid {file.suffix[1:].upper()}: {reason}", source=source
         ) from None
-    return cluster_from_dict(data, source=source, default_name=file.stem, base_dir=file.parent)
+    return cluster_from_dict(
+        data, source=source, default_name=file.stem, base_dir=file.parent, units_required=True
+    )
 
 
 def cluster_from_dict(
@@ -657,13 +708,18 @@ def cluster_from_dict(
     source: str = "<dict>",
     default_name: str = "cluster",
     base_dir: str | os.PathLike[str] | None = None,
+    units_required: bool = False,
 ) -> Cluster:
     """Validate and build a cluster from the parsed contents of a cluster file.
 
     `source` names the origin in error messages; `default_name` is used when the data has no
     `name`; a `profile` given as a relative path is read from `base_dir` (default: the
-    current directory).
+    current directory). `units_required` (what `load_cluster` reads: text a person wrote)
+    refuses bandwidths and latencies written as bare numbers; without it numbers are SI base
+    units, as `Cluster.to_dict()` writes them (plan files embed that layout).
     """
+    bandwidth_of = functools.partial(parse_bandwidth, unit_required=units_required)
+    latency_of = functools.partial(parse_latency, unit_required=units_required)
     errors = list(_VALIDATOR.iter_errors(data))
     error = jsonschema.exceptions.best_match(errors)
     if error is not None and error.validator == "required":
@@ -692,9 +748,9 @@ def cluster_from_dict(
         if raw["name"] in defined:
             raise fail(f"{at}.name", f"duplicate link name {raw['name']!r}")
         kind = LinkKind(raw["kind"])
-        bandwidth = _field(raw, "bandwidth", parse_bandwidth, at, fail)
+        bandwidth = _field(raw, "bandwidth", bandwidth_of, at, fail)
         latency = (
-            _field(raw, "latency", parse_latency, at, fail)
+            _field(raw, "latency", latency_of, at, fail)
             if "latency" in raw
             else DEFAULT_LATENCY[kind]
         )
@@ -725,7 +781,7 @@ def cluster_from_dict(
         at = f"groups[{i}]"
         if any(g.name == raw["name"] for g in groups):
             raise fail(f"{at}.name", f"duplicate group name {raw['name']!r}")
-        gpu, table_type = _resolve_gpu(raw["gpu"], f"{at}.gpu", fail)
+        gpu, table_type = _resolve_gpu(raw["gpu"], f"{at}.gpu", fail, bandwidth_of)
         if "intra_link" in raw:
             intra = resolve_link(raw["intra_link"], f"{at}.intra_link")
         else:
@@ -816,9 +872,12 @@ def _field(raw: Mapping, key: str, parse: Callable[[object], Any], at: str, fail
         raise fail(f"{at}.{key}", str(e)) from None
 
 
-def _resolve_gpu(value: object, at: str, fail) -> tuple[GpuSpec, str | None]:
+def _resolve_gpu(
+    value: object, at: str, fail, bandwidth_of: Callable[[object], float] = parse_bandwidth
+) -> tuple[GpuSpec, str | None]:
     """A GpuSpec from a type name or a mapping of spec fields (overriding a base spec), and the
-    canonical name of the table type it derives from (None for a wholly custom GPU)."""
+    canonical name of the table type it derives from (None for a wholly custom GPU).
+    `bandwidth_of` parses its bandwidths (`parse_bandwidth`, units required or not)."""
     if isinstance(value, str):
         try:
             return gpu_spec(value), gpu_spec(value).name
@@ -870,7 +929,7 @@ def _resolve_gpu(value: object, at: str, fail) -> tuple[GpuSpec, str | None]:
                 raise fail(key, str(e)) from None
         fields["peak_flops"] = tuple(table)
         overridden.append("peak_flops")
-    for key, parse in (("memory_bytes", parse_memory), ("hbm_bandwidth", parse_bandwidth)):
+    for key, parse in (("memory_bytes", parse_memory), ("hbm_bandwidth", bandwidth_of)):
         if key in value:
             fields[key] = _field(value, key, parse, at, fail)
             overridden.append(key)
@@ -878,9 +937,7 @@ def _resolve_gpu(value: object, at: str, fail) -> tuple[GpuSpec, str | None]:
         raw_bw = value["nvlink_bandwidth"]
         # 0 means "no NVLink" and is allowed here, unlike for a link tier.
         fields["nvlink_bandwidth"] = (
-            0.0
-            if raw_bw in (0, "0")
-            else _field(value, "nvlink_bandwidth", parse_bandwidth, at, fail)
+            0.0 if raw_bw in (0, "0") else _field(value, "nvlink_bandwidth", bandwidth_of, at, fail)
         )
         overridden.append("nvlink_bandwidth")
     if "sms" in value:

@@ -60,10 +60,24 @@ from meshplan.passes.sharding import tp_param_placements
 from .rehearse import rehearse_tensor_parallel
 from .solver import Objective, solve
 
-# Tokens per optimizer step when the user gives no global batch: about 2M tokens, the order
-# of GPT-3's and Llama's pre-training batches (Brown et al. 2020 Table 2.1: 0.5M-3.2M tokens;
-# Llama 3 Herd paper Sec. 3.4: 4M-16M). Rounded down to a power of two of sequences.
-DEFAULT_TOKENS_PER_STEP = 2**21
+# Tokens per optimizer step when the user gives no global batch, by model size: published
+# pre-training batches. GPT-3 (Brown et al. 2020, Table 2.1): 0.5M tokens for 125M-760M
+# parameters, 1M for 1.3B-2.7B, 2M for 6.7B-13B, 3.2M for 175B; Llama 3 405B (Dubey et al.
+# 2024, Sec. 3.4.1) started at 4M (and grew to 16M). (parameters, tokens): the row of the
+# largest model not larger than the one planned.
+PUBLISHED_BATCH_TOKENS: tuple[tuple[float, int], ...] = (
+    (0, 2**19),  # GPT-3 Small .. Large: 0.5M
+    (1.3e9, 2**20),  # GPT-3 XL, 2.7B: 1M
+    (6.7e9, 2**21),  # GPT-3 6.7B, 13B: 2M
+    (175e9, 3_200_000),  # GPT-3 175B: 3.2M
+    (405e9, 2**22),  # Llama 3 405B: 4M
+)
+# At most this many sequences per device by default, so a small cluster gets a batch it steps
+# through quickly instead of a large cluster's. Megatron-LM's weak-scaling runs (Narayanan et
+# al. 2021, Table 1: GPT 1.7B-1T on 32-3072 A100s, sequence 2048) used 1 to 16 sequences per
+# GPU, 4 at 7.5B-18B. Llama 3 8B on 64 H100 gets min(2M tokens / 8192, 64 x 4) = 256
+# sequences, the 2M of the table; the CPU example (4 ranks, sequence 32) gets 16.
+MAX_SEQUENCES_PER_DEVICE = 4
 
 Progress = Callable[[str], None] | None
 
@@ -72,10 +86,26 @@ class ModelLoadError(ValueError):
     """A `path/to/file.py:factory` model spec that cannot be loaded (one-line message)."""
 
 
-def default_global_batch(seq_len: int) -> int:
-    """Sequences per step for ~DEFAULT_TOKENS_PER_STEP tokens, a power of two, at least 1."""
-    target = max(1, DEFAULT_TOKENS_PER_STEP // max(1, seq_len))
-    return 1 << (target.bit_length() - 1)
+def default_global_batch(
+    seq_len: int,
+    cluster: Cluster | None = None,
+    *,
+    params: int | None = None,
+    per_step: int = 1,
+) -> int:
+    """Sequences per optimizer step when the user gives none, from the model and cluster.
+
+    The published batch of a model of `params` parameters (`PUBLISHED_BATCH_TOKENS`; 2M
+    tokens when unknown) in sequences of `seq_len`, at most MAX_SEQUENCES_PER_DEVICE per
+    device of `cluster`, rounded down to a power of two, then up to a multiple of `per_step`
+    (dp x micro-batch, when known: every replica gets whole micro-batches)."""
+    n = params if params is not None else PUBLISHED_BATCH_TOKENS[2][0]
+    tokens = max(t for p, t in PUBLISHED_BATCH_TOKENS if p <= n)
+    target = max(1, tokens // max(1, seq_len))
+    if cluster is not None:
+        target = min(target, MAX_SEQUENCES_PER_DEVICE * cluster.world_size)
+    target = 1 << (target.bit_length() - 1)
+    return per_step * -(-target // per_step)
 
 
 def as_graph(
@@ -134,19 +164,21 @@ def complete_parallel(graph: Graph, cluster: Cluster, parallel: Parallel) -> Par
     """Fill the fields a hand-written configuration left out with the obvious choice.
 
     tp, pp, cp, ep default to 1; dp to every GPU left (world / (tp*pp*cp)); micro_batch to 1;
-    global_batch to the default; recompute none; ZeRO 0; 1F1B, or GPipe where the pipeline
-    gets fewer micro-batches than stages (torch's 1F1B refuses that, `microbatch_problem`;
-    with m < pp both take the same time); sequence parallel when tp > 1 (and the model can run on
-    sequence shards: `ModelInfo.no_sequence_sharding`).
+    global_batch to `default_global_batch` (the published batch of a model of this size, at
+    most MAX_SEQUENCES_PER_DEVICE sequences per device, a multiple of dp*micro_batch);
+    recompute none; ZeRO 0; 1F1B, or GPipe where the pipeline gets fewer micro-batches than
+    stages (torch's 1F1B refuses that, `microbatch_problem`; with m < pp both take the same
+    time); sequence parallel when tp > 1 (and the model can run on sequence shards:
+    `ModelInfo.no_sequence_sharding`).
     """
     p = parallel
     tp, pp, cp, ep = p.tp or 1, p.pp or 1, p.cp or 1, p.ep or 1
     dp = p.dp or max(1, cluster.world_size // (tp * pp * cp))
     micro_batch = p.micro_batch or 1
     per_step = dp * micro_batch
-    # Round the default up to a multiple of dp*micro_batch so any dp divides it.
-    default = default_global_batch(graph.info.seq_len or 1)
-    global_batch = p.global_batch or per_step * -(-default // per_step)
+    global_batch = p.global_batch or default_global_batch(
+        graph.info.seq_len or 1, cluster, params=graph.num_params(), per_step=per_step
+    )
     schedule = p.schedule or Schedule.ONE_F_ONE_B
     m = global_batch // per_step
     if p.schedule is None and m >= 1 and microbatch_problem(schedule, pp, m):
@@ -310,7 +342,10 @@ def plan(
     """The fastest plan for `model` on `cluster` that fits in memory.
 
     `parallel` pins any subset of the choices (e.g. `Parallel(tp=8)`); the solver fills the
-    rest. `global_batch` (sequences per optimizer step) may also be given inside `parallel`.
+    rest. `global_batch` (sequences per optimizer step) may also be given inside `parallel`;
+    without either it is `default_global_batch` for this model and cluster (shown by
+    `plan.explain()` and in the plan JSON). `time_limit_s` is the solver's deterministic work
+    budget in seconds of the reference machine (`meshplan.solver.solve`).
     `objective`: "throughput" (default), "cost" (least dollars per token; prices from the
     groups' `price_per_gpu_hour` or `prices`, $ per GPU-hour by group or GPU type name) or
     "min_gpus" (fewest GPUs reaching `target_tokens_per_s`).
@@ -340,7 +375,12 @@ def plan(
             f"global_batch={global_batch} conflicts with parallel.global_batch="
             f"{pinned.global_batch}"
         )
-    gb = global_batch or pinned.global_batch or default_global_batch(graph.info.seq_len or 1)
+    gb = global_batch or pinned.global_batch
+    if not gb:
+        per_step = (pinned.dp or 1) * (pinned.micro_batch or 1)
+        gb = default_global_batch(
+            graph.info.seq_len or 1, cluster, params=graph.num_params(), per_step=per_step
+        )
     pinned = dataclasses.replace(pinned, global_batch=gb)
     if progress:
         progress(f"solving for {cluster.world_size} GPUs")

@@ -193,24 +193,30 @@ UNITS_PER_STEP = 10_000_000
 # `time_limit_s` keeps its meaning there ("about this many seconds") and means the same plan
 # everywhere; a faster machine finishes sooner, a loaded one later. Each step of the Python
 # search is charged its CPU cost (WORK_COSTS); CP-SAT is charged its own deterministic time.
-# WORK_COSTS: least-squares fit of the process time (time.process_time) against the counts of
-# each step over 1,128 snapshots of 24 solves (llama3-8b, mixtral-8x7b and llama3-70b on
-# examples/clusters/mixed_h100_a100.yaml, dgx-h100 x 64, two-sites and a 512-GPU
-# H100 + A100 cluster; budgets of 1 to 60 s) on that machine, Python 3.11, OR-Tools 9.15:
-# the fit explains the process time to within 20% at the 90th percentile.
+# WORK_COSTS: non-negative least-squares fit of the process time (`time.process_time`) from
+# a solve's start against the steps counted so far, over 718 snapshots of 14 solves on that
+# machine (Python 3.11, OR-Tools 9.15): llama3-8b on examples/clusters/mixed_h100_a100.yaml,
+# two_sites_wan.yaml, dgx-h100 x 32 and x 64 and 64 + 64 H100/A100, mixtral-8x7b on
+# mixed_h100_a100.yaml, llama3-70b and deepseek-moe-16b on 256 + 256 H100/A100, budgets of
+# 1 to 60. The charged work matches the measured seconds to 7% at the median and 25% at the
+# 90th percentile of those solves (the worst, 0.06 s against 0.16, is the smallest).
 WORK_COSTS: dict[str, float] = {
-    "bound": 4.0e-5,  # a configuration's split-free bound (`_split_free_bound`)
-    "expand": 1.0e-4,  # a configuration's splits enumerated (`_splits`)
-    "split": 2.5e-4,  # a (configuration, split) pair's memory-free bound
-    "memory": 1.4e-4,  # a memory check (`_split_free_memory` or `_largest_stage`)
-    "cell": 1.0e-3,  # one (stage, group) cell of a pair's priced tables (`plan_tables`)
-    "placement": 3.0e-5,  # one placement scored (`evaluate`, warm starts and shares)
-    "model": 1.2e-3,  # one (stage, group) cell of a placement model built for CP-SAT
+    "solve": 8.0e-2,  # a solve's set-up and decoding (`pricer_for`, `predict`)
+    "candidate": 5.0e-6,  # a configuration enumerated (`enumerate_candidates`)
+    "bound": 2.0e-5,  # a configuration's split-free bound (`_split_free_bound`)
+    "split": 2.6e-5,  # a (configuration, split) pair's memory-free bound
+    "memory": 8.5e-5,  # a memory check (`_split_free_memory` or `_largest_stage`)
+    "cell": 1.1e-4,  # one (stage, group) cell of a pair's priced tables (`plan_tables`)
+    "placement": 3.2e-4,  # one placement scored (`evaluate`: warm starts and shares)
+    "model": 3.9e-4,  # one replica variable of a placement model, built and solved
 }
-# CP-SAT deterministic time per work unit: its unit "is as close as possible to a second"
-# (OR-Tools, sat_parameters.proto, max_deterministic_time); measured on the same machine at
-# the same time as WORK_COSTS, one worker, over the placement models of those solves.
-CPSAT_DETERMINISTIC_PER_WORK = 1.0
+# CP-SAT deterministic time per work unit. Its unit "is as close as possible to a second"
+# (OR-Tools' SatParameters, `max_deterministic_time`); on the reference machine a
+# long single-worker search took 1.4 to 2.3 CPU seconds per deterministic second (2.7 and
+# 4.7 s for 2.0, two assignment models of 90 and 180 jobs), so one work unit buys half a
+# deterministic second. The placement models here are small (about 50 variables, 0.2 ms of
+# deterministic time each): their cost is mostly the per-variable charge above.
+CPSAT_DETERMINISTIC_PER_WORK = 0.5
 # Smallest CP-SAT budget of one placement model (deterministic seconds): enough to read the
 # hinted warm start back.
 CPSAT_MIN_DETERMINISTIC = 0.05
@@ -220,9 +226,9 @@ CPSAT_MIN_DETERMINISTIC = 0.05
 WALL_SAFETY_FACTOR = 5.0
 WALL_SAFETY_MIN_S = 30.0
 WALL_CLOCK_NOTE = (
-    "solver stopped on its wall-clock safety net ({wall:.0f} s) before its work budget "
-    "({budget:g} s): this plan may differ from run to run; rerun on a less loaded machine or "
-    "with a larger --time-limit"
+    "solver stopped on its wall-clock safety net ({wall:.0f} s) before spending its work "
+    "budget (time limit {budget:g}): this plan may differ from run to run; rerun on a less "
+    "loaded machine"
 )
 
 OBJECTIVES = ("throughput", "cost", "min_gpus")
@@ -1582,7 +1588,6 @@ def _screen(
             skey += (c.schedule in (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE),)
             splits = splits_of.get(skey)
             if splits is None:
-                work.charge("expand")
                 splits = splits_of[skey] = _splits(pricer, c, groups, n_layers, cache)
             m = global_batch // (c.dp * c.micro_batch)
             for sp_ in splits:
@@ -2050,12 +2055,14 @@ def solve(
     objective = objective or Objective()
     start = time.perf_counter()
     work = _Work.starting_now(time_limit_s, wall_limit_s)
+    work.charge("solve")
     say = progress or (lambda _msg: None)
     pricer = pricer_for(graph, cluster, dtype, comm)
     dtype = pricer.dtype  # None: the model's own (`simulate.compute_dtype`)
     cands = enumerate_candidates(
         graph, cluster, pinned, global_batch, quantize=quantize, per_group_tp=per_group_tp
     )
+    work.charge("candidate", len(cands))
     say(f"enumerated {len(cands)} candidate configurations")
     tokens = global_batch * (graph.info.seq_len or 1)
     seed: SolveResult | None = None
