@@ -458,7 +458,14 @@ def plan(
     zero: ZeroOpt = None,
     schedule: ScheduleOpt = None,
     virtual_stages: VirtualOpt = None,
-    time_limit: Annotated[float, typer.Option("--time-limit", help="Solver seconds.")] = 10.0,
+    time_limit: Annotated[
+        float,
+        typer.Option(
+            "--time-limit",
+            help="Solver budget, in seconds of work on a 2-core machine (counted, not timed: "
+            "the plan does not depend on load).",
+        ),
+    ] = 10.0,
     objective: Annotated[
         str,
         typer.Option(
@@ -752,7 +759,11 @@ def whatif(
         bool, typer.Option("--no-cache", help="Plan every configuration afresh; no cache.")
     ] = False,
     time_limit: Annotated[
-        float, typer.Option("--time-limit", help="Solver seconds per configuration.")
+        float,
+        typer.Option(
+            "--time-limit",
+            help="Solver budget per configuration (seconds of counted work; see plan).",
+        ),
     ] = 10.0,
 ) -> None:
     """Compare hardware configurations: best plan, tokens/s, MFU, cost and bottleneck of each.

@@ -904,7 +904,12 @@ def whatif(
             f"global_batch={global_batch} conflicts with parallel.global_batch="
             f"{pinned.global_batch}"
         )
-    gb = global_batch or pinned.global_batch or api.default_global_batch(graph.info.seq_len or 1)
+    # One batch for every point (by model size, not per cluster), so points compare alike.
+    gb = (
+        global_batch
+        or pinned.global_batch
+        or api.default_global_batch(graph.info.seq_len or 1, params=graph.num_params())
+    )
     pinned = dataclasses.replace(pinned, global_batch=gb)
     cache = PlanCache((cache_dir or default_cache_dir()) if use_cache else None)
     fingerprint = graph.fingerprint()
