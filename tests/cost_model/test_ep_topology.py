@@ -132,10 +132,11 @@ def test_planner_keeps_ep_groups_inside_a_site(wan):
     priced on the WAN, that plan is several times slower than one with ep groups per site."""
     model, inputs = zoo_moe()
     cluster = two_sites(wan)
-    plan = meshplan.plan(model, inputs, cluster)
+    gb = 2**21 // 256  # 2M tokens per step, pinned: the default depends on the cluster size
+    plan = meshplan.plan(model, inputs, cluster, global_batch=gb)
     ep = plan.parallel.ep
     assert all(not ep_spans(st.replicas, ep)[0] for st in plan.stages)
-    across = meshplan.plan(model, inputs, cluster, parallel=Parallel(ep=16))
+    across = meshplan.plan(model, inputs, cluster, global_batch=gb, parallel=Parallel(ep=16))
     assert any(ep_spans(st.replicas, 16)[0] for st in across.stages)
     assert any("spans device groups" in note for note in across.predicted.notes)
     assert across.predicted.step_time_s > 4 * plan.predicted.step_time_s

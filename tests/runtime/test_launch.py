@@ -229,7 +229,10 @@ def test_plan_mismatch_errors():
 
     plan4 = make_plan(4, dp=4, micro_batch=2, global_batch=8)
     plan2 = make_plan(2, dp=2, micro_batch=2, global_batch=8)
-    model = dataclasses.replace(plan2.model, units=("<prologue>", "blocks.0", "<epilogue>"))
+    # The same number of units as the plan's stages cover, named for another model.
+    n = len(plan2.model.units) - 2
+    other = ("<prologue>", *(f"blocks.{i}" for i in range(n)), "<epilogue>")
+    model = dataclasses.replace(plan2.model, units=other)
     bad_units = dataclasses.replace(plan2, model=model)
     first, second = run_local(_mismatches, 2, plan4, bad_units)[0]
     assert "plan runs on 4 ranks but the process group has 2" in first
