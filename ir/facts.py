@@ -41,6 +41,7 @@ parallelism can shard, parameters tied across pipeline stages.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -624,8 +625,6 @@ def blocked_dimension(info, parallel) -> str | None:
 
 def without_blocked(info, parallel):
     """`parallel` with every blocked dimension that is not pinned set to off."""
-    import dataclasses
-
     changes = {
         name: off
         for dim, name, off in _FIELDS
