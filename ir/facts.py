@@ -414,16 +414,13 @@ def _rope_argument(m: nn.Module) -> bool:
         return False
 
 
-def _tied_across_stages(model: nn.Module, layer_names: tuple[str, ...]) -> str:
-    """A parameter shared by two modules outside the repeated layers (input and output
-    embeddings tied), which pipeline stages would hold twice and train apart."""
-    owners: dict[int, list[str]] = {}
+def tied_parameters(model: nn.Module) -> list[tuple[str, ...]]:
+    """Names of parameters that are one tensor (input and output embeddings tied), each group
+    in `named_parameters` order (the first name is the one the trace and plans keep)."""
+    by_id: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        owners.setdefault(id(p), []).append(name)
-    for names in owners.values():
-        if len(names) > 1:
-            return f"parameters {names[0]} and {names[1]} are one tensor (tied)"
-    return ""
+        by_id.setdefault(id(p), []).append(name)
+    return [tuple(names) for names in by_id.values() if len(names) > 1]
 
 
 def structural_blockers(
@@ -450,10 +447,14 @@ def structural_blockers(
             "neither the zoo's decoder nor a HuggingFace decoder LM, so the runtime cannot "
             "cut it into stages"
         )
-    elif (tied := _tied_across_stages(model, layer_names)) and pipeline_cut(model) != "hook":
+    elif (ties := tied_parameters(model)) and pipeline_cut(model) != "hook":
         # The runtime sums the copies' gradients over the stages holding them
         # (`runtime.pipeline_parallel.TiedGradients`), unless one rank holds both (ZB-V).
-        out["zb"] = f"{tied} and ZB-V holds both on pipeline rank 0"
+        first, second = ties[0][:2]
+        out["zb"] = (
+            f"parameters {first} and {second} are one tensor (tied) and ZB-V holds both on "
+            "pipeline rank 0"
+        )
     for path in expert_modules:
         hf = _enclosing(model, path, is_hf_experts)
         if hf is not None:  # EP by token dispatch (`runtime.expert_parallel`); no expert TP

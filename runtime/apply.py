@@ -69,12 +69,10 @@ cp ranks' losses are averaged (equal token counts).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
-from meshplan.ir.facts import blocked_dimension
 from meshplan.ir.parallel import Schedule, group_tp_problem
 from meshplan.ir.plan import Plan, plan_problem
 from torch import nn
@@ -207,15 +205,12 @@ def check_plan(plan: Plan) -> None:
     (`pipeline_parallel.check_schedule`, and each replica's micro-batch count against its
     schedule, `ir.microbatch_problem`), stage widths, EP x TP without sequence parallelism,
     per-group TP's rules, context parallelism's sequence split, and the dimensions the plan's
-    model cannot run (`Plan.model.blockers`, `ir.facts.blocked_dimension`). `apply` runs it
+    model cannot run (`Plan.model.blockers`, through `ir.plan.plan_problem`). `apply` runs it
     first and `meshplan launch` before starting any process; what depends on the model
     (module paths, head counts, expert counts) is checked by `apply` itself."""
     p = plan.parallel
-    tps = [t for st in plan.stages[:1] for _, t in st.group_tp]
-    widest = dataclasses.replace(p, tp=max([p.tp or 1, *tps]))
-    if (why := blocked_dimension(plan.model, widest)) is not None:
-        raise RuntimePlanError(f"runtime: {why}")
-    # What `Plan.from_json` checks of a loaded plan, for plans built in Python too.
+    # What `Plan.from_json` checks of a loaded plan (the blocked dimensions included), for
+    # plans built in Python too.
     if (why := plan_problem(plan)) is not None:
         raise RuntimePlanError(f"runtime: {why}")
     for n in set(replica_microbatches(plan)):

@@ -50,7 +50,7 @@ import typing
 from collections.abc import Callable
 
 import torch
-from meshplan.ir.facts import pipeline_cut
+from meshplan.ir.facts import pipeline_cut, tied_parameters
 from meshplan.ir.parallel import Schedule, microbatch_problem
 from meshplan.ir.plan import Plan
 from meshplan.ir.trace import is_hf_decoder, is_transformers_model
@@ -431,10 +431,7 @@ def tied_across_stages(model: nn.Module, plan: Plan) -> list[tuple[tuple[str, ..
     ranks. Read from the unsplit model, cutting it as `stage_module` does. A rank holding the
     weight in two of its chunks (ZB-V puts the first and the last chunk on rank 0) is refused:
     its chunks' data-parallel wrappers would each reduce the same tensor."""
-    by_id: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(name)
-    ties = [tuple(names) for names in by_id.values() if len(names) > 1]
+    ties = tied_parameters(model)
     if not ties or (plan.parallel.pp or 1) == 1:
         return []
     held: dict[int, set[str]] = {}  # chunk -> tied names it holds

@@ -50,7 +50,7 @@ import inspect
 import types
 
 import torch
-from meshplan.ir.facts import is_zoo_moe
+from meshplan.ir.facts import is_zoo_moe, tied_parameters
 from meshplan.ir.plan import Plan
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -208,7 +208,7 @@ def tp_styles(
     ]
     # A weight tied to another (an LM head sharing the embedding's) is placed under the name
     # the trace keeps, the first (`named_parameters` drops the repeats).
-    canonical = {n: names[0] for names in _tied_parameters(model) for n in names[1:]}
+    canonical = {n: names[0] for names in tied_parameters(model) for n in names[1:]}
     for path, mod in model.named_modules():
         if any(path == e or path.startswith(e + ".") for e in experts):
             continue
@@ -297,19 +297,11 @@ def apply_tensor_parallel(
             "runtime: tp > 1 but no module of the model matches the plan's placements "
             f"(units {plan.model.units[:3]}...); is this the model the plan was made for?"
         )
-    ties = _tied_parameters(model)
+    ties = tied_parameters(model)
     parallelize_module(model, tp_mesh, styles)
     _retie(model, ties)
     localise_head_counts(model, heads)
     return model
-
-
-def _tied_parameters(model: nn.Module) -> list[list[str]]:
-    """Names of parameters that are one tensor (input and output embeddings tied)."""
-    by_id: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(name)
-    return [names for names in by_id.values() if len(names) > 1]
 
 
 def _retie(model: nn.Module, ties: list[list[str]]) -> None:

@@ -96,13 +96,20 @@ def reference(
         from meshplan.runtime.quantize import plan_activation_bits, quantize_saved_activations
 
         quantize_saved_activations(model, plan_activation_bits(quantized, model, 0))
+    return sgd_reference(model, batch, loss_fn, global_batch, micro_batches, steps)
+
+
+def sgd_reference(model, batch_fn, loss_fn_, global_batch: int, micro_batches: int, steps: int):
+    """`model` trained by one process with SGD (`LR`) on `batch_fn(global_batch, step)`, each
+    global batch as `micro_batches` accumulated micro-batches: (losses, parameter snapshots
+    before and after every step)."""
     opt = sgd(model.parameters())
     losses, states = [], [{k: v.detach().clone() for k, v in model.named_parameters()}]
     for step in range(steps):
-        x, y = batch(global_batch, step)
+        x, y = batch_fn(global_batch, step)
         total = 0.0
         for xi, yi in zip(x.chunk(micro_batches), y.chunk(micro_batches)):
-            loss = loss_fn(model(xi), yi) / micro_batches
+            loss = loss_fn_(model(xi), yi) / micro_batches
             loss.backward()
             total += loss.item()
         opt.step()

@@ -34,7 +34,7 @@ import meshplan
 import pytest
 import torch
 
-from tests.runtime.harness import LR, assert_parity, train
+from tests.runtime.harness import LR, assert_parity, sgd_reference, train
 from tests.runtime.user_models import MODELS, UserModel, loss_fn
 
 STEPS = 3
@@ -121,21 +121,7 @@ def reference(um: UserModel, global_batch: int, micro_batches: int, steps: int =
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = um.build("cpu")
-        opt = torch.optim.SGD(model.parameters(), lr=LR)
-        losses, states = [], [{k: v.detach().clone() for k, v in model.named_parameters()}]
-        for step in range(steps):
-            x, y = um.batch(global_batch, step)
-            total = 0.0
-            for xi, yi in zip(x.chunk(micro_batches), y.chunk(micro_batches)):
-                loss = loss_fn(model(xi), yi) / micro_batches
-                loss.backward()
-                total += loss.item()
-            opt.step()
-            opt.zero_grad()
-            losses.append(total)
-            states.append({k: v.detach().clone() for k, v in model.named_parameters()})
-        return losses, states
+        return sgd_reference(um.build("cpu"), um.batch, loss_fn, global_batch, micro_batches, steps)
     finally:
         torch.set_num_threads(threads)
 

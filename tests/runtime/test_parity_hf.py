@@ -37,6 +37,7 @@ from tests.runtime.harness import (
     check_step_collectives,
     group_names,
     rank_ranges,
+    sgd_reference,
     train,
 )
 
@@ -133,21 +134,7 @@ def make_plan(world: int, model_kw: dict | None = None, **parallel):
 
 
 def reference(global_batch: int, micro_batches: int, **model_kw):
-    model = build(**model_kw)
-    opt = sgd(model.parameters())
-    losses, states = [], [{k: v.detach().clone() for k, v in model.named_parameters()}]
-    for step in range(STEPS):
-        x, y = batch(global_batch, step)
-        total = 0.0
-        for xi, yi in zip(x.chunk(micro_batches), y.chunk(micro_batches)):
-            loss = loss_fn(model(xi), yi) / micro_batches
-            loss.backward()
-            total += loss.item()
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-        states.append({k: v.detach().clone() for k, v in model.named_parameters()})
-    return losses, states
+    return sgd_reference(build(**model_kw), batch, loss_fn, global_batch, micro_batches, STEPS)
 
 
 # name -> (plan fields, apply() keywords[, build() keywords]). SP is on wherever tp > 1 unless
