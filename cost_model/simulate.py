@@ -1876,6 +1876,7 @@ def predict(
         )
     if not graph.info.seq_len:
         notes.append("graph.info.seq_len is unknown: tokens/s counts sequences")
+    notes += graph.info.assumptions  # what the trace assumed about the data (`ir.trace`)
     for st in stages if p.ep > 1 else ():
         for members in ep_spans(st.replicas, p.ep)[0]:
             split = " | ".join(f"{n} in {g}" for g, n in members)

@@ -233,7 +233,10 @@ class ModelInfo:
     (`trace.sequence_sharding_blocker`: HuggingFace models whose positions the runtime cannot
     give), read by the planner, which then keeps both off. `blockers`: (dimension, reason)
     pairs, sorted, for every parallel dimension the runtime cannot run on this model
-    (`ir.facts`, set by the tracer); the planner never plans them.
+    (`ir.facts`, set by the tracer); the planner never plans them. `assumptions`: what the
+    tracer had to assume about the data to give the step a shape, one sentence each (an MoE's
+    data-dependent expert dispatch priced at its balanced load, `trace`); plans print them
+    among their notes.
     """
 
     hidden: int = 0
@@ -252,6 +255,7 @@ class ModelInfo:
     # Module paths of nn.Embedding tables of learned positions looked up with 0..n-1 (the
     # runtime looks them up with a rank's positions under context parallelism).
     position_tables: tuple[str, ...] = ()
+    assumptions: tuple[str, ...] = ()
 
     def blocker(self, dim: str) -> str:
         """Why the runtime cannot run parallel dimension `dim` ("tp", "sp", "cp", "pp",

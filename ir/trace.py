@@ -25,6 +25,18 @@ How it works (the capture half; `lower.py` is the IR half):
 4. Metadata-only ops (views, `t`, `detach`, `prim.device`, ...) are folded into the first real
    op that consumes their result (else the op that produced their input), costs included.
 
+Data-dependent shapes. Fake tensors have no values, so an op whose output size depends on them
+(`nonzero`, `torch.where(cond)`, boolean-mask indexing `x[mask]`, `masked_select`, `unique`,
+`bincount`) cannot be run. Inside an MoE's expert dispatch (`_ExpertDispatch`: a module
+holding `experts`, an MoE class or an experts module, anywhere on the module stack) such an
+op gets the size of its balanced expectation instead: a selection over one expert's share of
+the routing keeps tokens x top_k / experts rows (rounded up), with tokens, top_k and experts
+read off the router's `topk` (its input's rows and width, its k), else off the modules'
+attributes (`top_k`, `num_experts`, `len(experts)`, ...; top-1 when no k is found). The
+assumption is written into `ModelInfo.assumptions` (plans print it among their notes).
+Everywhere else, and for data-dependent *values* (`.item()`, `if mask.any():`), tracing
+stops with a one-line `TraceError` naming the op and the module.
+
 Activation checkpointing inside the model is traced as it runs (its recomputation lands in
 the backward costs), but ops under someone else's saved-tensor hooks report no saved bytes:
 trace models without checkpointing and let the planner decide recomputation.
@@ -63,7 +75,15 @@ from .facts import (
 )
 from .flops import ATTENTION_TARGETS, is_metadata_op, iter_tensors, op_bytes, op_flops, packet_name
 from .graph import DTYPE_BYTES, Graph, OpKind, Param, TensorMeta
-from .lower import LOSS_MODULE, OpRecord, Source, TraceRecord, lower
+from .lower import (
+    LOSS_MODULE,
+    OpRecord,
+    Source,
+    TraceRecord,
+    _is_experts_module,
+    _is_moe_module,
+    lower,
+)
 
 __all__ = [
     "TraceError",
@@ -114,7 +134,9 @@ def trace(
     `param_shapes` gives some parameters another shape for this trace (their shards on one
     tensor-parallel rank: `meshplan.rehearse`).
     Raises `TraceError` for data-dependent control flow, ops fake tensors cannot run, and
-    models with no differentiable output.
+    models with no differentiable output. Data-dependent output shapes are refused too,
+    except in an MoE's expert dispatch, which is sized at its balanced load and noted in
+    `ModelInfo.assumptions` (module docstring).
     """
     report = _Progress(progress)
     try:
@@ -294,7 +316,13 @@ class _MetaOp:
 class _Capture:
     """All capture state of one trace: forward records, autograd-node map, backward costs."""
 
-    def __init__(self, layer_of_path: dict[str, int], n_layers: int, report: _Progress) -> None:
+    def __init__(
+        self,
+        layer_of_path: dict[str, int],
+        n_layers: int,
+        report: _Progress,
+        dispatch: _ExpertDispatch | None = None,
+    ) -> None:
         self.phase = _FORWARD
         self.layer_of_path = layer_of_path
         self.n_layers = n_layers
@@ -319,6 +347,7 @@ class _Capture:
         self.error_module: str | None = None
         self.meta_cache: dict[tuple[tuple[int, ...], torch.dtype], TensorMeta] = {}
         self.flow = Dataflow()  # what the runtime needs to know (`facts`)
+        self.dispatch = dispatch or _ExpertDispatch({})  # MoE dispatch priced at balanced load
 
     # -- helpers ----------------------------------------------------------------------------
     def tensor_meta(self, t: torch.Tensor) -> TensorMeta:
@@ -398,6 +427,8 @@ class _Capture:
             self.flow.on_op(
                 packet, args, kwargs, out, tuple(self.module_stack), self.param_of, self.is_state
             )
+            if packet in _ROUTING_OPS:
+                self.dispatch.on_routing(func, args, kwargs, tuple(self.module_stack))
         first_in = ins[0] if ins else None
         for o in outs:
             self.origin[id(o)] = (packet, first_in)
@@ -566,6 +597,17 @@ class _Capture:
             self.bwd_layer = record.layer
             self.report(f"backward: layer {record.layer + 1}/{self.n_layers}", advance=1)
 
+    # -- data-dependent shapes ---------------------------------------------------------------
+    def dispatch_stack(self) -> tuple[str, ...]:
+        """The module stack an op runs in: the current one in forward, in backward the one of
+        the forward op whose backward is running."""
+        if self.phase != _BACKWARD:
+            return tuple(self.module_stack)
+        node = torch._C._current_autograd_node()
+        owner = self.seq_owner.get(node._sequence_nr()) if node is not None else None
+        target = self.fold_target(owner) if owner is not None else None
+        return self.records[target].module_stack if target is not None else ()
+
     def finish(self) -> list[OpRecord]:
         """The real forward records in order, with folded metadata names attached."""
         for pos in sorted(self.meta_ops):
@@ -664,6 +706,260 @@ def _saved_tensors(node: object) -> Iterator[torch.Tensor]:
                     yield v
 
 
+# -- MoE expert dispatch with data-dependent shapes -------------------------------------------
+
+# Ops whose output size depends on values (`torch.Tag.dynamic_output_shape`) that expert
+# dispatch code uses, and the routing ops the balanced expectation is read from.
+_SELECTIONS = frozenset(
+    {
+        "aten.nonzero",  # also torch.where(cond) and nonzero(as_tuple=True)
+        "aten.index",  # x[mask] with a boolean mask
+        "aten.masked_select",
+        "aten._unique",
+        "aten._unique2",
+        "aten.unique_consecutive",
+        "aten.bincount",
+    }
+)
+_ROUTING_OPS = frozenset({"aten.topk", "aten.argmax"})
+# Attribute names models give an MoE's top-k and its number of experts.
+_TOP_K_ATTRS = ("top_k", "num_experts_per_tok", "topk", "moe_top_k", "n_activated_experts", "k")
+_NUM_EXPERTS_ATTRS = ("num_experts", "n_experts", "num_local_experts", "n_routed_experts")
+
+
+@dataclass(frozen=True, slots=True)
+class _MoEScope:
+    """A module expert dispatch may run in, with what its attributes say about the routing
+    (0: not said)."""
+
+    top_k: int = 0
+    experts: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Route:
+    """How one MoE spreads its tokens: each of `tokens` rows goes to `top_k` of `experts`
+    experts. `scope` is the module it was found for, `source` where the numbers came from."""
+
+    scope: str
+    tokens: int
+    top_k: int
+    experts: int
+    source: str
+
+    @property
+    def per_expert(self) -> int:
+        """Balanced expectation of one expert's rows: tokens x top_k / experts, rounded up."""
+        return -(-self.tokens * self.top_k // self.experts)
+
+    def selected(self, numel: int) -> int | None:
+        """Balanced expectation of the entries a selection over `numel` values keeps.
+
+        A mask over tokens (numel a multiple of them: one expert's `(tokens,)` or
+        `(tokens, top_k)` choices) keeps one expert's share; a mask over tokens x experts
+        (a one-hot of all the choices) keeps every routed row; a mask over the experts
+        (numel at most experts + 1, e.g. "experts hit") keeps every expert. None otherwise:
+        then it is not recognisably dispatch."""
+        if numel == 0:
+            return 0
+        if numel % (self.tokens * self.experts) == 0:
+            return self.tokens * self.top_k
+        if numel % self.tokens == 0:
+            return self.per_expert
+        if numel <= self.experts + 1:
+            return min(numel, self.experts)
+        return None
+
+
+def _moe_scopes(model: nn.Module) -> dict[str, _MoEScope]:
+    """The modules of `model` inside which a data-dependent selection counts as expert
+    dispatch: those holding an `experts` (or `expert`) child, MoE classes (`Moe`, `MoE`,
+    `SparseMLP` in the name) and experts modules (`lower.classify`'s rules), each with the
+    top-k and expert count its attributes (or its experts container's length) give."""
+    scopes: dict[str, _MoEScope] = {}
+    for path, m in model.named_modules():
+        cls = type(m).__name__
+        experts = getattr(m, "experts", None) or getattr(m, "expert", None)
+        holder = isinstance(experts, nn.Module)
+        if not (holder or _is_moe_module(cls) or (path and _is_experts_module(path, cls))):
+            continue
+        top_k = _int_attr(m, _TOP_K_ATTRS)
+        n = _int_attr(m, _NUM_EXPERTS_ATTRS)
+        if not n and holder:
+            n = _int_attr(experts, _NUM_EXPERTS_ATTRS)
+            if not n and isinstance(experts, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+                n = len(experts)
+        scopes[path] = _MoEScope(top_k, n if n > 1 else 0)
+    return scopes
+
+
+def _int_attr(m: nn.Module, names: tuple[str, ...]) -> int:
+    for name in names:
+        v = getattr(m, name, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return 0
+
+
+class _ExpertDispatch:
+    """Prices an MoE's data-dependent dispatch at its balanced load (module docstring).
+
+    Fed the routing ops (`on_routing`) and the inputs of MoE modules (`on_enter`) as the
+    forward runs; `balanced_output` makes the output of a selection fake tensors could not
+    size; `notes` says what was assumed, once per distinct routing."""
+
+    def __init__(self, scopes: dict[str, _MoEScope]) -> None:
+        self.scopes = scopes
+        self.routes: dict[str, _Route] = {}  # scope -> its last top-k's routing
+        self.tokens: dict[str, int] = {}  # scope -> rows of its (last) input
+        self.rows: dict[int, int] = {}  # id(mask) -> rows chosen, so backward agrees
+        self.keep: list[torch.Tensor] = []  # masks whose ids `rows` holds
+        # (tokens, top_k, experts, source) -> (scopes, ops) it was applied in
+        self.used: dict[tuple[int, int, int, str], tuple[list[str], list[str]]] = {}
+
+    def on_enter(self, path: str, args: object) -> None:
+        if path not in self.scopes:
+            return
+        x = next((t for t in iter_tensors(args) if t.is_floating_point() and t.dim()), None)
+        if x is not None and x.shape[-1]:
+            self.tokens[path] = x.numel() // int(x.shape[-1])
+
+    def on_routing(self, func, args: tuple, kwargs: dict, stack: tuple[str, ...]) -> None:
+        """A `topk` (k of the router's width) or `argmax` (top-1) inside an MoE module."""
+        scope = next((p for p in reversed(stack) if p in self.scopes), None)
+        bound = _bind(func, args, kwargs)
+        scores = bound.get("self")
+        if scope is None or not isinstance(scores, torch.Tensor) or scores.dim() == 0:
+            return
+        if packet_name(func) == "aten.argmax":
+            if bound.get("dim") is None:
+                return
+            dim, k = int(bound["dim"]), 1
+        else:
+            dim, k = int(bound.get("dim", -1)), int(bound.get("k", 0))
+        width = int(scores.shape[dim])
+        if 0 < k < width:
+            source = "top_k and experts from the router's topk"
+            if k == 1 and packet_name(func) == "aten.argmax":
+                source = "top-1 and experts from the router's argmax"
+            self.routes[scope] = _Route(scope, scores.numel() // width, k, width, source)
+
+    def route(self, stack: tuple[str, ...]) -> _Route | None:
+        """The routing of the innermost MoE module on `stack` that has one: its top-k's,
+        else its attributes' (top-1 when no top-k is known) over its input's rows."""
+        scopes = [p for p in reversed(stack) if p in self.scopes]
+        for p in scopes:
+            if p in self.routes:
+                return self.routes[p]
+        top_k = next((self.scopes[p].top_k for p in scopes if self.scopes[p].top_k), 0)
+        for p in scopes:
+            n, tokens = self.scopes[p].experts, self.tokens.get(p, 0)
+            if n and tokens:
+                k = top_k if 0 < top_k < n else 1
+                source = "no topk seen: experts from the module's attributes, " + (
+                    f"top_k {k} from its attributes" if k == top_k else "top-1 assumed"
+                )
+                return _Route(p, tokens, k, n, source)
+        return None
+
+    def balanced_output(self, func, args: tuple, kwargs: dict, stack: tuple[str, ...]):
+        """The output of data-dependent selection `func` at its balanced size, or None when
+        it is not expert dispatch (or not a selection this knows how to size)."""
+        packet = packet_name(func)
+        route = self.route(stack) if packet in _SELECTIONS else None
+        if route is None or func._overloadname == "out":
+            return None
+        bound = _bind(func, args, kwargs)
+        x = bound.get("self")
+        if not isinstance(x, torch.Tensor):
+            return None
+        if packet == "aten.nonzero":
+            n = self.selected(x, x.numel(), route, packet)
+            return None if n is None else x.new_empty((n, x.dim()), dtype=torch.int64)
+        if packet == "aten.masked_select":
+            mask = bound.get("mask")
+            shape = torch.broadcast_shapes(x.shape, mask.shape)
+            n = self.selected(mask, _numel(shape), route, packet)
+            return None if n is None else x.new_empty((n,))
+        if packet == "aten.index":
+            # As aten does: each boolean mask becomes the indices of its True entries (one
+            # index tensor per mask dim), then the index is static.
+            indices = []
+            for ix in bound.get("indices", ()):
+                if isinstance(ix, torch.Tensor) and ix.dtype in (torch.bool, torch.uint8):
+                    n = self.selected(ix, ix.numel(), route, packet)
+                    if n is None:
+                        return None
+                    indices += [ix.new_empty((n,), dtype=torch.int64)] * ix.dim()
+                else:
+                    indices.append(ix)
+            return func(x, indices)
+        if packet == "aten.bincount":
+            # A count per expert id: one bin per expert at least.
+            self.note(route, packet)
+            n = max(int(bound.get("minlength", 0) or 0), route.experts)
+            w = bound.get("weights")
+            dtype = torch.int64 if w is None else w.dtype
+            dtype = dtype if dtype in (torch.int64, torch.float32) else torch.float64
+            return x.new_empty((n,), dtype=dtype)
+        # unique of expert ids: under balanced load every expert appears.
+        self.note(route, packet)
+        n = min(x.numel(), route.experts)
+        inverse = bound.get("return_inverse", False)
+        outs = [x.new_empty((n,))]
+        outs.append(x.new_empty(tuple(x.shape) if inverse else (0,), dtype=torch.int64))
+        if packet != "aten._unique":
+            counts = bound.get("return_counts", False)
+            outs.append(x.new_empty((n,) if counts else (0,), dtype=torch.int64))
+        return tuple(outs)
+
+    def selected(self, mask: torch.Tensor, numel: int, route: _Route, packet: str) -> int | None:
+        """Rows kept by a selection over `mask` (`_Route.selected`), the same for every op
+        reading this mask (a forward `x[mask]` and its backward's `index_put`)."""
+        n = self.rows.get(id(mask))
+        if n is None:
+            n = route.selected(numel)
+            if n is None:
+                return None
+            self.rows[id(mask)] = n
+            self.keep.append(mask)
+        self.note(route, packet)
+        return n
+
+    def note(self, route: _Route, packet: str) -> None:
+        key = (route.tokens, route.top_k, route.experts, route.source)
+        scopes, ops = self.used.setdefault(key, ([], []))
+        if route.scope not in scopes:
+            scopes.append(route.scope)
+        if packet not in ops:
+            ops.append(packet)
+
+    def notes(self) -> tuple[str, ...]:
+        """One sentence per distinct routing the balanced expectation was applied to."""
+        out = []
+        for (tokens, top_k, experts, source), (scopes, ops) in self.used.items():
+            per = -(-tokens * top_k // experts)
+            where = (
+                f"'{scopes[0] or '<root>'}'"
+                if len(scopes) == 1
+                else f"{len(scopes)} MoE modules ('{scopes[0]}' .. '{scopes[-1]}')"
+            )
+            out.append(
+                "expert load priced at its balanced expectation, tokens x top_k / experts rows "
+                f"per expert (traced: {tokens} tokens x top_k {top_k} / {experts} experts = "
+                f"{per} rows), for the data-dependent {', '.join(ops)} in {where} ({source}); "
+                "real routing is uneven"
+            )
+        return tuple(out)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
 class _Recorder(TorchDispatchMode):
     """Records every aten op of the traced step into a `_Capture`."""
 
@@ -676,6 +972,14 @@ class _Recorder(TorchDispatchMode):
         cap = self.capture
         try:
             out = func(*args, **kwargs)
+        except DynamicOutputShapeException:
+            # An output size that depends on values: inside an MoE's expert dispatch it gets
+            # its balanced expectation (module docstring), elsewhere tracing stops here.
+            cap.error_op = str(func)
+            cap.error_module = cap.module_path()
+            out = cap.dispatch.balanced_output(func, args, kwargs, cap.dispatch_stack())
+            if out is None:
+                raise
         except Exception:
             # Remember where it failed; the exception itself propagates unchanged so a model
             # that catches it still behaves as it would untraced.
@@ -716,7 +1020,8 @@ def _trace(
     )
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
-    cap = _Capture(layer_of_path, len(layer_names), report)
+    dispatch = _ExpertDispatch(_moe_scopes(model))
+    cap = _Capture(layer_of_path, len(layer_names), report, dispatch)
 
     def fake_like(t: torch.Tensor, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         # Fake *CPU* tensors whatever the source device (meta, cpu, cuda): CPU dispatch picks
@@ -759,8 +1064,11 @@ def _trace(
         cap.tensor_meta(t) for t in tree_flatten((args, fkwargs))[0] if isinstance(t, torch.Tensor)
     )
 
-    def pre_hook(module: nn.Module, _args: object) -> None:
-        cap.enter_module(module_names.get(id(module), type(module).__name__))
+    def pre_hook(module: nn.Module, args: object) -> None:
+        path = module_names.get(id(module), type(module).__name__)
+        cap.enter_module(path)
+        if cap.phase == _FORWARD:
+            dispatch.on_enter(path, args)
 
     def post_hook(module: nn.Module, _args: object, _out: object) -> None:
         cap.exit_module()
@@ -817,12 +1125,14 @@ def _trace(
     blockers = model_blockers(model, graph, cap.flow, layer_names, not blocker)
     reads = cap.flow.position_reads
     tables = tuple(sorted({m for m, what, _ in reads if what == "position table"}))
-    if blocker or blockers or tables:
+    assumptions = dispatch.notes()
+    if blocker or blockers or tables or assumptions:
         info = dataclasses.replace(
             graph.info,
             no_sequence_sharding=blocker,
             blockers=tuple(sorted(blockers.items())),
             position_tables=tables,
+            assumptions=assumptions,
         )
         graph = dataclasses.replace(graph, info=info)
     report(graph.summary())
@@ -950,6 +1260,13 @@ def _trace_error(exc: Exception, cap: _Capture, classes: dict[str, str]) -> Trac
             data_dependent = isinstance(exc, GuardOnDataDependentSymNode)
         except ImportError:  # pragma: no cover - older torch
             pass
+    if isinstance(exc, DynamicOutputShapeException):
+        return TraceError(
+            f"data-dependent output shape in {where} at op {op}: tracing uses fake tensors "
+            "without values, and only an MoE's expert dispatch (inside a module holding "
+            "`experts`, routed by a topk) is sized at its balanced load; make it static (a "
+            "mask multiply or torch.where(cond, a, b) instead of selecting rows)"
+        )
     if data_dependent:
         return TraceError(
             f"data-dependent control flow or output shape in {where} at op {op}: tracing uses "
