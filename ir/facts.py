@@ -145,6 +145,11 @@ class Dataflow:
     _positions: dict[int, tuple[str, int, bool]] = field(default_factory=dict)
     _scores: dict[int, str] = field(default_factory=dict)  # id -> module of q @ k^T
     _keep: list[torch.Tensor] = field(default_factory=list)
+    unit_calls: list[str] = field(default_factory=list)  # repeated layers, in call order
+
+    def on_unit(self, path: str) -> None:
+        """The forward entered repeated layer `path` (a unit)."""
+        self.unit_calls.append(path)
 
     def on_op(
         self,
@@ -368,14 +373,16 @@ def is_hf_decoder(model: nn.Module) -> bool:
 
 def pipeline_cut(model: nn.Module) -> str:
     """How the runtime cuts `model` into pipeline stages: "hook" (the model's own
-    `pipeline_stage`), "hf_decoder", "zoo", or "" (it cannot)."""
+    `pipeline_stage`), "hf_decoder", "zoo", or "graph" (any other model: cut from its exported
+    graph at the units, `runtime.graph_stages`, when the trace saw each unit called once, in
+    order: `Dataflow.unit_calls`)."""
     if hasattr(model, "pipeline_stage"):
         return "hook"
     if is_hf_decoder(model):
         return "hf_decoder"
     if is_zoo_model(model):
         return "zoo"
-    return ""
+    return "graph"
 
 
 def is_zoo_moe(m: nn.Module) -> bool:
@@ -441,12 +448,6 @@ def structural_blockers(
         out["tp"] = f"{why} whose attention and MLP regions tensor parallelism splits"
         out["cp"] = f"{why} whose attention context parallelism shards"
         out["ep"] = f"{why} with experts to shard"
-    elif not pipeline_cut(model):
-        out["pp"] = (
-            f"{name} has no `pipeline_stage(first_unit, last_unit, units)` method and is "
-            "neither the zoo's decoder nor a HuggingFace decoder LM, so the runtime cannot "
-            "cut it into stages"
-        )
     elif (ties := tied_parameters(model)) and pipeline_cut(model) != "hook":
         # The runtime sums the copies' gradients over the stages holding them
         # (`runtime.pipeline_parallel.TiedGradients`), unless one rank holds both (ZB-V).
@@ -566,6 +567,23 @@ def dataflow_blockers(
                 "cp.positions(...)"
             )
             break
+    # PP: a model cut from its exported graph needs each unit called once, in order.
+    if layer_names and len(layer_names) > 1 and pipeline_cut(model) == "graph":
+        calls = flow.unit_calls
+        for path in layer_names:
+            if calls.count(path) != 1:
+                out["pp"] = (
+                    f"{path} runs {calls.count(path)} times in one forward; pipeline stages "
+                    "are cut between repeated layers that each run once"
+                )
+                break
+        else:
+            if calls != list(layer_names):
+                out["pp"] = (
+                    f"the repeated layers run out of order ({', '.join(calls[:3])}, ...); "
+                    "pipeline stages are cut between layers that run in the order they are "
+                    "listed"
+                )
     return out
 
 

@@ -103,6 +103,9 @@ class ModelRef:
     dtype: str = "bfloat16"
     blockers: tuple[tuple[str, str], ...] = ()
     positions: tuple[str, ...] = ()  # module paths of learned position tables (`ir.facts`)
+    # The model's (first) input as traced: dtype and shape of one sample (no batch dim). The
+    # runtime exports models it cuts from their graph with it (`runtime.graph_stages`).
+    input: tuple[str, tuple[int, ...]] | None = None
 
     def blocker(self, dim: str) -> str:
         """Why dimension `dim` cannot run on the model, or "" (as `ModelInfo.blocker`)."""
@@ -226,6 +229,11 @@ class Plan:
                 "dtype": self.model.dtype,
                 **({"blockers": dict(self.model.blockers)} if self.model.blockers else {}),
                 **({"positions": list(self.model.positions)} if self.model.positions else {}),
+                **(
+                    {"input": {"dtype": self.model.input[0], "shape": list(self.model.input[1])}}
+                    if self.model.input
+                    else {}
+                ),
             },
             "cluster": {
                 "name": self.cluster.name,
@@ -568,6 +576,15 @@ PLAN_SCHEMA: dict = {
                 "seq_len": _POS_INT,
                 "dtype": {"type": "string"},
                 "positions": {"type": "array", "items": {"type": "string"}},
+                "input": {
+                    "type": "object",
+                    "required": ["dtype", "shape"],
+                    "additionalProperties": False,
+                    "properties": {
+                        "dtype": {"type": "string"},
+                        "shape": {"type": "array", "items": {"type": "integer", "minimum": 1}},
+                    },
+                },
                 "blockers": {
                     "type": "object",
                     "propertyNames": {"enum": ["tp", "sp", "cp", "pp", "ep", "zb"]},
@@ -1263,6 +1280,7 @@ def _plan_of(data: dict, plan_cluster: Cluster) -> Plan:
             m.get("dtype", "bfloat16"),
             tuple(sorted((m.get("blockers") or {}).items())),
             tuple(m.get("positions") or ()),
+            (m["input"]["dtype"], tuple(m["input"]["shape"])) if m.get("input") else None,
         ),
         cluster=plan_cluster,
         parallel=parallel,

@@ -404,6 +404,8 @@ class _Capture:
             layer = self.layer_stack[-1]
         elif layer is not None:
             self.report(f"forward: layer {layer + 1}/{self.n_layers}", advance=1)
+            if self.phase == _FORWARD:
+                self.flow.on_unit(path)  # the order pipeline stages are cut in (`facts`)
         self.module_stack.append(path)
         self.layer_stack.append(layer)
 

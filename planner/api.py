@@ -148,6 +148,7 @@ def _model_ref(graph: Graph) -> ModelRef:
         dtype=dtype,
         blockers=tuple(sorted((d, w) for d in DIMENSIONS if (w := graph.info.blocker(d)))),
         positions=graph.info.position_tables,
+        input=(graph.inputs[0].dtype, graph.inputs[0].shape[1:]) if graph.inputs else None,
     )
 
 

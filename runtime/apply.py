@@ -53,7 +53,7 @@ Semantics of `Runner.step(inputs, targets)`: `inputs`/`targets` hold the *global
 replica takes its rows, splits them into micro-batches of `micro_batch` rows, and the
 returned loss is the mean over the global batch, identical on every rank.
 `loss_fn(outputs, targets)` must return the mean loss of one micro-batch; `outputs` is what
-the model returns, under PP too (`pipeline_parallel.as_model_output`).
+the model returns, under PP too (`pipeline_parallel.model_output`).
 
 How the global batch is split over dp replicas: replica d runs m_d micro-batches (the plan's
 `num_microbatches`, or under uneven shares `StagePlacement.microbatches` of d's device group)
@@ -73,6 +73,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
+from meshplan.ir.facts import tied_parameters
 from meshplan.ir.parallel import Schedule, group_tp_problem
 from meshplan.ir.plan import Plan, plan_problem
 from torch import nn
@@ -97,12 +98,12 @@ from .errors import RuntimePlanError
 from .expert_parallel import ExpertParallel, apply_expert_parallel
 from .mesh import RankContext, build_mesh, check_stage_widths, data_parallel_context
 from .pipeline_parallel import (
-    as_model_output,
     build_schedule,
     check_microbatches,
     check_schedule,
     chunk_unit_paths,
     chunks_per_rank,
+    model_output,
     rank_chunks,
     stage_module,
     tie_gradients,
@@ -251,7 +252,7 @@ class Runner:
         vocab_parallel_loss: bool = False,
         dp_ctx: RankContext | None = None,
         coded_grads: list | None = None,
-        second_names: frozenset[str] = frozenset(),
+        first_names: dict[str, str] | None = None,
     ) -> None:
         self.ctx, self.modules, self.optimizer, self.loss_fn = ctx, modules, optimizer, loss_fn
         # The loss runs on vocab-sharded logits under torch's `loss_parallel` (TP only).
@@ -261,7 +262,8 @@ class Runner:
         self.dp_ctx = dp_ctx or ctx
         # Coded gradient averages run after backward (`data_parallel.CodedGradients`).
         self.coded_grads = list(coded_grads or ())
-        self.second_names = second_names  # later names of tied weights (`full_state_dict`)
+        # later name of a tied weight -> its first name (`full_state_dict`)
+        self.first_names = dict(first_names or {})
         self.schedule = schedule
         self.cp, self.ep = cp, ep
         p = ctx.plan.parallel
@@ -373,9 +375,10 @@ class Runner:
         for part in gathered or []:
             if part:
                 out.update(part)
-        # A weight tied across stages is held under each name by its stage; the model's
-        # own `named_parameters()` lists it once, under its first name.
-        return dict(sorted((k, v) for k, v in out.items() if k not in self.second_names))
+        # A tied weight is held by each stage under the name its modules give it; the
+        # model's own `named_parameters()` lists it once, under its first name.
+        named = {self.first_names.get(k, k): v for k, v in sorted(out.items())}
+        return dict(sorted(named.items()))
 
 
 def clean_name(name: str) -> str:
@@ -393,7 +396,7 @@ def _local_value(t: torch.Tensor) -> torch.Tensor:
 
 def _weighted(loss_fn: LossFn, weight: float, as_output=lambda logits: logits) -> LossFn:
     """The pipeline's loss: `loss_fn` on the last stage's logits given as the unsplit model's
-    kind of output (`as_output`, `pipeline_parallel.as_model_output`), times `weight`."""
+    kind of output (`as_output`, `pipeline_parallel.model_output`), times `weight`."""
 
     def weighted(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return loss_fn(as_output(outputs), targets) * weight
@@ -440,11 +443,12 @@ def apply(
     check_schedule(plan)
     pipelined = ctx.num_stages > 1
     # what the unsplit model returns, read before the cut: the loss gets it under PP too
-    as_output = as_model_output(model)
+    as_output = model_output(model, plan)
+    first_names = {n: names[0] for names in tied_parameters(model) for n in names[1:]}
     if pipelined:  # 1
         ties = tied_across_stages(model, plan)  # tied embeddings on two stages: 5c
         chunks = rank_chunks(plan, ctx.stage_index)
-        modules = [stage_module(model, plan, c) for c in chunks]
+        modules = [stage_module(model, plan, c, ctx.device) for c in chunks]
         units = [chunk_unit_paths(plan, c) for c in chunks]
         num_chunks = ctx.num_stages * chunks_per_rank(plan)
     else:
@@ -521,7 +525,7 @@ def apply(
         vocab_parallel_loss=vocab_parallel,
         dp_ctx=dp_ctx,
         coded_grads=coded_grads,
-        second_names=frozenset(n for names, _ in ties for n in names[1:]),
+        first_names=first_names,
     )
 
 

@@ -21,24 +21,31 @@ before they were recorded, or by hand) gives each rank its number of units: rank
 is split into v chunks as evenly as possible (earlier chunks take the remainder) and laid
 out in the schedule's order, so every rank runs as many units as the plan gave it.
 
-The cut is manual: torch's tracer frontend (`pipeline()`) fails on skip connections such as
-RoPE tables built in stage 0 (see RUNTIME_NOTES), and a manual stage keeps the user's modules
-and their parameter names, so state dicts and plan placements match the unsplit model.
+Every stage keeps the user's modules and their parameter names, so state dicts and plan
+placements match the unsplit model. torch's tracer frontend (`pipeline()`) is not used: it
+sends a value made on stage i straight to stage j > i + 1 and then fails in backward on such
+skip connections (RoPE tables built in stage 0; see RUNTIME_NOTES).
 
-How a model is cut (`stage_module`):
+How a model is cut (`stage_module`, the rule `ir.facts.pipeline_cut`):
 - a model may define `pipeline_stage(first_unit, last_unit, units) -> nn.Module` itself;
 - the built-in zoo `Transformer` (and models of the same shape: `embed`, optional
   `pos_embed`, `layers`, `norm`, `lm_head`, optional `rope_cos`/`rope_sin` buffers) is cut by
   `TransformerStage`;
 - HuggingFace decoder-only models (`LlamaForCausalLM` and the like: `model.embed_tokens`,
   `model.layers`, `model.norm`, `model.rotary_emb`, `lm_head`) are cut by `HFDecoderStage`;
-- anything else is refused with a one-line reason.
+- any other model with repeated layers is cut from its exported graph (`graph_stages`):
+  torch.export at the micro-batch's input shape (`ModelRef.input`), the units and the
+  modules the glue calls kept as the user's modules, values that skip a stage passed through
+  the stages between. The tracer refuses pp at plan time when a unit runs twice or out of
+  order; what torch.export cannot capture is refused when the runtime cuts (one line).
 
-What the loss sees (`as_model_output`): the last chunk-stage returns the logits tensor, which
+What the loss sees (`model_output`): the last chunk-stage returns the logits tensor, which
 the loss gets as the unsplit model's kind of output, so one `loss_fn` serves with and without
 PP: for a HuggingFace model the ModelOutput class its forward returns (only `.logits` set),
 or `(logits,)` under `config.return_dict=False`; for other models the tensor, as they return
-it (a model's own `pipeline_stage` returns from its last stage what its forward returns).
+it (a model's own `pipeline_stage` returns from its last stage what its forward returns); a
+model cut from its graph gets its output rebuilt from the exported output structure (every
+tensor it returns, e.g. BART's logits and encoder state, in its ModelOutput).
 
 Each chunk keeps only its own modules; the rest are dropped, so the optimizer and data
 parallelism only see this rank's parameters.
@@ -67,6 +74,7 @@ from torch.distributed.pipelining._backward import stage_backward
 from torch.nn.parallel import DistributedDataParallel
 
 from .errors import RuntimePlanError
+from .graph_stages import GraphCut, graph_cut, on_device
 from .mesh import RankContext
 
 # ZB-V runs exactly two chunks per rank (the V); the planner records virtual_stages=2 with it.
@@ -298,8 +306,11 @@ def _container_name(units: tuple[str, ...]) -> str:
     return heads.pop()
 
 
-def stage_module(model: nn.Module, plan: Plan, chunk: int) -> nn.Module:
-    """The module chunk-stage `chunk` runs (see module docstring for how models are cut)."""
+def stage_module(
+    model: nn.Module, plan: Plan, chunk: int, device: torch.device | None = None
+) -> nn.Module:
+    """The module chunk-stage `chunk` runs (see module docstring for how models are cut);
+    `device`: where it will run (a graph cut's stages create their tensors there)."""
     first, last = chunk_ranges(plan)[chunk]
     units = plan.model.units
     cut = pipeline_cut(model)  # the rule the tracer's "pp" blocker states (`ir.facts`)
@@ -307,12 +318,48 @@ def stage_module(model: nn.Module, plan: Plan, chunk: int) -> nn.Module:
         return model.pipeline_stage(first, last, units)
     if cut == "hf_decoder":
         return HFDecoderStage(model, first, last, units)
-    if cut != "zoo":
-        raise RuntimePlanError(
-            f"runtime: cannot cut {type(model).__name__} into pipeline stages: define "
-            "`pipeline_stage(first_unit, last_unit, units) -> nn.Module` on the model"
-        )
+    if cut == "graph":
+        return on_device(_graph_cut(model, plan).stages[chunk], device)
     return TransformerStage(model, first, last, units)
+
+
+def _graph_cut(model: nn.Module, plan: Plan) -> GraphCut:
+    """The plan's chunk-stages of a model cut from its exported graph (`graph_stages`), with
+    a zero micro-batch of the input the plan records (its sequence cut to the cp share)."""
+    if plan.model.input is None:
+        raise RuntimePlanError(
+            f"runtime: the plan does not record {plan.model.name}'s input (made before "
+            "plans did), which cutting it into pipeline stages needs: make the plan again"
+        )
+    dtype, shape = plan.model.input
+    shape = list(shape)
+    cp = plan.parallel.cp or 1
+    if cp > 1 and shape:
+        shape[0] //= cp  # the runner cuts dim 1 (the sequence) under context parallelism
+    held = next(iter(model.parameters()), None)
+    on = held.device if held is not None else torch.device("cpu")
+    example = torch.zeros(
+        (plan.parallel.micro_batch, *shape), dtype=getattr(torch, dtype), device=on
+    )
+    ranges = chunk_ranges(plan)
+    unit_chunk = {}
+    epilogue = len(ranges) - 1
+    for c, (a, b) in enumerate(ranges):
+        for i in range(a, b):
+            u = plan.model.units[i]
+            if u == "<epilogue>":
+                epilogue = c
+            elif not u.startswith("<"):
+                unit_chunk[u] = c
+    return graph_cut(model, example, unit_chunk, len(ranges), epilogue)
+
+
+def model_output(model: nn.Module, plan: Plan) -> Callable[[object], object]:
+    """How the last chunk-stage's output becomes what `model(inputs)` returns: read from the
+    unsplit model before it is cut (`as_model_output`), or from its exported graph."""
+    if (plan.parallel.pp or 1) > 1 and pipeline_cut(model) == "graph":
+        return _graph_cut(model, plan).model_output
+    return as_model_output(model)
 
 
 def as_model_output(model: nn.Module) -> Callable[[torch.Tensor], object]:

@@ -270,8 +270,11 @@ def test_a_blocked_dimension_is_never_planned_and_a_pinned_one_is_refused_with_t
     with pytest.raises(meshplan.InfeasibleError, match=r"tp=2 cannot run .*fused projection"):
         meshplan.plan(model, (ids,), cluster, global_batch=8, parallel=Parallel(tp=2))
     graph = meshplan.trace(model, ids)
-    with pytest.raises(ValueError, match=r"pp=2 cannot run on this model: LM has no"):
-        meshplan.estimate_plan(graph, cluster=cluster, parallel=Parallel(pp=2, dp=2))
+    with pytest.raises(ValueError, match=r"tp=2 cannot run on this model: fused projection"):
+        meshplan.estimate_plan(graph, cluster=cluster, parallel=Parallel(tp=2, dp=2))
+    # no hook, not the zoo's or HF's shape: cut from its exported graph (`graph_stages`)
+    assert not graph.info.blocker("pp")
+    meshplan.estimate_plan(graph, cluster=cluster, parallel=Parallel(pp=2, dp=2))
 
 
 def test_blocked_dimension_rule_table():
@@ -350,9 +353,18 @@ def test_multihead_attention_is_refused_for_tp_with_its_real_reason():
     assert "experts" not in why
 
 
-def test_pipeline_cut_needs_a_known_shape_or_the_hook_and_untied_weights():
-    assert "no `pipeline_stage" in facts(meta(LM))["pp"]
+class ReversedLM(LM):
+    def forward(self, ids):
+        x = self.tok(ids)
+        for b in reversed(self.blocks):
+            x = b(x)
+        return self.head(x)
+
+
+def test_pipeline_cut_needs_layers_that_run_once_in_order_and_untied_weights_for_zbv():
+    assert "pp" not in facts(meta(LM))  # cut from its exported graph (`graph_stages`)
     assert "pp" not in facts(meta(StagedLM))
+    assert "run out of order" in facts(meta(ReversedLM))["pp"]
     zoo, inputs = meshplan.models.transformer(
         layers=2,
         hidden=32,
