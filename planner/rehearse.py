@@ -17,8 +17,7 @@ heads / tp heads of the unsharded head_dim. A failure or a mismatch becomes the 
 blocker (`ModelInfo.blockers`), which the planner honours like any other (`ir.facts`).
 
 Skipped, as already covered by the runtime's parity tests: the zoo's decoder and HuggingFace
-decoders of the Llama shape. A model whose TP is already blocked, or with no attention heads
-found, is not rehearsed.
+decoders of the Llama shape. A model whose TP is already blocked is not rehearsed.
 """
 
 from __future__ import annotations
@@ -42,9 +41,13 @@ from torch import nn
 
 
 def rehearsal_degree(graph: Graph) -> int:
-    """The tp degree rehearsed: the smallest >= 2 dividing the heads and KV heads (0: none)."""
+    """The tp degree rehearsed: the smallest >= 2 dividing the heads and KV heads; 2 when the
+    trace found no attention heads (attention written out, or SDPA with a mask, which fake
+    tensors decompose): the model's code is still run on its shards."""
     info = graph.info
     heads = math.gcd(info.heads, info.kv_heads or info.heads)
+    if not heads:
+        return 2
     return next((t for t in range(2, heads + 1) if heads % t == 0), 0)
 
 

@@ -198,7 +198,8 @@ KNOWN: dict[tuple[str, str], str] = {}
 # control, users' models that train (FSDP, TP + SP, DP on images, PP cut from the exported
 # graph with an encoder's output skipping stages, and BART's in-place writes and tied
 # embeddings) and refusals that guard against wrong numbers (fused qkv under TP, positions by
-# local length under CP, EP of a user's MoE).
+# local length under CP, EP of a user's MoE, TP of ALiBi attention whose heads the trace
+# cannot see).
 DEFAULT_SLICE: tuple[tuple[str, str], ...] = (
     ("hf-llama", "tp"),
     ("llama-ref", "fsdp"),
@@ -209,6 +210,7 @@ DEFAULT_SLICE: tuple[tuple[str, str], ...] = (
     ("nanogpt", "tp"),
     ("rope-qproj", "cp"),
     ("user-moe", "ep"),
+    ("alibi", "tp"),
     ("hf-mixtral", "ep"),
     ("convnet", "fsdp"),
 )

@@ -396,6 +396,65 @@ class RopeLM(nn.Module):
         return _loss_or_logits(self.head(self.norm_f(x)), targets)
 
 
+# -- 4c. ALiBi (Press et al. 2022; BLOOM, MPT): a per-head linear bias made at forward --------
+
+
+def alibi_slopes(n_heads: int) -> torch.Tensor:
+    """The geometric slopes 2^(-8 i / n), i = 1..n (Press et al., ICLR 2022, section 3)."""
+    return torch.tensor([2.0 ** (-8.0 * (i + 1) / n_heads) for i in range(n_heads)])
+
+
+class AlibiAttention(nn.Module):
+    """Separate projections; the bias is made from `self.n_heads` at every forward and handed
+    to SDPA as a float mask, as BLOOM-style user code does."""
+
+    def __init__(self, dim: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = n_heads, dim // n_heads
+        self.q_proj = nn.Linear(dim, dim, bias=False)
+        self.k_proj = nn.Linear(dim, dim, bias=False)
+        self.v_proj = nn.Linear(dim, dim, bias=False)
+        self.o_proj = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (
+            p(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        pos = torch.arange(t, device=x.device)
+        distance = (pos[None, :] - pos[:, None]).float()  # key - query
+        bias = alibi_slopes(self.n_heads).to(x.device)[:, None, None] * distance
+        bias = bias.masked_fill(distance > 0, float("-inf"))  # causal
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class AlibiBlock(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(dim), AlibiAttention(dim, heads)
+        self.ln_2, self.mlp = nn.LayerNorm(dim), FeedForward(dim, 2 * dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class AlibiLM(nn.Module):
+    def __init__(self, vocab=VOCAB, dim=HIDDEN, heads=HEADS, layers=LAYERS):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(AlibiBlock(dim, heads) for _ in range(layers))
+        self.ln_f, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
+        x = self.wte(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return _loss_or_logits(self.head(self.ln_f(x)), targets)
+
+
 # -- 5. encoder-decoder (T5/BART-like): separate q/k/v, cross-attention -------------------------
 
 
@@ -740,6 +799,7 @@ MODELS: dict[str, UserModel] = {
         UserModel("llama-ref", LlamaRef, token_batch),
         UserModel("fused-qkv", lambda: RopeLM(fused=True), token_batch),
         UserModel("rope-qproj", lambda: RopeLM(fused=False), token_batch),
+        UserModel("alibi", AlibiLM, token_batch),
         UserModel("enc-dec", EncoderDecoder, lambda r, s: token_batch(r, s, src_len=SEQ)),
         UserModel("shared-block", SharedBlockLM, token_batch),
         UserModel("convnet", ConvNet, image_batch),
