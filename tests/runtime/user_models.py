@@ -455,6 +455,55 @@ class AlibiLM(nn.Module):
         return _loss_or_logits(self.head(self.ln_f(x)), targets)
 
 
+# -- 4d. multi-query attention with raw parameters and einsum (PaLM / Falcon-7B style) --------
+
+
+class EinsumMQA(nn.Module):
+    """One K/V head shared by every query head (Shazeer 2019); projections are raw Parameters
+    applied with `torch.einsum`, not nn.Linear."""
+
+    def __init__(self, dim: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = n_heads, dim // n_heads
+        self.wq = nn.Parameter(torch.randn(dim, n_heads, self.head_dim) * dim**-0.5)
+        self.wkv = nn.Parameter(torch.randn(dim, 2, self.head_dim) * dim**-0.5)
+        self.wo = nn.Parameter(torch.randn(n_heads, self.head_dim, dim) * dim**-0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = torch.einsum("btd,dhe->bhte", x, self.wq)
+        k, v = torch.einsum("btd,dce->cbte", x, self.wkv).unsqueeze(2).unbind(0)
+        out = F.scaled_dot_product_attention(
+            q, k.expand_as(q), v.expand_as(q), is_causal=True
+        )
+        return torch.einsum("bhte,hed->btd", out, self.wo)
+
+
+class MQABlock(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.norm_1, self.attn = RMSNorm(dim), EinsumMQA(dim, heads)
+        self.norm_2, self.mlp = RMSNorm(dim), FeedForward(dim, 2 * dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm_1(x))
+        return x + self.mlp(self.norm_2(x))
+
+
+class MQALM(nn.Module):
+    def __init__(self, vocab=VOCAB, dim=HIDDEN, heads=HEADS, layers=LAYERS, max_len=16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(max_len, dim)
+        self.blocks = nn.ModuleList(MQABlock(dim, heads) for _ in range(layers))
+        self.norm, self.out = RMSNorm(dim), nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
+        x = self.embed(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.blocks:
+            x = block(x)
+        return _loss_or_logits(self.out(self.norm(x)), targets)
+
+
 # -- 5. encoder-decoder (T5/BART-like): separate q/k/v, cross-attention -------------------------
 
 
@@ -800,6 +849,7 @@ MODELS: dict[str, UserModel] = {
         UserModel("fused-qkv", lambda: RopeLM(fused=True), token_batch),
         UserModel("rope-qproj", lambda: RopeLM(fused=False), token_batch),
         UserModel("alibi", AlibiLM, token_batch),
+        UserModel("einsum-mqa", MQALM, token_batch),
         UserModel("enc-dec", EncoderDecoder, lambda r, s: token_batch(r, s, src_len=SEQ)),
         UserModel("shared-block", SharedBlockLM, token_batch),
         UserModel("convnet", ConvNet, image_batch),
