@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils import _pytree as pytree
 
 from .errors import RuntimePlanError
@@ -89,6 +90,12 @@ def graph_cut(
 # -- 1-2: the model's glue as one fx graph over its own modules -----------------------------
 
 
+def _fake_mode() -> FakeTensorMode:
+    """Fake tensors over the real parameters, with unbacked sizes for data-dependent ops (an
+    MoE's `torch.where` per expert), as torch.export has."""
+    return FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+
+
 def _top_calls(model: nn.Module, example: torch.Tensor, units: Sequence[str]) -> list[str]:
     """Module paths to keep as calls (step 1 of the module docstring), units first."""
     names = {m: n for n, m in model.named_modules()}
@@ -107,7 +114,7 @@ def _top_calls(model: nn.Module, example: torch.Tensor, units: Sequence[str]) ->
         if n:
             hooks += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
+        with _fake_mode() as mode, torch.no_grad():
             model(mode.from_tensor(example))
     finally:
         for h in hooks:
@@ -204,7 +211,7 @@ def _tensor_nodes(graph: fx.Graph, objects: dict, example: torch.Tensor) -> set[
                 tensors.add(n.name)
             return v
 
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
+    with _fake_mode() as mode, torch.no_grad():
         Record(gm).run(mode.from_tensor(example))
     return {n for n in graph.nodes if n.name in tensors}
 

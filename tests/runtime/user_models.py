@@ -472,9 +472,7 @@ class EinsumMQA(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = torch.einsum("btd,dhe->bhte", x, self.wq)
         k, v = torch.einsum("btd,dce->cbte", x, self.wkv).unsqueeze(2).unbind(0)
-        out = F.scaled_dot_product_attention(
-            q, k.expand_as(q), v.expand_as(q), is_causal=True
-        )
+        out = F.scaled_dot_product_attention(q, k.expand_as(q), v.expand_as(q), is_causal=True)
         return torch.einsum("bhte,hed->btd", out, self.wo)
 
 
@@ -665,11 +663,30 @@ class MaskMoE(nn.Module):
         return out
 
 
+class SparseMoE(MaskMoE):
+    """Mixtral's original loop: each expert runs only on the tokens routed to it, found with
+    `torch.where` on a one-hot of the choices (data-dependent shapes) and scattered back with
+    `index_add_`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, h = x.shape
+        x_th = x.reshape(-1, h)
+        top_w, top_i = self.gate(x_th).softmax(-1).topk(self.top_k, dim=-1)
+        top_w = top_w / top_w.sum(-1, keepdim=True)
+        mask_ekt = F.one_hot(top_i, len(self.experts)).permute(2, 1, 0)
+        out = torch.zeros_like(x_th)
+        for e, expert in enumerate(self.experts):
+            slot, token = torch.where(mask_ekt[e])
+            out.index_add_(0, token, expert(x_th[token]) * top_w[token, slot, None])
+        return out.reshape(b, t, h)
+
+
 class MoEBlock(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
+    def __init__(self, dim: int, heads: int, sparse: bool = False) -> None:
         super().__init__()
         self.ln_1, self.attn = nn.LayerNorm(dim), NanoCausalSelfAttention(dim, heads)
-        self.ln_2, self.moe = nn.LayerNorm(dim), MaskMoE(dim, 2 * dim)
+        self.ln_2 = nn.LayerNorm(dim)
+        self.moe = (SparseMoE if sparse else MaskMoE)(dim, 2 * dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -677,10 +694,12 @@ class MoEBlock(nn.Module):
 
 
 class UserMoELM(nn.Module):
-    def __init__(self, vocab=VOCAB, dim=HIDDEN, heads=HEADS, layers=LAYERS, max_len=16):
+    def __init__(
+        self, vocab=VOCAB, dim=HIDDEN, heads=HEADS, layers=LAYERS, max_len=16, sparse=False
+    ):
         super().__init__()
         self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(max_len, dim)
-        self.h = nn.ModuleList(MoEBlock(dim, heads) for _ in range(layers))
+        self.h = nn.ModuleList(MoEBlock(dim, heads, sparse) for _ in range(layers))
         self.ln_f, self.lm_head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
@@ -854,6 +873,7 @@ MODELS: dict[str, UserModel] = {
         UserModel("shared-block", SharedBlockLM, token_batch),
         UserModel("convnet", ConvNet, image_batch),
         UserModel("user-moe", UserMoELM, token_batch, moe=True),
+        UserModel("sparse-moe", lambda: UserMoELM(sparse=True), token_batch, moe=True),
         _hf("llama"),
         _hf("gpt2"),
         _hf("gpt_neox"),
