@@ -87,7 +87,6 @@ import functools
 import json
 import os
 import re
-import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
@@ -125,6 +124,7 @@ from .hardware import (
     known_gpus,
     known_links,
 )
+from .plan import write_text_file
 
 __all__ = [
     "CLUSTER_SCHEMA",
@@ -1067,14 +1067,7 @@ def dump_cluster(cluster: Cluster, path: str | os.PathLike[str]) -> None:
                 text += yaml.safe_dump(
                     {key: data[key]}, sort_keys=False, default_flow_style=flow, width=120
                 )
-    fd, tmp = tempfile.mkstemp(dir=file.parent or ".", prefix=f".{file.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(text)
-        os.replace(tmp, file)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text_file(file, text)  # atomic; keeps a file's mode, writes through links
 
 
 # --------------------------------------------------------------------------------------------
@@ -1241,14 +1234,7 @@ def dump_profile(profile: ClusterProfile, path: str | os.PathLike[str]) -> None:
         text = json.dumps(data, indent=1) + "\n"
     else:
         text = yaml.safe_dump(data, sort_keys=False, width=120)
-    fd, tmp = tempfile.mkstemp(dir=file.parent or ".", prefix=f".{file.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(text)
-        os.replace(tmp, file)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text_file(file, text)  # atomic; keeps a file's mode, writes through links
 
 
 # --------------------------------------------------------------------------------------------

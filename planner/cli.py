@@ -996,11 +996,19 @@ def launch(
             rdzv_endpoint=rdzv_endpoint,
             dry_run=dry_run,
             echo=lambda line: out.print(line, soft_wrap=True, markup=False),
+            on_failure=causes.append,
         )
 
+    causes: list[str] = []  # the ranks' own account of a failure (runtime/watchdog.py)
     code = go()
     if code:
-        err.print(f"[bold red]error:[/] training exited with status {code} (see the rank above)")
+        why = causes[0] if causes else "see the rank above"
+        from rich.markup import escape
+
+        err.print(
+            f"[bold red]error:[/] training exited with status {code}: {escape(why)}",
+            soft_wrap=True,
+        )
         raise typer.Exit(code)
 
 

@@ -220,7 +220,8 @@ def parse_tokens(value: str | float | int) -> float:
 
 def parse_vary(text: str) -> tuple[str, list[str]]:
     """`AXIS=V1,V2,...` -> (axis, values). Bandwidth values without a unit take the unit of the
-    last value that has one ("100,200,400Gbps"), or Gbps when none has."""
+    last value that has one ("100,200,400Gbps"); when none has one the list is refused, as a
+    cluster file refuses a bare bandwidth (bytes/s? Gb/s?), naming the accepted forms."""
     axis, sep, rest = text.partition("=")
     axis = axis.strip().lower().replace("-", "_")
     if not sep or not rest.strip():
@@ -232,7 +233,12 @@ def parse_vary(text: str) -> tuple[str, list[str]]:
         raise ValueError(f"--vary {axis}: empty value in {rest!r}")
     if axis in _BANDWIDTH_AXES:
         units = [re.sub(r"^[-+0-9.eE\s]+", "", v) for v in values]
-        default = next((u for u in reversed(units) if u), "Gbps")
+        default = next((u for u in reversed(units) if u), None)
+        if default is None:
+            try:
+                parse_bandwidth(values[0], unit_required=True)
+            except ValueError as e:
+                raise ValueError(f"--vary {axis}: {e}") from None
         values = [v if u else f"{v}{default}" for v, u in zip(values, units)]
     return axis, values
 
@@ -324,7 +330,7 @@ def _axis_values(axis: str, values: Sequence[object]) -> list[tuple[object, str]
             out.append((name, name))
         else:
             try:
-                bw = parse_bandwidth(v)
+                bw = parse_bandwidth(v, unit_required=True)  # as cluster files
             except ValueError as e:
                 raise ValueError(f"vary {axis}: {e}") from None
             out.append((bw, _bandwidth_text(bw)))

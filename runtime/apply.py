@@ -79,6 +79,7 @@ from meshplan.ir.plan import Plan, plan_problem
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from . import watchdog
 from .context_parallel import (
     ContextParallel,
     apply_context_parallel,
@@ -255,6 +256,7 @@ class Runner:
         first_names: dict[str, str] | None = None,
     ) -> None:
         self.ctx, self.modules, self.optimizer, self.loss_fn = ctx, modules, optimizer, loss_fn
+        self.steps = 0  # steps started (`watchdog.progress`)
         # The loss runs on vocab-sharded logits under torch's `loss_parallel` (TP only).
         self.vocab_parallel_loss = vocab_parallel_loss
         self.module = modules[0]
@@ -297,6 +299,8 @@ class Runner:
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """Forward, backward and optimizer step on one global batch; the global mean loss."""
+        watchdog.progress(self.steps)  # named in the line a stalled peer prints
+        self.steps += 1
         x, y = self._local(inputs, "inputs"), self._local(targets, "targets")
         with loss_context(self.vocab_parallel_loss):  # backward must run inside it too
             if self.schedule is None:

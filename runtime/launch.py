@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import pickle
 import shlex
+import shutil
 import signal
 import socket
 import sys
@@ -31,7 +32,8 @@ from pathlib import Path
 
 from meshplan.ir.plan import Plan
 
-from .errors import RankFailure, RuntimePlanError
+from .errors import RankExit, RankFailure, RuntimePlanError
+from .watchdog import REPORT_DIR_ENV, culprits, is_peer_error, split_culprits
 
 PLAN_ENV = "MESHPLAN_PLAN"
 DEFAULT_PORT = 29500
@@ -181,6 +183,7 @@ def launch(
     rdzv_endpoint: str | None = None,
     dry_run: bool = False,
     echo: Callable[[str], None] = print,
+    on_failure: Callable[[str], None] | None = None,
 ) -> int:
     """`meshplan launch`: check the machine and run this node's torchrun (exit status back).
 
@@ -188,6 +191,12 @@ def launch(
     is refused), checked by the runtime's `check_plan`, and the node rank and rendezvous
     endpoint are checked, all before anything starts and under `dry_run` too. With
     `dry_run`, print every node's command and start nothing.
+
+    While torchrun runs, the ranks' watchdogs (`runtime/watchdog.py`) leave their one-line
+    causes in a report directory (`MESHPLAN_REPORT_DIR`); a rank they name as stopped is
+    killed here (torchrun's SIGTERM does not end a stopped process; it waits 30 s before
+    SIGKILL). On a non-zero exit `on_failure` gets the line that explains the run
+    (`failure_summary`).
     """
     import subprocess
 
@@ -206,7 +215,107 @@ def launch(
     cmd = commands[node_rank]
     env = dict(os.environ)
     env.update(dict(cmd.env))
-    return subprocess.call(list(cmd.argv), env=env)
+    reports = Path(tempfile.mkdtemp(prefix="meshplan-launch-"))
+    env[REPORT_DIR_ENV] = str(reports)
+    try:
+        with subprocess.Popen(list(cmd.argv), env=env) as proc:
+            try:
+                code, first_gone = _supervise(proc, reports)
+            except BaseException:  # Ctrl-C reaches torchrun too; do not leave it behind
+                proc.kill()
+                raise
+        if code and on_failure is not None:
+            line = failure_summary(reports)
+            if line is None and first_gone is not None:
+                line = (
+                    f"rank {first_gone} ended first, without a report (killed by a signal: "
+                    "SIGKILL, the OOM killer?); torchrun then stopped the others"
+                )
+            if line is not None:
+                on_failure(line)
+        return code
+    finally:
+        shutil.rmtree(reports, ignore_errors=True)
+
+
+def _supervise(proc, reports: Path, grace_s: float = 2.0) -> tuple[int, int | None]:
+    """Wait for torchrun; once a rank reports that a peer on this node stopped arriving,
+    give it `grace_s`, then kill that peer (a stopped process ignores torchrun's SIGTERM).
+    Returns torchrun's exit status and the local rank whose process ended first while the
+    others still ran (None when none did alone)."""
+    first: float | None = None
+    killed = False
+    running: dict[int, int] = {}  # local rank -> pid, from the ranks' pid files
+    first_gone: int | None = None
+    while (code := proc.poll()) is None:
+        time.sleep(0.1)
+        if first_gone is None:
+            for path in reports.glob("*.pid"):
+                rank = int(path.stem)
+                if rank not in running:
+                    try:
+                        running[rank] = int(path.read_text().split()[0])
+                    except (OSError, ValueError, IndexError):
+                        continue
+            gone = [r for r, pid in running.items() if not _process_running(pid)]
+            if len(gone) == 1 and len(running) > 1:
+                first_gone = gone[0]
+            elif gone:
+                first_gone = -1  # several at once: no first
+        if killed:
+            continue
+        if first is None and any(reports.glob("*.err")):
+            first = time.monotonic()
+        if first is not None and time.monotonic() > first + grace_s:
+            killed = True
+            for rank in {r for line in _report_lines(reports).values() for r in culprits(line)}:
+                _kill_local_rank(reports, rank)
+    return code, (first_gone if first_gone is not None and first_gone >= 0 else None)
+
+
+def _process_running(pid: int) -> bool:
+    """False once `pid` has exited (a zombie not yet reaped by torchrun counts as exited)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+            return True
+        except OSError:
+            return False
+
+
+def _report_lines(reports: Path) -> dict[int, str]:
+    """Reporting rank -> the first line of its report, in the order they were written."""
+    out = []
+    for path in reports.glob("*.err"):
+        try:
+            line = path.read_text().partition("\n")[0]
+            out.append((path.stat().st_mtime, int(path.stem), line))
+        except (OSError, ValueError):
+            continue
+    return {rank: line for _, rank, line in sorted(out)}
+
+
+def _kill_local_rank(reports: Path, rank: int) -> None:
+    try:
+        pid, host = (reports / f"{rank}.pid").read_text().split()
+        if host == socket.gethostname():
+            os.kill(int(pid), signal.SIGKILL)
+    except (OSError, ValueError):
+        pass
+
+
+def failure_summary(reports: Path) -> str | None:
+    """The report line that explains a failed run: a rank's own error first, then a line
+    naming a stopped or dead peer, then any other (earliest of each kind); None without
+    reports."""
+    lines = _report_lines(reports)
+    if not lines:
+        return None
+    reported = set(lines)
+    order = sorted(lines.items(), key=lambda kv: _failure_class(*kv, reported))  # time order
+    return order[0][1]
 
 
 # -- local fork launcher ----------------------------------------------------------------------
@@ -239,6 +348,17 @@ def run_local(
     """
     port = free_port()
     workdir = Path(tempfile.mkdtemp(prefix="meshplan-ranks-"))
+    try:
+        return _fork_ranks(
+            fn, args, world_size, port, workdir, timeout_s, collective_timeout_s, threads_per_rank
+        )
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _fork_ranks(
+    fn, args, world_size, port, workdir, timeout_s, collective_timeout_s, threads_per_rank
+) -> list[object]:
     pids: dict[int, int] = {}
     for rank in range(world_size):
         pid = os.fork()
@@ -266,9 +386,11 @@ def run_local(
                 os._exit(code)
         pids[pid] = rank
     failures: list[tuple[float, int, str, str]] = []
+    exits: list[RankExit] = []
     deadline = time.monotonic() + timeout_s
     # After a first failure, how long the others get to report theirs (a peer blocked on the
-    # failed rank fails within one collective timeout) before they are killed.
+    # failed rank fails within one collective timeout; the watchdog makes every rank leave
+    # within one beat of the first) before they are killed.
     grace_s = min(10.0, collective_timeout_s + 2.0)
     alive = dict(pids)
     try:
@@ -283,6 +405,10 @@ def run_local(
                     break
                 if failures and time.monotonic() > failures[0][0] + grace_s:
                     break  # the rest are blocked on the failed peer: stop waiting
+                if failures and set(alive.values()) <= {
+                    r for f in failures for r in culprits(f[2])
+                }:
+                    break  # only ranks named as stopped are left: they report nothing
                 time.sleep(0.02)
                 continue
             if pid not in alive:
@@ -292,6 +418,7 @@ def run_local(
             if code != 0:
                 cause, detail = _read_error(workdir, rank, code)
                 failures.append((time.monotonic(), rank, cause, detail))
+                exits.append(RankExit(rank, time.time(), cause))
     finally:
         for p in alive:
             try:
@@ -300,18 +427,26 @@ def run_local(
             except (ProcessLookupError, ChildProcessError):
                 pass
     if failures:
-        failures.sort(key=lambda f: (_is_secondary(f[2]), f[0]))
+        killed = tuple(sorted(alive.values()))
+        reported = {f[1] for f in failures if (workdir / f"{f[1]}.err").exists()}
+        failures.sort(key=lambda f: (_failure_class(f[1], f[2], reported), f[0]))
         _, rank, cause, detail = failures[0]
+        named, rest = split_culprits(cause)
+        if named and rank not in named:
+            # A peer's watchdog (or error path) named the rank that stopped arriving
+            raise RankFailure(named[0], rest, detail, tuple(exits), killed)
         stuck = sorted(r for r in alive.values() if not any(f[1] == r for f in failures))
-        if stuck and _is_secondary(cause):
+        if stuck and is_peer_error(cause):
             # The failures are peers timing out on a rank that never arrived: name that rank.
             raise RankFailure(
                 stuck[0],
                 f"never arrived: still running after rank {rank} gave up waiting for its "
                 f"peers ({cause})",
                 detail,
+                tuple(exits),
+                killed,
             )
-        raise RankFailure(rank, cause, detail)
+        raise RankFailure(rank, cause, detail, tuple(exits), killed)
     results = []
     for rank in range(world_size):
         with open(workdir / f"{rank}.out", "rb") as f:
@@ -319,11 +454,17 @@ def run_local(
     return results
 
 
-def _is_secondary(cause: str) -> bool:
-    """Errors a rank reports because a *peer* failed (connection closed, timeouts). A rank
-    killed by a signal (OOM killer, SIGKILL) is a cause, named before the peers it fails."""
-    text = cause.lower()
-    return any(k in text for k in ("connection closed", "connection reset", "timed out", "timeout"))
+def _failure_class(rank: int, cause: str, reported: set[int]) -> int:
+    """Which failure explains a run: 0 a rank's own error or a signal that killed it, 1 a
+    peer's report naming another rank (the watchdog's "rank R stopped arriving"), 2 a peer
+    that only saw a connection close or a timeout. A report naming a rank that left a
+    report of its own (`reported`: it ended by itself, it did not stop) counts as 2."""
+    named = culprits(cause)
+    if named:
+        if rank in named:
+            return 0
+        return 2 if set(named) & reported else 1
+    return 2 if is_peer_error(cause) else 0
 
 
 def _rank_main(
@@ -338,6 +479,7 @@ def _rank_main(
         LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
+        **{REPORT_DIR_ENV: str(workdir)},  # the watchdog leaves `<rank>.err` here
     )
     # A rank stuck past the deadline dumps every thread's stack and exits.
     faulthandler.dump_traceback_later(timeout_s, exit=True)
@@ -347,12 +489,13 @@ def _rank_main(
         import torch
         import torch.distributed as dist
 
-        from .mesh import shutdown_distributed
+        from .mesh import bound_process_groups, shutdown_distributed
 
         torch.set_num_threads(threads)  # ranks share the host's cores
         dist.init_process_group(
             "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=coll_timeout_s)
         )
+        bound_process_groups(coll_timeout_s)  # every group bounded; the heartbeat watchdog
         result = fn(*args)
         # A rank that finished leaves only when every rank has, and with no gloo thread left
         # (`mesh.shutdown_distributed`). One that failed exits at once (below): its peers
@@ -362,8 +505,14 @@ def _rank_main(
             pickle.dump(result, f)
         return 0
     except BaseException as e:  # report, then exit non-zero: the parent names this rank
+        from .watchdog import failure_line
+
+        # This rank's own error, or, when it failed because a peer stopped or died, the
+        # line naming that peer (the watchdog's diagnosis)
+        line = failure_line(e, rank)
+        own = f"rank {rank} failed: "
         with open(workdir / f"{rank}.err", "w") as f:
-            f.write(f"{type(e).__name__}: {e}".splitlines()[0] + "\n")
+            f.write((line[len(own) :] if line.startswith(own) else line) + "\n")
             f.write(traceback.format_exc())
         sys.stderr.write(f"[rank {rank}] {traceback.format_exc()}")
         return 1

@@ -45,6 +45,7 @@ from meshplan.ir.plan import MESH_AXES, Plan, RankAssignment
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import watchdog
 from .errors import RuntimePlanError
 
 DEFAULT_TIMEOUT_S = 300.0  # a peer that never arrives fails the step instead of hanging
@@ -59,7 +60,9 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None =
     """Join the process group torchrun (or `run_local`) described in the environment.
 
     No-op when already initialised. gloo on CPU, NCCL when CUDA is present. The timeout
-    bounds every collective, so a rank that dies or never arrives cannot hang the others.
+    bounds every collective and receive, on every process group made afterwards too
+    (DeviceMesh's, `new_group`'s), and a heartbeat thread makes every rank leave within it
+    when one stops or dies, naming that rank (`runtime/watchdog.py`).
     """
     if dist.is_initialized():
         return
@@ -76,9 +79,32 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None =
                 f"not form within {timeout_s:.0f} s ({first})"
             ) from e
         raise RuntimeError(f"rank {rank}: cannot join the process group: {first}") from e
+    bound_process_groups(timeout_s)
     # Leave cleanly at interpreter exit too (after an uncaught exception: without waiting for
     # peers, which may be gone); a no-op once the script has shut down itself.
     atexit.register(lambda: shutdown_distributed(barrier=not hasattr(sys, "last_value")))
+
+
+def bound_process_groups(timeout_s: float | None = None) -> None:
+    """Bound every process group made from now on by `timeout_s` (default: the default
+    group's timeout) and start this rank's watchdog (once). `init_distributed` and
+    `run_local` call it; `build_mesh` too, for a process group a script made itself."""
+    if timeout_s is None:
+        timeout_s = _default_group_timeout_s()
+        if timeout_s is None:
+            return
+    watchdog.bound_new_groups(timedelta(seconds=timeout_s))
+    watchdog.start_watchdog(timeout_s)
+
+
+def _default_group_timeout_s() -> float | None:
+    """The default process group's timeout in seconds (None when torch does not say)."""
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+        return pg._get_backend(device).options._timeout.total_seconds()
+    except Exception:
+        return None
 
 
 def shutdown_distributed(barrier: bool = True) -> None:
@@ -102,7 +128,9 @@ def shutdown_distributed(barrier: bool = True) -> None:
                 dist.barrier()
             except Exception:  # a peer that failed reports itself; leave anyway
                 pass
+        watchdog.stop_watchdog()  # peers stop expecting this rank's beat
         dist.destroy_process_group()
+    watchdog.stop_watchdog()
     _clear_dtensor_caches()
     gc.collect()
 
@@ -228,6 +256,8 @@ def build_mesh(plan: Plan, device: torch.device | None = None) -> RankContext:
             f"launch with `meshplan launch` (or torchrun --nproc-per-node {len(ranks)})"
         )
     check_stage_widths(plan)
+    if watchdog.active() is None:  # a process group the script made itself: bound it too
+        bound_process_groups()
     if plan.stages[0].group_tp:
         return _build_group_meshes(plan, ranks, device)
     shape = plan.mesh_shape

@@ -139,6 +139,28 @@ def test_custom_gpu_and_links_round_trip(tmp_path: Path) -> None:
         assert load_cluster(tmp_path / name) == cluster
 
 
+def test_dump_is_the_shared_atomic_write(tmp_path: Path) -> None:
+    """dump_cluster / dump_profile write as every output file does (`write_text_file`): an
+    existing file keeps its mode, a symbolic link is written through, no temp file is left."""
+    import os
+
+    from meshplan.ir.cluster import ClusterProfile
+    from meshplan.ir.cluster_io import dump_profile, load_profile
+
+    target = tmp_path / "real.yaml"
+    target.write_text("old")
+    target.chmod(0o640)
+    link = tmp_path / "c.yaml"
+    link.symlink_to(target)
+    dump_cluster(preset_cluster("default"), link)
+    assert link.is_symlink() and load_cluster(target) == preset_cluster("default")
+    assert oct(target.stat().st_mode & 0o777) == oct(0o640)
+    profile = ClusterProfile(source="test")
+    dump_profile(profile, tmp_path / "p.json")
+    assert load_profile(tmp_path / "p.json") == profile
+    assert sorted(os.listdir(tmp_path)) == ["c.yaml", "p.json", "real.yaml"]
+
+
 def test_to_dict_layout_loads_back() -> None:
     cluster = preset_cluster("mixed-h100-a100")
     data = json.loads(json.dumps(cluster.to_dict()))

@@ -248,7 +248,12 @@ def test_parsers():
         ["100Gbps", "200Gbps", "400Gbps"],
     )
     assert W.parse_vary("wan-bw=10,50GB/s") == ("wan_bw", ["10GB/s", "50GB/s"])
-    assert W.parse_vary("inter_bw=100,200")[1] == ["100Gbps", "200Gbps"]
+    # No unit anywhere: refused as a cluster file refuses it (bytes/s? Gb/s?), naming forms.
+    for bare in ("inter_bw=100", "inter_bw=100,200", "wan_bw=50e9"):
+        with pytest.raises(ValueError, match="bare number is ambiguous.*'100 Gb/s'"):
+            W.parse_vary(bare)
+    with pytest.raises(ValueError, match="bare number is ambiguous"):
+        W.sweep_points(["rtx4090-ethernet"], {"inter_bw": [100]})
     assert W.parse_vary("gpus=64,128") == ("gpus", ["64", "128"])
     assert W.parse_price("A100=1.5") == ("A100-80GB", 1.5)
     assert [m.parts for m in W.parse_mix("H100:A100=1:3,1:1")] == [(1, 3), (1, 1)]
