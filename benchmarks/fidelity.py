@@ -46,7 +46,11 @@ How each source's rows are read (see also docs/fidelity.md):
   in forward, one in backward and a reduce-scatter per micro-batch); the micro-batch column is
   `device_train_microbatch_size` (grad_accum = global_batch / (gpus * micro_batch), exact on
   every row); recompute "full" = FSDP activation checkpointing of every block; bf16 with
-  FlashAttention (fused SDPA), eager kernels (no torch.compile, no fused norms). The model is
+  MPT's `attn_impl: triton` (the benchmark script's default when the A100 tables were run):
+  flash-attn's Triton FlashAttention, "slightly slower" than FlashAttention 1.x by its own
+  docstring, priced at FlashAttention 1.x's published throughput (the `flash1` attention
+  engine, `cost_model.compute.ATTENTION_TFLOPS`), and flash-attn's fused cross entropy (the
+  `fused_loss` engine); eager kernels (no torch.compile, no fused norms). The model is
   MPT as the benchmark yamls build it: `MPTConfig` defaults, so learned positions (no ALiBi)
   and biases, LayerNorm, GELU MLP of 4h, tied embeddings, vocab 50368 = the zoo's GPT style:
   its parameter count equals the README's `NumParams` to the parameter on every size and
@@ -157,6 +161,7 @@ class Case:
     # filled by the run
     predicted_step_s: float = math.nan
     predicted_mem_gib: float | None = None
+    predicted_fits: bool | None = None  # the predicted peak fits the GPU's memory
     breakdown: dict = field(default_factory=dict)
     # filled by `validate`: the step time under each validation method (module docstring)
     refit_step_s: float = math.nan
@@ -338,6 +343,14 @@ def interpret(i: int, r: dict[str, str]) -> Case:
         case.cluster = "mosaic-a100-40" if "40GB" in r["gpu_type"] else "mosaic-a100-80"
         full = rc_raw.startswith("full")
         par |= {"micro_batch": mb, "recompute": "full" if full else "none", "zero": 3}
+        # The A100 tables were run with `scripts/train/benchmarking/submit_benchmarks.py`,
+        # whose `--attn_impl` default was "triton" until 2024-03 (the 40GB table: llm-foundry
+        # commit ef350d9e6, 2023-07; the 80GB one: b2a43a147, 2023-10; sweep.sh does not
+        # override it): MPT's copy of flash-attn's `flash_attn_triton.py`, "slightly slower"
+        # than FlashAttention 1.x by its docstring, so priced as "flash1". Its loss is
+        # flash-attn's fused cross entropy (MPT's `loss_fn` default "fused_crossentropy" in
+        # llm-foundry's `ComposerMPTCausalLM` at both commits).
+        case.engine = engine | {"attention": "flash1", "fused_loss": True}
         case.measured_step_s = gb * seq / (case.value * gpus)
         n = mpt_params(layers, hidden, heads, seq)
         # The README's MFU: (6 N + 12 l h s) FLOPs per token (attention's full square) over
@@ -494,6 +507,7 @@ def run_case(case: Case, cache_dir: Path | None) -> None:
         engine=Engine(**case.engine),
     )
     case.predicted_step_s = pred.step_time_s
+    case.predicted_fits = pred.fits
     case.breakdown = {k: round(v, 6) for k, v in pred.breakdown}
     if case.measured_mem_gib is not None:
         case.predicted_mem_gib = (pred.peak_memory_bytes - CONTEXT_BYTES) / GiB
@@ -1008,6 +1022,8 @@ def summarize(cases: list[Case]) -> dict:
         "step_p90_abs_error": percentile(step, 90),
         "memory_rows": len(mem),
         "memory_median_abs_error": statistics.median(mem) if mem else math.nan,
+        # Every counted row ran, so a predicted peak over the GPU's memory is an error too.
+        "predicted_over_memory": sum(c.predicted_fits is False for c in counted),
     }
 
 
@@ -1085,7 +1101,8 @@ def print_report(cases: list[Case], out=sys.stdout) -> None:
         f"step time (shipped constants): median |error| {s['step_median_abs_error']:.1%}, "
         f"p90 {s['step_p90_abs_error']:.1%}\n"
         f"peak memory: median |error| {s['memory_median_abs_error']:.1%} "
-        f"over {s['memory_rows']} rows\n"
+        f"over {s['memory_rows']} rows; {s['predicted_over_memory']} of {s['counted']} rows "
+        "(all of which ran) predicted over their GPU's memory\n"
     )
 
 

@@ -74,14 +74,20 @@ class KernelEfficiency:
 
 
 # Per GPU type (`GpuSpec.name`). Where each number comes from:
-# - attention: published kernel benchmarks, not fitted here. FlashAttention-2 (Dao 2023,
-#   Fig. 5-6, head dim 128, causal, long sequences): A100 forward ~190-200 TFLOP/s of 312 and
-#   forward+backward ~ 170-190 (backward ~0.55 of peak). FlashAttention-3 (Shah et al. 2024,
-#   Fig. 1/4-5): on H100 FA2 reaches ~330-370 TFLOP/s forward (~0.35 of 989), cuDNN and FA3
-#   ~500-650 forward, backward ~0.3-0.45. The H100 value sits between FA2 (PyTorch SDPA,
-#   torchtitan) and cuDNN (Transformer Engine, Megatron-Core). V100 has no flash kernel with
-#   bf16 tensor cores; the fp16 FlashAttention-1 paper (Dao et al. 2022) reports ~0.5 of peak
-#   on A100 and V100-era fused kernels are assumed at the same fraction.
+# - attention: published kernel benchmarks, not fitted here, for FlashAttention-2 at its
+#   reference shape (head dim 128, causal, >= 16k tokens: `ATTENTION_REFERENCE`); other
+#   shapes and kernels scale both by `attention_shape_factor`. A100: FlashAttention-2 (Dao
+#   2023, Fig. 4(d), A100 80GB SXM4) runs forward + backward of causal head-dim-128 attention
+#   at 189 TFLOP/s at 16k tokens, 0.606 of 312; split into forward 0.661 and backward 0.586
+#   so that 3.5 / (1 / 0.661 + 2.5 / 0.586) = 0.606 (the backward does 2.5x the forward's
+#   FLOPs, FA2 paper section 4.1), with the backward at 0.89 of the forward's rate (the
+#   FA2 paper reports its backward below its forward efficiency; the 0.89 ratio is the one the
+#   earlier shipped 0.62 / 0.55 had, not re-read from its Fig. 5-6). FlashAttention-3 (Shah
+#   et al. 2024, Fig. 1/4-5): on H100 FA2 reaches ~330-370 TFLOP/s forward (~0.35 of 989),
+#   cuDNN and FA3 ~500-650 forward, backward ~0.3-0.45. The H100 value sits between FA2
+#   (PyTorch SDPA, torchtitan) and cuDNN (Transformer Engine, Megatron-Core). V100 has no
+#   flash kernel with bf16 tensor cores; the fp16 FlashAttention-1 paper (Dao et al. 2022)
+#   reports ~0.5 of peak on A100 and V100-era fused kernels are assumed at the same fraction.
 # - gemm (bf16/fp16) and gemm_fp8: fitted per GPU type on the published runs of that type,
 #   `python benchmarks/fidelity.py --fit` (each type's value zeroes the median signed
 #   step-time error of its counted rows, bisection within 0.3-0.9; docs/fidelity.md lists
@@ -101,10 +107,10 @@ _FIT = "benchmarks/fidelity.py --fit"
 KERNEL_EFFICIENCY: dict[str, KernelEfficiency] = {
     "V100": KernelEfficiency(0.809, 0.50, 0.45, 0.8, f"2020 Megatron DGX-2 rows ({_FIT})"),
     "A100-80GB": KernelEfficiency(
-        0.743, 0.62, 0.55, 0.8, f"Korthikanti T5, Megatron and torchtitan A100 rows ({_FIT})"
+        0.743, 0.661, 0.586, 0.8, f"Korthikanti T5, Megatron and torchtitan A100 rows ({_FIT})"
     ),
-    "A100-40GB": KernelEfficiency(0.743, 0.62, 0.55, 0.8, "as A100-80GB"),
-    "A100-PCIe": KernelEfficiency(0.743, 0.62, 0.55, 0.8, "as A100-80GB"),
+    "A100-40GB": KernelEfficiency(0.743, 0.661, 0.586, 0.8, "as A100-80GB"),
+    "A100-PCIe": KernelEfficiency(0.743, 0.661, 0.586, 0.8, "as A100-80GB"),
     "H100": KernelEfficiency(
         0.631, 0.45, 0.38, 0.8, f"Megatron-Core r0.8 table ({_FIT})", gemm_fp8=0.641
     ),
@@ -152,7 +158,95 @@ VECTOR_FLOP_EFFICIENCY = 0.07
 KERNEL_FLOOR_S = 5e-6
 
 # Flash attention computes only the unmasked tiles of a causal mask: about half the FLOPs.
+# Exactly half is the FlashAttention papers' convention for their causal TFLOP/s (Dao 2023,
+# section 4.1, and flash-attn's `benchmarks/benchmark_flash_attention.py`: forward FLOPs
+# 4 b s^2 a d for a heads, halved when causal, backward 2.5x, fwd + bwd 3.5x); the kernel runs
+# (n + 1) / 2n of the n x n tiles (the diagonal ones whole), and that extra work is in the measured
+# throughputs of `ATTENTION_TFLOPS`, which are stated on the halved count. So the halving
+# here and those efficiencies go together. The traced backward (flop_counter's
+# `sdpa_backward_flop_count`) is 5 matmuls, 2.5x the forward: it includes the recompute of
+# Q K^T that flash attention does in its backward, the same count as the papers'.
 CAUSAL_FLOP_FRACTION = 0.5
+
+# Measured forward + backward throughput of fused-attention kernels, TFLOP/s on A100 80GB
+# SXM4 (peak 312), by kernel, head dim, causal mask and sequence length 512, 1k, 2k, 4k, 8k,
+# 16k (batch x sequence = 16k tokens, 2048 hidden, fp16): FlashAttention-2 paper (Dao 2023,
+# "FlashAttention-2: Faster Attention with Better Parallelism and Work Partitioning",
+# Fig. 4(a)-(d), the labels of its bars; FLOPs counted as in `CAUSAL_FLOP_FRACTION`).
+# Kernels (`Engine.attention`): "flash2" FlashAttention-2 (flash-attn 2.x, PyTorch SDPA's
+# flash backend), "flash1" FlashAttention (flash-attn 1.x CUDA). The figure's "FlashAttention
+# Triton" bars are OpenAI Triton's `triton.ops.flash_attention` (flash-attn's
+# `benchmarks/benchmark_flash_attention.py` of the FA2 release), not flash-attn's own
+# `flash_attn_triton.py` that MosaicML's MPT runs as `attn_impl: triton`; that one states
+# "Overall Triton forward + backward is slightly slower than CUDA forward + backward" (its
+# docstring; CUDA = FlashAttention 1.x), so it is priced as "flash1", a slight overestimate of
+# its speed. Two FA2 labels are hidden by the legend: non-causal head dim 128 at 512 and 1k,
+# read off the bar heights (151, 173); head dim 64 at 1k reads 153.
+ATTENTION_SEQ_POINTS = (512, 1024, 2048, 4096, 8192, 16384)
+ATTENTION_TFLOPS: dict[tuple[str, int, bool], tuple[float, ...]] = {
+    ("flash2", 64, True): (88, 119, 140, 156, 165, 171),  # Fig. 4(c)
+    ("flash2", 128, True): (99, 133, 155, 173, 182, 189),  # Fig. 4(d)
+    ("flash2", 64, False): (132, 153, 162, 171, 175, 176),  # Fig. 4(a)
+    ("flash2", 128, False): (151, 173, 187, 196, 201, 203),  # Fig. 4(b)
+    ("flash1", 64, True): (58, 70, 77, 87, 92, 97),
+    ("flash1", 128, True): (55, 62, 69, 76, 80, 83),
+    ("flash1", 64, False): (91, 92, 104, 108, 110, 110),
+    ("flash1", 128, False): (76, 72, 76, 80, 82, 83),
+}
+# The shape `KernelEfficiency.attention_fwd` / `attention_bwd` are stated at: FlashAttention-2,
+# head dim 128, causal, 16k tokens (189 TFLOP/s on A100).
+ATTENTION_REFERENCE = ("flash2", 128, True, 16384)
+
+
+def attention_shape_factor(kernel: str, head_dim: int, causal: bool, seq_len: int) -> float:
+    """Throughput of fused attention with `kernel` at (head dim, causal, key length) relative
+    to the reference shape (`ATTENTION_REFERENCE`), from the A100 measurements of
+    `ATTENTION_TFLOPS`: linear in log2 of the sequence between the measured lengths, held at
+    the ends (512 and 16k; from 8k to 16k the kernels gain at most 5%: saturated), linear in
+    the head dim between 64 and 128 and held outside (smaller heads run slower still:
+    optimistic below 64). The same relative curve is used on every GPU type (assumption; the
+    FA2 release's H100 runs, flash-attn's `assets/flash2_h100_fwd_bwd_benchmark.png` panel
+    (d), give 163 / 328 = 0.50 at 512 and 294 / 328 = 0.90 at 4k where A100 gives 0.52 and
+    0.92)."""
+    if not ATTENTION_TFLOPS.get((kernel, 128, True)):
+        raise ValueError(f"unknown attention kernel {kernel!r}")
+    pts = ATTENTION_SEQ_POINTS
+    x = math.log2(min(max(seq_len, pts[0]), pts[-1]))
+
+    def at(d: int) -> float:
+        ys = ATTENTION_TFLOPS[(kernel, d, causal)]
+        for i in range(len(pts) - 1):
+            x0, x1 = math.log2(pts[i]), math.log2(pts[i + 1])
+            if x <= x1:
+                return ys[i] + (ys[i + 1] - ys[i]) * (x - x0) / (x1 - x0)
+        return ys[-1]
+
+    w = (min(max(head_dim, 64), 128) - 64) / 64
+    ref_kernel, ref_d, ref_causal, ref_s = ATTENTION_REFERENCE
+    ref = ATTENTION_TFLOPS[(ref_kernel, ref_d, ref_causal)][pts.index(ref_s)]
+    return ((1 - w) * at(64) + w * at(128)) / ref
+
+
+def attention_efficiency(
+    op: Op, gpu: GpuSpec, *, backward: bool = False, kernel: str = "flash2"
+) -> float:
+    """Fraction of the peak a fused attention op sustains in one direction: the GPU type's
+    reference efficiency (`KernelEfficiency.attention_fwd` / `attention_bwd`) times the shape
+    factor of its head dim, mask and key length under `kernel` (`attention_shape_factor`)."""
+    k = kernel_efficiency(gpu)
+    base = k.attention_bwd if backward else k.attention_fwd
+    shapes = [t.shape for t in op.inputs[:2]]
+    if len(shapes) < 2 or len(shapes[0]) != 4 or len(shapes[1]) != 4:
+        return base  # not (batch, heads, sequence, head dim) q and k: shape unknown
+    s_k, head_dim = shapes[1][2], int(op.attr("head_dim", 0)) or shapes[0][3]
+    causal = bool(op.attr("causal", False))
+    return base * _shape_factor(kernel, head_dim, causal, s_k)
+
+
+@functools.lru_cache(maxsize=4096)
+def _shape_factor(kernel: str, head_dim: int, causal: bool, seq_len: int) -> float:
+    return attention_shape_factor(kernel, head_dim, causal, seq_len)
+
 
 # Wave quantization (NVIDIA, "Matrix Multiplication Background User's Guide", Deep Learning
 # Performance docs, sections "Tile Quantization" and "Wave Quantization"): a GEMM's output is
@@ -226,6 +320,52 @@ def splits_with_tp(op: Op, block_kind: str) -> bool:
     return op.kind in _EDGE_TP_KINDS
 
 
+def loss_chain(block: Block) -> tuple[int, ...]:
+    """Indices of the ops of an epilogue that run on the logits: every op after the output
+    head (the block's last matmul) when a loss op follows it, else none. Eager PyTorch runs
+    them as a cast of the logits to fp32, a log-softmax (its fp32 output kept for backward)
+    and the NLL loss; a fused cross-entropy kernel (`Engine.fused_loss`) replaces them all."""
+    if block.kind != "epilogue":
+        return ()
+    heads = [i for i, op in enumerate(block.ops) if op.kind == OpKind.MATMUL]
+    if not heads:
+        return ()
+    chain = tuple(range(heads[-1] + 1, len(block.ops)))
+    if not any(block.ops[i].kind == OpKind.LOSS for i in chain):
+        return ()
+    return chain
+
+
+def logits_of(block: Block) -> tuple[int, int]:
+    """(bytes, rows) of the logits a `loss_chain` reads: the output head's output and its
+    number of rows (tokens); (0, 0) when the block has no loss chain."""
+    chain = loss_chain(block)
+    if not chain:
+        return 0, 0
+    out = block.ops[chain[0] - 1].outputs[0]
+    rows = out.numel // out.shape[-1] if out.shape else 0
+    return out.nbytes, rows
+
+
+# flash-attn's fused cross entropy (`flash_attn/losses/cross_entropy.py`, v1.0.x, the CUDA
+# `xentropy` kernel from apex): the forward reads the logits once and writes one loss and one
+# fp32 logsumexp per row (`ctx.save_for_backward(logits, lse, labels)`); the backward reads
+# the logits and writes their gradient (`inplace_backward=False`, its default). Bytes of HBM
+# traffic per logit: forward 1 read, backward 1 read + 1 write, at the logits' width.
+FUSED_LOSS_PASSES = {False: 1, True: 2}
+LSE_BYTES = 4  # fp32 logsumexp per row
+LABEL_BYTES = 8  # int64 label per row (saved with the logits and the logsumexp)
+
+
+def fused_loss_time(block: Block, gpu: GpuSpec, *, backward: bool = False) -> float:
+    """Roofline seconds of the fused cross-entropy kernel of `block` at its traced size, one
+    direction (memory-bound: `FUSED_LOSS_PASSES`)."""
+    nbytes, rows = logits_of(block)
+    k = kernel_efficiency(gpu)
+    traffic = FUSED_LOSS_PASSES[backward] * nbytes + (0 if backward else rows * LSE_BYTES)
+    return traffic / (gpu.hbm_bandwidth * k.memory)
+
+
 def effective_flops(op: Op, *, backward: bool = False) -> float:
     """The FLOPs a GPU actually executes for `op` (causal attention halved)."""
     flops = op.bwd_flops if backward else op.fwd_flops
@@ -234,13 +374,16 @@ def effective_flops(op: Op, *, backward: bool = False) -> float:
     return float(flops)
 
 
-def roofline_time(op: Op, gpu: GpuSpec, dtype: str, *, backward: bool = False) -> float:
-    """Roofline time of `op` at its traced size, without the kernel floor (seconds)."""
+def roofline_time(
+    op: Op, gpu: GpuSpec, dtype: str, *, backward: bool = False, attention: str = "flash2"
+) -> float:
+    """Roofline time of `op` at its traced size, without the kernel floor (seconds);
+    `attention` names the fused-attention kernel (`Engine.attention`)."""
     flops = effective_flops(op, backward=backward)
     nbytes = op.bwd_bytes if backward else op.fwd_bytes
     k = kernel_efficiency(gpu)
     if op.kind == OpKind.ATTENTION:
-        eff = k.attention_bwd if backward else k.attention_fwd
+        eff = attention_efficiency(op, gpu, backward=backward, kernel=attention)
     elif op.kind in TENSOR_CORE_KINDS:
         eff = k.gemm
     else:
@@ -451,6 +594,15 @@ def block_compute(block: Block, gpu: GpuSpec, dtype: str, engine: Engine = EAGER
     regions = {r.ops[0]: r for r in fusion_regions(block)} if engine.fused else {}
     fused = {i for r in regions.values() for i in r.ops}
     gemms: list[GemmTerm] = []
+    chain = set(loss_chain(block)) if engine.fused_loss else set()
+    if chain:  # one fused cross-entropy kernel in place of the loss chain (vocab-parallel)
+        regions = {i: r for i, r in regions.items() if not set(r.ops) & chain}
+        fused = {i for r in regions.values() for i in r.ops} | chain
+        fwd, bwd = (fused_loss_time(block, gpu, backward=b) for b in (False, True))
+        acc["fwd_tp"] += fwd
+        acc["sel_tp"] += fwd
+        acc["bwd_tp"] += bwd
+        n_fwd, n_sel, n_bwd = n_fwd + 1, n_sel + 1, n_bwd + 1
     for i, op in enumerate(block.ops):
         cls = "tp" if splits_with_tp(op, block.kind) else "sp"
         if i in regions:  # one fused kernel for the whole chain
@@ -464,13 +616,15 @@ def block_compute(block: Block, gpu: GpuSpec, dtype: str, engine: Engine = EAGER
         if i in fused:
             continue
         f8 = engine.float8 is not None and is_float8_linear(op, block)
-        terms = gemm_terms(op, gpu, dtype, cls, row_parallel=id(op) in rows, float8=f8)
+        terms = gemm_terms(
+            op, gpu, dtype, cls, row_parallel=id(op) in rows, float8=f8, attention=engine.attention
+        )
         if op.fwd_flops or op.fwd_bytes:
             if f8:
                 t = float8_linear_time(op, gpu, fused=engine.fused)
                 n_fwd += FLOAT8_CAST_KERNELS
             else:
-                t = roofline_time(op, gpu, dtype)
+                t = roofline_time(op, gpu, dtype, attention=engine.attention)
             acc["fwd_" + cls] += t
             n_fwd += 1
             if op.kind in TENSOR_CORE_KINDS and cls == "tp":
@@ -485,7 +639,7 @@ def block_compute(block: Block, gpu: GpuSpec, dtype: str, engine: Engine = EAGER
                 t = float8_linear_time(op, gpu, fused=engine.fused, backward=True)
                 n_bwd += FLOAT8_CAST_KERNELS
             else:
-                t = roofline_time(op, gpu, dtype, backward=True)
+                t = roofline_time(op, gpu, dtype, backward=True, attention=engine.attention)
             acc["bwd_" + cls] += t
             n_bwd += 1
             if op.kind in TENSOR_CORE_KINDS and cls == "tp":
@@ -577,6 +731,7 @@ def gemm_terms(
     *,
     row_parallel: bool = False,
     float8: bool = False,
+    attention: str = "flash2",
 ) -> tuple[GemmTerm, ...]:
     """The wave-quantization terms of one tensor-core op (empty for any other kind).
 
@@ -608,7 +763,7 @@ def gemm_terms(
         if not flops:
             continue
         if op.kind == OpKind.ATTENTION:
-            eff = keff.attention_bwd if backward else keff.attention_fwd
+            eff = attention_efficiency(op, gpu, backward=backward, kernel=attention)
         else:
             eff = keff.fp8 if float8 else keff.gemm
         flop_s = flops / (peak * eff)

@@ -19,6 +19,15 @@ price a step as another stack would run it:
 - `moe_imbalance`: how unevenly the router spreads tokens over expert-parallel ranks (the
   busiest rank's load over the mean), which sets the all-to-all time; a measured value
   replaces the balanced-router bound.
+- `attention`: the fused-attention kernel: "flash2" (FlashAttention-2: PyTorch SDPA's flash
+  backend, flash-attn 2.x; the default) or "flash1" (flash-attn 1.x, and the Triton port of it
+  that MosaicML's MPT runs as `attn_impl: triton`, which its authors state runs slightly
+  slower). Each is priced by its published throughput by head dim, mask and sequence length
+  (`compute.ATTENTION_TFLOPS`).
+- `fused_loss`: the loss is one fused softmax-cross-entropy kernel on the bf16 logits
+  (flash-attn's `losses.cross_entropy.CrossEntropyLoss`, the default `loss_fn` of MosaicML's
+  MPT): it saves the logits and a per-token logsumexp and writes the logits' gradient, where
+  eager PyTorch copies the logits to fp32 and keeps their log-softmax (`compute.loss_chain`).
 """
 
 from __future__ import annotations
@@ -26,6 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FLOAT8_RECIPES = ("tensorwise",)
+# Fused-attention kernels with published throughput (`compute.ATTENTION_TFLOPS`).
+ATTENTION_KERNELS = ("flash2", "flash1")
 
 
 class EngineError(ValueError):
@@ -44,8 +55,15 @@ class Engine:
     # MoE routing: the busiest expert-parallel rank's tokens over the mean, as measured on the
     # user's model; None: a balanced router's statistical bound (`simulate.moe_imbalance`).
     moe_imbalance: float | None = None
+    attention: str = "flash2"
+    fused_loss: bool = False
 
     def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_KERNELS:
+            raise EngineError(
+                f"attention kernel {self.attention!r} is not modelled; use one of "
+                f"{', '.join(ATTENTION_KERNELS)}"
+            )
         if self.moe_imbalance is not None and not self.moe_imbalance >= 1.0:
             raise EngineError(
                 f"moe_imbalance is the busiest rank's load over the mean, at least 1; got "
@@ -76,9 +94,13 @@ class Engine:
             parts.append("tp-overlap")
         if self.moe_imbalance is not None:
             parts.append(f"moe-imbalance {self.moe_imbalance:g}")
+        if self.attention != "flash2":
+            parts.append(f"attention {self.attention}")
+        if self.fused_loss:
+            parts.append("fused-loss")
         return "+".join(parts) or "eager"
 
 
 EAGER = Engine()
 
-__all__ = ["EAGER", "FLOAT8_RECIPES", "Engine", "EngineError"]
+__all__ = ["ATTENTION_KERNELS", "EAGER", "FLOAT8_RECIPES", "Engine", "EngineError"]

@@ -52,7 +52,14 @@ from dataclasses import dataclass
 
 from meshplan.ir import Block, OpKind, Recompute
 
-from .compute import kept_by_selective, splits_with_tp
+from .compute import (
+    LABEL_BYTES,
+    LSE_BYTES,
+    kept_by_selective,
+    logits_of,
+    loss_chain,
+    splits_with_tp,
+)
 from .recompute import kept_ops
 
 WEIGHT_BYTES = 2  # bf16 weights (hardware.md)
@@ -138,6 +145,16 @@ class BlockMemory:
     # Kept outputs under torchtitan's op-level policy (`recompute.SelectivePolicy`).
     torchtitan_kept_tp: int = 0
     torchtitan_kept_sp: int = 0
+    # A fused cross-entropy kernel (`Engine.fused_loss`) in place of the epilogue's loss chain
+    # (`compute.loss_chain`): what the chain saves eagerly (taken out), what the fused kernel
+    # saves (the logits, an fp32 logsumexp and the label per row; split by TP), the
+    # largest output of the other ops, and the logits' gradient the kernel writes.
+    loss_saved_tp: int = 0
+    loss_saved_sp: int = 0
+    fused_loss_saved: int = 0
+    fused_loss_max_output_tp: int = 0
+    fused_loss_max_output_sp: int = 0
+    fused_loss_grad: int = 0
 
     def params_per_rank(self, tp: int, ep: int) -> float:
         """Parameters of one instance that one rank holds before ZeRO sharding."""
@@ -152,14 +169,19 @@ class BlockMemory:
         scale: float,
         recompute: Recompute,
         policy: str = "keep_linear",
+        fused_loss: bool = False,
     ) -> float:
         """Saved bytes of one micro-batch of this block on one rank. `policy` says how
-        selective recomputation keeps outputs (`meshplan.cost_model.recompute`)."""
+        selective recomputation keeps outputs (`meshplan.cost_model.recompute`);
+        `fused_loss`: the loss chain is one fused cross-entropy kernel (`Engine.fused_loss`)."""
         r_tp = scale / (tp * cp)
         r_sp = scale / ((tp if sequence_parallel else 1) * cp)
         if self.kind == "layer" and recompute == Recompute.FULL:
             return self.input_bytes * r_sp  # the layer input is sequence-sharded under SP
         saved = self.saved_tp * r_tp + self.saved_sp * r_sp
+        if fused_loss and self.fused_loss_saved:
+            saved += (self.fused_loss_saved - self.loss_saved_tp) * r_tp
+            saved -= self.loss_saved_sp * r_sp
         if self.kind == "layer" and recompute == Recompute.SELECTIVE:
             if policy == "every_other_layer":  # half the layers full, half none
                 return 0.5 * (saved + self.input_bytes * r_sp)
@@ -170,11 +192,22 @@ class BlockMemory:
             return min(saved, kept + self.input_bytes * r_sp)
         return saved
 
-    def largest_output(self, *, tp: int, cp: int, sequence_parallel: bool, scale: float) -> float:
-        """Bytes of the largest op output of one micro-batch on one rank."""
+    def largest_output(
+        self, *, tp: int, cp: int, sequence_parallel: bool, scale: float, fused_loss: bool = False
+    ) -> float:
+        """Bytes of the largest op output of one micro-batch on one rank (with `fused_loss`,
+        of the ops outside the loss chain but the logits, which the loss keeps: their
+        gradient is `fused_loss_gradient`)."""
         r_tp = scale / (tp * cp)
         r_sp = scale / ((tp if sequence_parallel else 1) * cp)
+        if fused_loss and self.fused_loss_saved:
+            return max(self.fused_loss_max_output_tp * r_tp, self.fused_loss_max_output_sp * r_sp)
         return max(self.max_output_tp * r_tp, self.max_output_sp * r_sp)
+
+    def fused_loss_gradient(self, *, tp: int, cp: int, scale: float) -> float:
+        """Bytes of the logits' gradient the fused cross-entropy backward writes, one
+        micro-batch on one rank (vocab-parallel: split by TP)."""
+        return self.fused_loss_grad * scale / (tp * cp)
 
 
 def replicated_params(block: Block) -> tuple[int, ...]:
@@ -203,9 +236,17 @@ def block_memory(block: Block) -> BlockMemory:
     kept_tt = {"tp": 0, "sp": 0}
     tt_ops = kept_ops(block, "torchtitan_op")
     out_max = {"tp": 0, "sp": 0}
+    chain = set(loss_chain(block))
+    head = min(chain) - 1 if chain else -1  # the output head: its output is the logits
+    loss_saved = {"tp": 0, "sp": 0}
+    fused_max = {"tp": 0, "sp": 0}
     for i, op in enumerate(block.ops):
         split = splits_with_tp(op, block.kind)
         cls = "tp" if split else "sp"
+        if i in chain:
+            loss_saved[cls] += op.saved_bytes
+        elif i != head:
+            fused_max[cls] = max(fused_max[cls], sum(t.nbytes for t in op.outputs))
         seen.update(op.params)
         if op.kind == OpKind.EXPERTS:
             expert.update(op.params)
@@ -220,6 +261,7 @@ def block_memory(block: Block) -> BlockMemory:
     # Stacked expert biases (GPT-style `b_up` (E, 1, f), `b_down` (E, 1, h)) are read by `add`
     # ops, not the expert GEMMs: a 3-D parameter whose leading dim is the expert count is an
     # expert parameter too (EP shards it on dim 0 with the weights).
+    logits, rows = logits_of(block)
     lead = {p.shape[0] for p in block.params if p.name in expert and len(p.shape) == 3}
     p_tp = p_rep = p_exp = 0
     for p in block.params:
@@ -243,6 +285,12 @@ def block_memory(block: Block) -> BlockMemory:
         max_output_sp=out_max["sp"],
         torchtitan_kept_tp=kept_tt["tp"],
         torchtitan_kept_sp=kept_tt["sp"],
+        loss_saved_tp=loss_saved["tp"],
+        loss_saved_sp=loss_saved["sp"],
+        fused_loss_saved=logits + rows * (LSE_BYTES + LABEL_BYTES) if chain else 0,
+        fused_loss_max_output_tp=fused_max["tp"],
+        fused_loss_max_output_sp=fused_max["sp"],
+        fused_loss_grad=logits,
     )
 
 
@@ -307,10 +355,12 @@ def stage_memory(
     scale: float,
     policy: str = "keep_linear",
     precision: Precision = MIXED,
+    fused_loss: bool = False,
 ) -> StageMemory:
     """Memory of one rank of a stage made of `blocks` ((block, instance count) pairs);
     `policy` is the selective-recomputation policy (`meshplan.cost_model.recompute`),
-    `precision` the bytes per parameter of the model states (`precision_for`)."""
+    `precision` the bytes per parameter of the model states (`precision_for`), `fused_loss`
+    a fused cross-entropy kernel in place of the eager loss chain (`Engine.fused_loss`)."""
     dense = sum(n * (b.params_tp / tp + b.params_rep) for b, n in blocks)
     experts = sum(n * b.params_expert / (tp * ep) for b, n in blocks)
     # ZeRO shards over the dp * cp ranks that hold the same weights (Megatron-LM's distributed
@@ -319,7 +369,10 @@ def stage_memory(
     w_d, g_d, o_d = state_bytes_per_param(zero, dcp, precision)
     w_e, g_e, o_e = state_bytes_per_param(zero, dcp // ep if dcp >= ep else 1, precision)
     act_kw = {"tp": tp, "cp": cp, "sequence_parallel": sequence_parallel, "scale": scale}
-    per_mb = sum(n * b.activations(**act_kw, recompute=recompute, policy=policy) for b, n in blocks)
+    per_mb = sum(
+        n * b.activations(**act_kw, recompute=recompute, policy=policy, fused_loss=fused_loss)
+        for b, n in blocks
+    )
     # A layer that is recomputed rebuilds what its policy dropped (a whole layer's worth for
     # the layer-level policy, whose checkpointed layers are fully recomputed).
     rc_kept = Recompute.FULL if policy == "every_other_layer" else recompute
@@ -335,10 +388,15 @@ def stage_memory(
     gather = 0.0
     if zero == 3 and layers:
         gather = precision.weight_bytes * max(b.params_per_rank(tp, ep) for b in layers)
-    temporary = TEMP_OUTPUTS * max((b.largest_output(**act_kw) for b, _ in blocks), default=0.0)
+    temporary = TEMP_OUTPUTS * max(
+        (b.largest_output(**act_kw, fused_loss=fused_loss) for b, _ in blocks), default=0.0
+    )
+    if fused_loss:  # the logits are kept (activations); their gradient is the temporary
+        grads = (b.fused_loss_gradient(tp=tp, cp=cp, scale=scale) for b, _ in blocks)
+        temporary = max(temporary, max(grads, default=0.0))
     layer_temp = TEMP_OUTPUTS * max((b.largest_output(**act_kw) for b in layers), default=0.0)
     freed = sum(
-        n * b.activations(**act_kw, recompute=recompute, policy=policy)
+        n * b.activations(**act_kw, recompute=recompute, policy=policy, fused_loss=fused_loss)
         for b, n in blocks
         if b.kind == "epilogue"
     )

@@ -941,6 +941,7 @@ class Pricer:
                 scale=micro_batch / self.costs.traced_micro_batch,
                 policy=self.selective_policy,
                 precision=self.precision,
+                fused_loss=self.engine.fused_loss,
             )
         return got
 

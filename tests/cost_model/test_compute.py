@@ -99,11 +99,13 @@ def test_causal_attention_does_half_the_flops():
     causal = Op("attn", **fused, attrs=(("causal", True),))
     full = Op("attn", **fused)
     att_fwd = kernel_efficiency(H100).attention_fwd
+    # at 8k tokens FlashAttention-2 runs at 201 (full) and 182 (causal) of its 189 TFLOP/s
+    # reference (Dao 2023, Fig. 4(b), 4(d)): `compute.attention_shape_factor`
     assert op_time(full, H100) == pytest.approx(
-        flops / (989e12 * att_fwd) + KERNEL_FLOOR_S, rel=1e-12
+        flops / (989e12 * att_fwd * 201 / 189) + KERNEL_FLOOR_S, rel=1e-12
     )
     assert op_time(causal, H100) == pytest.approx(
-        0.5 * flops / (989e12 * att_fwd) + KERNEL_FLOOR_S, rel=1e-12
+        0.5 * flops / (989e12 * att_fwd * 182 / 189) + KERNEL_FLOOR_S, rel=1e-12
     )
 
 
