@@ -95,7 +95,7 @@ from meshplan.ir import (
     StagePlacement,
     group_tp_problem,
 )
-from meshplan.passes.partition import layer_counts, rank_chunks, replica_capacity
+from meshplan.passes.partition import layer_counts, rank_chunks, rank_layers, replica_capacity
 from meshplan.passes.sharding import row_parallel_ops
 
 from .collectives import (
@@ -1761,12 +1761,12 @@ def check_parallel(
         raise ValueError(why)
     if p.pp > 1 and p.chunks > 1:
         counts = layer_counts(graph, [(st.first_unit, st.last_unit) for st in stages])
-        n_layers = sum(counts)
-        if n_layers % (p.pp * p.chunks) or len(set(counts)) > 1:
+        want = rank_layers(sum(counts), p.pp, p.chunks, p.schedule == Schedule.ZERO_BUBBLE)
+        if counts != want:
             raise ValueError(
-                f"schedule {p.schedule.value!r} runs {p.chunks} equal chunks per rank: it needs "
-                f"the even split of the {n_layers} layers over pp={p.pp} into a multiple of "
-                f"{p.pp * p.chunks} (stages hold {list(counts)} layers)"
+                f"schedule {p.schedule.value!r} runs {p.chunks} chunks per rank: its chunk "
+                f"layout (`partition.chunk_layers`) gives the ranks {list(want)} layers, but "
+                f"the stages hold {list(counts)}"
             )
     expect = 0
     for i, st in enumerate(stages):

@@ -85,30 +85,112 @@ def stages_of(graph: Graph, counts: Sequence[int]) -> tuple[tuple[int, int], ...
     return tuple(ranges)
 
 
+def chunk_layers(n_layers: int, pp: int, chunks: int) -> tuple[int, ...] | None:
+    """Layers in each of the pp * chunks model chunks, in model order, when a schedule runs
+    `chunks` chunks per pipeline rank (interleaved 1F1B, ZB-V); None when the layers cannot
+    be laid out so. The one rule the solver, `estimate`, the cost model and the plan share.
+
+    Megatron-LM's two layouts: equal chunks when pp * chunks divides the layers; otherwise,
+    when it divides the layers + 2, the embedding and the loss each count as one layer
+    (Megatron-LM `--account-for-embedding-in-pipeline-split`,
+    `--account-for-loss-in-pipeline-split`), so the first and the last chunk hold one layer
+    fewer: Llama 3 405B's 126 layers on pp 16 ("we reduce one Transformer layer each from the
+    first and the last stages", Llama 3 paper, Dubey et al. 2024, section 3.3.2), where with
+    chunks of one layer the first chunk holds only the embedding and the last only the head."""
+    total = pp * chunks
+    if chunks < 1 or pp < 1:
+        return None
+    if n_layers % total == 0:
+        return (n_layers // total,) * total
+    if total >= 2 and (n_layers + 2) % total == 0:
+        c = (n_layers + 2) // total
+        return (c - 1, *([c] * (total - 2)), c - 1)
+    return None
+
+
+def chunk_layout_problem(n_layers: int, pp: int, chunks: int, v_shape: bool = False) -> str:
+    """Why `n_layers` cannot run as pp * chunks model chunks (`chunk_layers`), or "": no
+    layout, or a rank left without a layer (ZB-V's rank 0 holds the first and the last
+    chunk, both short under the uneven layout)."""
+    per_chunk = chunk_layers(n_layers, pp, chunks)
+    total = pp * chunks
+    if per_chunk is None:
+        return (
+            f"{total} model chunks (pp={pp} x {chunks} per rank) need the {n_layers} layers "
+            f"to be a multiple of {total}, or of {total} less 2 (the embedding and the loss "
+            "counted as a layer each, Megatron-LM's uneven first and last stages)"
+        )
+    if min(_per_rank(per_chunk, pp, chunks, v_shape)) < 1:
+        return (
+            f"{total} model chunks of {n_layers} layers leave a pipeline rank without a layer"
+        )
+    return ""
+
+
+def rank_layers(n_layers: int, pp: int, chunks: int, v_shape: bool = False) -> tuple[int, ...]:
+    """Layers each pipeline rank runs under `chunk_layers`, with the chunk-to-rank map of
+    `rank_chunks` (ValueError with `chunk_layout_problem`'s reason when there is none)."""
+    if why := chunk_layout_problem(n_layers, pp, chunks, v_shape):
+        raise ValueError(why)
+    return _per_rank(chunk_layers(n_layers, pp, chunks) or (), pp, chunks, v_shape)
+
+
+def _per_rank(per_chunk, pp: int, chunks: int, v_shape: bool) -> tuple[int, ...]:
+    out = [0] * pp
+    for k, n in enumerate(per_chunk):
+        out[_chunk_rank(k, pp, chunks, v_shape)] += n
+    return tuple(out)
+
+
+def _chunk_rank(k: int, pp: int, chunks: int, v_shape: bool) -> int:
+    total = pp * chunks
+    return (k if k < pp else total - 1 - k) if v_shape else k % pp
+
+
 def rank_chunks(
     graph: Graph, pp: int, chunks: int, v_shape: bool = False
 ) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """The unit ranges each pipeline rank runs when the layers are cut into pp * chunks equal
-    model chunks (interleaved 1F1B and ZB-V), per rank in model order.
+    """The unit ranges each pipeline rank runs when the layers are cut into pp * chunks model
+    chunks (`chunk_layers`: interleaved 1F1B and ZB-V), per rank in model order.
 
-    Chunk k (ranges from `stages_of` with equal layer counts; the prologue goes with chunk 0,
-    the epilogue with the last) runs on rank k mod pp (Megatron-LM's interleaved layout,
+    Chunk k (the prologue goes with chunk 0, the epilogue with the last; a first or last chunk
+    without layers holds only them) runs on rank k mod pp (Megatron-LM's interleaved layout,
     Narayanan et al. SC'21), or with `v_shape` on rank k for k < pp and 2 pp - 1 - k after
     (ZB-V, Qi et al. 2024; torch `ScheduleZBVZeroBubble`), so rank 0 holds both the embedding
-    and the LM head. Requires pp * chunks to divide the layers."""
+    and the LM head. Raises ValueError when `chunk_layers` has no layout."""
     n_layers = len(_layer_positions(graph))
-    total = pp * chunks
-    if n_layers % total:
-        raise ValueError(
-            f"{total} equal model chunks (pp={pp} x {chunks} per rank) need the "
-            f"{n_layers} layers to be a multiple of {total}"
-        )
-    ranges = stages_of(graph, [n_layers // total] * total)
+    rank_layers(n_layers, pp, chunks, v_shape)  # refuses a count with no layout
+    ranges = _chunk_ranges(graph, chunk_layers(n_layers, pp, chunks) or ())
     out: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
     for k, r in enumerate(ranges):
-        rank = (k if k < pp else total - 1 - k) if v_shape else k % pp
-        out[rank].append(r)
+        out[_chunk_rank(k, pp, chunks, v_shape)].append(r)
     return tuple(tuple(c) for c in out)
+
+
+def _chunk_ranges(graph: Graph, counts: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """`stages_of`, with a first chunk of only the prologue and a last of only the epilogue
+    allowed (no layers)."""
+    if all(c >= 1 for c in counts):
+        return stages_of(graph, counts)
+    layer_pos = _layer_positions(graph)
+    n = len(graph.units)
+    ranges, first, taken = [], 0, 0
+    for s, c in enumerate(counts):
+        taken += c
+        if s == len(counts) - 1:
+            last = n
+        elif c == 0 and s == 0:
+            last = layer_pos[0]  # the units before the first layer
+        else:
+            last = layer_pos[taken - 1] + 1
+        if last <= first:
+            raise ValueError(
+                f"chunk {s} of {graph.name} would hold no unit: a chunk without layers needs "
+                "a prologue or epilogue unit"
+            )
+        ranges.append((first, last))
+        first = last
+    return tuple(ranges)
 
 
 def layer_counts(graph: Graph, ranges: Sequence[tuple[int, int]]) -> tuple[int, ...]:

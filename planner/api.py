@@ -54,7 +54,14 @@ from meshplan.ir.plan import (
     assign_ranks,
 )
 from meshplan.ir.trace import trace as trace_ir
-from meshplan.passes.partition import even_stages, place_stages, rank_chunks
+from meshplan.passes.partition import (
+    chunk_layout_problem,
+    even_stages,
+    place_stages,
+    rank_chunks,
+    rank_layers,
+    stages_of,
+)
 from meshplan.passes.sharding import tp_param_placements
 
 from .rehearse import rehearse_tensor_parallel
@@ -219,16 +226,12 @@ def check_config(
     if p.virtual_stages and p.virtual_stages > 1:
         if p.schedule not in (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE):
             raise ValueError(f"virtual_stages={p.virtual_stages} needs schedule='interleaved_1f1b'")
-        if n_layers and p.pp * p.virtual_stages > n_layers:  # type: ignore[operator]
-            raise ValueError(
-                f"pp*virtual_stages = {p.pp}*{p.virtual_stages} exceeds the model's "
-                f"{n_layers} layers"
-            )
-    if p.schedule == Schedule.ZERO_BUBBLE and n_layers and not 2 <= p.pp <= n_layers // 2:
-        raise ValueError(
-            f"schedule 'zero_bubble' (ZB-V, two chunks per rank) needs 2 <= pp <= layers / 2; "
-            f"got pp={p.pp} with {n_layers} layers"
-        )
+    if p.schedule == Schedule.ZERO_BUBBLE and (p.pp or 1) < 2:
+        raise ValueError("schedule 'zero_bubble' (ZB-V, two chunks per rank) needs pp >= 2")
+    if n_layers and (p.pp or 1) > 1 and p.chunks > 1:
+        v_shape = p.schedule == Schedule.ZERO_BUBBLE
+        if why := chunk_layout_problem(n_layers, p.pp, p.chunks, v_shape):
+            raise ValueError(why)
     for what, n in (("heads", info.heads), ("kv_heads", info.kv_heads)):
         if n and n % p.tp:  # type: ignore[operator]
             raise ValueError(f"tp={p.tp} does not divide the model's {what} ({n})")
@@ -280,6 +283,18 @@ def estimate(
     ).predicted
 
 
+def default_stages(graph: Graph, p: Parallel) -> tuple[tuple[int, int], ...]:
+    """The unit ranges of each pipeline rank when the user names only the degrees: the even
+    split, or under a schedule with several chunks per rank the layers its chunk layout gives
+    each rank (`partition.rank_layers`)."""
+    pp = p.pp or 1
+    if pp > 1 and p.chunks > 1:
+        n_layers = sum(1 for u in graph.units if dict(graph.blocks)[u.block].kind == "layer")
+        per_rank = rank_layers(n_layers, pp, p.chunks, p.schedule == Schedule.ZERO_BUBBLE)
+        return stages_of(graph, per_rank)
+    return even_stages(graph, pp)
+
+
 def with_chunks(
     graph: Graph, p: Parallel, stages: tuple[StagePlacement, ...]
 ) -> tuple[StagePlacement, ...]:
@@ -305,7 +320,7 @@ def estimate_plan(
     graph = as_graph(model, example_inputs, progress=progress)
     p = complete_parallel(graph, cluster, parallel or Parallel())
     check_config(graph, cluster, p, parallel)
-    stages = place_stages(cluster, p, even_stages(graph, p.pp))  # type: ignore[arg-type]
+    stages = place_stages(cluster, p, default_stages(graph, p))
     stages = with_chunks(graph, p, stages)
     prediction = predict(graph, cluster, p, stages, engine=engine)
     # Priced with quantized activations: record the widths the runtime then applies.

@@ -157,8 +157,10 @@ from meshplan.ir import (
 from meshplan.ir.facts import blocked_dimension, without_blocked
 from meshplan.passes.partition import (
     balanced_counts,
+    chunk_layout_problem,
     compositions,
     count_compositions,
+    rank_layers,
     replica_capacity,
     stages_of,
 )
@@ -517,18 +519,21 @@ def schedule_options(
 ) -> list[tuple[Schedule, int]]:
     """(schedule, virtual stages) pairs for m micro-batches per pipeline: 1F1B when torch runs
     it (`microbatch_problem`: m >= pp), else GPipe in its place (with m < pp both take the same
-    time); interleaved 1F1B with every v in 2..MAX_VIRTUAL_STAGES dividing n_layers / pp when
-    pp >= 2, pp divides n_layers and pp divides m (Megatron-LM's requirement, stricter than
-    torch's whole rounds), and ZB-V (two chunks per rank) when pp >= 2, 2 pp divides n_layers
-    (equal chunks) and m >= 2 pp - 1 (the cost model prices ZB-V's full warm-up of 2 pp - 1
-    micro-batches; not when `zero_bubble` is False: the model's "zb" blocker, `ir.facts`).
+    time); interleaved 1F1B with every v in 2..MAX_VIRTUAL_STAGES for which the layers have a
+    chunk layout (`partition.chunk_layers`: equal chunks, or Megatron's embedding and loss
+    counted as a layer each) when pp >= 2 and pp divides m (Megatron-LM's requirement,
+    stricter than torch's whole rounds), and ZB-V (two chunks per rank) when pp >= 2, the
+    layers have a two-chunk layout and m >= 2 pp - 1 (the cost model prices ZB-V's full
+    warm-up of 2 pp - 1 micro-batches; not when `zero_bubble` is False: the model's "zb"
+    blocker, `ir.facts`).
     A pinned schedule or virtual_stages restricts the list (a pinned 1F1B or
     interleaved 1F1B only where `microbatch_problem` accepts m); GPipe otherwise only when
     pinned (it is never faster than 1F1B under this cost model, and holds more activations)."""
     sched, pv = pinned.schedule, pinned.virtual_stages
     if sched == Schedule.GPIPE:
         return [(sched, 1)]
-    zb_ok = pp >= 2 and n_layers % (2 * pp) == 0 and m >= 2 * pp - 1 and pv in (None, 2)
+    zb_ok = pp >= 2 and not chunk_layout_problem(n_layers, pp, 2, v_shape=True)
+    zb_ok = zb_ok and m >= 2 * pp - 1 and pv in (None, 2)
     zb_ok = zb_ok and zero_bubble
     if sched == Schedule.ZERO_BUBBLE:
         return [(sched, 2)] if zb_ok else []
@@ -538,15 +543,10 @@ def schedule_options(
             out.append((Schedule.ONE_F_ONE_B, 1))
         elif sched is None:
             out.append((Schedule.GPIPE, 1))
-    if (
-        sched in (None, Schedule.INTERLEAVED_1F1B)
-        and pp >= 2
-        and n_layers % pp == 0
-        and m % pp == 0
-    ):
-        per = n_layers // pp
-        vs = [pv] if pv else [v for v in range(2, MAX_VIRTUAL_STAGES + 1) if per % v == 0]
-        out += [(Schedule.INTERLEAVED_1F1B, v) for v in vs if v >= 2 and per % v == 0]
+    if sched in (None, Schedule.INTERLEAVED_1F1B) and pp >= 2 and m % pp == 0:
+        vs = [pv] if pv else list(range(2, MAX_VIRTUAL_STAGES + 1))
+        vs = [v for v in vs if v >= 2 and not chunk_layout_problem(n_layers, pp, v)]
+        out += [(Schedule.INTERLEAVED_1F1B, v) for v in vs]
     one_round = microbatch_problem(Schedule.INTERLEAVED_1F1B, pp, m) is None
     if sched == Schedule.INTERLEAVED_1F1B and pv in (None, 1) and one_round:
         out.append((Schedule.INTERLEAVED_1F1B, 1))  # one chunk per rank: 1F1B's timing
@@ -835,8 +835,13 @@ def _splits(
     even = tuple(base + (1 if s < extra else 0) for s in range(pp))
     if pp == 1:
         return [even]
+    if c.schedule in (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE) and c.virtual_stages > 1:
+        # the chunk layout fixes each rank's layers (`chunk_layers`: equal chunks, or the
+        # embedding and the loss counted as a layer each)
+        v_shape = c.schedule == Schedule.ZERO_BUBBLE
+        return [rank_layers(n_layers, pp, c.virtual_stages, v_shape)]
     if c.schedule in (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE):
-        return [even]  # every virtual stage (chunk) holds the same number of layers
+        return [even]
     if count_compositions(n_layers, pp) <= EXHAUSTIVE_SPLITS:
         return [even] + [x for x in compositions(n_layers, pp) if x != even]
     out = [even]
@@ -1293,6 +1298,7 @@ def _share_placements(t: PlanTables, allowed: list[list[str]], prune: bool = Tru
 
     def runs(m: int) -> bool:
         return microbatch_problem(schedule, pp, m) is None
+
     out = []
     exact = len(hosts) == 2 and (prune or dp <= SHARE_EXHAUSTIVE_DP)
     ep = t.parallel.ep or 1

@@ -89,3 +89,50 @@ def test_balanced_counts_minimise_the_slowest_stage():
     assert sum(got) == 20
     assert slowest(got) == min(slowest(c) for c in compositions(20, 4))
     assert got[0] > got[2] and got[3] < got[2]  # faster GPUs and the head's stage
+
+
+# -- chunk layouts (interleaved 1F1B, ZB-V) ------------------------------------------------------
+
+
+def test_chunk_layers_megatron_layouts():
+    """Equal chunks when pp * v divides the layers; else, when it divides the layers + 2, the
+    embedding and the loss count as a layer each (hand-derived: Llama 3 405B's 126 layers on
+    pp 16: v = 8 gives chunks of one layer with an embedding-only first and a head-only last)."""
+    from meshplan.passes.partition import chunk_layers, rank_layers
+
+    assert chunk_layers(32, 4, 2) == (4,) * 8
+    assert chunk_layers(126, 16, 8) == (0, *([1] * 126), 0)
+    assert chunk_layers(126, 16, 2) == (3, *([4] * 30), 3)
+    assert chunk_layers(125, 16, 2) is None
+    # rank r runs chunks r, r + 16, ...: rank 0 and rank 15 hold the two short chunks
+    assert rank_layers(126, 16, 8) == (7, *([8] * 14), 7)
+    # ZB-V: rank 0 holds the first and the last chunk
+    assert rank_layers(6, 2, 2, v_shape=True) == (2, 4)
+    with pytest.raises(ValueError, match="multiple of 32, or of 32 less 2"):
+        rank_layers(125, 16, 2)
+
+
+def test_rank_chunks_puts_prologue_and_epilogue_alone_when_their_chunks_have_no_layer():
+    from meshplan.passes.partition import rank_chunks
+
+    g = transformer_graph(6, 512, 8, 8, 2048, 1000, 512, 1)  # prologue, 6 layers, epilogue
+    per_rank = rank_chunks(g, 2, 4)  # 8 chunks for 6 + 2
+    assert per_rank[0][0] == (0, 1) and g.units[0].name.startswith("<")
+    assert per_rank[1][-1] == (len(g.units) - 1, len(g.units))
+    covered = sorted(r for rank in per_rank for r in rank)
+    assert [a for a, _ in covered] == [b for _, b in [(0, 0), *covered[:-1]]]
+
+
+def test_interleaved_plan_with_uneven_first_and_last_chunks():
+    """The solver searches the Megatron layout: 6 layers on pp 2 with 4 chunks per rank."""
+    import meshplan
+
+    g = transformer_graph(6, 512, 8, 8, 2048, 1000, 512, 1)
+    plan = meshplan.plan(
+        g,
+        cluster=h100_cluster(2),
+        global_batch=8,
+        parallel=Parallel(pp=2, tp=1, cp=1, schedule="interleaved_1f1b", virtual_stages=4),
+    )
+    assert plan.parallel.virtual_stages == 4
+    assert [s.last_unit - s.first_unit for s in plan.stages] == [4, 4]  # 3 layers + one end each

@@ -17,7 +17,13 @@ import pytest
 from meshplan.cost_model import evaluate, hetero_tables, plan_tables, predict, pricer_for
 from meshplan.cost_model.memory import in_flight_microbatches
 from meshplan.ir import Parallel, Recompute, microbatch_problem
-from meshplan.passes.partition import compositions, replica_capacity, stages_of
+from meshplan.passes.partition import (
+    chunk_layout_problem,
+    compositions,
+    rank_layers,
+    replica_capacity,
+    stages_of,
+)
 from meshplan.solver import InfeasibleError, solve
 
 from tests.synthetic import (
@@ -87,12 +93,23 @@ def _cps(seq_len):
 
 
 def _schedules(pp, n_layers, m):
+    """Schedules and chunk counts; chunked ones where the layers have a chunk layout
+    (`partition.chunk_layout_problem`: equal chunks, or Megatron's uneven first and last)."""
     out = [("1f1b", None) if m >= pp else ("gpipe", None)]  # torch's 1F1B needs m >= pp
-    if pp >= 2 and n_layers % pp == 0 and m % pp == 0:
-        out += [("interleaved_1f1b", v) for v in range(2, 9) if (n_layers // pp) % v == 0]
-    if pp >= 2 and n_layers % (2 * pp) == 0 and m >= 2 * pp - 1:  # ZB-V: two equal chunks
-        out.append(("zero_bubble", 2))
+    if pp >= 2 and m % pp == 0:
+        out += [
+            ("interleaved_1f1b", v)
+            for v in range(2, 9)
+            if not chunk_layout_problem(n_layers, pp, v)
+        ]
+    if pp >= 2 and not chunk_layout_problem(n_layers, pp, 2, True) and m >= 2 * pp - 1:
+        out.append(("zero_bubble", 2))  # ZB-V: two chunks per rank
     return out
+
+
+def _chunked_split(sched, v, n_layers, pp):
+    """The one layer split of a chunked schedule: what its chunk layout gives each rank."""
+    return rank_layers(n_layers, pp, v, sched == "zero_bubble")
 
 
 def brute_force(graph, cluster, global_batch, pinned=None):
@@ -148,7 +165,7 @@ def brute_force(graph, cluster, global_batch, pinned=None):
                         splits = (
                             list(compositions(n_layers, pp))
                             if sched in ("1f1b", "gpipe")
-                            else [tuple([n_layers // pp] * pp)]
+                            else [_chunked_split(sched, v, n_layers, pp)]
                         )
                         cap = {g.name: replica_capacity(g, tp, cp) for g in cluster.groups}
                         for split in splits:
@@ -211,7 +228,7 @@ def _per_group_tp(graph, cluster, global_batch, pinned, pricer, best):
                             splits = (
                                 list(compositions(n_layers, pp))
                                 if sched in ("1f1b", "gpipe")
-                                else [tuple([n_layers // pp] * pp)]
+                                else [_chunked_split(sched, v, n_layers, pp)]
                             )
                             for split in splits:
                                 t = hetero_tables(

@@ -92,6 +92,12 @@ def _plans_2():
         "interleaved-v3": _schedule(
             make_plan(2, pp=2, micro_batch=2, global_batch=8), "interleaved_1f1b", 3
         ),
+        # 4 layers in 2 x 3 chunks: Megatron's uneven first and last stages (the embedding and
+        # the loss count as a layer each, `partition.chunk_layers`): chunk 0 holds only the
+        # prologue, chunk 5 only the epilogue
+        "interleaved-v3-uneven": make_plan(
+            2, pp=2, micro_batch=2, global_batch=8, schedule="interleaved_1f1b", virtual_stages=3
+        ),
         "zbv": make_plan(2, pp=2, micro_batch=2, global_batch=8, schedule="zero_bubble"),
         # dp replicas in two groups: 3 and 1 micro-batches of 2 rows (8 rows in all)
         "uneven-dp": uneven_plan(2, {"fast": 3, "slow": 1}, dp=2, micro_batch=2, global_batch=8),
