@@ -3,8 +3,10 @@
 For every row of `shared/reference/published_runs_calibration.csv` that gives a full parallel
 configuration (the rows `benchmarks/fidelity.py` prices, counted or shown apart), plan the
 same model on the same cluster and GPU count with the same global batch and sequence length,
-and compare the two *under meshplan's own cost model*: ratio = predicted step of the published
-configuration / predicted step of meshplan's plan (>= 1: meshplan's plan is at least as fast).
+and compare the two *under meshplan's own cost model*, both priced as the row's training stack
+runs (`fidelity.interpret`'s engine: fused kernels, Float8, flash-attn kernel and fused loss):
+ratio = predicted step of the published configuration / predicted step of meshplan's plan
+(>= 1: meshplan's plan is at least as fast).
 
     python benchmarks/vs_experts.py --cache /tmp/fid          # traced graphs shared with fidelity
     python benchmarks/vs_experts.py --rows 3,4 --time-limit 10
@@ -38,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from meshplan.api import check_config, complete_parallel
     from meshplan.cost_model import predict
+    from meshplan.cost_model.engine import Engine
     from meshplan.ir import Parallel
     from meshplan.passes.partition import even_stages, place_stages
     from meshplan.solver import solve
@@ -60,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         pub = complete_parallel(graph, cluster, Parallel(**c.parallel))
         check_config(graph, cluster, pub, Parallel(**c.parallel))
         stages = place_stages(cluster, pub, even_stages(graph, pub.pp))
-        published = predict(graph, cluster, pub, stages, dtype=c.dtype).step_time_s
+        engine = Engine(**c.engine)  # the row's stack (fused kernels, float8, flash-attn, ...)
+        published = predict(graph, cluster, pub, stages, dtype=c.dtype, engine=engine).step_time_s
         t0 = time.perf_counter()
         r = solve(
             graph,
@@ -69,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             global_batch=pub.global_batch,
             time_limit_s=args.time_limit,
             dtype=c.dtype,
+            engine=engine,
         )
         wall = time.perf_counter() - t0
         planned = r.prediction.step_time_s

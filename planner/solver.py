@@ -132,6 +132,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from meshplan.cost_model.compression import CommOptions
+from meshplan.cost_model.engine import EAGER, Engine
 from meshplan.cost_model.memory import in_flight_microbatches
 from meshplan.cost_model.simulate import (
     OVERLAP_EFFICIENCY,
@@ -170,6 +171,10 @@ from ortools.sat.python import cp_model
 # the micro-batch (cost_model), so past a few sequences a larger one only saves kernel floors
 # while it lengthens the pipeline fill and raises activation memory.
 MAX_MICRO_BATCH = 16
+# Without a pipeline there is no fill to lengthen: micro-batches up to this one are tried
+# too (small models under FSDP amortise per-kernel and per-collective overheads over them;
+# llm-foundry's published MPT runs use up to 128).
+MAX_MICRO_BATCH_NO_PIPELINE = 128
 # Most model chunks per pipeline rank the planner tries for interleaved 1F1B (Megatron-LM
 # runs use 2-6; past that the p2p term m v P dominates what the bubble saves).
 MAX_VIRTUAL_STAGES = 8
@@ -503,6 +508,12 @@ def _divisors_upto(n: int, limit: int) -> list[int]:
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
 
+def micro_batch_options(per_replica: int, pp: int) -> list[int]:
+    """Micro-batches tried for a replica's `per_replica` sequences: every divisor up to
+    MAX_MICRO_BATCH, or up to MAX_MICRO_BATCH_NO_PIPELINE without a pipeline (pp == 1)."""
+    return _divisors_upto(per_replica, MAX_MICRO_BATCH if pp > 1 else MAX_MICRO_BATCH_NO_PIPELINE)
+
+
 def cp_options(seq_len: int) -> list[int]:
     """Context-parallel degrees the planner tries: 1 and every cp <= MAX_CP with seq_len
     divisible by 2 * cp (each rank holds two load-balanced chunks of the causal sequence) and
@@ -568,8 +579,8 @@ def enumerate_candidates(
 
     tp divides heads and kv_heads (0 = unknown) and the GPUs per node of some group; cp from
     `cp_options` (divides the sequence); ep divides the experts and dp (MoE models only);
-    pp <= layer units; dp * micro_batch divides global_batch (micro_batch <= MAX_MICRO_BATCH
-    unless pinned); the groups hold pp * dp replicas of tp * cp GPUs (not every GPU must be
+    pp <= layer units; dp * micro_batch divides global_batch (`micro_batch_options` unless
+    pinned); the groups hold pp * dp replicas of tp * cp GPUs (not every GPU must be
     used: the objective prefers configurations that use them); schedules from
     `schedule_options`. ZeRO 1-3 only with dp * cp > 1 (ZeRO shards over the dp x cp ranks that
     hold the same weights; with one such rank they equal ZeRO-0), sequence
@@ -670,7 +681,7 @@ def enumerate_candidates(
             mbs = (
                 [p.micro_batch]
                 if p.micro_batch is not None
-                else _divisors_upto(global_batch // dp, MAX_MICRO_BATCH)
+                else micro_batch_options(global_batch // dp, pp)
             )
             zeros = [p.zero] if p.zero is not None else ([0, 1, 2, 3] if dp * cp > 1 else [0])
             for ep in eps:
@@ -754,7 +765,7 @@ def _per_group_tp_candidates(
                 mbs = (
                     [p.micro_batch]
                     if p.micro_batch is not None
-                    else _divisors_upto(global_batch // dp, MAX_MICRO_BATCH)
+                    else micro_batch_options(global_batch // dp, pp)
                 )
                 for mb in mbs:
                     if global_batch % (dp * mb):
@@ -2001,6 +2012,7 @@ def _decode(
     global_batch: int,
     dtype: str,
     comm: CommOptions | None = None,
+    engine: Engine = EAGER,
 ) -> tuple[Parallel, tuple[StagePlacement, ...], Prediction]:
     """The best placement as `Parallel` + `StagePlacement`s, re-priced by `predict`."""
     assert out.best is not None
@@ -2016,7 +2028,9 @@ def _decode(
         tps = tuple((g, pr.cand.tp_of(g)) for g, _ in reps) if group_tp else ()
         stages.append(StagePlacement(s, a, b, reps, micro, group_tp=tps))
     parallel = pr.cand.parallel(global_batch)
-    prediction = predict(graph, cluster, parallel, tuple(stages), dtype=dtype, comm=comm)
+    prediction = predict(
+        graph, cluster, parallel, tuple(stages), dtype=dtype, comm=comm, engine=engine
+    )
     assert prediction.fits, "solver placed a stage where it does not fit"
     return parallel, tuple(stages), prediction
 
@@ -2036,6 +2050,7 @@ def solve(
     quantize: bool = False,
     per_group_tp: bool = True,
     wall_limit_s: float | None = None,
+    engine: Engine = EAGER,
 ) -> SolveResult:
     """The best configuration and placement that fits, honouring the fields of `pinned`.
 
@@ -2043,7 +2058,9 @@ def solve(
     priced at its fastest allowed method, `cost_model.compression`); None: raw traffic.
     `quantize`: activation quantization (AGoQ) becomes a knob of the search, like recompute.
     `per_group_tp`: on clusters of several device groups, also search group-pure pipelines
-    whose groups use different TP degrees (`Candidate.group_tp`).
+    whose groups use different TP degrees (`Candidate.group_tp`). `engine`: price every
+    candidate as that training stack runs it (`cost_model.engine`; default meshplan's eager
+    runtime).
 
     `objective` (default throughput) as in the module docstring. Returns the plan re-priced by
     `predict`. `time_limit_s` is the search's work budget, in seconds of the reference
@@ -2063,7 +2080,7 @@ def solve(
     work = _Work.starting_now(time_limit_s, wall_limit_s)
     work.charge("solve")
     say = progress or (lambda _msg: None)
-    pricer = pricer_for(graph, cluster, dtype, comm)
+    pricer = pricer_for(graph, cluster, dtype, comm, engine=engine)
     dtype = pricer.dtype  # None: the model's own (`simulate.compute_dtype`)
     cands = enumerate_candidates(
         graph, cluster, pinned, global_batch, quantize=quantize, per_group_tp=per_group_tp
@@ -2094,7 +2111,9 @@ def solve(
     if out.best is None and seed is not None:
         optimal = out.lowest_open >= seed.prediction.step_time_s * (1 - 1e-9)
         gap = 0.0 if optimal else 1 - out.lowest_open / seed.prediction.step_time_s
-        prediction = predict(graph, cluster, seed.parallel, seed.stages, dtype=dtype, comm=comm)
+        prediction = predict(
+            graph, cluster, seed.parallel, seed.stages, dtype=dtype, comm=comm, engine=engine
+        )
         return dataclasses.replace(
             seed,
             prediction=_with_wall_note(prediction, work, time_limit_s, say),
@@ -2110,7 +2129,7 @@ def solve(
         )
     if out.best is None:
         raise InfeasibleError(_why_nothing_fits(out, cluster))
-    parallel, stages, prediction = _decode(graph, cluster, out, global_batch, dtype, comm)
+    parallel, stages, prediction = _decode(graph, cluster, out, global_batch, dtype, comm, engine)
     score, pr = out.best[0], out.best[1]
     say(f"priced {out.priced} (configuration, split) pairs, solved {out.models} placement models")
     if export_model and pr.cand.group_tp:

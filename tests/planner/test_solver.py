@@ -24,7 +24,7 @@ from meshplan.passes.partition import (
     replica_capacity,
     stages_of,
 )
-from meshplan.solver import InfeasibleError, solve
+from meshplan.solver import InfeasibleError, micro_batch_options, solve
 
 from tests.synthetic import (
     A100_40,
@@ -131,7 +131,7 @@ def brute_force(graph, cluster, global_batch, pinned=None):
             for dp in range(1, cluster.world_size // (tp * pp * cp) + 1):
                 if global_batch % dp:
                     continue
-                for mb in range(1, min(16, global_batch // dp) + 1):
+                for mb in micro_batch_options(global_batch // dp, pp):
                     if (global_batch // dp) % mb:
                         continue
                     m = global_batch // (dp * mb)
@@ -199,7 +199,7 @@ def _per_group_tp(graph, cluster, global_batch, pinned, pricer, best):
                 for dp in range(2, (cap[a.name] + cap[b.name]) // pp + 1):
                     if global_batch % dp:
                         continue
-                    for mb in range(1, min(16, global_batch // dp) + 1):
+                    for mb in micro_batch_options(global_batch // dp, pp):
                         if (global_batch // dp) % mb:
                             continue
                         m = global_batch // (dp * mb)
