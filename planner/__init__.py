@@ -12,6 +12,8 @@ The public API:
 - `meshplan.models.get(name)`, `meshplan.models.transformer(...)`
 - `meshplan.verify(model_fn, plan)` -> `VerifyReport` (the plan's layout on CPU ranks vs one
   process)
+- `meshplan.configs.load("megatron:args.txt")` -> `FrameworkConfig` (torchtitan, Megatron-LM
+  and DeepSpeed configurations in; `configs.export(plan, "torchtitan")` out)
 """
 
 from meshplan import models
@@ -19,6 +21,7 @@ from meshplan.ir import Cluster, Graph, Parallel, Prediction, Recompute, Schedul
 from meshplan.ir.plan import Plan, PlanError
 from meshplan.ir.trace import TraceError
 
+from . import configs
 from .api import estimate, estimate_plan, load_model, plan, trace
 from .solver import InfeasibleError
 from .verify import VerifyReport, verify
@@ -38,6 +41,7 @@ __all__ = [
     "Schedule",
     "TraceError",
     "VerifyReport",
+    "configs",
     "estimate",
     "estimate_plan",
     "load_model",

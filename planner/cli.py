@@ -21,6 +21,7 @@ messages.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import os
@@ -273,12 +274,20 @@ def _load(
     micro_batch: int = 1,
     profile: Path | None = None,
 ):
-    from meshplan.ir import Cluster
     from meshplan.models import DEFAULT_MODEL
 
     from .api import load_model
 
     name = model or DEFAULT_MODEL
+    c = _load_cluster(cluster, gpus, profile)
+    m, inputs = load_model(name, seq_len=seq_len, micro_batch=micro_batch)
+    return name, m, inputs, c
+
+
+def _load_cluster(cluster: str | None, gpus: int | None, profile: Path | None = None):
+    """The cluster named by --cluster/--gpus (a preset or a file), with --profile applied."""
+    from meshplan.ir import Cluster
+
     cluster_spec = cluster or "default"
     if Path(cluster_spec).suffix.lower() in (".yaml", ".yml", ".json"):
         if gpus is not None:
@@ -292,8 +301,33 @@ def _load(
         from meshplan.ir.cluster_io import load_profile
 
         c = c.with_profile(load_profile(profile))
-    m, inputs = load_model(name, seq_len=seq_len, micro_batch=micro_batch)
-    return name, m, inputs, c
+    return c
+
+
+def _load_framework(spec: str, model: str | None, cluster, gpus, profile):
+    """`--from` / `--baseline FRAMEWORK:FILE`: the cluster, the configuration read from the
+    file (`meshplan.configs.load`) and its model traced."""
+    from . import configs
+
+    c = _load_cluster(cluster, gpus, profile)
+    cfg = configs.load(spec, world_size=c.world_size, model=model)
+    name = cfg.model.name if cfg.model else "?"
+    with status(f"tracing {name}") as update:
+        graph = configs.trace_model(cfg, progress=update)
+    return cfg, c, graph
+
+
+def _print_framework(cfg) -> None:
+    """What was read from a framework file, and what of it meshplan does not price."""
+    out.print(
+        f"read {cfg.framework} config {cfg.source}: {cfg.parallel}"
+        + (f", stage layers {list(cfg.stage_layers)}" if cfg.stage_layers else "")
+        + f", engine {cfg.engine.describe()}",
+        markup=False,
+        soft_wrap=True,
+    )
+    if cfg.unpriced:
+        out.print("not priced: " + "; ".join(cfg.unpriced), markup=False, soft_wrap=True)
 
 
 def _trace(name: str, model, inputs):
@@ -506,6 +540,30 @@ def plan(
         ),
     ] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print plan JSON.")] = False,
+    baseline: Annotated[
+        str | None,
+        typer.Option(
+            "--baseline",
+            help="Compare with your configuration: torchtitan:job.toml (or a saved 0.3 command "
+            "line), megatron:args.txt or deepspeed:ds_config.json.",
+        ),
+    ] = None,
+    export_fmt: Annotated[
+        str | None,
+        typer.Option(
+            "--export",
+            help="Write the plan as torchtitan, torchtitan-cli, megatron or deepspeed "
+            "configuration to -o FILE (instead of plan JSON).",
+        ),
+    ] = None,
+    closest: Annotated[
+        bool,
+        typer.Option(
+            "--closest",
+            help="With --export: write the nearest plan the framework can express (re-priced) "
+            "instead of refusing.",
+        ),
+    ] = False,
 ) -> None:
     """Find the best plan that fits (default: the default model on the default cluster).
 
@@ -526,8 +584,25 @@ def plan(
         dp, tp, pp, cp, ep, micro_batch, global_batch, recompute, zero, schedule, virtual_stages
     )
     prices = dict(parse_price(x) for x in price or [])
-    name, m, inputs, c = _load(model, cluster, gpus, seq_len, profile=profile)
-    graph = _trace(name, m, inputs)
+    if export_fmt is not None:
+        from .configs import EXPORT_FORMATS
+
+        if export_fmt not in EXPORT_FORMATS:
+            raise ValueError(
+                f"--export must be one of {', '.join(EXPORT_FORMATS)}, got {export_fmt!r}"
+            )
+        if output is None:
+            raise ValueError(f"--export {export_fmt} writes a file: give -o FILE")
+    elif closest:
+        raise ValueError("--closest goes with --export")
+    cfg = None
+    if baseline is not None:  # the user's own configuration: its model, batch and engine
+        cfg, c, graph = _load_framework(baseline, model, cluster, gpus, profile)
+        if pins.global_batch is None:
+            pins = dataclasses.replace(pins, global_batch=cfg.parallel.global_batch)
+    else:
+        name, m, inputs, c = _load(model, cluster, gpus, seq_len, profile=profile)
+        graph = _trace(name, m, inputs)
     with status("solving") as update:
         result = make_plan(
             graph,
@@ -543,9 +618,47 @@ def plan(
             per_group_tp=per_group_tp,
         )
     _print_plan(result, as_json)
-    if output:
+    if cfg is not None:
+        _print_comparison(cfg, c, graph, result)
+    if export_fmt is not None:
+        from .configs import EAGER, export, reprice
+
+        engine = cfg.engine if cfg is not None else EAGER
+        target = reprice(result, graph, engine)  # the header's prediction as the table's
+        written = export(target, export_fmt, closest=closest, graph=graph, engine=engine)
+        written.write(output)  # type: ignore[arg-type]
+        if written.changes:
+            pr = written.plan.predicted
+            (err if as_json else out).print(
+                f"closest {export_fmt} plan ({'; '.join(written.changes)} changed): "
+                f"{written.plan.parallel}, step {pr.step_time_s:.3f} s, "
+                f"{pr.tokens_per_s:,.0f} tokens/s, MFU {pr.mfu * 100:.1f}%",
+                markup=False,
+                soft_wrap=True,
+            )
+        (err if as_json else out).print(f"wrote {output} ({export_fmt})")
+    elif output:
         result.to_json(output)
         (err if as_json else out).print(f"wrote {output}")
+
+
+def _print_comparison(cfg, cluster, graph, ours) -> None:
+    """`plan --baseline`: the user's configuration and the plan side by side."""
+    from .configs import compare, reprice
+    from .configs import estimate as estimate_config
+
+    base = estimate_config(cfg, cluster, graph)
+    cmp = compare(base, reprice(ours, graph, cfg.engine), cfg.engine)
+    _print_framework(cfg)
+    t = Table(title=f"{cfg.framework} baseline vs meshplan (as {cfg.engine.describe()} runs them)")
+    for col, justify in (("", "left"), ("baseline", "right"), ("meshplan", "right")):
+        t.add_column(col, justify=justify)  # type: ignore[arg-type]
+    t.add_column("meshplan / baseline", justify="right")
+    for row in cmp.rows:
+        t.add_row(*row)
+    out.print(t)
+    for line in cmp.reasons:
+        out.print(line, markup=False, soft_wrap=True)
 
 
 @app.command()
@@ -591,6 +704,14 @@ def estimate(
         ),
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print plan JSON.")] = False,
+    from_config: Annotated[
+        str | None,
+        typer.Option(
+            "--from",
+            help="Read the configuration from torchtitan:job.toml (or a saved 0.3 command "
+            "line), megatron:args.txt or deepspeed:ds_config.json.",
+        ),
+    ] = None,
 ) -> None:
     """Predict step time, throughput, MFU and memory of a configuration you choose.
 
@@ -606,10 +727,27 @@ def estimate(
     pins = _pins(
         dp, tp, pp, cp, ep, micro_batch, global_batch, recompute, zero, schedule, virtual_stages
     )
-    name, m, inputs, c = _load(model, cluster, gpus, seq_len, profile=profile)
-    graph = _trace(name, m, inputs)
-    result = estimate_plan(graph, cluster=c, parallel=pins, engine=engine)
-    _print_plan(result, as_json)
+    if from_config is not None:
+        given = [f"--{k.replace('_', '-')}" for k in pins.pinned()]
+        given += ["--seq-len"] if seq_len is not None else []
+        given += [] if engine.is_eager else ["--compile/--float8/--tp-overlap"]
+        if given:
+            raise ValueError(
+                f"--from {from_config} sets the configuration; leave out {', '.join(given)} "
+                "(edit the file instead)"
+            )
+        from .configs import estimate as estimate_config
+
+        cfg, c, graph = _load_framework(from_config, model, cluster, gpus, profile)
+        result = estimate_config(cfg, c, graph)
+        _print_plan(result, as_json)
+        if not as_json:
+            _print_framework(cfg)
+    else:
+        name, m, inputs, c = _load(model, cluster, gpus, seq_len, profile=profile)
+        graph = _trace(name, m, inputs)
+        result = estimate_plan(graph, cluster=c, parallel=pins, engine=engine)
+        _print_plan(result, as_json)
     if not result.predicted.fits:
         worst = max(result.predicted.memory, key=lambda r: r.peak_bytes - r.capacity_bytes)
         err.print(

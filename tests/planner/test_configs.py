@@ -1,0 +1,314 @@
+"""Framework configurations in and out (unit tier, no processes): torchtitan, Megatron-LM and
+DeepSpeed files read into `Parallel`, plans written back, `import(export(plan))` giving the
+plan's `Parallel` back for every dimension, and one-line errors for bad files."""
+
+from __future__ import annotations
+
+import meshplan
+import pytest
+from meshplan import configs
+from meshplan.cli import app
+from meshplan.ir import Parallel
+from typer.testing import CliRunner
+
+SUFFIX = {"torchtitan": ".toml", "torchtitan-cli": ".txt", "megatron": ".txt", "deepspeed": ".json"}
+FRAMEWORK = {"torchtitan-cli": "torchtitan"}
+
+
+@pytest.fixture(scope="module")
+def llama8b():
+    model, inputs = meshplan.models.get("llama3-8b", seq_len=2048)
+    return meshplan.trace(model, *inputs, name="llama3-8b")
+
+
+@pytest.fixture(scope="module")
+def tiny_moe():
+    model, inputs = meshplan.models.get("tiny-moe")
+    return meshplan.trace(model, *inputs, name="tiny-moe")
+
+
+def round_trip(tmp_path, plan, fmt, model=None):
+    text = configs.export(plan, fmt).text
+    path = tmp_path / f"cfg{SUFFIX[fmt]}"
+    path.write_text(text)
+    spec = f"{FRAMEWORK.get(fmt, fmt)}:{path}"
+    return configs.load(spec, world_size=plan.world_size, model=model)
+
+
+# (format, configuration, layers per stage or None): together every dimension each
+# framework expresses: DP with each ZeRO stage it has, TP with SP, PP with virtual stages,
+# ZB-V, uneven first/last stages, CP, recomputation modes, micro and global batch.
+DENSE = [
+    ("torchtitan", Parallel(tp=2, zero=3, global_batch=64, recompute="selective"), None),
+    (
+        "torchtitan",
+        Parallel(
+            tp=4,
+            pp=4,
+            global_batch=64,
+            schedule="interleaved_1f1b",
+            virtual_stages=2,
+            recompute="full",
+            zero=2,
+        ),
+        None,
+    ),
+    ("torchtitan", Parallel(pp=4, tp=2, global_batch=32, micro_batch=2, zero=0), (7, 9, 9, 7)),
+    ("torchtitan", Parallel(pp=2, global_batch=256, schedule="zero_bubble", zero=3), None),
+    ("torchtitan-cli", Parallel(tp=8, cp=2, zero=3, global_batch=64), None),
+    ("torchtitan-cli", Parallel(pp=4, tp=4, global_batch=64, zero=2), (6, 10, 10, 6)),
+    (
+        "torchtitan-cli",
+        Parallel(
+            pp=2,
+            tp=2,
+            global_batch=64,
+            schedule="interleaved_1f1b",
+            virtual_stages=4,
+            recompute="selective",
+            zero=3,
+        ),
+        None,
+    ),
+    ("megatron", Parallel(tp=2, pp=2, zero=1, global_batch=64), None),
+    (
+        "megatron",
+        Parallel(
+            tp=4,
+            pp=4,
+            cp=2,
+            global_batch=128,
+            schedule="interleaved_1f1b",
+            virtual_stages=2,
+            recompute="selective",
+        ),
+        None,
+    ),
+    ("megatron", Parallel(tp=2, pp=4, global_batch=64, recompute="full", zero=3), (5, 9, 9, 9)),
+    ("deepspeed", Parallel(zero=2, global_batch=256, micro_batch=2), None),
+    (
+        "deepspeed",
+        Parallel(tp=4, pp=2, zero=1, global_batch=64, recompute="full", sequence_parallel=False),
+        None,
+    ),
+]
+
+
+@pytest.mark.parametrize("fmt,parallel,split", DENSE)
+def test_round_trip(tmp_path, llama8b, fmt, parallel, split):
+    cluster = meshplan.Cluster.preset("dgx-h100", gpus=64)
+    plan = meshplan.estimate_plan(llama8b, cluster=cluster, parallel=parallel)
+    if split:
+        plan = configs.with_stage_layers(plan, llama8b, split)
+    model = "llama3-8b" if fmt == "deepspeed" else None
+    cfg = round_trip(tmp_path, plan, fmt, model)
+    assert cfg.parallel == plan.parallel
+    assert cfg.stage_layers == (split or ())
+    assert cfg.model is not None and cfg.model.name == "llama3-8b"
+    # DeepSpeed's checkpointing is called by the model's code: the reader says so
+    assert cfg.unpriced == () or fmt == "deepspeed" and "activation" in cfg.unpriced[0]
+    # the file prices as the plan does, as the framework runs it (Megatron: fused kernels)
+    again = configs.estimate(cfg, cluster, llama8b)
+    expected = configs.reprice(plan, llama8b, cfg.engine).predicted.step_time_s
+    assert again.predicted.step_time_s == pytest.approx(expected)
+
+
+def test_round_trip_expert_parallel(tmp_path, tiny_moe):
+    cluster = meshplan.Cluster.preset("cpu", gpus=8)
+    plan = meshplan.estimate_plan(
+        tiny_moe, cluster=cluster, parallel=Parallel(ep=2, tp=2, zero=1, global_batch=16)
+    )
+    cfg = round_trip(tmp_path, plan, "megatron")
+    assert cfg.parallel == plan.parallel
+    assert cfg.model.name == "tiny-moe"  # the shape in the arguments is the preset's
+
+
+def test_engine_options_round_trip(tmp_path, llama8b):
+    cluster = meshplan.Cluster.preset("dgx-h100", gpus=16)
+    plan = meshplan.estimate_plan(llama8b, cluster=cluster, parallel=Parallel(tp=2, zero=3))
+    engine = configs.Engine(
+        fused=True, float8="tensorwise", float8_all_gather=True, tp_overlap=True
+    )
+    for fmt in ("torchtitan", "megatron"):
+        path = tmp_path / f"e{SUFFIX[fmt]}"
+        configs.export(plan, fmt, engine=engine).write(path)
+        assert configs.load(f"{fmt}:{path}", world_size=16).engine == engine
+
+
+def test_refuses_or_writes_closest(llama8b):
+    cluster = meshplan.Cluster.preset("dgx-h100", gpus=16)
+    plan = meshplan.estimate_plan(
+        llama8b, cluster=cluster, parallel=Parallel(tp=2, recompute="selective", zero=1)
+    )
+    with pytest.raises(configs.ExportError, match="deepspeed cannot express (selective|sequence)"):
+        configs.export(plan, "deepspeed")
+    with pytest.raises(configs.ExportError, match="torchtitan cannot express ZeRO-1"):
+        configs.export(plan, "torchtitan")
+    near = configs.export(plan, "deepspeed", closest=True, graph=llama8b)
+    assert near.plan.parallel.sequence_parallel is False
+    assert near.plan.parallel.recompute == "full"
+    assert near.changes and near.plan.predicted.step_time_s > 0
+
+
+def test_torchtitan_stage_split_matches_torchtitan():
+    # torchtitan 0.3.0 _generate_llm_fqn_per_model_part: 32 layers, 4 stages, weights 1/1:
+    # 34 effective layers -> 9, 9, 8, 8 effective -> 8, 9, 8, 7 layers
+    assert configs.titan_stage_split(4, 32, 1, 1) == (8, 9, 8, 7)
+    assert configs.titan_stage_split(4, 32, 0, 0) == (8, 8, 8, 8)
+
+
+def test_reads_published_files(tmp_path):
+    toml = tmp_path / "llama3_8b.toml"
+    toml.write_text(
+        '[model]\nname = "llama3"\nflavor = "8B"\n[training]\nlocal_batch_size = 1\n'
+        "seq_len = 8192\n[parallelism]\ndata_parallel_shard_degree = -1\n"
+        '[activation_checkpoint]\nmode = "selective"\nselective_ac_option = "op"\n'
+        "[compile]\nenable = true\n"
+    )
+    cfg = configs.load(f"torchtitan:{toml}", world_size=8)
+    assert cfg.parallel == Parallel(
+        dp=8,
+        tp=1,
+        pp=1,
+        cp=1,
+        ep=1,
+        micro_batch=1,
+        global_batch=8,
+        recompute="selective",
+        zero=3,
+        schedule="1f1b",
+        sequence_parallel=False,
+    )
+    assert cfg.engine.fused and cfg.model.name == "llama3-8b" and cfg.model.seq_len == 8192
+    cli = tmp_path / "cmd.txt"
+    cli.write_text(
+        "--module llama3 --config llama3_405b --parallelism.pipeline_parallel_degree 1\n"
+    )
+    cfg = configs.load(f"torchtitan:{cli}", world_size=512)
+    assert (cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.recompute) == (8, 64, "full")
+    assert cfg.engine.float8 == "tensorwise" and cfg.engine.tp_overlap
+    ds = tmp_path / "ds.json"
+    ds.write_text(
+        '{"train_batch_size": 64, "gradient_accumulation_steps": 2,'
+        ' "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}'
+    )
+    cfg = configs.load(f"deepspeed:{ds}", world_size=16)
+    assert (cfg.parallel.micro_batch, cfg.parallel.zero) == (2, 3)
+    assert cfg.unpriced == ("ZeRO optimizer offload to cpu: priced with the states on the GPU",)
+
+
+runner = CliRunner()
+
+BAD = [
+    ("torchtitan", ".toml", "[parallelism\n", "not valid TOML"),
+    (
+        "torchtitan",
+        ".toml",
+        "[parallelism]\ntensor_parallel_degree = 0\n",
+        "field parallelism.tensor_parallel_degree: must be a positive integer",
+    ),
+    (
+        "torchtitan",
+        ".toml",
+        '[model]\nflavor = "8B"\n[parallelism]\npipeline_parallel_degree = 2\n'
+        'pipeline_parallel_schedule = "1F2B"\n',
+        "field parallelism.pipeline_parallel_schedule",
+    ),
+    ("torchtitan", ".toml", '[model]\nname = "llama3"\nflavor = "1B"\n', "field model"),
+    ("torchtitan", ".txt", "--module llama3 --config llama3_1b\n", "field --config"),
+    (
+        "megatron",
+        ".txt",
+        "--tensor-model-parallel-size x\n",
+        "field --tensor-model-parallel-size: must be an integer",
+    ),
+    ("megatron", ".txt", "--tensor-model-parallel-size 3\n", "does not divide the cluster's 8"),
+    ("megatron", ".txt", "--num-layers 4 --hidden-size 64\n", "field --num-attention-heads"),
+    ("megatron", ".txt", "--recompute-granularity most\n", "field --recompute-granularity"),
+    ("deepspeed", ".json", "{nope", "not valid JSON"),
+    (
+        "deepspeed",
+        ".json",
+        '{"train_batch_size": 64, "train_micro_batch_size_per_gpu": 2,'
+        ' "gradient_accumulation_steps": 2}',
+        "field train_batch_size: 64 != ",
+    ),
+    (
+        "deepspeed",
+        ".json",
+        '{"train_batch_size": 8, "zero_optimization": {"stage": 4}}',
+        "field zero_optimization.stage",
+    ),
+]
+
+
+@pytest.mark.parametrize("framework,suffix,text,needle", BAD)
+def test_bad_files_one_line(tmp_path, framework, suffix, text, needle):
+    path = tmp_path / f"bad{suffix}"
+    path.write_text(text)
+    args = ["estimate", "--from", f"{framework}:{path}", "--cluster", "dgx-h100", "--gpus", "8"]
+    if framework == "deepspeed":
+        args += ["--model", "tiny"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    lines = [x for x in result.stderr.strip().splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
+    assert str(path) in lines[0] and needle in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["estimate", "--from", "titan:x.toml"], "FRAMEWORK:FILE"),
+        (["estimate", "--from", "megatron:/nonexistent/args.txt"], "cannot read"),
+        (["estimate", "--from", "megatron:a.txt", "--tp", "2"], "leave out --tp"),
+        (["plan", "--export", "nemo", "-o", "x"], "--export must be one of"),
+        (["plan", "--export", "megatron"], "give -o FILE"),
+        (["plan", "--closest"], "--closest goes with --export"),
+    ],
+)
+def test_cli_usage_errors(args, needle):
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert needle in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_cli_estimate_from_and_plan_baseline(tmp_path):
+    args = tmp_path / "args.txt"
+    args.write_text(
+        "--num-layers 4 --hidden-size 256 --num-attention-heads 8 --ffn-hidden-size 688\n"
+        "--group-query-attention --num-query-groups 4 --vocab-size 1024 --swiglu\n"
+        "--normalization RMSNorm --position-embedding-type rope --seq-length 256\n"
+        "--untie-embeddings-and-output-weights --tensor-model-parallel-size 2\n"
+        "--micro-batch-size 1 --global-batch-size 8 --cpu-offloading\n"
+    )
+    result = runner.invoke(
+        app, ["estimate", "--from", f"megatron:{args}", "--cluster", "cpu", "--gpus", "4"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "read megatron config" in result.stdout and "not priced: activation" in result.stdout
+    out = tmp_path / "ds.json"
+    result = runner.invoke(
+        app,
+        [
+            "plan",
+            "--baseline",
+            f"megatron:{args}",
+            "--cluster",
+            "cpu",
+            "--gpus",
+            "4",
+            "--time-limit",
+            "2",
+            "--compress",
+            "off",
+            "--export",
+            "deepspeed",
+            "--closest",
+            "-o",
+            str(out),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert "meshplan / baseline" in result.stdout and out.exists()
+    assert configs.load(f"deepspeed:{out}", world_size=4, model="tiny").parallel.global_batch == 8
