@@ -35,14 +35,14 @@ from collections import defaultdict
 
 import numpy as np
 from meshplan.cost_model import compute
-from meshplan.cost_model.learned import DEFAULT_MODEL, mape, train
-from meshplan.cost_model.profile import (
+from meshplan.cost_model.dataset import (
     DeviceDescriptor,
     Sample,
     aggregate_runs,
     bound_devices,
     load_dataset,
 )
+from meshplan.cost_model.learned import DEFAULT_MODEL, mape, train
 from meshplan.ir import GpuSpec
 from meshplan.ir.hardware import canonical_gpu_name, gpu_spec
 
@@ -145,7 +145,7 @@ def evaluate(
     """Train on `train_fams`, report MAPEs on `test_fams` (one device's samples).
 
     With `aggregate`, repeated runs of one op are folded into their fastest
-    (`profile.aggregate_runs`) for training and testing; the single-run error is reported too.
+    (`dataset.aggregate_runs`) for training and testing; the single-run error is reported too.
     """
     samples = aggregate_runs(raw) if aggregate else raw
     tr = [s for s in samples if s.family in train_fams]

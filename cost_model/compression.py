@@ -16,8 +16,8 @@ Codec speed (`CodecSpeed`): a codec call on `nbytes` raw bytes takes
   host syncs at `SYNC_S` each. H100 (3.35 TB/s x 0.8 / 53.5): ~50 GB/s compress and ~61 GB/s
   decompress of bf16 on large chunks, but ~1.7 ms + ~1 ms per call, so a 2 MiB chunk codes
   at ~1.2 GB/s: chunks must be large (the chunk count is chosen per collective below).
-- `measure_codec_speed()` measures both numbers on the current device (profile/calibrate
-  records them; pass them in `CommOptions.codec`).
+- `meshplan.measure.codec_speed.measure_codec_speed()` measures both numbers on the current
+  device (calibrate records them; pass them in `CommOptions.codec`).
 
 Ratio (`predicted_ratio`): the measured codec ratio on the tiny model's tensors per dtype and
 tensor kind (docs/compression.md "Ratios").
@@ -56,7 +56,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -171,7 +170,7 @@ def _is_cpu(gpu: GpuSpec) -> bool:
 
 def codec_speed(gpu: GpuSpec, dtype: str = "bfloat16", given: CodecSpeed | None = None):
     """The codec speed the planner assumes on `gpu`: `given` (measured by the user or by
-    `measure_codec_speed`), else the one `meshplan calibrate` measured on this GPU type (a
+    `meshplan.measure.codec_speed`), else the one `meshplan calibrate` measured on this GPU type (a
     cluster profile, `GpuSpec.codec_speed`), the CPU measurement for the host "CPU" device,
     else the GPU estimate."""
     if given is not None:
@@ -185,50 +184,6 @@ def codec_speed(gpu: GpuSpec, dtype: str = "bfloat16", given: CodecSpeed | None 
 def quant_speed(gpu: GpuSpec) -> CodecSpeed:
     """int8 quantize/dequantize speed on `gpu` (CPU measured, GPU estimated)."""
     return CPU_QUANT if _is_cpu(gpu) else gpu_quant_speed(gpu)
-
-
-def measure_codec_speed(
-    device: str | None = None, dtype: str = "bfloat16", numel: int = 1 << 22, repeats: int = 3
-) -> CodecSpeed:
-    """Measure the lossless codec on `device` (default: CUDA if available, else CPU): the
-    median time of compress/decompress of `numel` gradient-like values gives the throughput,
-    that of 4096 values the per-call cost. For `meshplan profile`/`calibrate` to record."""
-    import torch
-    from meshplan.runtime import codec  # local: measuring needs the real codec; pricing not
-
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    tdtype = getattr(torch, dtype)
-    gen = torch.Generator().manual_seed(0)
-
-    def timed(n: int) -> tuple[float, float]:
-        x = (torch.randn(n, generator=gen) * 1e-3).to(device=dev, dtype=tdtype)
-        enc, dec = [], []
-        c = codec.compress(x)  # warm-up
-        for _ in range(repeats):
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            c = codec.compress(x)
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            t1 = time.perf_counter()
-            codec.decompress(c)
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            enc.append(t1 - t0)
-            dec.append(time.perf_counter() - t1)
-        return sorted(enc)[len(enc) // 2], sorted(dec)[len(dec) // 2]
-
-    small_e, small_d = timed(4096)
-    big_e, big_d = timed(numel)
-    nbytes = numel * tdtype.itemsize
-    return CodecSpeed(
-        nbytes / max(big_e - small_e, 1e-9),
-        nbytes / max(big_d - small_d, 1e-9),
-        small_e,
-        small_d,
-        f"measured: {dev.type}, {torch.get_num_threads()} threads, {numel} {dtype} values",
-    )
 
 
 # -- ratio ------------------------------------------------------------------------------------
@@ -408,7 +363,7 @@ class CommOptions:
     `int8_gradients`: AGoQ-style int8 block-scaled gradient reduce-scatter / all-reduce with
     fp32 accumulation wherever it is faster (changes numerics: only when the user asks).
     `codec`: the codec speed to assume on every device (e.g. `CPU_CODEC` for host-side coding,
-    or `measure_codec_speed()`); None: `codec_speed` per GPU type.
+    or `meshplan.measure.codec_speed.measure_codec_speed()`); None: `codec_speed` per GPU type.
     `axes`: the traffic that may be coded, by mesh axis (default: what meshplan's runtime
     codes, `RUNTIME_CODED_AXES`; add "tp", "cp", "ep", "pp" for what-if pricing of an engine
     that codes those too)."""

@@ -858,7 +858,7 @@ def host_gemm_anchor(model, gpu: GpuSpec) -> float:
 
 
 def _anchor(model, gpu: GpuSpec) -> float:
-    from .calibrate import CPU_GEMM_SHAPES, GPU_GEMM_SHAPES
+    from meshplan.ir.cluster import CPU_GEMM_SHAPES, GPU_GEMM_SHAPES
 
     on_cpu = gpu.name.upper().startswith("CPU")
     shapes, dtype = (CPU_GEMM_SHAPES, "float32") if on_cpu else (GPU_GEMM_SHAPES, "bfloat16")

@@ -122,7 +122,7 @@ class DeviceFeatures:
 
     @classmethod
     def from_descriptor(cls, desc) -> DeviceFeatures:
-        """From a profiled device (`cost_model.profile.DeviceDescriptor`)."""
+        """From a profiled device (`cost_model.dataset.DeviceDescriptor`)."""
         return cls(
             name=desc.name,
             peak_flops=tuple(desc.peak_flops),

@@ -14,7 +14,7 @@ full-batch with AdamW on the Huber loss of the log-time error (scale-free, close
 minimising relative error, robust to rows a shared host slowed down), averaged in
 log-efficiency. Training rows are described by what their replay ran
 (`Sample.measured_op`) on one descriptor per device type whose roofline bounds every row
-(`profile.bound_devices`). Training runs in torch on CPU (tens
+(`dataset.bound_devices`). Training runs in torch on CPU (tens
 of seconds for a few thousand rows); prediction is numpy only. The weights and the device
 descriptors the model was trained on are saved to one `.npz` (`DEFAULT_MODEL`, ~200 KB).
 
@@ -46,8 +46,8 @@ import numpy as np
 from meshplan.ir import GpuSpec, Op
 from meshplan.ir.graph import TensorMeta
 
+from .dataset import DATA_DIR, DeviceDescriptor, Sample, bound_devices
 from .features import DeviceFeatures, feature_names, op_dtype, op_features, physics_time
-from .profile import DATA_DIR, DeviceDescriptor, Sample, bound_devices
 
 DEFAULT_MODEL = DATA_DIR / "model.npz"
 MODEL_VERSION = 1

@@ -156,6 +156,14 @@ class GroupLink:
 # Calibration profile (what `meshplan calibrate` measured)
 # --------------------------------------------------------------------------------------------
 
+# GEMM shapes (m, n, k) `meshplan calibrate` times by default, and at which the cost model
+# compares its learned model with a measured efficiency (`compute.host_gemm_anchor`). On GPUs:
+# square and transformer-like projections of the sizes training runs (Llama-3 8B hidden 4096 /
+# FFN 14336 at 8192 tokens); on CPUs small squares that finish in well under a second each.
+GPU_GEMM_SHAPES = ((4096, 4096, 4096), (8192, 4096, 14336), (8192, 14336, 4096), (8192, 8192, 8192))
+CPU_GEMM_SHAPES = ((256, 256, 256), (512, 512, 512))
+
+
 PROFILE_VERSION = 1
 PROFILE_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 

@@ -202,10 +202,18 @@ def _library_dirs() -> tuple[str, ...]:
     import meshplan
     import meshplan.cost_model
     import meshplan.ir
+    import meshplan.measure
     import meshplan.passes
     import meshplan.runtime
 
-    mods = (meshplan, meshplan.ir, meshplan.cost_model, meshplan.passes, meshplan.runtime)
+    mods = (
+        meshplan,
+        meshplan.ir,
+        meshplan.cost_model,
+        meshplan.passes,
+        meshplan.runtime,
+        meshplan.measure,
+    )
     dirs = {str(Path(m.__file__).resolve().parent) for m in mods}
     paths = sysconfig.get_paths()
     dirs |= {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
@@ -1174,7 +1182,7 @@ def profile(
     ] = None,
 ) -> None:
     """Micro-benchmark the IR's operators on this device; append to the latency dataset."""
-    from meshplan.cost_model.profile import run_profile
+    from meshplan.measure.profile import run_profile
 
     path, rows, skipped = run_profile(
         output,
@@ -1224,14 +1232,14 @@ def calibrate(
 ) -> None:
     """Measure collective bandwidth curves per link tier and GEMM efficiency on this host and
     write a cluster profile for `plan --profile` / `estimate --profile`."""
-    from meshplan.cost_model.calibrate import (
+    from meshplan.ir.cluster_io import dump_profile
+    from meshplan.measure.calibrate import (
         CalibrateConfig,
         parse_shapes,
         parse_size,
         summary,
     )
-    from meshplan.cost_model.calibrate import calibrate as run_calibration
-    from meshplan.ir.cluster_io import dump_profile
+    from meshplan.measure.calibrate import calibrate as run_calibration
     from meshplan.runtime.errors import RankFailure
 
     _check_output(output)

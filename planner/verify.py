@@ -55,7 +55,7 @@ from meshplan.ir.plan import Plan
 from meshplan.passes.sharding import tp_param_placements
 from torch import nn
 
-from .api import complete_parallel, estimate_plan
+from .api import complete_parallel, estimate_plan, trace
 
 # Every model is built right after `torch.manual_seed(SEED)`, in the single process and in
 # every rank, so all start from the same weights.
@@ -892,9 +892,8 @@ def verify(
         raise ValueError(f"verify: steps must be >= 1, got {steps}")
     model, example = _build(model_fn, example_inputs)
     example = _with_seq_len(example, seq_len)
-    import meshplan  # the public trace: the planner's rules (`ModelInfo.blockers`) included
-
-    graph = meshplan.trace(model, *example, name=type(model).__name__)
+    # the public trace (`meshplan.trace`): the planner's rules (`ModelInfo.blockers`) included
+    graph = trace(model, *example, name=type(model).__name__)
     described = f"{type(model).__name__}, {graph.num_params():,} parameters"
     is_plan = isinstance(plan, Plan)
     if is_plan:

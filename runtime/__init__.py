@@ -13,7 +13,7 @@ fixing their order, `launch` for torchrun commands and the local fork launcher. 
 reads a Plan (`meshplan.ir`) and never imports the planner or the solver.
 """
 
-from .apply import Runner, apply, check_model, check_plan, clean_name
+from .apply import Runner, apply, check_model, check_plan
 from .context_parallel import ContextParallel, sequence_positions
 from .errors import RankFailure, RuntimePlanError
 from .expert_parallel import ExpertParallel
@@ -26,6 +26,7 @@ from .mesh import (
     init_distributed,
     shutdown_distributed,
 )
+from .tensor_parallel import clean_name
 
 __all__ = [
     "CollectiveCounter",

@@ -114,6 +114,7 @@ from .quantize import plan_activation_bits, quantize_saved_activations
 from .recompute import apply_recompute
 from .tensor_parallel import (
     apply_tensor_parallel,
+    clean_name,
     is_cross_entropy,
     loss_context,
     reduce_partial_gradients,
@@ -121,9 +122,6 @@ from .tensor_parallel import (
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-
-# Name pieces wrappers add, removed to give the user's parameter names back.
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
 
 def check_model(model: nn.Module, plan: Plan) -> None:
@@ -383,15 +381,6 @@ class Runner:
         # model's own `named_parameters()` lists it once, under its first name.
         named = {self.first_names.get(k, k): v for k, v in sorted(out.items())}
         return dict(sorted(named.items()))
-
-
-def clean_name(name: str) -> str:
-    """The user's parameter name behind wrapper prefixes (DDP, checkpointing, compile)."""
-    if name.startswith("module."):
-        name = name[len("module.") :]
-    for piece in _WRAPPER_PREFIXES:
-        name = name.replace(piece, "")
-    return name
 
 
 def _local_value(t: torch.Tensor) -> torch.Tensor:

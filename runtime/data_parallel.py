@@ -45,6 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 from . import compressed as cc
 from . import quantize as Q
 from .mesh import RankContext
+from .tensor_parallel import clean_name, placement_of
 
 # torch 2.13 renamed `broadcast_buffers`; the new flag still syncs once at construction.
 _NO_BUFFER_SYNC = (
@@ -254,6 +255,58 @@ def install_gradient_coding(
     return CodedGradients(params, group, coding.gradients)
 
 
+def plan_gradient_method(plan, stage: int = 0) -> tuple[str, int]:
+    """(method, chunks) of stage `stage`'s data-parallel gradient reduction in `plan`:
+    "raw", "lossless" or "int8" (`dp_coding`)."""
+    return dp_coding(plan, stage).gradients
+
+
+@dataclass
+class PlanHooks:
+    """What `install_from_plan` set up: `activations` is a context manager to run forward
+    passes under (saved-activation quantization, or a no-op), `gradients` the DP gradient
+    method installed ("raw": nothing installed)."""
+
+    activations: object
+    gradients: str = "raw"
+
+
+def install_from_plan(
+    plan, model: nn.Module, *, stage: int = 0, ddp=None, fsdp_modules=(), group=None
+) -> PlanHooks:
+    """Apply `plan`'s quantization and DP-traffic decisions to a model wrapped by hand
+    (`runtime.apply` does all of this itself; see `install_gradient_coding`).
+
+    - saved activations: returns `PlanHooks.activations`, an `ActivationQuantizer` with the
+      plan's widths for `stage` (enter it around each forward), or a no-op context;
+    - DP traffic: on `ddp` (a DistributedDataParallel) registers `quantize.quantized_allreduce_hook`
+      (int8) or `compressed.lossless_allreduce_hook` (lossless, the plan's chunk count); on
+      each FSDP2 module of `fsdp_modules` sets `quantize.QuantizedReduceScatter` (int8) or
+      `compressed.LosslessReduceScatter` (lossless), and `compressed.LosslessAllGather` where
+      the plan codes the weight all-gather."""
+    bits = Q.plan_activation_bits(plan, model, stage)
+    acts = Q.ActivationQuantizer(model, bits) if bits else contextlib.nullcontext()
+    coding = dp_coding(plan, stage)
+    method, chunks = coding.gradients
+    installed = "raw"
+    if ddp is not None and method == "int8":
+        ddp.register_comm_hook(Q.QuantHookState(group), Q.quantized_allreduce_hook)
+        installed = "int8"
+    elif ddp is not None and method == "lossless":
+        ddp.register_comm_hook(cc.LosslessHookState(group, chunks), cc.lossless_allreduce_hook)
+        installed = "lossless"
+    for m in fsdp_modules:
+        if method == "int8":
+            m.set_custom_reduce_scatter(Q.QuantizedReduceScatter())
+            installed = "int8"
+        elif method == "lossless":
+            m.set_custom_reduce_scatter(cc.LosslessReduceScatter(chunks))
+            installed = "lossless"
+        if coding.weights[0] == "lossless":
+            m.set_custom_all_gather(cc.LosslessAllGather(coding.weights[1]))
+    return PlanHooks(acts, installed)
+
+
 def code_fsdp_module(module: FSDPModule, gradients: Method, weights: Method) -> None:
     """Run one FSDP2 unit's reduce-scatter (`gradients`: lossless or int8) and all-gather
     (`weights`: lossless) coded, on FSDP2's custom collectives."""
@@ -290,9 +343,6 @@ class HeteroGradients:
     """
 
     def __init__(self, ctx: RankContext, modules: list[nn.Module]) -> None:
-        from .apply import clean_name
-        from .tensor_parallel import placement_of
-
         whole = ctx.whole_plan
         first = whole.stages[0]
         p = whole.parallel

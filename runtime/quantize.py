@@ -616,69 +616,7 @@ def plan_activation_bits(plan, model: nn.Module, stage: int = 0) -> dict[str, in
     return bits
 
 
-def plan_gradient_method(plan, stage: int = 0) -> tuple[str, int]:
-    """(method, chunks) of stage `stage`'s data-parallel gradient reduction in `plan`:
-    "raw", "lossless" or "int8" (`data_parallel.dp_coding`)."""
-    from .data_parallel import dp_coding
-
-    return dp_coding(plan, stage).gradients
-
-
-@dataclass
-class PlanHooks:
-    """What `install_from_plan` set up: `activations` is a context manager to run forward
-    passes under (saved-activation quantization, or a no-op), `gradients` the DP gradient
-    method installed ("raw": nothing installed)."""
-
-    activations: object
-    gradients: str = "raw"
-
-
-def install_from_plan(
-    plan, model: nn.Module, *, stage: int = 0, ddp=None, fsdp_modules=(), group=None
-) -> PlanHooks:
-    """Apply `plan`'s quantization and DP-traffic decisions to a model wrapped by hand
-    (`runtime.apply` does all of this itself; see `data_parallel.install_gradient_coding`).
-
-    - saved activations: returns `PlanHooks.activations`, an `ActivationQuantizer` with the
-      plan's widths for `stage` (enter it around each forward), or a no-op context;
-    - DP traffic: on `ddp` (a DistributedDataParallel) registers `quantized_allreduce_hook`
-      (int8) or `compressed.lossless_allreduce_hook` (lossless, the plan's chunk count); on
-      each FSDP2 module of `fsdp_modules` sets `QuantizedReduceScatter` (int8) or
-      `compressed.LosslessReduceScatter` (lossless), and `compressed.LosslessAllGather` where
-      the plan codes the weight all-gather."""
-    import contextlib
-
-    from . import compressed as cc
-    from .data_parallel import dp_coding
-
-    bits = plan_activation_bits(plan, model, stage)
-    acts = ActivationQuantizer(model, bits) if bits else contextlib.nullcontext()
-    coding = dp_coding(plan, stage)
-    method, chunks = coding.gradients
-    installed = "raw"
-    if ddp is not None and method == "int8":
-        ddp.register_comm_hook(QuantHookState(group), quantized_allreduce_hook)
-        installed = "int8"
-    elif ddp is not None and method == "lossless":
-        ddp.register_comm_hook(cc.LosslessHookState(group, chunks), cc.lossless_allreduce_hook)
-        installed = "lossless"
-    for m in fsdp_modules:
-        if method == "int8":
-            m.set_custom_reduce_scatter(QuantizedReduceScatter())
-            installed = "int8"
-        elif method == "lossless":
-            m.set_custom_reduce_scatter(cc.LosslessReduceScatter(chunks))
-            installed = "lossless"
-        if coding.weights[0] == "lossless":
-            m.set_custom_all_gather(cc.LosslessAllGather(coding.weights[1]))
-    return PlanHooks(acts, installed)
-
-
 __all__ += [
-    "PlanHooks",
-    "install_from_plan",
     "plan_activation_bits",
-    "plan_gradient_method",
     "quantize_saved_activations",
 ]

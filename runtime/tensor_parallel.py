@@ -157,6 +157,19 @@ def _first_param_name(module: nn.Module) -> str:
     return params[0] if params else ""
 
 
+# Name pieces wrappers add, removed to give the user's parameter names back.
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def clean_name(name: str) -> str:
+    """The user's parameter name behind wrapper prefixes (DDP, checkpointing, compile)."""
+    if name.startswith("module."):
+        name = name[len("module.") :]
+    for piece in _WRAPPER_PREFIXES:
+        name = name.replace(piece, "")
+    return name
+
+
 def placement_of(name: str, plan: Plan, placements: dict[str, str] | None = None) -> str | None:
     """The plan's tp-axis placement of the parameter with full path `name`, or None."""
     placements = placements if placements is not None else dict(plan.placements)

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 from meshplan.cost_model import learned
+from meshplan.cost_model.dataset import DeviceDescriptor, Sample
 from meshplan.cost_model.features import (
     DeviceFeatures,
     essential_bytes,
@@ -14,7 +15,6 @@ from meshplan.cost_model.features import (
     op_features,
     physics_time,
 )
-from meshplan.cost_model.profile import DeviceDescriptor, Sample
 from meshplan.ir import Op, OpKind, TensorMeta
 from meshplan.ir.hardware import gpu_spec
 

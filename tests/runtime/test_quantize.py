@@ -304,6 +304,7 @@ def test_quantized_gradient_sync_on_gloo():
 def test_install_from_plan_reads_the_recorded_widths_and_methods():
     from meshplan import models
     from meshplan.ir.plan import CommDecision, CompressionPlan, QuantizationPlan
+    from meshplan.runtime import data_parallel
 
     model, _ = models.get("tiny", device="meta", micro_batch=1)
     kinds = (("attention", 8), ("embedding", None), ("head", 8), ("mlp", 4), ("norm", 8))
@@ -327,7 +328,8 @@ def test_install_from_plan_reads_the_recorded_widths_and_methods():
     expect = Q.agoq_plan(model, stage=1, num_stages=2)  # attention at 8 bits on stage 1 of 2
     assert bits == expect
     assert Q.plan_activation_bits(FakePlan, model, stage=0) is None
-    assert Q.plan_gradient_method(FakePlan, stage=1) == ("lossless", 4)
-    assert Q.plan_gradient_method(FakePlan, stage=0) == ("raw", 1)
-    hooks = Q.install_from_plan(FakePlan, model, stage=1)  # no DDP given: nothing registered
+    assert data_parallel.plan_gradient_method(FakePlan, stage=1) == ("lossless", 4)
+    assert data_parallel.plan_gradient_method(FakePlan, stage=0) == ("raw", 1)
+    # no DDP given: nothing registered
+    hooks = data_parallel.install_from_plan(FakePlan, model, stage=1)
     assert isinstance(hooks.activations, Q.ActivationQuantizer) and hooks.gradients == "raw"

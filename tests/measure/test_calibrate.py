@@ -11,7 +11,6 @@ import sys
 
 import pytest
 from meshplan.cli import app
-from meshplan.cost_model.calibrate import CalibrateConfig, CalibrateError, calibrate, parse_size
 from meshplan.cost_model.collectives import Collective, group_collective_time
 from meshplan.ir import Cluster, Parallel
 from meshplan.ir.cluster import (
@@ -29,6 +28,7 @@ from meshplan.ir.cluster_io import (
     profile_from_dict,
     profile_to_dict,
 )
+from meshplan.measure.calibrate import CalibrateConfig, CalibrateError, calibrate, parse_size
 from typer.testing import CliRunner
 
 from tests.synthetic import transformer_graph
@@ -171,8 +171,8 @@ def test_calibration_that_agrees_with_the_learned_model_changes_nothing():
     import statistics
 
     from meshplan.api import estimate
-    from meshplan.cost_model.calibrate import CPU_GEMM_SHAPES
     from meshplan.cost_model.compute import _gemm_op, host_gemm_anchor, latency_model
+    from meshplan.ir.cluster import CPU_GEMM_SHAPES
 
     base = Cluster.preset("cpu", 1)
     gpu = base.groups[0].gpu

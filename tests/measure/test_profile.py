@@ -1,4 +1,5 @@
-"""The operator profiler: robust timing, op replay, and the versioned, appendable dataset."""
+"""The operator profiler: robust timing, op replay, and the versioned, appendable dataset
+(`meshplan.measure.profile` writes it, `meshplan.cost_model.dataset` reads it)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import json
 
 import pytest
 import torch
-from meshplan.cost_model import profile as P
+from meshplan.cost_model import dataset as D
 from meshplan.ir import Op, OpKind, TensorMeta
+from meshplan.measure import profile as P
 
 
 def test_robust_median_drops_outliers():
@@ -94,7 +96,7 @@ def test_tiny_profile_writes_then_appends(tmp_path):
     assert path == out and n1 > 0 and skipped == 0
     recs = _records(out)
     dev = [r for r in recs if r["type"] == "device"]
-    assert len(dev) == 1 and dev[0]["schema"] == P.SCHEMA_VERSION
+    assert len(dev) == 1 and dev[0]["schema"] == D.SCHEMA_VERSION
     d = dev[0]["device"]
     assert d["name"] == "CPU" and d["cores"] >= 1 and d["torch_version"] == torch.__version__
     assert dict(d["peak_flops"])["float32"] > 0 and d["mem_bandwidth"] > 0
@@ -103,7 +105,7 @@ def test_tiny_profile_writes_then_appends(tmp_path):
     assert {"op", "dtype", "flops", "bytes", "backward", "model"} <= set(rows[0])
 
     _, n2, _ = P.run_profile(out, **kw)
-    ds = P.load_dataset(out)
+    ds = D.load_dataset(out)
     assert len(ds) == n1 + n2
     assert len([r for r in _records(out) if r["type"] == "device"]) == 2
     s = ds.samples[0]
@@ -114,11 +116,11 @@ def test_newer_schema_is_rejected(tmp_path):
     out = tmp_path / "x.jsonl.gz"
     with gzip.open(out, "wt") as f:
         f.write(
-            json.dumps({"type": "device", "schema": P.SCHEMA_VERSION + 1, "id": "a", "device": {}})
+            json.dumps({"type": "device", "schema": D.SCHEMA_VERSION + 1, "id": "a", "device": {}})
             + "\n"
         )
     with pytest.raises(ValueError, match="schema"):
-        P.load_dataset(out)
+        D.load_dataset(out)
 
 
 @pytest.mark.gpu
@@ -157,7 +159,7 @@ def test_replay_counts_see_what_the_ir_charges_but_the_replay_does_not_run():
         bwd_bytes=2 * x.nbytes,  # the folded view's gradient copy
     )
     dev = _descriptor()
-    s = P.Sample(
+    s = D.Sample(
         "mixtral",
         "m",
         ir_op,
@@ -169,10 +171,10 @@ def test_replay_counts_see_what_the_ir_charges_but_the_replay_does_not_run():
         timed=(c.fwd_flops, c.bwd_flops, c.fwd_bytes, c.bwd_bytes),
     )
     assert s.op.bwd_bytes == 2 * x.nbytes and s.measured_op.bwd_bytes == 0
-    assert P.Sample("x", "m", ir_op, True, "float32", 1.0, 0.0, dev).measured_op is ir_op
+    assert D.Sample("x", "m", ir_op, True, "float32", 1.0, 0.0, dev).measured_op is ir_op
 
 
-def _descriptor(**kw) -> P.DeviceDescriptor:
+def _descriptor(**kw) -> D.DeviceDescriptor:
     base = dict(
         name="CPU",
         processor="t",
@@ -187,7 +189,7 @@ def _descriptor(**kw) -> P.DeviceDescriptor:
         mem_bandwidth=10e9,
         cache_bandwidth=50e9,
     )
-    return P.DeviceDescriptor(**{**base, **kw})
+    return D.DeviceDescriptor(**{**base, **kw})
 
 
 def test_bound_devices_makes_one_roofline_that_bounds_every_row():
@@ -204,11 +206,11 @@ def test_bound_devices_makes_one_roofline_that_bounds_every_row():
     x = TensorMeta((256, 256), "float32")
     add = P.synth_op("add", OpKind.ELEMENTWISE, "aten.add.Tensor", (x, x))
     rows = [
-        P.Sample("f", "m", mm, False, "float32", mm.fwd_flops / 150e9, 0.0, a),  # 150 GFLOP/s
-        P.Sample("f", "m", add, False, "float32", add.fwd_bytes / 90e9, 0.0, b),  # 90 GB/s
-        P.Sample("f", "m", add, False, "float32", add.fwd_bytes / 20e9, 0.0, a),
+        D.Sample("f", "m", mm, False, "float32", mm.fwd_flops / 150e9, 0.0, a),  # 150 GFLOP/s
+        D.Sample("f", "m", add, False, "float32", add.fwd_bytes / 90e9, 0.0, b),  # 90 GB/s
+        D.Sample("f", "m", add, False, "float32", add.fwd_bytes / 20e9, 0.0, a),
     ]
-    out = P.bound_devices(rows)
+    out = D.bound_devices(rows)
     devs = {id(s.device) for s in out}
     assert len(devs) == 1
     d = out[0].device
@@ -234,10 +236,10 @@ def test_backfill_adds_timed_counts_to_schema_1_rows(tmp_path):
         for r in recs:
             r.pop("timed", None)
             f.write(json.dumps(r) + "\n")
-    assert all(s.timed is None for s in P.load_dataset(out).samples)
+    assert all(s.timed is None for s in D.load_dataset(out).samples)
     filled = P.backfill_timed_counts(out)
     assert filled == sum(r["type"] == "row" for r in recs)
-    ds = P.load_dataset(out)
+    ds = D.load_dataset(out)
     assert len(ds.devices) == 2
     for s in ds.samples:  # sweep ops are synthesised from their replay: counts agree
         assert s.measured_op == s.op

@@ -26,7 +26,7 @@ CUDA devices. `calibrate` starts `nproc` ranks on this host itself (forked, as
 `meshplan.runtime.launch.run_local`; NCCL runs in a subgroup over CUDA devices, one per
 rank). Across hosts, start it under torchrun on every node:
 
-    torchrun --nnodes 2 --nproc-per-node 8 ... -m meshplan.cost_model.calibrate \\
+    torchrun --nnodes 2 --nproc-per-node 8 ... -m meshplan.measure.calibrate \\
         --inter-link ib-ndr --nics-per-node 8 --out profile.json
 """
 
@@ -44,6 +44,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from meshplan.ir.cluster import (
+    CPU_GEMM_SHAPES,
+    GPU_GEMM_SHAPES,
     PROFILE_COLLECTIVES,
     ClusterProfile,
     CodecMeasurement,
@@ -52,14 +54,10 @@ from meshplan.ir.cluster import (
     TierProfile,
 )
 
+from .codec_speed import measure_codec_speed
+
 COLLECTIVES = PROFILE_COLLECTIVES
 KiB, MiB = 2**10, 2**20
-
-# Default GEMM shapes (m, n, k). On GPUs: square and transformer-like projections of the
-# sizes training runs (Llama-3 8B hidden 4096 / FFN 14336 at 8192 tokens); on CPUs small
-# squares that finish in well under a second each.
-GPU_GEMM_SHAPES = ((4096, 4096, 4096), (8192, 4096, 14336), (8192, 14336, 4096), (8192, 8192, 8192))
-CPU_GEMM_SHAPES = ((256, 256, 256), (512, 512, 512))
 
 
 class CalibrateError(ValueError):
@@ -415,8 +413,6 @@ def rank_main(cfg: CalibrateConfig, echo: Callable[[str], None] | None = None) -
     codec: list[CodecMeasurement] = []
     if cfg.codec:
         if rank == 0:
-            from .compression import measure_codec_speed
-
             log(f"calibrate: lossless codec, bf16, {cfg.codec_numel:,} values")
             sp = measure_codec_speed(device, "bfloat16", numel=cfg.codec_numel)
             codec = [
@@ -549,7 +545,7 @@ def parse_shapes(text: str) -> tuple[tuple[int, int, int], ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point under torchrun (`python -m meshplan.cost_model.calibrate`): every rank of
+    """Entry point under torchrun (`python -m meshplan.measure.calibrate`): every rank of
     the job measures; rank 0 writes `--out`."""
     import torch.distributed as dist
     from meshplan.ir.cluster_io import dump_profile
