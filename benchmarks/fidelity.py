@@ -485,18 +485,19 @@ def run_case(case: Case, cache_dir: Path | None) -> None:
     from meshplan.cost_model.memory import CONTEXT_BYTES
     from meshplan.cost_model.simulate import predict
     from meshplan.ir import Parallel
-    from meshplan.passes.partition import even_stages, place_stages
+    from meshplan.passes.partition import place_stages
 
     assert case.arch is not None
     graph = graph_for(case.arch, case.seq_len, cache_dir)
     cluster = build_cluster(case.cluster, case.gpus)
     par = Parallel(**case.parallel)
-    from meshplan.api import check_config, complete_parallel
+    from meshplan.api import check_config, complete_parallel, default_stages
     from meshplan.cost_model.engine import Engine
 
     p = complete_parallel(graph, cluster, par)
     check_config(graph, cluster, p, par)
-    stages = place_stages(cluster, p, even_stages(graph, p.pp))
+    # the layout the schedule runs (interleaved chunks: `partition.chunk_layers`)
+    stages = place_stages(cluster, p, default_stages(graph, p))
     pred = predict(
         graph,
         cluster,

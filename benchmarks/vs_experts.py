@@ -38,11 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", help="comma-separated row numbers (default: all with a config)")
     ap.add_argument("--time-limit", type=float, default=10.0, help="solver seconds per row")
     args = ap.parse_args(argv)
-    from meshplan.api import check_config, complete_parallel
+    from meshplan.api import check_config, complete_parallel, default_stages
     from meshplan.cost_model import predict
     from meshplan.cost_model.engine import Engine
     from meshplan.ir import Parallel
-    from meshplan.passes.partition import even_stages, place_stages
+    from meshplan.passes.partition import place_stages
     from meshplan.solver import solve
 
     with open(args.csv, newline="") as f:
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         cluster = fidelity.build_cluster(c.cluster, c.gpus)
         pub = complete_parallel(graph, cluster, Parallel(**c.parallel))
         check_config(graph, cluster, pub, Parallel(**c.parallel))
-        stages = place_stages(cluster, pub, even_stages(graph, pub.pp))
+        stages = place_stages(cluster, pub, default_stages(graph, pub))
         engine = Engine(**c.engine)  # the row's stack (fused kernels, float8, flash-attn, ...)
         published = predict(graph, cluster, pub, stages, dtype=c.dtype, engine=engine).step_time_s
         t0 = time.perf_counter()

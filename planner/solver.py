@@ -1602,7 +1602,9 @@ def _screen(
                 continue  # no split fits: some stage holds ceil(L / pp) layers
             skey = (c.tp, c.cp, c.ep, c.sequence_parallel, c.pp, c.dp, c.micro_batch)
             skey += (c.recompute, c.group_tp)
-            skey += (c.schedule in (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE),)
+            chunked = c.schedule in (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE)
+            # a chunked schedule's split is its chunk layout's (`_splits`): per schedule and v
+            skey += ((c.schedule, c.virtual_stages) if chunked else None,)
             splits = splits_of.get(skey)
             if splits is None:
                 splits = splits_of[skey] = _splits(pricer, c, groups, n_layers, cache)
