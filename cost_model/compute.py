@@ -148,10 +148,11 @@ def _measured(base: KernelEfficiency, gemm: float) -> KernelEfficiency:
 # Kinds whose FLOPs run on tensor cores (matrix multiplies and fused attention).
 TENSOR_CORE_KINDS = frozenset({OpKind.MATMUL, OpKind.ATTENTION, OpKind.EXPERTS})
 
-# FLOPs of every other kind run on CUDA cores: on H100 SXM the non-tensor FP32 rate is 67
-# TFLOP/s against 989 dense BF16 tensor-core TFLOP/s (NVIDIA H100 datasheet), about 7%.
-# These kinds are almost always memory-bound, so the number rarely matters. Assumption.
-VECTOR_FLOP_EFFICIENCY = 0.07
+# FLOPs of every other kind run on CUDA cores, at the part's FP32 rate (`GpuSpec.peak`'s
+# "float32": CUDA-core FP32 on NVIDIA parts, e.g. 67 TFLOP/s on H100 SXM against 989 dense
+# BF16 tensor-core TFLOP/s, datasheet), whatever the training precision. These kinds are
+# almost always memory-bound, so the number rarely matters.
+VECTOR_DTYPE = "float32"
 
 # Minimum time of one kernel: launch overhead and a short tail (CUDA launch latency is a few
 # microseconds; assumption).
@@ -387,7 +388,7 @@ def roofline_time(
     elif op.kind in TENSOR_CORE_KINDS:
         eff = k.gemm
     else:
-        eff = VECTOR_FLOP_EFFICIENCY
+        eff, dtype = 1.0, VECTOR_DTYPE  # CUDA cores (TF32 and bf16 are matmul modes)
     return max(flops / (gpu.peak(dtype) * eff), nbytes / (gpu.hbm_bandwidth * k.memory))
 
 
@@ -663,7 +664,7 @@ def _region_times(block: Block, region, gpu: GpuSpec) -> tuple[float, float, dic
         by_cls["tp" if splits_with_tp(op, block.kind) else "sp"] += op.fwd_bytes + op.bwd_bytes
         flops["fwd"] += op.fwd_flops
         flops["bwd"] += op.bwd_flops
-    vector = gpu.peak("float32") * VECTOR_FLOP_EFFICIENCY
+    vector = gpu.peak(VECTOR_DTYPE)
     fwd = max(flops["fwd"] / vector, region.fwd_bytes / bw)
     bwd = max(flops["bwd"] / vector, region.bwd_bytes / bw) if region.bwd_bytes else 0.0
     total = sum(by_cls.values()) or 1.0

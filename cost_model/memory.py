@@ -89,8 +89,9 @@ FP32 = Precision(4, 4, 8)
 
 def precision_for(dtype: str) -> Precision:
     """The model-state precision of a model whose parameters (and compute) are `dtype`:
-    plain fp32 for float32/float64 models, bf16/fp16 mixed precision otherwise."""
-    return FP32 if dtype in ("float32", "float64") else MIXED
+    plain fp32 for float32/float64 models (and TF32 compute: fp32 storage), bf16/fp16 mixed
+    precision otherwise."""
+    return FP32 if dtype in ("float32", "float64", "tfloat32") else MIXED
 
 
 # CUDA context, cuBLAS workspace and NCCL buffers per rank. Assumption (commonly 0.5-1.5 GiB

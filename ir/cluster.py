@@ -72,6 +72,11 @@ class GpuSpec:
             raise ValueError(f"GpuSpec {self.name}: memory and bandwidth must be positive")
         if not self.peak_flops:
             raise ValueError(f"GpuSpec {self.name}: no peak FLOP/s given")
+        if "float32" not in dict(self.peak_flops):
+            raise ValueError(
+                f"GpuSpec {self.name}: peak_flops needs float32 (the CUDA-core FP32 rate, "
+                "where every op but the matmuls runs)"
+            )
         if self.gemm_efficiency is not None and not self.gemm_efficiency > 0:
             raise ValueError(
                 f"GpuSpec {self.name}: gemm_efficiency must be positive, got "
@@ -79,16 +84,17 @@ class GpuSpec:
             )
 
     def peak(self, dtype: str) -> float:
-        """Peak dense FLOP/s for `dtype`; falls back to fp16 for bf16 on GPUs without bf16."""
+        """Peak dense FLOP/s for `dtype` ("tfloat32": TF32 tensor cores). A dtype the part
+        lacks raises KeyError: the plan's precision is checked first (`precision_problem`),
+        never silently priced at another rate."""
         table = dict(self.peak_flops)
         if dtype in table:
             return table[dtype]
-        for alt in {"bfloat16": ("float16",), "float16": ("bfloat16",)}.get(dtype, ()):
-            if alt in table:
-                return table[alt]
-        if "float32" in table:
-            return table["float32"]
         raise KeyError(f"GPU {self.name} has no peak FLOP/s for {dtype}")
+
+    def supports(self, precision: str) -> bool:
+        """The part runs training `precision` (a `PRECISIONS` name) on its own units."""
+        return PRECISIONS[precision] in dict(self.peak_flops)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,16 +162,72 @@ class GroupLink:
 # Calibration profile (what `meshplan calibrate` measured)
 # --------------------------------------------------------------------------------------------
 
+# Training precisions a plan chooses among (`--precision`), with the peak-FLOP/s key
+# (`GpuSpec.peak_flops`) the matmuls run at:
+#   fp32  float32 weights and matmuls on CUDA cores (PyTorch's default: TF32 off)
+#   tf32  float32 weights, matmuls on TF32 tensor cores (`allow_tf32`; Ampere and later)
+#   bf16  bf16 mixed precision (fp32 master weights and optimizer; Ampere and later)
+#   fp16  fp16 mixed precision with loss scaling (Volta and later)
+#   fp8   bf16 mixed precision with float8 linear layers (torchao's tensorwise recipe, as
+#         torchtitan runs it; Hopper and Ada and later)
+PRECISIONS: dict[str, str] = {
+    "fp32": "float32",
+    "tf32": "tfloat32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "fp8": "float8_e4m3fn",
+}
+# The dtype the cost model prices a precision's step in (fp8: bf16 around float8 linears).
+PRECISION_DTYPE: dict[str, str] = {
+    "fp32": "float32",
+    "tf32": "tfloat32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "fp8": "bfloat16",
+}
+
+
+def precision_problem(precision: str, gpus) -> str:
+    """Why `precision` cannot train on every GPU type in `gpus` (GpuSpecs), or "": the one
+    rule the planner, `estimate` and the runtime's check apply."""
+    if precision not in PRECISIONS:
+        return f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}"
+    lacking = sorted({g.name for g in gpus if not g.supports(precision)})
+    if not lacking:
+        return ""
+    ok = [p for p in PRECISIONS if all(g.supports(p) for g in gpus)]
+    return (
+        f"{', '.join(lacking)} cannot train in {precision} (no "
+        f"{PRECISIONS[precision].replace('tfloat32', 'TF32')} units); use --precision "
+        f"{' or '.join(ok)}"
+    )
+
+
+def default_precision(model_dtype: str, gpus) -> tuple[str, str]:
+    """(precision, note) when the user names none: the model's own dtype (fp32, bf16, fp16);
+    a bf16 model on parts without bf16 (V100, T4, RTX 2080 Ti) trains in fp16 mixed
+    precision, as people run it there, and the note says so."""
+    want = {"float32": "fp32", "float64": "fp32", "float16": "fp16"}.get(model_dtype, "bf16")
+    if want == "bf16" and not precision_problem("bf16", gpus):
+        return "bf16", ""
+    if want == "bf16":
+        lacking = sorted({g.name for g in gpus if not g.supports("bf16")})
+        verb = "has" if len(lacking) == 1 else "have"
+        return "fp16", (
+            f"precision fp16 mixed (loss scaling): {' and '.join(lacking)} {verb} no bfloat16 "
+            "(the model's dtype); --precision pins another"
+        )
+    return want, ""
+
+
+PROFILE_VERSION = 1
+PROFILE_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 # GEMM shapes (m, n, k) `meshplan calibrate` times by default, and at which the cost model
 # compares its learned model with a measured efficiency (`compute.host_gemm_anchor`). On GPUs:
 # square and transformer-like projections of the sizes training runs (Llama-3 8B hidden 4096 /
 # FFN 14336 at 8192 tokens); on CPUs small squares that finish in well under a second each.
 GPU_GEMM_SHAPES = ((4096, 4096, 4096), (8192, 4096, 14336), (8192, 14336, 4096), (8192, 8192, 8192))
 CPU_GEMM_SHAPES = ((256, 256, 256), (512, 512, 512))
-
-
-PROFILE_VERSION = 1
-PROFILE_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 
 
 @dataclass(frozen=True, slots=True)

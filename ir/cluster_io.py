@@ -917,11 +917,11 @@ def _resolve_gpu(
         table = []
         for j, (dtype, flops) in enumerate(pairs):
             key = f"{at}.peak_flops.{dtype}" if isinstance(raw, dict) else f"{at}.peak_flops[{j}]"
-            if dtype not in DTYPE_BYTES:
+            if dtype not in DTYPE_BYTES and dtype != "tfloat32":
                 raise fail(
                     key,
                     f"unknown dtype {dtype!r}; use torch dtype names such as "
-                    "bfloat16, float16, float32, float8_e4m3fn",
+                    "bfloat16, float16, float32, float8_e4m3fn, or tfloat32 (TF32 tensor cores)",
                 )
             try:
                 table.append((dtype, parse_flops(flops)))

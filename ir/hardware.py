@@ -9,10 +9,13 @@ Conventions (the same as `meshplan.ir.cluster`):
 
 - FLOP/s are **dense** peaks. Datasheets often print "with sparsity" figures, twice the dense
   ones; those are halved here. `peak_flops` keys are torch dtype names: "bfloat16",
-  "float16", "float32", "float8_e4m3fn". "float32" is the TF32 tensor-core dense rate where
-  the part has TF32 (that is what `torch.backends.cuda.matmul.allow_tf32` training uses), the
-  FP32 matrix rate on AMD parts, and the CUDA-core FP32 rate on V100 (no TF32); each entry
-  says which.
+  "float16", "float32", "float8_e4m3fn", plus "tfloat32". "float32" is the rate an fp32
+  matmul runs at by default in PyTorch (`torch.backends.cuda.matmul.allow_tf32` is off): the
+  CUDA-core FP32 rate on NVIDIA parts, the FP32 matrix rate on AMD parts; "tfloat32" is the
+  TF32 tensor-core dense rate, on parts that have TF32 (Ampere and later, MI300X), used when
+  a plan's precision is "tf32". A precision the part lacks has no key (V100, T4 and RTX 2080
+  Ti: no bfloat16, no tfloat32; float8 only from Hopper/Ada on): `cluster.precision_problem`
+  refuses it instead of pricing another. Each entry says where its figure comes from.
 - Bandwidths are bytes/s in **one direction**. NVLink / Infinity Fabric datasheet figures are
   aggregate bidirectional per GPU, so they are halved here.
 - `memory_bytes` is the datasheet capacity read as **GiB** ("80 GB" -> 80 * 2**30 bytes).
@@ -59,7 +62,8 @@ _SPECS: tuple[GpuSpec, ...] = (
         peak_flops=(
             ("bfloat16", 989 * TERA),  # hardware.md, H100 SXM5 dense
             ("float16", 989 * TERA),  # hardware.md
-            ("float32", 494.5 * TERA),  # TF32 dense: datasheet 989 with sparsity / 2
+            ("tfloat32", 494.5 * TERA),  # TF32 dense: datasheet 989 with sparsity / 2
+            ("float32", 67 * TERA),  # CUDA-core FP32: H100 SXM datasheet 67
             ("float8_e4m3fn", 1979 * TERA),  # hardware.md
         ),
         memory_bytes=80 * GiB,  # hardware.md: 80 GB HBM3
@@ -73,7 +77,8 @@ _SPECS: tuple[GpuSpec, ...] = (
         peak_flops=(
             ("bfloat16", 756 * TERA),  # hardware.md: H100 PCIe 756 BF16
             ("float16", 756 * TERA),  # same tensor-core rate as BF16 (datasheet)
-            ("float32", 378 * TERA),  # TF32 dense: datasheet 756 with sparsity / 2
+            ("tfloat32", 378 * TERA),  # TF32 dense: datasheet 756 with sparsity / 2
+            ("float32", 51 * TERA),  # CUDA-core FP32: H100 PCIe datasheet 51
             ("float8_e4m3fn", 1513 * TERA),  # datasheet 3,026 with sparsity / 2
         ),
         memory_bytes=80 * GiB,  # datasheet: 80 GB HBM2e
@@ -88,7 +93,8 @@ _SPECS: tuple[GpuSpec, ...] = (
         peak_flops=(
             ("bfloat16", 989 * TERA),  # hardware.md: same compute as H100 SXM
             ("float16", 989 * TERA),  # hardware.md
-            ("float32", 494.5 * TERA),  # TF32 dense, as H100 SXM
+            ("tfloat32", 494.5 * TERA),  # TF32 dense, as H100 SXM
+            ("float32", 67 * TERA),  # CUDA-core FP32: H200 datasheet 67 (the H100 SXM's cores)
             ("float8_e4m3fn", 1979 * TERA),  # hardware.md
         ),
         memory_bytes=141 * GiB,  # hardware.md: 141 GB HBM3e
@@ -103,7 +109,8 @@ _SPECS: tuple[GpuSpec, ...] = (
             ("bfloat16", 2250 * TERA),  # hardware.md, HGX B200 dense
             ("float16", 2250 * TERA),  # hardware.md
             # TF32 dense: HGX B200 datasheet 18 PFLOPS with sparsity for 8 GPUs -> /8 /2.
-            ("float32", 1125 * TERA),
+            ("tfloat32", 1125 * TERA),
+            ("float32", 75 * TERA),  # CUDA-core FP32: HGX B200 datasheet 600 TFLOPS for 8 GPUs / 8
             ("float8_e4m3fn", 4500 * TERA),  # hardware.md
         ),
         # hardware.md gives 180-192 GB; HGX B200 ships 1,440 GB for 8 GPUs = 180 GB each.
@@ -120,7 +127,8 @@ _SPECS: tuple[GpuSpec, ...] = (
         peak_flops=(
             ("bfloat16", 989 * TERA),  # GH200 datasheet: BF16 1,979 with sparsity / 2
             ("float16", 989 * TERA),  # GH200 datasheet: FP16 1,979 with sparsity / 2
-            ("float32", 494.5 * TERA),  # TF32 dense: GH200 datasheet 989 with sparsity / 2
+            ("tfloat32", 494.5 * TERA),  # TF32 dense: GH200 datasheet 989 with sparsity / 2
+            ("float32", 67 * TERA),  # CUDA-core FP32: GH200 datasheet 67
             ("float8_e4m3fn", 1979 * TERA),  # GH200 datasheet: FP8 3,958 with sparsity / 2
         ),
         memory_bytes=96 * GiB,  # GH200 datasheet: 96 GB HBM3
@@ -137,7 +145,8 @@ _SPECS: tuple[GpuSpec, ...] = (
         peak_flops=(
             ("bfloat16", 989 * TERA),  # GH200 datasheet: BF16 1,979 with sparsity / 2
             ("float16", 989 * TERA),  # GH200 datasheet: FP16 1,979 with sparsity / 2
-            ("float32", 494.5 * TERA),  # TF32 dense: GH200 datasheet 989 with sparsity / 2
+            ("tfloat32", 494.5 * TERA),  # TF32 dense: GH200 datasheet 989 with sparsity / 2
+            ("float32", 67 * TERA),  # CUDA-core FP32: GH200 datasheet 67
             ("float8_e4m3fn", 1979 * TERA),  # GH200 datasheet: FP8 3,958 with sparsity / 2
         ),
         memory_bytes=144 * GiB,  # GH200 datasheet: 144 GB HBM3e
@@ -152,7 +161,8 @@ _SPECS: tuple[GpuSpec, ...] = (
         peak_flops=(
             ("bfloat16", 989 * TERA),  # H800 datasheet: BF16 1,979 with sparsity / 2
             ("float16", 989 * TERA),  # H800 datasheet: FP16 1,979 with sparsity / 2
-            ("float32", 494.5 * TERA),  # TF32 dense: H800 datasheet 989 with sparsity / 2
+            ("tfloat32", 494.5 * TERA),  # TF32 dense: H800 datasheet 989 with sparsity / 2
+            ("float32", 67 * TERA),  # CUDA-core FP32: H800 SXM5 datasheet 67
             ("float8_e4m3fn", 1979 * TERA),  # H800 datasheet: FP8 3,958 with sparsity / 2
         ),
         memory_bytes=80 * GiB,  # H800 datasheet: 80 GB HBM3
@@ -169,7 +179,8 @@ _SPECS: tuple[GpuSpec, ...] = (
         peak_flops=(
             ("bfloat16", 148 * TERA),  # HGX H20 brief: BF16/FP16 148 (dense)
             ("float16", 148 * TERA),  # HGX H20 brief
-            ("float32", 74 * TERA),  # TF32 dense: HGX H20 brief 74
+            ("tfloat32", 74 * TERA),  # TF32 dense: HGX H20 brief 74
+            ("float32", 44 * TERA),  # CUDA-core FP32: HGX H20 brief 44
             ("float8_e4m3fn", 296 * TERA),  # HGX H20 brief: FP8 296 (dense)
         ),
         memory_bytes=96 * GiB,  # HGX H20 brief: 96 GB HBM3
@@ -185,7 +196,9 @@ _SPECS: tuple[GpuSpec, ...] = (
         peak_flops=(
             ("bfloat16", 2500 * TERA),  # hardware.md: GB200 2,500 BF16 (360 PF sparse / 72 / 2)
             ("float16", 2500 * TERA),  # GB200 NVL72 datasheet: FP16 as BF16
-            ("float32", 1250 * TERA),  # TF32 dense: GB200 NVL72 datasheet 180 PF sparse / 72 / 2
+            ("tfloat32", 1250 * TERA),  # TF32 dense: GB200 NVL72 datasheet 180 PF sparse / 72 / 2
+            # CUDA-core FP32: GB200 NVL72 datasheet 5,760 TFLOPS for 72 GPUs / 72
+            ("float32", 80 * TERA),
             ("float8_e4m3fn", 5000 * TERA),  # GB200 NVL72 datasheet: FP8 720 PF sparse / 72 / 2
         ),
         # GB200 NVL72 datasheet: up to 13.4 TB HBM3e per rack; GB200 superchip: up to 372 GB
@@ -202,7 +215,9 @@ _SPECS: tuple[GpuSpec, ...] = (
         peak_flops=(
             ("bfloat16", 2500 * TERA),  # GB300 NVL72 datasheet: FP16/BF16 360 PF sparse / 72 / 2
             ("float16", 2500 * TERA),  # GB300 NVL72 datasheet
-            ("float32", 1250 * TERA),  # TF32 dense: GB300 NVL72 datasheet 180 PF sparse / 72 / 2
+            ("tfloat32", 1250 * TERA),  # TF32 dense: GB300 NVL72 datasheet 180 PF sparse / 72 / 2
+            # CUDA-core FP32: not in our GB300 source; taken as GB200's (Blackwell SMs)
+            ("float32", 80 * TERA),
             ("float8_e4m3fn", 5000 * TERA),  # GB300 NVL72 datasheet: FP8 720 PF sparse / 72 / 2
         ),
         memory_bytes=288 * GiB,  # NVIDIA "Inside Blackwell Ultra" blog: 288 GB HBM3e per GPU
@@ -218,7 +233,8 @@ _SPECS: tuple[GpuSpec, ...] = (
         peak_flops=(
             ("bfloat16", 312 * TERA),  # hardware.md, A100 SXM4
             ("float16", 312 * TERA),  # hardware.md
-            ("float32", 156 * TERA),  # hardware.md: TF32 156 (dense)
+            ("tfloat32", 156 * TERA),  # hardware.md: TF32 156 (dense)
+            ("float32", 19.5 * TERA),  # CUDA-core FP32: A100 datasheet 19.5
         ),
         memory_bytes=80 * GiB,  # hardware.md: 80 GB HBM2e
         hbm_bandwidth=2039 * GB,  # hardware.md: 2,039 GB/s
@@ -231,7 +247,8 @@ _SPECS: tuple[GpuSpec, ...] = (
         peak_flops=(
             ("bfloat16", 312 * TERA),  # hardware.md
             ("float16", 312 * TERA),  # hardware.md
-            ("float32", 156 * TERA),  # hardware.md: TF32 156 (dense)
+            ("tfloat32", 156 * TERA),  # hardware.md: TF32 156 (dense)
+            ("float32", 19.5 * TERA),  # CUDA-core FP32: A100 datasheet 19.5
         ),
         memory_bytes=40 * GiB,  # hardware.md: 40 GB HBM2
         hbm_bandwidth=1555 * GB,  # hardware.md: 1,555 GB/s
@@ -244,7 +261,8 @@ _SPECS: tuple[GpuSpec, ...] = (
         peak_flops=(
             ("bfloat16", 312 * TERA),  # A100 datasheet: same tensor-core rate on PCIe
             ("float16", 312 * TERA),
-            ("float32", 156 * TERA),  # TF32 dense
+            ("tfloat32", 156 * TERA),  # TF32 dense
+            ("float32", 19.5 * TERA),  # CUDA-core FP32: A100 datasheet 19.5
         ),
         memory_bytes=80 * GiB,  # datasheet: A100 80GB PCIe
         hbm_bandwidth=1935 * GB,  # hardware.md: PCIe 80GB 1,935 GB/s
@@ -271,7 +289,8 @@ _SPECS: tuple[GpuSpec, ...] = (
         peak_flops=(
             ("bfloat16", 362 * TERA),  # hardware.md (datasheet 733 with sparsity)
             ("float16", 362 * TERA),  # hardware.md
-            ("float32", 183 * TERA),  # TF32 dense: datasheet 366 with sparsity / 2
+            ("tfloat32", 183 * TERA),  # TF32 dense: datasheet 366 with sparsity / 2
+            ("float32", 91.6 * TERA),  # CUDA-core FP32: L40S datasheet 91.6
             ("float8_e4m3fn", 733 * TERA),  # hardware.md
         ),
         memory_bytes=48 * GiB,  # hardware.md: 48 GB GDDR6 (ECC on costs a few percent)
@@ -285,7 +304,8 @@ _SPECS: tuple[GpuSpec, ...] = (
         peak_flops=(
             ("bfloat16", 165.2 * TERA),  # hardware.md: with FP32 accumulate (training)
             ("float16", 165.2 * TERA),  # hardware.md: FP32 accumulate
-            ("float32", 82.6 * TERA),  # TF32 dense: NVIDIA Ada (AD102) whitepaper
+            ("tfloat32", 82.6 * TERA),  # TF32 dense: NVIDIA Ada (AD102) whitepaper
+            ("float32", 82.6 * TERA),  # CUDA-core FP32: Ada (AD102) whitepaper 82.6 shader TFLOPS
             ("float8_e4m3fn", 330.3 * TERA),  # hardware.md
         ),
         memory_bytes=24 * GiB,  # hardware.md: 24 GB GDDR6X
@@ -299,7 +319,8 @@ _SPECS: tuple[GpuSpec, ...] = (
         peak_flops=(
             ("bfloat16", 125 * TERA),  # hardware.md
             ("float16", 125 * TERA),  # hardware.md
-            ("float32", 62.5 * TERA),  # TF32 dense: A10 datasheet 125 with sparsity / 2
+            ("tfloat32", 62.5 * TERA),  # TF32 dense: A10 datasheet 125 with sparsity / 2
+            ("float32", 31.2 * TERA),  # CUDA-core FP32: A10 datasheet 31.2
         ),
         memory_bytes=24 * GiB,  # hardware.md: 24 GB GDDR6
         hbm_bandwidth=600 * GB,  # hardware.md: 600 GB/s
@@ -312,7 +333,8 @@ _SPECS: tuple[GpuSpec, ...] = (
         peak_flops=(
             ("bfloat16", 121 * TERA),  # L4 datasheet: BF16 242 with sparsity / 2
             ("float16", 121 * TERA),  # L4 datasheet: FP16 242 with sparsity / 2
-            ("float32", 60 * TERA),  # TF32 dense: L4 datasheet 120 with sparsity / 2
+            ("tfloat32", 60 * TERA),  # TF32 dense: L4 datasheet 120 with sparsity / 2
+            ("float32", 30.3 * TERA),  # CUDA-core FP32: L4 datasheet 30.3
             ("float8_e4m3fn", 242.5 * TERA),  # L4 datasheet: FP8 485 with sparsity / 2
         ),
         memory_bytes=24 * GiB,  # L4 datasheet: 24 GB GDDR6
@@ -328,7 +350,8 @@ _SPECS: tuple[GpuSpec, ...] = (
         peak_flops=(
             ("bfloat16", 149.7 * TERA),  # A40 datasheet: BF16 (FP32 accumulate) 149.7 dense
             ("float16", 149.7 * TERA),  # A40 datasheet: FP16 tensor 149.7 dense
-            ("float32", 74.8 * TERA),  # TF32 dense: A40 datasheet 74.8
+            ("tfloat32", 74.8 * TERA),  # TF32 dense: A40 datasheet 74.8
+            ("float32", 37.4 * TERA),  # CUDA-core FP32: A40 datasheet 37.4
         ),
         memory_bytes=48 * GiB,  # A40 datasheet: 48 GB GDDR6 with ECC
         hbm_bandwidth=696 * GB,  # A40 datasheet: 696 GB/s
@@ -345,7 +368,8 @@ _SPECS: tuple[GpuSpec, ...] = (
             # rate on professional parts).
             ("bfloat16", 154.8 * TERA),
             ("float16", 154.8 * TERA),
-            ("float32", 77.4 * TERA),  # TF32 dense: half the FP16 tensor rate (GA102 whitepaper)
+            ("tfloat32", 77.4 * TERA),  # TF32 dense: half the FP16 tensor rate (GA102 whitepaper)
+            ("float32", 38.7 * TERA),  # CUDA-core FP32: RTX A6000 datasheet 38.7
         ),
         memory_bytes=48 * GiB,  # RTX A6000 datasheet: 48 GB GDDR6 with ECC
         hbm_bandwidth=768 * GB,  # RTX A6000 datasheet: 768 GB/s
@@ -360,7 +384,8 @@ _SPECS: tuple[GpuSpec, ...] = (
             # FP32 accumulate (what mixed-precision training uses; GeForce halves it).
             ("bfloat16", 71 * TERA),  # GA102 whitepaper: BF16 (FP32 accumulate) 71 dense
             ("float16", 71 * TERA),  # GA102 whitepaper: FP16, FP32 accumulate
-            ("float32", 35.6 * TERA),  # TF32 dense: GA102 whitepaper 35.6
+            ("tfloat32", 35.6 * TERA),  # TF32 dense: GA102 whitepaper 35.6
+            ("float32", 35.6 * TERA),  # CUDA-core FP32: GA102 whitepaper appendix A 35.6
         ),
         memory_bytes=24 * GiB,  # GA102 whitepaper: 24 GB GDDR6X
         hbm_bandwidth=936 * GB,  # GA102 whitepaper: 936 GB/s
@@ -417,7 +442,8 @@ _SPECS: tuple[GpuSpec, ...] = (
         peak_flops=(
             ("bfloat16", 1307 * TERA),  # hardware.md
             ("float16", 1307 * TERA),  # hardware.md
-            ("float32", 653.7 * TERA),  # TF32 dense: AMD MI300X datasheet
+            ("tfloat32", 653.7 * TERA),  # TF32 dense: AMD MI300X datasheet
+            ("float32", 163.4 * TERA),  # FP32 vector and matrix: AMD MI300X datasheet 163.4
             ("float8_e4m3fn", 2615 * TERA),  # hardware.md (2,615)
         ),
         memory_bytes=192 * GiB,  # hardware.md: 192 GB HBM3
@@ -433,7 +459,9 @@ _SPECS: tuple[GpuSpec, ...] = (
         # are modest PLACEHOLDERS, not a datasheet: profiling (`meshplan calibrate`) should
         # replace them for any timing that matters.
         name="CPU",
-        peak_flops=(("float32", 1 * TERA),),  # placeholder: a few AVX-512 cores' worth
+        # placeholders: a few AVX-512 cores' worth; torch runs bf16/fp16 matmuls on CPUs too
+        # (no faster without AMX), so the same figure for every precision but TF32/FP8
+        peak_flops=(("float32", 1 * TERA), ("bfloat16", 1 * TERA), ("float16", 1 * TERA)),
         memory_bytes=16 * GiB,  # placeholder: host RAM one process may use
         hbm_bandwidth=20 * GB,  # placeholder: a share of a DDR4/DDR5 socket's bandwidth
         sms=8,  # placeholder: cores per device
@@ -455,7 +483,8 @@ H100_96GB_500W = GpuSpec(
     peak_flops=(
         ("bfloat16", 989 * TERA),  # as H100 SXM5 (hardware.md)
         ("float16", 989 * TERA),
-        ("float32", 494.5 * TERA),
+        ("tfloat32", 494.5 * TERA),
+        ("float32", 67 * TERA),  # CUDA-core FP32: as H100 SXM5 (datasheet 67)
         ("float8_e4m3fn", 1979 * TERA),
     ),
     memory_bytes=95 * GiB,  # torchtitan docs/performance.md: "95GB"

@@ -20,7 +20,7 @@ bytes, so the solver's wall time is deliberately not recorded):
                   "microbatches", "chunks", "tp" (per-group tp degrees, [] = degrees.tp)}],
       "schedule", "micro_batch", "global_batch", "num_microbatches", "recompute", "zero",
       "sequence_parallel", "virtual_stages" (interleaved 1F1B chunks per rank, or null),
-      "placements", "quantization", "compression",
+      "placements", "quantization", "compression", "precision" (fp32, tf32, bf16, fp16, fp8),
       "predicted": {"step_time_s", "tokens_per_s", "mfu", "peak_memory_bytes", "fits",
                     "breakdown": {...}, "memory": [...]},
       "solver": {"status", "gap", "candidates", "objective"},
@@ -58,7 +58,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cluster import Cluster
+from .cluster import PRECISIONS, Cluster, precision_problem
 from .parallel import (
     Parallel,
     Prediction,
@@ -194,6 +194,9 @@ class Plan:
     version: str = PLAN_VERSION
     compression: CompressionPlan = CompressionPlan()
     quantization: QuantizationPlan = QuantizationPlan()
+    # The training precision (`ir.cluster.PRECISIONS`: fp32, tf32, bf16, fp16, fp8) the plan
+    # was priced in and the runtime applies; "" in plans written before it was recorded.
+    precision: str = ""
 
     def __post_init__(self) -> None:
         if not self.parallel.is_complete:
@@ -278,6 +281,7 @@ class Plan:
             # "none" when off: the v1 form, so plans without these decisions read as before.
             "quantization": _quantization_json(self.quantization),
             "compression": _compression_json(self.compression),
+            **({"precision": self.precision} if self.precision else {}),
             "predicted": {
                 "step_time_s": pr.step_time_s,
                 "tokens_per_s": pr.tokens_per_s,
@@ -355,7 +359,8 @@ class Plan:
             f"{p.num_microbatches} micro-batches; schedule {p.schedule}"
             f"{f' ({p.chunks} chunks per rank)' if p.chunks > 1 else ''}; recompute "
             f"{p.recompute}; ZeRO-{p.zero}; "
-            f"sequence parallel {'on' if p.sequence_parallel else 'off'}",
+            f"sequence parallel {'on' if p.sequence_parallel else 'off'}"
+            f"{f'; precision {self.precision}' if self.precision else ''}",
             "  stages:",
         ]
         for s in self.stages:
@@ -693,6 +698,7 @@ PLAN_SCHEMA: dict = {
                 "notes": {"type": "array", "items": {"type": "string"}},
             },
         },
+        "precision": {"enum": list(PRECISIONS)},
         "solver": {
             "type": "object",
             "required": ["status", "gap", "candidates"],
@@ -1022,12 +1028,20 @@ def ranks_problem(plan: Plan) -> str | None:
     return None
 
 
+def _precision_problem(plan: Plan) -> str | None:
+    if not plan.precision:
+        return None
+    why = precision_problem(plan.precision, [g.gpu for g in plan.cluster.groups])
+    return f"precision: {why}" if why else None
+
+
 def plan_problem(plan: Plan) -> str | None:
     """Why `plan` does not mean what it says, in one line naming the field, or None: its
     stages (`stages_problem`), batch arithmetic (`batch_problem`), schedule
     (`schedule_problem`), per-group TP (`group_tp_problem`), degrees (ep divides dp) and the
     dimensions its model cannot run (`ir.facts.blocked_dimension`), its ranks
-    (`ranks_problem`) and the form of its model fingerprint. `Plan.from_json` refuses a plan
+    (`ranks_problem`), its precision on its GPUs (`cluster.precision_problem`) and the form
+    of its model fingerprint. `Plan.from_json` refuses a plan
     with a problem, so `meshplan validate` and `meshplan launch` do."""
     from .facts import blocked_dimension
 
@@ -1048,6 +1062,7 @@ def plan_problem(plan: Plan) -> str | None:
         lambda: group_tp_problem(p, plan.stages) if tps else None,
         lambda: blocked_dimension(plan.model, widest),
         lambda: ranks_problem(plan),
+        lambda: _precision_problem(plan),
     )
     for check in checks:
         if why := check():
@@ -1294,4 +1309,5 @@ def _plan_of(data: dict, plan_cluster: Cluster) -> Plan:
         version=data["version"],
         compression=_compression_from_json(data.get("compression")),
         quantization=_quantization_from_json(data.get("quantization")),
+        precision=data.get("precision", ""),
     )

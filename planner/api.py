@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import inspect
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +35,7 @@ from meshplan.cost_model.compression import (
     quantization_plan,
 )
 from meshplan.cost_model.engine import EAGER, Engine
+from meshplan.cost_model.simulate import compute_dtype
 from meshplan.ir import (
     Cluster,
     Graph,
@@ -44,6 +46,7 @@ from meshplan.ir import (
     StagePlacement,
     microbatch_problem,
 )
+from meshplan.ir.cluster import PRECISION_DTYPE, default_precision, precision_problem
 from meshplan.ir.facts import DIMENSIONS, blocked_dimension
 from meshplan.ir.plan import (
     CompressionPlan,
@@ -65,7 +68,7 @@ from meshplan.passes.partition import (
 from meshplan.passes.sharding import tp_param_placements
 
 from .rehearse import rehearse_tensor_parallel
-from .solver import Objective, solve
+from .solver import InfeasibleError, Objective, solve
 
 # Tokens per optimizer step when the user gives no global batch, by model size: published
 # pre-training batches. GPT-3 (Brown et al. 2020, Table 2.1): 0.5M tokens for 125M-760M
@@ -273,14 +276,53 @@ def estimate(
     *,
     progress: Progress = None,
     engine: Engine = EAGER,
+    precision: str | None = None,
 ) -> Prediction:
     """Predicted step time, tokens/s, MFU, peak memory per rank and `fits` of a hand-chosen
     configuration (missing fields filled as in `complete_parallel`). `engine`
     (`meshplan.cost_model.engine.Engine`): price the step as another stack runs it (fused
-    kernels, Float8 linears, TP overlap); the default is meshplan's own eager runtime."""
+    kernels, Float8 linears, TP overlap); the default is meshplan's own eager runtime.
+    `precision`: fp32, tf32, bf16, fp16 or fp8 (`resolve_precision`)."""
     return estimate_plan(
-        model, example_inputs, cluster, parallel, progress=progress, engine=engine
+        model,
+        example_inputs,
+        cluster,
+        parallel,
+        progress=progress,
+        engine=engine,
+        precision=precision,
     ).predicted
+
+
+def resolve_precision(
+    graph: Graph, cluster: Cluster, precision: str | None, engine: Engine
+) -> tuple[str, str, Engine, str]:
+    """(precision, the dtype the cost model prices it in, engine, note) for a plan.
+
+    `precision` None: the model's own dtype (`ir.cluster.default_precision`: a bf16 model on
+    parts without bf16 trains in fp16, said in the note). A precision some GPU type of the
+    cluster lacks is refused in one line (`ir.cluster.precision_problem`). fp8 is bf16 mixed
+    precision with float8 linear layers (the engine's tensorwise recipe, torchao's)."""
+    gpus = [g.gpu for g in cluster.groups]
+    note = ""
+    if precision is None:
+        precision, note = default_precision(compute_dtype(graph), gpus)
+    elif why := precision_problem(precision, gpus):
+        raise ValueError(why)
+    if precision == "fp8" and engine.float8 is None:
+        engine = dataclasses.replace(engine, float8="tensorwise")
+    if engine.float8 is not None and (lacking := [g.name for g in gpus if not g.supports("fp8")]):
+        raise ValueError(
+            f"{', '.join(sorted(set(lacking)))} has no FP8 tensor cores (float8 linears); "
+            "price it without --float8"
+        )
+    return precision, PRECISION_DTYPE[precision], engine, note
+
+
+def _noted(prediction: Prediction, note: str) -> Prediction:
+    if not note:
+        return prediction
+    return dataclasses.replace(prediction, notes=(*prediction.notes, note))
 
 
 def default_stages(graph: Graph, p: Parallel) -> tuple[tuple[int, int], ...]:
@@ -314,15 +356,17 @@ def estimate_plan(
     *,
     progress: Progress = None,
     engine: Engine = EAGER,
+    precision: str | None = None,
 ) -> Plan:
     """Like `estimate`, but returns the whole fixed Plan (for `explain()` and JSON)."""
     cluster = cluster or Cluster.preset("default")
     graph = as_graph(model, example_inputs, progress=progress)
+    precision, dtype, engine, note = resolve_precision(graph, cluster, precision, engine)
     p = complete_parallel(graph, cluster, parallel or Parallel())
     check_config(graph, cluster, p, parallel)
     stages = place_stages(cluster, p, default_stages(graph, p))
     stages = with_chunks(graph, p, stages)
-    prediction = predict(graph, cluster, p, stages, engine=engine)
+    prediction = _noted(predict(graph, cluster, p, stages, dtype=dtype, engine=engine), note)
     # Priced with quantized activations: record the widths the runtime then applies.
     quant = quantization_plan(p, stages, "activations") if p.quantize_activations else None
     return Plan(
@@ -335,6 +379,7 @@ def estimate_plan(
         solver=SolverInfo(status="fixed", gap=0.0, candidates=1),
         placements=_placements(graph, p, stages),
         quantization=quant or QuantizationPlan(),
+        precision=precision,
     )
 
 
@@ -354,6 +399,7 @@ def plan(
     quantize: str = "off",
     codec: CodecSpeed | None = None,
     per_group_tp: bool = True,
+    precision: str | None = None,
 ) -> Plan:
     """The fastest plan for `model` on `cluster` that fits in memory.
 
@@ -375,11 +421,14 @@ def plan(
     `plan.compression` / `plan.quantization`, the plan JSON and `plan.explain()`.
     `per_group_tp`: on clusters of several device groups, also consider group-pure pipelines
     that run each group at its own TP degree (`StagePlacement.group_tp`; ZeRO-0, no EP).
+    `precision`: fp32, tf32, bf16, fp16 or fp8 mixed precision (`resolve_precision`; default
+    the model's own dtype), recorded in the plan and applied by the runtime.
     Raises `InfeasibleError` with the binding constraint when no plan fits.
     """
     comm, quant_acts = comm_options(compress, quantize, codec)
     cluster = cluster or Cluster.preset("default")
     graph = as_graph(model, example_inputs, progress=progress)
+    precision, dtype, engine, note = resolve_precision(graph, cluster, precision, EAGER)
     pinned = parallel or Parallel()
     if pinned.quantize_activations and not quant_acts:
         raise ValueError(
@@ -398,6 +447,15 @@ def plan(
             graph.info.seq_len or 1, cluster, params=graph.num_params(), per_step=per_step
         )
     pinned = dataclasses.replace(pinned, global_batch=gb)
+    degrees = [(k, getattr(pinned, k)) for k in ("dp", "tp", "pp", "cp")]
+    given = [(k, v) for k, v in degrees if v is not None]
+    if math.prod(v for _, v in given) > cluster.world_size:  # the user's own numbers, first
+        product = "*".join(k for k, _ in given)
+        raise InfeasibleError(
+            f"no plan: {product} = {'*'.join(str(v) for _, v in given)} = "
+            f"{math.prod(v for _, v in given)} GPUs pinned, but cluster {cluster.name} has "
+            f"{cluster.world_size}"
+        )
     if progress:
         progress(f"solving for {cluster.world_size} GPUs")
     goal = Objective(objective, target_tokens_per_s, tuple(sorted((prices or {}).items())))
@@ -412,10 +470,12 @@ def plan(
         comm=comm,
         quantize=quant_acts,
         per_group_tp=per_group_tp,
+        dtype=dtype,
+        engine=engine,
     )
     decisions = ()
     if comm is not None:
-        pricer = pricer_for(graph, cluster, None, comm)
+        pricer = pricer_for(graph, cluster, dtype, comm, engine=engine)
         decisions = plan_decisions(pricer, result.parallel, result.stages)
     source = ""
     if comm is not None and comm.lossless:
@@ -426,7 +486,7 @@ def plan(
         parallel=result.parallel,
         stages=with_chunks(graph, result.parallel, result.stages),
         ranks=assign_ranks(cluster, result.parallel, result.stages),
-        predicted=result.prediction,
+        predicted=_noted(result.prediction, note),
         solver=SolverInfo(
             status=result.status,
             gap=result.gap,
@@ -436,6 +496,7 @@ def plan(
         placements=_placements(graph, result.parallel, result.stages),
         compression=CompressionPlan(compress, source, decisions),
         quantization=quantization_plan(result.parallel, result.stages, quantize, decisions),
+        precision=precision,
     )
 
 

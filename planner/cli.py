@@ -380,6 +380,23 @@ VirtualOpt = Annotated[
     int | None,
     typer.Option("--virtual-stages", help="Model chunks per pipeline rank (interleaved 1F1B)."),
 ]
+PrecisionOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--precision",
+        help="Training precision: fp32, tf32, bf16, fp16 (mixed) or fp8 (float8 linears); "
+        "default the model's dtype (fp16 on GPUs without bf16).",
+    ),
+]
+
+
+def _check_precision(precision: str | None) -> None:
+    """An unknown --precision is refused before the trace (what each GPU supports is checked
+    once the cluster is known: `ir.cluster.precision_problem`)."""
+    from meshplan.ir.cluster import PRECISIONS
+
+    if precision is not None and precision not in PRECISIONS:
+        raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
 
 
 def _print_plan(plan, as_json: bool) -> None:
@@ -406,6 +423,7 @@ def _print_plan(plan, as_json: bool) -> None:
         "ZeRO",
         "schedule",
         "SP",
+        "precision",
     ):
         t.add_column(col, justify="right")
     group_tp = plan.stages[0].group_tp
@@ -426,6 +444,7 @@ def _print_plan(plan, as_json: bool) -> None:
                 p.zero,
                 p.schedule,
                 "on" if p.sequence_parallel else "off",
+                plan.precision or "-",
             ),
         )
     )
@@ -547,6 +566,7 @@ def plan(
             "TP degree (ZeRO-0)."
         ),
     ] = True,
+    precision: PrecisionOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print plan JSON.")] = False,
     baseline: Annotated[
         str | None,
@@ -586,6 +606,7 @@ def plan(
     # Everything the user typed is checked before the (long) trace, by the rules the
     # planner applies later (`Parallel`, `Objective`, `comm_options`).
     _check_output(output)
+    _check_precision(precision)
     Objective(objective, target_tokens_per_s)
     comm_options(compress, quantize)
     pins = _pins(
@@ -624,8 +645,12 @@ def plan(
             compress=compress,
             quantize=quantize,
             per_group_tp=per_group_tp,
+            precision=precision,
         )
     _print_plan(result, as_json)
+    if objective == "cost" and not as_json:
+        goal = Objective(objective, target_tokens_per_s, tuple(sorted(prices.items())))
+        out.print(_cost_line(result, goal.price_per_gpu_s(c)), markup=False)
     if cfg is not None:
         _print_comparison(cfg, c, graph, result)
     if export_fmt is not None:
@@ -648,6 +673,19 @@ def plan(
     elif output:
         result.to_json(output)
         (err if as_json else out).print(f"wrote {output}")
+
+
+def _cost_line(plan, per_gpu_s: dict[str, float]) -> str:
+    """The plan's price: $ per hour of the GPUs it uses and $ per million tokens."""
+    used: dict[str, int] = {}
+    for r in plan.ranks:
+        if r.coords is not None:
+            used[r.group] = used.get(r.group, 0) + 1
+    per_hour = sum(n * per_gpu_s[g] * 3600 for g, n in used.items())
+    rate = plan.predicted.tokens_per_s
+    per_mtok = per_hour / (rate * 3600) * 1e6 if rate > 0 else float("inf")
+    gpus = ", ".join(f"{n} {g}" for g, n in sorted(used.items()))
+    return f"cost: ${per_hour:,.2f} per hour ({gpus}), ${per_mtok:,.4f} per million tokens"
 
 
 def _print_comparison(cfg, cluster, graph, ours) -> None:
@@ -711,6 +749,7 @@ def estimate(
             "--tp-overlap", help="TP traffic overlapped with GEMMs (async TP, --tp-comm-overlap)."
         ),
     ] = False,
+    precision: PrecisionOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print plan JSON.")] = False,
     from_config: Annotated[
         str | None,
@@ -732,6 +771,7 @@ def estimate(
 
     engine = Engine(compiled, float8, float8_all_gather, tp_overlap)  # checked before tracing
     _check_output(output)
+    _check_precision(precision)
     pins = _pins(
         dp, tp, pp, cp, ep, micro_batch, global_batch, recompute, zero, schedule, virtual_stages
     )
@@ -754,7 +794,9 @@ def estimate(
     else:
         name, m, inputs, c = _load(model, cluster, gpus, seq_len, profile=profile)
         graph = _trace(name, m, inputs)
-        result = estimate_plan(graph, cluster=c, parallel=pins, engine=engine)
+        result = estimate_plan(
+            graph, cluster=c, parallel=pins, engine=engine, precision=precision
+        )
         _print_plan(result, as_json)
     if not result.predicted.fits:
         worst = max(result.predicted.memory, key=lambda r: r.peak_bytes - r.capacity_bytes)
@@ -822,6 +864,7 @@ def models() -> None:
 @app.command()
 def clusters() -> None:
     """List the cluster presets and the GPU types they can be built from."""
+    from meshplan.ir.cluster import PRECISIONS
     from meshplan.ir.cluster_io import list_presets
     from meshplan.ir.hardware import gpu_spec, known_gpus
 
@@ -832,13 +875,15 @@ def clusters() -> None:
         t.add_row(name, desc)
     out.print(t)
     g = Table(title="GPU types (--cluster TYPE builds 8-GPU nodes of it)")
-    for col in ("type", "bf16 TFLOP/s", "memory GiB", "HBM TB/s"):
+    for col in ("type", "bf16 TFLOP/s", "fp32 TFLOP/s", "precisions", "memory GiB", "HBM TB/s"):
         g.add_column(col)
     for name in known_gpus():
         spec = gpu_spec(name)
         g.add_row(
             name,
-            f"{spec.peak('bfloat16') / 1e12:.0f}",
+            f"{spec.peak('bfloat16') / 1e12:.0f}" if spec.supports("bf16") else "-",
+            f"{spec.peak('float32') / 1e12:.1f}",
+            " ".join(p for p in PRECISIONS if spec.supports(p)),
             f"{spec.memory_bytes / 2**30:.0f}",
             f"{spec.hbm_bandwidth / 1e12:.2f}",
         )
@@ -954,6 +999,8 @@ def whatif(
     n_tokens = parse_tokens(tokens) if tokens else None
     if mix and cluster:
         raise ValueError("--mix builds its own clusters from GPU types; leave out --cluster")
+    if mix and gpus is None and "gpus" not in axes:
+        raise ValueError("--mix needs a total GPU count: give --gpus N (or --vary gpus=...)")
     pins = _pins(dp, tp, pp, cp, ep, micro_batch, global_batch, recompute, zero)
     name = model or DEFAULT_MODEL
     m, inputs = load_model(name, seq_len=seq_len)

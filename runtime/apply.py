@@ -110,6 +110,7 @@ from .pipeline_parallel import (
     tie_gradients,
     tied_across_stages,
 )
+from .precision import apply_precision
 from .quantize import plan_activation_bits, quantize_saved_activations
 from .recompute import apply_recompute
 from .tensor_parallel import (
@@ -422,6 +423,7 @@ def apply(
     check_plan(plan)
     ctx = build_mesh(plan, device)  # 0
     check_model(model, plan)
+    apply_precision(model, plan, ctx.device)  # the precision the plan was priced in
     # Under per-group TP every step below works on this rank's device-group view (a
     # homogeneous plan, `mesh.group_view`); the batch split and the gradient average span
     # the groups and read the whole plan.

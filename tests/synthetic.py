@@ -340,7 +340,7 @@ def transformer_graph(
 
 H100 = GpuSpec(
     name="H100",
-    peak_flops=(("bfloat16", 989e12), ("float16", 989e12)),
+    peak_flops=(("bfloat16", 989e12), ("float16", 989e12), ("float32", 67e12)),
     memory_bytes=80 * GiB,
     hbm_bandwidth=3350e9,
     sms=132,
@@ -349,7 +349,7 @@ H100 = GpuSpec(
 )
 A100 = GpuSpec(
     name="A100-80GB",
-    peak_flops=(("bfloat16", 312e12), ("float16", 312e12)),
+    peak_flops=(("bfloat16", 312e12), ("float16", 312e12), ("float32", 19.5e12)),
     memory_bytes=80 * GiB,
     hbm_bandwidth=2039e9,
     sms=108,
@@ -358,7 +358,7 @@ A100 = GpuSpec(
 )
 A100_40 = GpuSpec(
     name="A100-40GB",
-    peak_flops=(("bfloat16", 312e12), ("float16", 312e12)),
+    peak_flops=(("bfloat16", 312e12), ("float16", 312e12), ("float32", 19.5e12)),
     memory_bytes=40 * GiB,
     hbm_bandwidth=1555e9,
     sms=108,

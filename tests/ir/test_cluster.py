@@ -508,12 +508,15 @@ def test_gpu_override_from_base(tmp_path: Path) -> None:
 
 def test_custom_gpu_without_base(tmp_path: Path) -> None:
     text = (
-        "groups:\n  - name: a\n    gpu: {name: X1, peak_flops: {bfloat16: 100TFLOP/s}, "
+        "groups:\n  - name: a\n    gpu: {name: X1, peak_flops: {bfloat16: 100TFLOP/s, "
+        "float32: 20TFLOP/s}, "
         "memory_bytes: 32GiB, hbm_bandwidth: 1TB/s}\n    nodes: 1\n    gpus_per_node: 4\n"
         "    intra_link: pcie5\n"
     )
     gpu = load_cluster(write(tmp_path, text)).groups[0].gpu
     assert (gpu.peak("bfloat16"), gpu.memory_bytes, gpu.hbm_bandwidth) == (1e14, 32 * GiB, 1e12)
+    message = load_error(tmp_path, text.replace(", float32: 20TFLOP/s", ""))
+    assert "groups[0].gpu: GpuSpec X1: peak_flops needs float32 (the CUDA-core FP32" in message
     message = load_error(tmp_path, text.replace(", hbm_bandwidth: 1TB/s", ""))
     assert "groups[0].gpu: a GPU type not in the spec table needs hbm_bandwidth" in message
     message = load_error(tmp_path, text.replace("    intra_link: pcie5\n", ""))
@@ -586,22 +589,27 @@ def test_h100_matches_hardware_md() -> None:
         ("A10", 125e12, 24, 600e9, 0.0),
         ("MI250X", 191.5e12, 64, 1.6e12, 200e9),
         ("MI300X", 1307e12, 192, 5.3e12, 448e9),
-        ("V100", 125e12, 32, 900e9, 150e9),  # bf16 falls back to the fp16 figure
+        ("V100", 125e12, 32, 900e9, 150e9),  # no bf16: the fp16 figure
     ],
 )
 def test_specs_match_hardware_md(
     name: str, bf16: float, memory_gib: int, hbm: float, nvlink: float
 ) -> None:
     spec = gpu_spec(name)
-    assert spec.peak("bfloat16") == bf16
+    assert spec.peak("bfloat16" if spec.supports("bf16") else "float16") == bf16
     assert spec.memory_bytes == memory_gib * GiB
     assert spec.hbm_bandwidth == hbm
     assert spec.nvlink_bandwidth == nvlink
 
 
-def test_tf32_is_the_float32_entry() -> None:
-    assert gpu_spec("A100").peak("float32") == 156e12  # hardware.md: TF32 156
+def test_tf32_and_cuda_core_fp32_are_separate_entries() -> None:
+    assert gpu_spec("A100").peak("tfloat32") == 156e12  # hardware.md: TF32 156
+    assert gpu_spec("A100").peak("float32") == 19.5e12  # A100 datasheet: FP32 19.5
+    assert gpu_spec("H100").peak("float32") == 67e12  # H100 SXM datasheet: FP32 67
     assert "bfloat16" not in dict(gpu_spec("V100").peak_flops)  # V100 has no BF16
+    assert "tfloat32" not in dict(gpu_spec("V100").peak_flops)  # nor TF32
+    with pytest.raises(KeyError, match="V100 has no peak FLOP/s for bfloat16"):
+        gpu_spec("V100").peak("bfloat16")  # never silently another rate
 
 
 def test_every_spec_is_cited_and_sane() -> None:

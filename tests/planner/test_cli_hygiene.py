@@ -215,3 +215,24 @@ def test_usage_mistakes_are_one_line():
     assert_user_error(run("plann"), "No such command")
     assert_user_error(run("validate"), "Missing argument")
     assert_user_error(run("plan", "--gpus", "many"), "--gpus")
+
+
+def test_pinned_degrees_beyond_the_cluster_are_named_as_the_user_gave_them():
+    """Not a cp nobody asked for, nor "the cluster holds 0 of them"."""
+    r = run("plan", "--model", "tiny", "--cluster", "dgx-h100", "--gpus", "16", "--dp", "8",
+            "--tp", "4", "--pp", "2")  # fmt: skip
+    assert_user_error(r, "dp*tp*pp = 8*4*2 = 64 GPUs pinned", "has 16")
+    assert "cp" not in r.output
+
+
+def test_whatif_mix_without_a_gpu_count_is_a_usage_error():
+    assert_user_error(run("whatif", "--mix", "H100:A100=1:3"), "--mix needs a total GPU count")
+
+
+def test_cost_objective_prints_the_dollar_figure():
+    r = run("plan", "--model", "tiny", "--cluster", "dgx-h100", "--gpus", "8",
+            "--objective", "cost", "--price", "H100=2.5")  # fmt: skip
+    assert r.exit_code == 0, r.output
+    line = next(ln for ln in r.output.splitlines() if ln.startswith("cost: $"))
+    gpus = int(line.split("(")[1].split()[0])
+    assert f"${gpus * 2.5:,.2f} per hour" in line and "per million tokens" in line
