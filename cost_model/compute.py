@@ -523,6 +523,22 @@ def latency_model(gpu: GpuSpec):
         return None
 
 
+def op_seconds(
+    model,
+    op: Op,
+    gpu: GpuSpec,
+    dtype: str,
+    *,
+    backward: bool = False,
+    scale: float = 1.0,
+) -> tuple[float, str]:
+    """(seconds, "learned" | "analytic"): the learned time when `model` (a
+    `learned.LatencyModel`) covers `gpu`, else `op_time`."""
+    if model is not None and model.covers(gpu):
+        return model.predict_op_time(op, gpu, dtype, backward=backward, scale=scale), "learned"
+    return op_time(op, gpu, dtype, backward=backward, scale=scale), "analytic"
+
+
 def latency_source(gpu: GpuSpec) -> str:
     """Which model prices ops on `gpu`: "learned (<file>, trained on <devices>, <n> ops)" or
     "analytic roofline" (with the reason when a learned model exists but is not used)."""

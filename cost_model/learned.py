@@ -484,23 +484,6 @@ def mape(pred: np.ndarray, meas: np.ndarray) -> float:
     return float(np.mean(np.abs(pred - meas) / meas) * 100.0)
 
 
-def op_seconds(
-    model: LatencyModel | None,
-    op: Op,
-    gpu: GpuSpec,
-    dtype: str,
-    *,
-    backward: bool = False,
-    scale: float = 1.0,
-) -> tuple[float, str]:
-    """(seconds, "learned" | "analytic"): the learned time when `model` covers `gpu`."""
-    if model is not None and model.covers(gpu):
-        return model.predict_op_time(op, gpu, dtype, backward=backward, scale=scale), "learned"
-    from .compute import op_time
-
-    return op_time(op, gpu, dtype, backward=backward, scale=scale), "analytic"
-
-
 __all__ = [
     "DEFAULT_MODEL",
     "LatencyModel",
@@ -508,7 +491,6 @@ __all__ = [
     "load_for_device",
     "mape",
     "op_dtype",
-    "op_seconds",
     "scale_op",
     "train",
 ]

@@ -3,7 +3,9 @@
 This floor imports nothing else of meshplan.
 """
 
-from .cluster import Cluster, DeviceGroup, GpuSpec, GroupLink, LinkKind, LinkTier, RankInfo
+from . import cluster_io  # noqa: F401  (installs Cluster.load and Cluster.preset)
+from .cluster import Cluster, DeviceGroup, GroupLink, RankInfo
+from .devices import GpuSpec, LinkKind, LinkTier
 from .graph import DTYPE_BYTES, Block, Graph, ModelInfo, Op, OpKind, Param, TensorMeta, Unit
 from .parallel import (
     MeshAxis,

@@ -100,18 +100,18 @@ import yaml
 from .cluster import (
     PROFILE_COLLECTIVES,
     PROFILE_VERSION,
+    READERS,
     Cluster,
     ClusterProfile,
     CodecMeasurement,
     CollectiveCurve,
     DeviceGroup,
     GemmMeasurement,
-    GpuSpec,
     GroupLink,
-    LinkKind,
-    LinkTier,
     TierProfile,
 )
+from .devices import GpuSpec, LinkKind, LinkTier
+from .files import write_text_file
 from .graph import DTYPE_BYTES
 from .hardware import (
     DEFAULT_EFFICIENCY,
@@ -124,7 +124,6 @@ from .hardware import (
     known_gpus,
     known_links,
 )
-from .plan import write_text_file
 
 __all__ = [
     "CLUSTER_SCHEMA",
@@ -1473,3 +1472,6 @@ def resolve_cluster(spec: str, gpus: int | None = None) -> Cluster:
             )
         return load_cluster(spec)
     return preset_cluster(spec, gpus)
+
+
+READERS.update(load=load_cluster, preset=preset_cluster)  # `Cluster.load`, `Cluster.preset`

@@ -33,7 +33,7 @@ import difflib
 import re
 from types import MappingProxyType
 
-from .cluster import GpuSpec, LinkKind, LinkTier
+from .devices import GpuSpec, LinkKind, LinkTier
 
 # Units, so that the tables below read like the datasheets they copy.
 TERA = 1e12

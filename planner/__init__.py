@@ -25,9 +25,8 @@ from . import configs
 from .api import estimate, estimate_plan, load_model, plan, trace
 from .solver import InfeasibleError
 from .verify import VerifyReport, verify
+from .version import __version__ as __version__
 from .whatif import whatif
-
-__version__ = "0.1.0"
 
 __all__ = [
     "Cluster",

@@ -46,7 +46,7 @@ from meshplan.ir import (
     StagePlacement,
     microbatch_problem,
 )
-from meshplan.ir.cluster import PRECISION_DTYPE, default_precision, precision_problem
+from meshplan.ir.devices import PRECISION_DTYPE, default_precision, precision_problem
 from meshplan.ir.facts import DIMENSIONS, blocked_dimension
 from meshplan.ir.plan import (
     CompressionPlan,

@@ -47,6 +47,8 @@ try:  # typer >= 0.22 carries its own copy of click
 except ImportError:  # pragma: no cover - older typer on click
     from click.exceptions import NoSuchOption, UsageError
 
+from .version import __version__
+
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
 
@@ -111,8 +113,6 @@ _debug = False
 
 def _print_version(value: bool) -> None:
     if value:
-        from meshplan import __version__
-
         out.print(f"meshplan {__version__}")
         raise typer.Exit()
 
@@ -393,7 +393,7 @@ PrecisionOpt = Annotated[
 def _check_precision(precision: str | None) -> None:
     """An unknown --precision is refused before the trace (what each GPU supports is checked
     once the cluster is known: `ir.cluster.precision_problem`)."""
-    from meshplan.ir.cluster import PRECISIONS
+    from meshplan.ir.devices import PRECISIONS
 
     if precision is not None and precision not in PRECISIONS:
         raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
@@ -864,8 +864,8 @@ def models() -> None:
 @app.command()
 def clusters() -> None:
     """List the cluster presets and the GPU types they can be built from."""
-    from meshplan.ir.cluster import PRECISIONS
     from meshplan.ir.cluster_io import list_presets
+    from meshplan.ir.devices import PRECISIONS
     from meshplan.ir.hardware import gpu_spec, known_gpus
 
     t = Table(title="cluster presets (meshplan plan --cluster NAME [--gpus N])")

@@ -101,6 +101,7 @@ from meshplan.ir.hardware import (
 from meshplan.ir.plan import Plan, plan_from_dict
 
 from . import api
+from .version import __version__
 
 __all__ = [
     "AXES",
@@ -671,8 +672,6 @@ class PlanCache:
         global_batch: int,
         time_limit_s: float,
     ) -> str:
-        from meshplan import __version__
-
         fields = {
             "graph": graph_fingerprint,
             "cluster": _planning_fingerprint(cluster),

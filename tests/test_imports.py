@@ -17,7 +17,6 @@ from functools import cache
 from pathlib import Path
 
 import networkx as nx
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -140,11 +139,6 @@ def test_no_module_imports_above_its_floor():
     assert not upward, "imports above the floor (docs/design.md):\n" + "\n".join(upward)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cycles left (issue 16): compute <-> learned (op_seconds), ir cluster <-> "
-    "cluster_io <-> hardware/plan, whatif -> meshplan.__version__",
-)
 def test_no_import_cycle():
     graph = import_graph()
     cycles = sorted(" -> ".join([*c, c[0]]) for c in nx.simple_cycles(graph))

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 import pytest
-from meshplan.cost_model import learned
+from meshplan.cost_model import compute, learned
 from meshplan.cost_model.dataset import DeviceDescriptor, Sample
 from meshplan.cost_model.features import (
     DeviceFeatures,
@@ -199,9 +199,9 @@ def test_save_load_round_trip(model, tmp_path):
 
 def test_op_seconds_says_which_model_it_used(model):
     op = gemm(64, 64, 64)
-    assert learned.op_seconds(model, op, gpu_spec("CPU"), "float32")[1] == "learned"
-    assert learned.op_seconds(model, op, gpu_spec("H100"), "bfloat16")[1] == "analytic"
-    assert learned.op_seconds(None, op, gpu_spec("CPU"), "float32")[1] == "analytic"
+    assert compute.op_seconds(model, op, gpu_spec("CPU"), "float32")[1] == "learned"
+    assert compute.op_seconds(model, op, gpu_spec("H100"), "bfloat16")[1] == "analytic"
+    assert compute.op_seconds(None, op, gpu_spec("CPU"), "float32")[1] == "analytic"
 
 
 def test_parts_split_work_and_overhead(model):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from meshplan.cost_model.compute import roofline_time
 from meshplan.ir import Op, OpKind, TensorMeta
-from meshplan.ir.cluster import default_precision, precision_problem
+from meshplan.ir.devices import default_precision, precision_problem
 from meshplan.ir.hardware import gpu_spec
 from meshplan.runtime.errors import RuntimePlanError
 from meshplan.runtime.precision import apply_precision

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-from meshplan.ir.cluster import Cluster, DeviceGroup, GroupLink, LinkKind, LinkTier
+from meshplan.ir.cluster import Cluster, DeviceGroup, GroupLink
 from meshplan.ir.cluster_io import (
     ClusterError,
     cluster_from_dict,
@@ -25,6 +25,7 @@ from meshplan.ir.cluster_io import (
     preset_cluster,
     resolve_cluster,
 )
+from meshplan.ir.devices import LinkKind, LinkTier
 from meshplan.ir.hardware import (
     GPU_SPECS,
     UnknownGpuError,

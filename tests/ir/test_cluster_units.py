@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from meshplan.ir.cluster import Cluster, DeviceGroup, LinkKind, LinkTier
+from meshplan.ir.cluster import Cluster, DeviceGroup
 from meshplan.ir.cluster_io import (
     ClusterError,
     cluster_from_dict,
@@ -24,6 +24,7 @@ from meshplan.ir.cluster_io import (
     parse_latency,
     preset_cluster,
 )
+from meshplan.ir.devices import LinkKind, LinkTier
 from meshplan.ir.hardware import gpu_spec
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "clusters"

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import meshplan
 import pytest
-from meshplan.ir.cluster import LinkKind
+from meshplan.ir.devices import LinkKind
 from meshplan.ir.hardware import (
     GB,
     GPU_SPECS,

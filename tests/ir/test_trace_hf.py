@@ -257,8 +257,9 @@ def test_moe_experts_that_need_bf16_get_a_one_line_hint():
 
 def test_hf_shapes_the_runtime_cannot_run_are_blocked_with_their_reason(traced):
     """GPT-2 (fused c_attn split into q/k/v, eager attention, learned positions; cut into
-    stages from its exported graph, but its tied embeddings keep it off ZB-V), Mixtral's stacked experts (expert parallelism by token dispatch, but not expert
-    tensor parallelism): blocked dimensions, named. Llama runs every dimension."""
+    stages from its exported graph, but its tied embeddings keep it off ZB-V), Mixtral's
+    stacked experts (expert parallelism by token dispatch, but not expert tensor
+    parallelism): blocked dimensions, named. Llama runs every dimension."""
     kind, _, graph = traced
     dims = ("tp", "sp", "cp", "pp", "ep", "zb")
     blocked = {d: graph.info.blocker(d) for d in dims if graph.info.blocker(d)}
