@@ -67,7 +67,7 @@ from meshplan.passes.partition import (
 )
 from meshplan.passes.sharding import tp_param_placements
 
-from .rehearse import rehearse_tensor_parallel
+from .rehearse import rehearse_pipeline_cut, rehearse_tensor_parallel
 from .solver import InfeasibleError, Objective, solve
 
 # Tokens per optimizer step when the user gives no global batch, by model size: published
@@ -142,9 +142,11 @@ def trace(
 ) -> Graph:
     """`meshplan.ir.trace.trace` (one training step on fake tensors -> the operator IR), then
     one tensor-parallel rank rehearsed on the model's own code (`rehearse`): the graph's
-    `ModelInfo.blockers` name every parallel dimension the runtime cannot run on it."""
+    `ModelInfo.blockers` name every parallel dimension the runtime cannot run on it; a model
+    the runtime cuts from its exported graph is cut once (`rehearse_pipeline_cut`)."""
     graph = trace_ir(model, *example_inputs, kwargs=kwargs, name=name, progress=progress)
-    return rehearse_tensor_parallel(model, graph, example_inputs, kwargs)
+    graph = rehearse_tensor_parallel(model, graph, example_inputs, kwargs)
+    return rehearse_pipeline_cut(model, graph, example_inputs)
 
 
 def _model_ref(graph: Graph) -> ModelRef:

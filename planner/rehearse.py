@@ -26,11 +26,13 @@ import dataclasses
 import math
 import types
 
+import torch
 from meshplan.ir import Graph, OpKind
-from meshplan.ir.facts import is_hf_decoder, is_zoo_model
+from meshplan.ir.facts import is_hf_decoder, is_zoo_model, pipeline_cut
 from meshplan.ir.trace import TraceError, trace
 from meshplan.passes.sharding import tp_param_placements
 from meshplan.runtime.errors import RuntimePlanError
+from meshplan.runtime.graph_stages import graph_cut
 from meshplan.runtime.tensor_parallel import (
     HEAD_COUNT_ATTRS,
     localise_head_counts,
@@ -136,3 +138,27 @@ def _compare_attention(whole: Graph, rank: Graph, tp: int) -> str:
                 f"divides by tp ({', '.join(HEAD_COUNT_ATTRS[:4])}, ...)"
             )
     return ""
+
+
+def rehearse_pipeline_cut(model: nn.Module, graph: Graph, example_inputs: tuple) -> Graph:
+    """`graph` with a "pp" blocker when the runtime cannot cut `model` from its exported
+    graph (`runtime.graph_stages`, the cut for models without a hook that are neither the
+    zoo's nor an HF decoder): the cut is made once here, into two halves, on fake tensors, at
+    the traced input (the first example input: the runner passes one), so what torch.export
+    cannot capture is refused when the plan is made instead of when the ranks start."""
+    info = graph.info
+    layers = [u.name for u in graph.units if not u.name.startswith("<")]
+    if info.blocker("pp") or len(layers) < 2 or pipeline_cut(model) != "graph":
+        return graph
+    first = next((t for t in example_inputs if isinstance(t, torch.Tensor)), None)
+    if first is None:
+        why = "the model takes no tensor input to export it with"
+    else:
+        half = len(layers) // 2
+        try:
+            graph_cut(model, first, {u: int(i >= half) for i, u in enumerate(layers)}, 2)
+            return graph
+        except RuntimePlanError as exc:
+            why = str(exc).removeprefix("runtime: ")
+    blockers = tuple(sorted((*info.blockers, ("pp", why))))
+    return dataclasses.replace(graph, info=dataclasses.replace(info, blockers=blockers))

@@ -39,6 +39,7 @@ shapes: every micro-batch has that shape, as the runner guarantees.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -90,6 +91,17 @@ def graph_cut(
 # -- 1-2: the model's glue as one fx graph over its own modules -----------------------------
 
 
+def training_kwargs(model: nn.Module) -> dict:
+    """Keyword arguments the export passes besides the input: `use_cache=False` for models
+    that take it (HuggingFace LMs build a key/value cache object by default, which is no
+    tensor and cannot pass between stages; training never reads it)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"use_cache": False} if "use_cache" in params else {}
+
+
 def _fake_mode() -> FakeTensorMode:
     """Fake tensors over the real parameters, with unbacked sizes for data-dependent ops (an
     MoE's `torch.where` per expert), as torch.export has."""
@@ -115,7 +127,7 @@ def _top_calls(model: nn.Module, example: torch.Tensor, units: Sequence[str]) ->
             hooks += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
     try:
         with _fake_mode() as mode, torch.no_grad():
-            model(mode.from_tensor(example))
+            model(mode.from_tensor(example), **training_kwargs(model))
     finally:
         for h in hooks:
             h.remove()
@@ -194,7 +206,20 @@ def _flat(model: nn.Module, unflat: nn.Module, kept: set[str]) -> tuple[fx.Graph
             env[n] = new
         return result
 
-    inputs = [graph.placeholder(n.target) for n in unflat.graph.nodes if n.op == "placeholder"]
+    # The model's input is the graph's one placeholder; the export's keyword arguments
+    # (`training_kwargs`) are constants of the graph.
+    consts = training_kwargs(model)
+    inputs: list[object] = []
+    for n in (n for n in unflat.graph.nodes if n.op == "placeholder"):
+        if not inputs:
+            inputs.append(graph.placeholder(n.target))
+        elif n.target in consts:
+            inputs.append(consts[n.target])
+        else:
+            raise RuntimePlanError(
+                f"runtime: {type(model).__name__}'s exported graph takes {n.target!r} besides "
+                "its input; the runner passes one input tensor"
+            )
     graph.output(copy(unflat.graph, "", inputs))
     return graph, objects
 
@@ -233,7 +258,11 @@ def _cut(
         with warnings.catch_warnings():  # unflatten's notes on the specs it stores
             warnings.simplefilter("ignore")
             program = torch.export.export(
-                model, (example,), strict=False, preserve_module_call_signature=tuple(kept)
+                model,
+                (example,),
+                training_kwargs(model),
+                strict=False,
+                preserve_module_call_signature=tuple(kept),
             )
             unflat = torch.export.unflatten(program)
     except RuntimePlanError:

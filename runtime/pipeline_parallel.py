@@ -37,7 +37,8 @@ How a model is cut (`stage_module`, the rule `ir.facts.pipeline_cut`):
   torch.export at the micro-batch's input shape (`ModelRef.input`), the units and the
   modules the glue calls kept as the user's modules, values that skip a stage passed through
   the stages between. The tracer refuses pp at plan time when a unit runs twice or out of
-  order; what torch.export cannot capture is refused when the runtime cuts (one line).
+  order, and `meshplan.trace` makes the cut once on fake tensors (`rehearse_pipeline_cut`),
+  so what torch.export cannot capture is refused when the plan is made.
 
 What the loss sees (`model_output`): the last chunk-stage returns the logits tensor, which
 the loss gets as the unsplit model's kind of output, so one `loss_fn` serves with and without

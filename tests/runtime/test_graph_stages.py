@@ -130,3 +130,46 @@ def test_plan_time_blocker_for_units_called_twice():
         model = _Twice()
     graph = meshplan.trace(model, torch.ones(2, 4, device="meta"))
     assert "runs 2 times" in graph.info.blocker("pp")
+
+
+def test_plan_time_refusal_when_torch_export_cannot_capture_the_model():
+    """The cut is rehearsed when the model is traced, so a plan never asks for it."""
+    import meshplan
+
+    graph = meshplan.trace(_ObjectArgument(), torch.ones(2, 4))
+    assert "torch.export failed" in graph.info.blocker("pp")
+    ok = meshplan.trace(
+        MODELS["nanogpt"].build("meta"), MODELS["nanogpt"].batch(1, 0)[0].to("meta")
+    )
+    assert not ok.info.blocker("pp")
+
+
+class _Context:
+    """A plain Python object handed to every layer (not a tensor, not a pytree)."""
+
+    def __init__(self, scale: torch.Tensor) -> None:
+        self.scale = scale
+
+
+class _ContextLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, ctx: _Context):
+        return self.fc(x) * ctx.scale
+
+
+class _ObjectArgument(nn.Module):
+    """Traces (the tracer runs the Python as written), but its layers take an object
+    torch.export cannot flatten into a preserved call signature."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(_ContextLayer() for _ in range(2))
+
+    def forward(self, x):
+        ctx = _Context(torch.ones((), device=x.device))
+        for layer in self.layers:
+            x = layer(x, ctx)
+        return x
