@@ -1292,9 +1292,15 @@ def calibrate(
     _check_output(output)
     if Path(output).suffix.lower() not in (".json", ".yaml", ".yml"):
         raise ValueError(f"--output {output}: a profile file ends in .json, .yaml or .yml")
+    lo, hi = parse_size(min_size), parse_size(max_size)
+    if not 4 <= lo <= hi:  # checked before any rank starts, naming the flags
+        raise ValueError(
+            f"--min-size {min_size} and --max-size {max_size}: need 4 bytes <= --min-size "
+            "<= --max-size"
+        )
     cfg = CalibrateConfig(
-        min_size=parse_size(min_size),
-        max_size=parse_size(max_size),
+        min_size=lo,
+        max_size=hi,
         collectives=tuple(c.strip() for c in collectives.split(",") if c.strip()),
         warmup=warmup,
         iters=iters,

@@ -236,3 +236,10 @@ def test_cost_objective_prints_the_dollar_figure():
     line = next(ln for ln in r.output.splitlines() if ln.startswith("cost: $"))
     gpus = int(line.split("(")[1].split()[0])
     assert f"${gpus * 2.5:,.2f} per hour" in line and "per million tokens" in line
+
+
+def test_calibrate_sizes_are_checked_before_any_rank_starts(tmp_path):
+    r = run("calibrate", "--nproc", "2", "--min-size", "1MiB", "--max-size", "4KiB",
+            "-o", str(tmp_path / "p.json"))  # fmt: skip
+    assert_user_error(r, "--min-size 1MiB and --max-size 4KiB")
+    assert not (tmp_path / "p.json").exists()
