@@ -121,9 +121,7 @@ def chunk_layout_problem(n_layers: int, pp: int, chunks: int, v_shape: bool = Fa
             "counted as a layer each, Megatron-LM's uneven first and last stages)"
         )
     if min(_per_rank(per_chunk, pp, chunks, v_shape)) < 1:
-        return (
-            f"{total} model chunks of {n_layers} layers leave a pipeline rank without a layer"
-        )
+        return f"{total} model chunks of {n_layers} layers leave a pipeline rank without a layer"
     return ""
 
 
@@ -159,7 +157,8 @@ def rank_chunks(
     (ZB-V, Qi et al. 2024; torch `ScheduleZBVZeroBubble`), so rank 0 holds both the embedding
     and the LM head. Raises ValueError when `chunk_layers` has no layout."""
     n_layers = len(_layer_positions(graph))
-    rank_layers(n_layers, pp, chunks, v_shape)  # refuses a count with no layout
+    if why := chunk_layout_problem(n_layers, pp, chunks, v_shape):
+        raise ValueError(why)
     ranges = _chunk_ranges(graph, chunk_layers(n_layers, pp, chunks) or ())
     out: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
     for k, r in enumerate(ranges):

@@ -333,8 +333,8 @@ def default_stages(graph: Graph, p: Parallel) -> tuple[tuple[int, int], ...]:
     each rank (`partition.rank_layers`)."""
     pp = p.pp or 1
     if pp > 1 and p.chunks > 1:
-        n_layers = sum(1 for u in graph.units if dict(graph.blocks)[u.block].kind == "layer")
-        per_rank = rank_layers(n_layers, pp, p.chunks, p.schedule == Schedule.ZERO_BUBBLE)
+        v_shape = p.schedule == Schedule.ZERO_BUBBLE
+        per_rank = rank_layers(len(graph.layer_units), pp, p.chunks, v_shape)
         return stages_of(graph, per_rank)
     return even_stages(graph, pp)
 

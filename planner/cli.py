@@ -393,10 +393,10 @@ PrecisionOpt = Annotated[
 def _check_precision(precision: str | None) -> None:
     """An unknown --precision is refused before the trace (what each GPU supports is checked
     once the cluster is known: `ir.cluster.precision_problem`)."""
-    from meshplan.ir.devices import PRECISIONS
+    from meshplan.ir.devices import precision_problem
 
-    if precision is not None and precision not in PRECISIONS:
-        raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if precision is not None and (why := precision_problem(precision, [])):
+        raise ValueError(f"--{why}")
 
 
 def _print_plan(plan, as_json: bool) -> None:
@@ -794,9 +794,7 @@ def estimate(
     else:
         name, m, inputs, c = _load(model, cluster, gpus, seq_len, profile=profile)
         graph = _trace(name, m, inputs)
-        result = estimate_plan(
-            graph, cluster=c, parallel=pins, engine=engine, precision=precision
-        )
+        result = estimate_plan(graph, cluster=c, parallel=pins, engine=engine, precision=precision)
         _print_plan(result, as_json)
     if not result.predicted.fits:
         worst = max(result.predicted.memory, key=lambda r: r.peak_bytes - r.capacity_bytes)
