@@ -31,16 +31,20 @@ measured times include the latency, so no alpha is added. A collective that was 
 uses the curve of the one that moves data the same way (reduce-scatter <-> all-gather, then
 all-reduce).
 
-`busbw` is the bus bandwidth one rank of the group reaches on the slowest tier it spans:
+`busbw` is the bus bandwidth one rank of the group reaches on the slowest tier it spans. The
+unit of locality is the group's NVLink domain (`DeviceGroup.domain_gpus`): one node, or, where
+an NVLink switch fabric joins several hosts (a GB200 NVL72 rack), all the GPUs on it. A ring's
+ranks "per node" below are its ranks per domain:
 
-- inside one node: the intra-node link's per-GPU bandwidth (NVLink/PCIe), times its efficiency;
-- across nodes of one device group: the GPUs of a node share its NICs. Every GPU of a node runs
-  the same collective pattern at the same time in SPMD training, so one GPU's share is
-  `nics_per_node * nic_bw / gpus_per_node`; a ring with `p` ranks on each node drives `p`
-  such shares through the node (NCCL runs one ring per NIC), so busbw = p * share, capped by
-  the intra-node link when p > 1. Measured: two 8-GPU A100 nodes with 8 x 100 Gb/s NICs reach
-  ~75 GB/s all-reduce busbw, i.e. the node's aggregate NIC rate, not one NIC
-  (NVIDIA/nccl#495); NDR gives 46-48 GB/s per NIC (NVIDIA/nccl-tests#290).
+- inside one domain: the intra-node link's per-GPU bandwidth (NVLink/PCIe), times its
+  efficiency (on an NVL72 rack the same NVLink 5 rate between trays as inside one);
+- across domains of one device group: the GPUs of a host share its NICs. Every GPU of a host
+  runs the same collective pattern at the same time in SPMD training, so one GPU's share is
+  `nics_per_node * nic_bw / gpus_per_node` (per host, whatever the domain); a ring with `p`
+  ranks in each domain drives `p` such shares out of it (NCCL runs one ring per NIC), so
+  busbw = p * share, capped by the intra-node link when p > 1. Measured: two 8-GPU A100
+  nodes with 8 x 100 Gb/s NICs reach ~75 GB/s all-reduce busbw, i.e. the node's aggregate
+  NIC rate, not one NIC (NVIDIA/nccl#495); NDR gives 46-48 GB/s per NIC (NVIDIA/nccl-tests#290).
 - across device groups: the slower of the two groups' NIC egress and, when an explicit
   `GroupLink` (a WAN or a site interconnect) joins them, that whole link's bandwidth divided by
   the number of concurrent streams crossing it (`CrossPath`).
@@ -198,21 +202,24 @@ def half_bandwidth_size(kind: Collective, n: int, path: Path) -> float:
 
 
 def intra_node_path(cluster: Cluster, group: DeviceGroup) -> Path:
-    """The path between GPUs of one node: the intra-node link, per GPU, with its efficiency."""
+    """The path between GPUs of one NVLink domain (one node unless the group sets
+    `nvlink_domain`): the intra-node link, per GPU, with its efficiency."""
     link = cluster.link(group.intra_link)
     return Path(link.effective_bandwidth, link.latency, tier_curve(cluster, link.name))
 
 
 def inter_node_path(cluster: Cluster, group: DeviceGroup) -> Path:
-    """One rank per node across nodes of `group`: one NIC share, the inter-node tier's latency
-    and curve (pipeline p2p between consecutive stages on different nodes)."""
+    """One rank per domain across the NVLink domains (nodes) of `group`: one NIC share, the
+    inter-node tier's latency and curve (pipeline p2p between consecutive stages in different
+    domains)."""
     tier = _inter_tier(cluster, group)
     return Path(nic_share(group, tier), tier.latency, tier_curve(cluster, tier.name))
 
 
 def nic_share(group: DeviceGroup, tier: LinkTier) -> float:
-    """One GPU's share of its node's NICs on `tier` (bytes/s): all GPUs of a node communicate
-    at once in SPMD training, so the NICs are split over `gpus_per_node` GPUs."""
+    """One GPU's share of its host's NICs on `tier` (bytes/s): all GPUs of a host communicate
+    at once in SPMD training, so the NICs are split over `gpus_per_node` GPUs (the host's,
+    not the NVLink domain's: NICs belong to hosts)."""
     return group.nics_per_node * tier.effective_bandwidth / group.gpus_per_node
 
 
@@ -220,15 +227,16 @@ def _inter_tier(cluster: Cluster, group: DeviceGroup) -> LinkTier:
     return cluster.link(group.inter_link or group.intra_link)
 
 
-def group_path(cluster: Cluster, group: DeviceGroup, n: int, ranks_per_node: int) -> Path:
-    """Path of a flat ring of `n` ranks of `group`, packed `ranks_per_node` to a node.
+def group_path(cluster: Cluster, group: DeviceGroup, n: int, ranks_per_domain: int) -> Path:
+    """Path of a flat ring of `n` ranks of `group`, packed `ranks_per_domain` to an NVLink
+    domain (`DeviceGroup.domain_gpus`: a node unless the group sets `nvlink_domain`).
 
-    One node: the intra-node link. Several nodes: `ranks_per_node` NIC shares through each
-    node, capped by the intra-node link that the ring's in-node hops use.
+    One domain: the intra-node link. Several domains: `ranks_per_domain` NIC shares out of
+    each domain, capped by the intra-node link that the ring's in-domain hops use.
     """
     intra = intra_node_path(cluster, group)
-    p = max(1, min(ranks_per_node, group.gpus_per_node))
-    if n <= p or group.nodes == 1:
+    p = max(1, min(ranks_per_domain, group.domain_gpus))
+    if n <= p or group.domains == 1:
         return intra
     tier = _inter_tier(cluster, group)
     bw = p * nic_share(group, tier)
@@ -244,23 +252,24 @@ def group_collective_time(
     cluster: Cluster,
     group: DeviceGroup,
     n: int,
-    ranks_per_node: int,
+    ranks_per_domain: int,
 ) -> float:
-    """Time of one collective over `n` ranks of one device group (`ranks_per_node` per node).
+    """Time of one collective over `n` ranks of one device group (`ranks_per_domain` per
+    NVLink domain, `group_path`).
 
-    All-reduces spanning nodes take the cheapest of the flat ring, NCCL's tree and the
-    hierarchical reduce-scatter / inter-node all-reduce / all-gather.
+    All-reduces spanning domains take the cheapest of the flat ring, NCCL's tree and the
+    hierarchical reduce-scatter / inter-domain all-reduce / all-gather.
     """
     if n <= 1:
         return 0.0
-    path = group_path(cluster, group, n, ranks_per_node)
+    path = group_path(cluster, group, n, ranks_per_domain)
     flat = collective_time(kind, size_bytes, n, path)
-    if kind != Collective.ALL_REDUCE or group.nodes == 1:
+    if kind != Collective.ALL_REDUCE or group.domains == 1:
         return flat
-    p = max(1, min(ranks_per_node, group.gpus_per_node, n))
+    p = max(1, min(ranks_per_domain, group.domain_gpus, n))
     if n <= p:
         return flat
-    nodes = math.ceil(n / p)
+    nodes = math.ceil(n / p)  # domains the ring spans
     intra = intra_node_path(cluster, group)
     tier = _inter_tier(cluster, group)
     best = flat
@@ -313,10 +322,10 @@ def _explicit_group_link(cluster: Cluster, a: DeviceGroup, b: DeviceGroup) -> Li
 
 
 def cross_group_path(
-    cluster: Cluster, a: str, b: str, ranks_per_node_a: int = 1, ranks_per_node_b: int = 1
+    cluster: Cluster, a: str, b: str, ranks_per_domain_a: int = 1, ranks_per_domain_b: int = 1
 ) -> CrossPath:
-    """Path of a ring (or p2p stream) between ranks of groups `a` and `b`, with `ranks_per_node_*`
-    ranks of the communicator on each node of either side.
+    """Path of a ring (or p2p stream) between ranks of groups `a` and `b`, with
+    `ranks_per_domain_*` ranks of the communicator in each NVLink domain (node) of either side.
 
     Same-site groups without a `GroupLink` meet on the slower of their inter-node tiers
     (`Cluster.link_between_groups`), reached through each node's NICs. With a `GroupLink`, the
@@ -327,8 +336,8 @@ def cross_group_path(
     meet = cluster.link_between_groups(a, b)
     bws: list[tuple[float, TierCurve | None]] = []
     lats = [meet.latency]
-    for g, p in ((ga, ranks_per_node_a), (gb, ranks_per_node_b)):
-        p = max(1, min(p, g.gpus_per_node))
+    for g, p in ((ga, ranks_per_domain_a), (gb, ranks_per_domain_b)):
+        p = max(1, min(p, g.domain_gpus))
         egress = _inter_tier(cluster, g) if shared is not None and g.inter_link else meet
         bws.append((p * nic_share(g, egress), tier_curve(cluster, egress.name)))
         lats.append(egress.latency)

@@ -706,7 +706,7 @@ def plan_decisions(pricer, parallel, stages) -> tuple:
             if cp > 1 and facts.kv_bytes and ("cp", key) not in seen:
                 seen.add(("cp", key))
                 size = facts.kv_bytes * scale / tp
-                path = group_path(cluster, g, cp, max(1, g.gpus_per_node // tp))
+                path = group_path(cluster, g, cp, max(1, g.domain_gpus // tp))
                 for kind in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER):
                     ch = pricer.comm_choice(kind, size, cp, path, g.gpu, "activations", "cp")
                     why = _axis_reason(pricer, "cp")
@@ -714,7 +714,7 @@ def plan_decisions(pricer, parallel, stages) -> tuple:
             if ep > 1 and facts.a2a_bytes and ("ep", key) not in seen:
                 seen.add(("ep", key))
                 size = facts.a2a_bytes * scale / (cp * (tp if sp else 1))
-                path = group_path(cluster, g, ep, max(1, g.gpus_per_node // (tp * cp)))
+                path = group_path(cluster, g, ep, max(1, g.domain_gpus // (tp * cp)))
                 kind = Collective.ALL_TO_ALL
                 ch = pricer.comm_choice(kind, size, ep, path, g.gpu, "activations", "ep")
                 why = _axis_reason(pricer, "ep")
@@ -786,8 +786,8 @@ def _cross_decisions(pricer, traffic, stage, a, b, tp, cp, crossing) -> list:
     path = pricer.cross_path(
         a,
         b,
-        max(1, min(max((n for _, _, n in traffic.collectives), default=1), ga.gpus_per_node // tp)),
-        max(1, min(max((n for _, _, n in traffic.collectives), default=1), gb.gpus_per_node // tp)),
+        max(1, min(max((n for _, _, n in traffic.collectives), default=1), ga.domain_gpus // tp)),
+        max(1, min(max((n for _, _, n in traffic.collectives), default=1), gb.domain_gpus // tp)),
     )
     flat = path.path(tp * max(1, crossing))  # each ring's share of a shared link
     if math.isfinite(coded):

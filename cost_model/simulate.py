@@ -95,7 +95,13 @@ from meshplan.ir import (
     StagePlacement,
     group_tp_problem,
 )
-from meshplan.passes.partition import layer_counts, rank_chunks, rank_layers, replica_capacity
+from meshplan.passes.partition import (
+    layer_counts,
+    rank_chunks,
+    rank_layers,
+    replica_capacity,
+    tp_domain_problem,
+)
 from meshplan.passes.sharding import row_parallel_ops
 
 from .collectives import (
@@ -808,7 +814,7 @@ class Pricer:
         if cp <= 1 or not facts.kv_bytes:
             return 0.0, 0.0
         size = facts.kv_bytes * scale / tp
-        path = group_path(self.cluster, g, cp, max(1, g.gpus_per_node // tp))
+        path = group_path(self.cluster, g, cp, max(1, g.domain_gpus // tp))
         return (
             self.comm_choice(
                 Collective.ALL_GATHER, size, cp, path, g.gpu, "activations", "cp"
@@ -846,7 +852,7 @@ class Pricer:
         if span is not None:
             t = self.ep_span_all_to_all(size, span, tp=tp, cp=cp)
             return 2 * t, 2 * t
-        path = group_path(self.cluster, g, ep, max(1, g.gpus_per_node // (tp * cp)))
+        path = group_path(self.cluster, g, ep, max(1, g.domain_gpus // (tp * cp)))
         t = self.comm_choice(
             Collective.ALL_TO_ALL, size, ep, path, g.gpu, "activations", "ep"
         ).time_s
@@ -880,7 +886,7 @@ class Pricer:
         for i, (a, ca) in enumerate(span.members):
             ga = self.groups[a]
             if ca > 1:
-                inside = group_path(self.cluster, ga, ca, max(1, ga.gpus_per_node // (tp * cp)))
+                inside = group_path(self.cluster, ga, ca, max(1, ga.domain_gpus // (tp * cp)))
                 per_byte = max(per_byte, (ca - 1) / n / inside.bandwidth)
                 latency = max(latency, inside.latency)
             out = 0.0
@@ -978,7 +984,8 @@ class Pricer:
         return DpTraffic(tuple(out))
 
     def dp_single(self, traffic: DpTraffic, group: str, *, tp: int, cp: int) -> float:
-        """DP traffic time when all replicas of the stage sit in one group, packed into nodes."""
+        """DP traffic time when all replicas of the stage sit in one group, packed into NVLink
+        domains (nodes)."""
         return sum(c.time_s for c in self.dp_single_choices(traffic, group, tp=tp, cp=cp))
 
     def dp_single_choices(
@@ -987,9 +994,9 @@ class Pricer:
         """The priced methods of each collective of `dp_single` (gradients reduced, weights
         gathered)."""
         g = self.groups[group]
-        # The DP x CP group's ranks on one node: every rank of the node outside TP (cp sits
-        # inside dp in the mesh order pp, dp, cp, ep, tp).
-        per_node = max(1, g.gpus_per_node // tp)
+        # The DP x CP group's ranks in one NVLink domain (node): every rank of the domain
+        # outside TP (cp sits inside dp in the mesh order pp, dp, cp, ep, tp).
+        per_node = max(1, g.domain_gpus // tp)
         return [
             choose(
                 k,
@@ -1018,16 +1025,16 @@ class Pricer:
         """DP traffic time of a flat ring spanning groups a and b (replicas packed in nodes).
         Each crossing stage has tp rings (one per TP rank, each over the dp * cp ranks that
         hold the same weights) on a shared GroupLink."""
-        # Ranks of one DP ring per node: the replicas a node holds, at most dp. Placement-
-        # independent on purpose (the planner prices it before placing): optimistic when one
-        # side holds fewer replicas than fit in a node.
+        # Ranks of one DP ring per NVLink domain (node): the replicas a domain holds, at most
+        # dp. Placement-independent on purpose (the planner prices it before placing):
+        # optimistic when one side holds fewer replicas than fit in a domain.
         dp = max((n for _, _, n in traffic.collectives), default=1)
         ga, gb = self.groups[a], self.groups[b]
         path = self.cross_path(
             a,
             b,
-            max(1, min(dp, ga.gpus_per_node // tp)),
-            max(1, min(dp, gb.gpus_per_node // tp)),
+            max(1, min(dp, ga.domain_gpus // tp)),
+            max(1, min(dp, gb.domain_gpus // tp)),
         )
         vol, alpha = traffic.volume, traffic.count * path.latency
         per_stage = None
@@ -1097,8 +1104,8 @@ class Pricer:
         path = self.cross_path(
             a,
             b,
-            max(1, min(dp, ga.gpus_per_node // ta)),
-            max(1, min(dp, gb.gpus_per_node // tb)),
+            max(1, min(dp, ga.domain_gpus // ta)),
+            max(1, min(dp, gb.domain_gpus // tb)),
         )
         unshared = max(
             traffic[g].count * path.latency + traffic[g].volume / path.bandwidth for g in (a, b)
@@ -1120,10 +1127,11 @@ class Pricer:
         """One boundary send of `p2p` at its fastest allowed method."""
         if a == b:
             g = self.groups[a]
-            if g.nodes == 1:
+            if g.domains == 1:
                 path = intra_node_path(self.cluster, g)
             else:
-                # Consecutive stages sit on different nodes (stages fill nodes in order).
+                # Consecutive stages sit in different NVLink domains (nodes): stages fill
+                # domains in order.
                 path = inter_node_path(self.cluster, g)
         else:
             path = self.cross_path(a, b, 1, 1).path(streams)
@@ -1183,7 +1191,7 @@ class Pricer:
         g = self.groups[group]
         n = min(world, g.num_gpus)
         t = group_collective_time(
-            Collective.ALL_REDUCE, LOSS_SYNC_BYTES, self.cluster, g, n, g.gpus_per_node
+            Collective.ALL_REDUCE, LOSS_SYNC_BYTES, self.cluster, g, n, g.domain_gpus
         )
         others = [b for b in groups if b != group]
         if others and world > n:
@@ -1787,11 +1795,8 @@ def check_parallel(
     for g, n in used.items():
         tp = stages[0].tp_of(g, p.tp)
         cap = replica_capacity(known[g], tp, p.cp)
-        if known[g].gpus_per_node % tp:
-            raise ValueError(
-                f"tp={tp} does not divide gpus_per_node={known[g].gpus_per_node} of group "
-                f"{g} (TP stays inside a node)"
-            )
+        if (why := tp_domain_problem((known[g],), tp)) is not None:
+            raise ValueError(why)
         if n > cap:
             raise ValueError(
                 f"group {g}: {n} replicas of tp*cp={tp * p.cp} GPUs need "

@@ -2,7 +2,12 @@
 
 A cluster is a set of *device groups*. A group is `nodes` identical machines, each holding
 `gpus_per_node` GPUs of one type, connected inside the node by `intra_link` and to other nodes
-of the group by `inter_link` through `nics_per_node` NICs. Groups live at *sites*; groups at
+of the group by `inter_link` through `nics_per_node` NICs. An NVLink switch fabric may join
+several nodes into one *NVLink domain* (`nvlink_domain` GPUs: a GB200/GB300 NVL72 rack is 18
+hosts of 4 GPUs on one NVLink 5 fabric): then the GPUs of a domain share `intra_link` and only
+traffic between domains goes over `inter_link`. Without it a domain is one node. Placement and
+pricing ask the domain (`DeviceGroup.domain_gpus`, `DeviceGroup.domains`); launching, node ranks
+and NIC counts ask the host (`gpus_per_node`, `nics_per_node`). Groups live at *sites*; groups at
 the same site talk over the slower of their inter-node links unless a `GroupLink` says
 otherwise; groups at different sites need a `GroupLink` (typically a WAN tier).
 
@@ -43,7 +48,12 @@ from .devices import (
 
 @dataclass(frozen=True, slots=True)
 class DeviceGroup:
-    """`nodes` machines of `gpus_per_node` GPUs of one type."""
+    """`nodes` machines of `gpus_per_node` GPUs of one type.
+
+    `nvlink_domain` is the number of GPUs that share `intra_link` when an NVLink switch fabric
+    spans several machines (72 on a GB200/GB300 NVL72 rack of 18 four-GPU trays); None means
+    one machine. It is a multiple of `gpus_per_node`, and either divides the group's GPUs
+    (whole domains) or covers them all (a group inside part of one domain)."""
 
     name: str
     gpu: GpuSpec
@@ -54,16 +64,54 @@ class DeviceGroup:
     nics_per_node: int = 1
     site: str = "site0"
     price_per_gpu_hour: float | None = None
+    nvlink_domain: int | None = None  # GPUs on one NVLink fabric; None: one node's
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.gpus_per_node < 1:
             raise ValueError(f"group {self.name}: nodes and gpus_per_node must be >= 1")
         if self.nics_per_node < 1:
             raise ValueError(f"group {self.name}: nics_per_node must be >= 1")
+        if (why := nvlink_domain_problem(self)) is not None:
+            raise ValueError(f"group {self.name}: {why}")
 
     @property
     def num_gpus(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def domain_gpus(self) -> int:
+        """GPUs that talk over `intra_link`: the NVLink domain, cut to the group's size when
+        the group is part of one domain (a node's GPUs when `nvlink_domain` is None)."""
+        if self.nvlink_domain is None:
+            return self.gpus_per_node
+        return min(self.nvlink_domain, self.num_gpus)
+
+    @property
+    def domains(self) -> int:
+        """NVLink domains of the group (its nodes when `nvlink_domain` is None); traffic
+        between them goes over `inter_link`."""
+        return self.num_gpus // self.domain_gpus
+
+
+def nvlink_domain_problem(group: DeviceGroup) -> str | None:
+    """Why `group.nvlink_domain` cannot be used, or None: it must be a positive multiple of
+    `gpus_per_node` (a fabric joins whole machines) and divide the group's GPUs or cover them
+    all (ranks are numbered domain by domain, so a domain cut by the group's end would leave
+    a partial domain that pricing does not model)."""
+    d = group.nvlink_domain
+    if d is None:
+        return None
+    if isinstance(d, bool) or not isinstance(d, int) or d < 1 or d % group.gpus_per_node:
+        return (
+            f"nvlink_domain must be a positive multiple of gpus_per_node "
+            f"({group.gpus_per_node}), got {d!r}"
+        )
+    if d < group.num_gpus and group.num_gpus % d:
+        return (
+            f"nvlink_domain={d} neither divides nor covers the group's {group.num_gpus} GPUs "
+            f"({group.nodes} x {group.gpus_per_node}); use whole domains or fewer GPUs than one"
+        )
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,7 +326,7 @@ class RankInfo:
 
 
 # Optional calibration fields that `Cluster.to_dict` leaves out while unset.
-_OMITTED_WHEN_UNSET = frozenset({"profile", "gemm_efficiency", "codec_speed"})
+_OMITTED_WHEN_UNSET = frozenset({"profile", "gemm_efficiency", "codec_speed", "nvlink_domain"})
 
 # The readers behind `Cluster.load` and `Cluster.preset`: `cluster_io` stands on this module
 # (it builds Clusters), so it installs them when `meshplan.ir` is imported instead of this
@@ -455,12 +503,14 @@ class Cluster:
     @classmethod
     def preset(cls, name: str, gpus: int | None = None) -> Cluster:
         """A named preset (`dgx-h100`, `mixed-h100-a100`, ...) or a homogeneous cluster of
-        8-GPU nodes of a GPU type from the spec table (`H100`, `A100-80GB`)."""
+        8-GPU nodes of a GPU type from the spec table (`H100`, `A100-80GB`; `GB200`, `GB300`:
+        4-GPU trays in 72-GPU NVLink domains)."""
         return READERS["preset"](name, gpus)
 
     def summary(self) -> str:
         parts = [
             f"{g.name}: {g.nodes}x{g.gpus_per_node} {g.gpu.name} ({g.intra_link}"
+            + (f" across {g.domain_gpus} GPUs" if g.domain_gpus > g.gpus_per_node else "")
             + (f", {g.nics_per_node}x {g.inter_link}" if g.nodes > 1 else "")
             + ")"
             for g in self.groups

@@ -41,6 +41,13 @@ Fields, units and defaults:
   `source`). With `base` (or a `name` that is a known type) the mapping overrides that spec;
   `peak_flops`, when given, replaces the whole table. Without one, `peak_flops`,
   `memory_bytes` and `hbm_bandwidth` are required. Give a changed spec a new name.
+- `groups[].nvlink_domain`: optional, the GPUs that share `intra_link` when an NVLink switch
+  fabric joins several hosts (default: one host's `gpus_per_node`). A GB200 NVL72 rack is
+  `gpus_per_node: 4` (a compute tray), `nics_per_node: 4`, `nvlink_domain: 72`: TP, CP, EP and
+  DP rings inside 72 GPUs run at NVLink 5 speed and only traffic between racks uses
+  `inter_link`. It must be a multiple of `gpus_per_node` and divide the group's GPUs (whole
+  racks) or cover them (part of one rack); to train on 16 of a rack's 18 trays write
+  `nvlink_domain: 64`. Launching still starts `gpus_per_node` processes per host.
 - `group_links[]`: `a` and `b` are two group names or two site names; `link` a tier. A pair of
   groups at different sites must be connected by one. Groups at one site without an entry
   talk over the slower of their inter-node links.
@@ -129,6 +136,7 @@ __all__ = [
     "CLUSTER_SCHEMA",
     "EXAMPLE_PRICE_PER_GPU_HOUR",
     "PROFILE_SCHEMA",
+    "RACK_SCALE",
     "ClusterError",
     "ProfileError",
     "cluster_from_dict",
@@ -476,6 +484,7 @@ _GROUP_SCHEMA: dict = {
         # "" is what Cluster.to_dict() writes for a single-node group.
         "inter_link": {"type": "string", "description": "a link tier name"},
         "nics_per_node": _POSITIVE_INT,
+        "nvlink_domain": _POSITIVE_INT,
         "site": _NAME,
         "price_per_gpu_hour": {
             "type": ["number", "null"],
@@ -800,8 +809,9 @@ def cluster_from_dict(
                 "between nodes, e.g. ib-ndr, roce-400g or 100gbe",
             )
         price = raw.get("price_per_gpu_hour")
-        groups.append(
-            DeviceGroup(
+        domain = raw.get("nvlink_domain")
+        try:
+            group = DeviceGroup(
                 name=raw["name"],
                 gpu=gpu,
                 nodes=int(raw["nodes"]),
@@ -811,8 +821,11 @@ def cluster_from_dict(
                 nics_per_node=int(raw.get("nics_per_node", 1)),
                 site=raw.get("site", "site0"),
                 price_per_gpu_hour=None if price is None else float(price),
+                nvlink_domain=None if domain is None else int(domain),
             )
-        )
+        except ValueError as e:  # `nvlink_domain_problem`: the check the schema cannot make
+            raise fail(f"{at}.nvlink_domain" if domain is not None else at, str(e)) from None
+        groups.append(group)
 
     group_names = {g.name for g in groups}
     sites = {g.site for g in groups}
@@ -1007,6 +1020,8 @@ def cluster_to_file_dict(cluster: Cluster) -> dict:
         if g.inter_link:
             entry["inter_link"] = g.inter_link
         entry["nics_per_node"] = g.nics_per_node
+        if g.nvlink_domain is not None:
+            entry["nvlink_domain"] = g.nvlink_domain
         entry["site"] = g.site
         if g.price_per_gpu_hour is not None:
             entry["price_per_gpu_hour"] = g.price_per_gpu_hour
@@ -1259,8 +1274,8 @@ EXAMPLE_PRICE_PER_GPU_HOUR: dict[str, float] = {
     "MI300X": 2.50,
 }
 
-# The network between 8-GPU nodes of each type: (tier, NICs per node). Typical builds, not the
-# only ones; a cluster file describes yours.
+# The network between nodes of each type (8 GPUs, or `RACK_SCALE`'s host size): (tier, NICs
+# per node). Typical builds, not the only ones; a cluster file describes yours.
 _NODE_NETWORK: dict[str, tuple[str, int]] = {
     "H100": ("ib-ndr", 8),  # DGX H100: 8 x 400 Gb/s (hardware.md)
     "H200": ("ib-ndr", 8),  # DGX H200: 8 x 400 Gb/s ConnectX-7, as DGX H100
@@ -1279,14 +1294,25 @@ _NODE_NETWORK: dict[str, tuple[str, int]] = {
     "GH200-144GB": ("ib-ndr", 8),
     "H800": ("ib-ndr", 8),  # HGX H800: 8 x 400 Gb/s ConnectX-7, as DGX H100
     "H20": ("ib-ndr", 8),  # HGX H20: 8 x 400 Gb/s, as HGX H100, typical
-    "GB200": ("ib-ndr", 8),  # GB200 NVL72 compute tray: 4 x 400 Gb/s ConnectX-7 per 4 GPUs
-    "GB300": ("ib-xdr", 8),  # GB300 NVL72: one 800 Gb/s ConnectX-8 per GPU
+    "GB200": ("ib-ndr", 4),  # GB200 NVL72 compute tray: 4 x 400 Gb/s ConnectX-7 per 4 GPUs
+    "GB300": ("ib-xdr", 4),  # GB300 NVL72 compute tray: one 800 Gb/s ConnectX-8 per GPU
     "L4": ("100gbe", 1),  # inference boxes: one 100 GbE port, as the consumer boxes
     "A40": ("roce-200g", 4),  # PCIe servers, as L40S
     "RTX-A6000": ("100gbe", 1),  # workstation-class boxes: one 100 GbE port
     "RTX3090": ("100gbe", 1),
     "RTX2080Ti": ("100gbe", 1),
     "T4": ("25gbe", 1),  # T4 inference servers: commonly one 25 GbE port
+}
+
+
+# Rack-scale NVLink systems: (GPUs per host, GPUs per NVLink domain). A GB200 / GB300 NVL72
+# rack is 18 compute trays of two superchips (4 GPUs) on one NVLink 5 switch fabric of 72 GPUs,
+# 1.8 TB/s per GPU (900 GB/s each way) between any two of them (NVIDIA GB200 NVL72 and GB300
+# NVL72 datasheets; NVIDIA DGX GB200 user guide: 18 compute trays, 9 NVLink switch trays).
+# The GPU-type presets build these as 4-GPU hosts in 72-GPU domains (`DeviceGroup.nvlink_domain`).
+RACK_SCALE: dict[str, tuple[int, int]] = {
+    "GB200": (4, 72),
+    "GB300": (4, 72),
 }
 
 
@@ -1316,7 +1342,15 @@ def _nodes(preset: str, gpus: int, per_node: int = 8) -> tuple[int, int]:
 
 def _group(preset: str, name: str, gpu: str, gpus: int, site: str = "site0") -> DeviceGroup:
     spec = gpu_spec(gpu)
-    nodes, per_node = _nodes(preset, gpus)
+    host, domain = RACK_SCALE.get(spec.name, (8, None))
+    nodes, per_node = _nodes(preset, gpus, host)
+    if domain is not None and gpus > domain and gpus % domain:
+        raise _fail_preset(
+            preset,
+            f"gpus must be at most {domain} (one NVLink domain of {spec.name} NVL{domain}) or a "
+            f"multiple of {domain} (whole racks), got {gpus}; a cluster file can set a smaller "
+            "nvlink_domain",
+        )
     inter, nics = _NODE_NETWORK[spec.name]
     return DeviceGroup(
         name=name,
@@ -1328,6 +1362,7 @@ def _group(preset: str, name: str, gpu: str, gpus: int, site: str = "site0") -> 
         nics_per_node=nics,
         site=site,
         price_per_gpu_hour=EXAMPLE_PRICE_PER_GPU_HOUR.get(spec.name),
+        nvlink_domain=domain,
     )
 
 
@@ -1437,7 +1472,8 @@ def _preset_key(name: str) -> str:
 
 def list_presets() -> list[tuple[str, str]]:
     """(name, description) of the named presets. Any GPU type of the spec table
-    (`meshplan.ir.hardware.known_gpus()`) is a preset too: 8-GPU nodes of that type."""
+    (`meshplan.ir.hardware.known_gpus()`) is a preset too: 8-GPU nodes of that type, or for
+    GB200 / GB300 4-GPU compute trays in 72-GPU NVLink domains (NVL72 racks)."""
     return [(name, p.description) for name, p in _PRESETS.items()]
 
 
@@ -1445,7 +1481,8 @@ def preset_cluster(name: str, gpus: int | None = None) -> Cluster:
     """Build preset `name` with `gpus` GPUs in total (None: the preset's default).
 
     `name` is a named preset (see `list_presets`) or any GPU type of the spec table, which
-    gives 8-GPU nodes of that type. Raises `ClusterError` for an unknown name or a GPU count
+    gives 8-GPU nodes of that type (GB200 / GB300: 4-GPU trays in 72-GPU NVLink domains,
+    `RACK_SCALE`). Raises `ClusterError` for an unknown name or a GPU count
     the preset cannot make.
     """
     if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1):

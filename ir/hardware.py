@@ -677,8 +677,8 @@ _INTRA_LINK: dict[str, str] = {
     "GH200-144GB": "nvlink4",
     "H800": "nvlink4-h800",
     "H20": "nvlink4",
-    # GB200/GB300 NVL72: one NVLink5 domain of 72 GPUs. A preset models 8-GPU nodes; write a
-    # cluster file with gpus_per_node: 72 for the whole rack as one NVLink island.
+    # GB200/GB300 NVL72: one NVLink5 domain of 72 GPUs over 4-GPU trays; the presets set
+    # `DeviceGroup.nvlink_domain` so the whole rack shares this tier (cluster_io._RACK_SCALE).
     "GB200": "nvlink5",
     "GB300": "nvlink5",
     "A100-80GB": "nvlink3",

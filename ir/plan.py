@@ -444,10 +444,10 @@ def assign_ranks(
     """Give every GPU its mesh coordinates (pp, dp, cp, tp).
 
     Each group's GPUs are handed out in rank order: stage by stage, replica by replica, a
-    replica taking tp*cp consecutive GPUs (so TP groups stay inside a node whenever tp
-    divides gpus_per_node; tp is the group's own under per-group TP,
-    `StagePlacement.group_tp`). DP indices are numbered across groups in stage-placement
-    order. GPUs left over are idle (coords None).
+    replica taking tp*cp consecutive GPUs (so TP groups stay inside a node, or NVLink domain,
+    whenever tp divides its GPU count, `DeviceGroup.domain_gpus`; tp is the group's own under
+    per-group TP, `StagePlacement.group_tp`). DP indices are numbered across groups in
+    stage-placement order. GPUs left over are idle (coords None).
     """
     cp = parallel.cp or 1
     free: dict[str, list] = {g.name: [] for g in cluster.groups}

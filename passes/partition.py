@@ -19,10 +19,33 @@ from collections.abc import Iterator, Sequence
 from meshplan.ir import Cluster, DeviceGroup, Graph, Parallel, StagePlacement
 
 
+def tp_domain_problem(groups: Sequence[DeviceGroup], tp: int) -> str | None:
+    """Why TP of degree `tp` fits none of `groups`, or None when it fits at least one.
+
+    A TP group stays inside one NVLink domain (`DeviceGroup.domain_gpus`: a node, or all the
+    GPUs of an NVLink switch fabric such as a GB200 NVL72 rack), where its every-layer
+    collectives run on the intra-node link: tp must divide the domain's GPU count, and then
+    replicas that start at multiples of tp never straddle two domains. Called by candidate
+    enumeration, the default placement and the stage-placement check alike."""
+    if any(g.domain_gpus % tp == 0 for g in groups):
+        return None
+    if all(g.domain_gpus == g.gpus_per_node for g in groups):
+        per_node = ", ".join(sorted({str(g.gpus_per_node) for g in groups}, key=int))
+        where = f" of group {groups[0].name}" if len(groups) == 1 else ""
+        return f"tp={tp} does not divide gpus_per_node={per_node}{where} (TP stays inside a node)"
+    sizes = ", ".join(sorted({str(g.domain_gpus) for g in groups}, key=int))
+    where = f" of group {groups[0].name}" if len(groups) == 1 else ""
+    return (
+        f"tp={tp} does not divide the GPUs per NVLink domain ({sizes}){where} (TP stays "
+        "inside a node or NVLink domain)"
+    )
+
+
 def replica_capacity(group: DeviceGroup, tp: int, cp: int = 1) -> int:
-    """Replicas of tp * cp GPUs that `group` can hold with TP inside a node: tp must divide
-    the node's GPU count (then replicas start at multiples of tp); CP may span nodes."""
-    if group.gpus_per_node % tp:
+    """Replicas of tp * cp GPUs that `group` can hold with TP inside an NVLink domain (a node
+    unless the group sets `nvlink_domain`): tp must divide the domain's GPU count
+    (`tp_domain_problem`; then replicas start at multiples of tp); CP may span domains."""
+    if tp_domain_problem((group,), tp) is not None:
         return 0
     return group.num_gpus // (tp * cp)
 
@@ -246,12 +269,12 @@ def place_stages(
 ) -> tuple[StagePlacement, ...]:
     """Default placement: fill GPUs in rank order, stage by stage, each stage's dp replicas of
     tp*cp GPUs; a replica never straddles two device groups and a TP group never straddles
-    two nodes (groups whose gpus_per_node tp does not divide are skipped; elsewhere replicas
-    start at multiples of tp).
+    two NVLink domains (nodes; groups whose domain size tp does not divide are skipped,
+    `tp_domain_problem`; elsewhere replicas start at multiples of tp).
 
     On a mixed cluster this puts stage 0 on the first group, and so on. Raises ValueError when
-    tp*pp*cp*dp exceeds the world size, tp divides no group's gpus_per_node, or the replicas
-    do not fit the groups whole.
+    tp*pp*cp*dp exceeds the world size, tp divides no group's domain (gpus_per_node unless
+    nvlink_domain is set), or the replicas do not fit the groups whole.
     """
     p = parallel
     tp, cp, dp = p.tp or 1, p.cp or 1, p.dp or 1
@@ -264,11 +287,8 @@ def place_stages(
             f"tp*pp*cp*dp = {tp}*{pp}*{cp}*{dp} = {need} GPUs exceeds the cluster's "
             f"{cluster.world_size}"
         )
-    if all(g.gpus_per_node % tp for g in cluster.groups):
-        per_node = ", ".join(sorted({str(g.gpus_per_node) for g in cluster.groups}))
-        raise ValueError(
-            f"tp={tp} does not divide gpus_per_node={per_node} (TP stays inside a node)"
-        )
+    if (why := tp_domain_problem(cluster.groups, tp)) is not None:
+        raise ValueError(why)
     free = [[g.name, replica_capacity(g, tp, cp)] for g in cluster.groups]  # replicas left
     gi = 0
     stages = []

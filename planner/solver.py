@@ -27,8 +27,9 @@ Variables (per (c, l); the search fixes (c, l) before building a model, see belo
 Constraints (each family added by the named method of `_PlacementModel`)
     replicas        `replicas`: sum_g n[s,g] = dp;  b <= n <= min(dp, R[g]) * b
     memory          `variables`: n[s,g] exists only where the stage fits in g's memory
-    capacity        `capacity`: sum_s tp * cp * n[s,g] <= gpus(g)  (TP inside a node: no
-                    variables where tp does not divide gpus_per_node(g))
+    capacity        `capacity`: sum_s tp * cp * n[s,g] <= gpus(g)  (TP inside an NVLink
+                    domain: no variables where tp does not divide domain_gpus(g), a node's
+                    GPUs unless the group sets nvlink_domain; `tp_domain_problem`)
     stage_times     `stage_times`: us[s] >= u[s,g] * b[s,g];  U >= us[s]
     boundaries      `boundaries`: P >= q[s,a,b] * (b[s,a] + b[s+1,b] - 1)
     data_parallel   `data_parallel`: cross, k, comm[s] >= d or e(k), W[s] = max_g w b,
@@ -42,11 +43,11 @@ Constraints (each family added by the named method of `_PlacementModel`)
     objective       minimise T (objective "throughput"; "cost" and "min_gpus" below)
 
 Divisibility (in `enumerate_candidates`, each with its own InfeasibleError message): tp divides
-heads, kv_heads and the GPUs per node of some group; cp divides seq_len / 2 (load-balanced
-causal chunks) with at least MIN_CP_TOKENS tokens per rank; ep divides the experts and dp
-(expert ranks reuse data-parallel ranks, Megatron-Core's expert-data-parallel layout with
-expert-tensor-parallel = tp: the dp ranks of a stage form dp / ep expert-DP groups of ep
-ranks), and ep > 1 with tp > 1 only under sequence parallelism (Megatron-Core's rule; the
+heads, kv_heads and the GPUs per node (or NVLink domain) of some group; cp divides seq_len / 2
+(load-balanced causal chunks) with at least MIN_CP_TOKENS tokens per rank; ep divides the
+experts and dp (expert ranks reuse data-parallel ranks, Megatron-Core's expert-data-parallel
+layout with expert-tensor-parallel = tp: the dp ranks of a stage form dp / ep expert-DP groups
+of ep ranks), and ep > 1 with tp > 1 only under sequence parallelism (Megatron-Core's rule; the
 runtime's EP x TP dispatch routes each sequence shard); pp <= layers; dp * micro_batch divides
 the global batch; interleaved 1F1B needs
 pp >= 2, v divides layers / pp and pp divides the micro-batch count (Megatron-LM's rule);
@@ -66,9 +67,9 @@ in-flight activations (m_g stays where the schedule's warm-up depth is already s
 
 Per-group TP (`_per_group_tp_candidates`, `Candidate.group_tp`): a configuration may run its
 group-pure pipelines in two groups a and b at different TP degrees tp_a != tp_b (each must
-divide its own group's GPUs per node: a wide TP on 8-GPU NVLink nodes next to 2-GPU nodes,
-or memory-tight GPUs that need a wider TP than the others). Its tables are each group's own
-at its tp (`cost_model.simulate.hetero_tables`) with the cross-group gradient average of
+divide its own group's GPUs per node or NVLink domain: a wide TP on 8-GPU NVLink nodes next to
+2-GPU nodes, or memory-tight GPUs that need a wider TP than the others). Its tables are each
+group's own at its tp (`cost_model.simulate.hetero_tables`) with the cross-group gradient average of
 `Pricer.dp_cross_hetero`; it has only group-pure placements (n_a, n_b >= 1 pipelines, shares
 as above, equal shares allowed even where the warm-up depth is not saturated), so its bounds
 are the share bounds. ZeRO-0 and no EP (what the runtime executes: replicas whose TP shards
@@ -164,6 +165,7 @@ from meshplan.passes.partition import (
     rank_layers,
     replica_capacity,
     stages_of,
+    tp_domain_problem,
 )
 from ortools.sat.python import cp_model
 
@@ -614,23 +616,21 @@ def enumerate_candidates(
         raise InfeasibleError(
             f"no plan: virtual_stages={p.virtual_stages} needs schedule 'interleaved_1f1b'"
         )
-    gpn = sorted({g.gpus_per_node for g in cluster.groups})
+    domain_sizes = sorted({g.domain_gpus for g in cluster.groups})
     n_layers = len(graph.layer_units)
 
     def tp_ok(t: int) -> str | None:
         for what, n in (("heads", info.heads), ("kv_heads", info.kv_heads)):
             if n and n % t:
                 return f"tp={t} does not divide the model's {what} ({n})"
-        if not any(n % t == 0 for n in gpn):
-            return f"tp={t} does not divide the GPUs per node ({', '.join(map(str, gpn))})"
-        return None
+        return tp_domain_problem(cluster.groups, t)
 
     if p.tp is not None:
         if (why := tp_ok(p.tp)) is not None:
             raise InfeasibleError(f"no plan: {why}")
         tps = [p.tp]
     else:
-        tps = [t for t in _divisors(max(gpn)) if tp_ok(t) is None]
+        tps = [t for t in _divisors(max(domain_sizes)) if tp_ok(t) is None]
     if p.cp is not None:
         if info.seq_len and info.seq_len % p.cp:
             raise InfeasibleError(f"no plan: cp={p.cp} does not divide seq_len={info.seq_len}")
@@ -741,17 +741,18 @@ def _per_group_tp_candidates(
     zb: bool = True,
 ) -> list[Candidate]:
     """Per-group TP (`Candidate.group_tp`): for every pair of device groups (a, b) and TP
-    degrees tp_a != tp_b (each dividing its group's GPUs per node, and the heads), the
-    configurations whose pipelines run group-pure, n_a >= 1 of them in a at tp_a and n_b >= 1
-    in b at tp_b, dp = n_a + n_b. Only where the runtime executes it: tp not pinned, ZeRO-0
-    (the replicas' gradient shards differ in shape, `Pricer.hetero_dp_traffic`), no EP.
+    degrees tp_a != tp_b (each dividing its group's GPUs per node or NVLink domain, and the
+    heads), the configurations whose pipelines run group-pure, n_a >= 1 of them in a at tp_a
+    and n_b >= 1 in b at tp_b, dp = n_a + n_b. Only where the runtime executes it: tp not
+    pinned, ZeRO-0 (the replicas' gradient shards differ in shape, `Pricer.hetero_dp_traffic`),
+    no EP.
     Sequence parallelism where a group's tp > 1 (unless pinned)."""
     if p.tp is not None or p.zero not in (None, 0) or p.ep not in (None, 1):
         return []
     out: list[Candidate] = []
     for a, b in itertools.combinations(cluster.groups, 2):
-        tas = [t for t in tps if a.gpus_per_node % t == 0]
-        tbs = [t for t in tps if b.gpus_per_node % t == 0]
+        tas = [t for t in tps if tp_domain_problem((a,), t) is None]
+        tbs = [t for t in tps if tp_domain_problem((b,), t) is None]
         for ta, tb, cp, pp in itertools.product(tas, tbs, cps, pps):
             na = replica_capacity(a, ta, cp) // pp
             nb = replica_capacity(b, tb, cp) // pp

@@ -16,7 +16,8 @@ files, `Cluster` objects, or `mix` clusters) and the values of each *axis* in `v
 
 - `gpus`: total GPU count of a preset (`Cluster.preset(name, gpus=N)`) or of a mix.
 - `gpu`: swap the GPU type of a cluster that has one GPU type. The nodes, their GPU count and
-  their network stay; the intra-node link becomes the new type's own (NVLink generation, or
+  their network stay (an NVLink domain wider than a node only between rack-scale types, GB200
+  and GB300); the intra-node link becomes the new type's own (NVLink generation, or
   PCIe for consumer and PCIe cards: `meshplan.ir.hardware.default_intra_link`), and the price
   the new type's (see "Cost"). One variable changes at a time, so the comparison isolates the GPU.
 - `inter_bw`: the per-NIC bandwidth of every group's inter-node link tier (a copy of the tier
@@ -44,8 +45,9 @@ Bottleneck. `bottleneck_part` is the largest part of the predicted step-time bre
 - `compute` -> "compute"; `optimizer` -> "optimizer" (the memory-bound Adam update);
   `pp_bubble` -> "pipeline bubble"; `recompute` -> "memory" (recomputation only buys memory);
 - a communication part -> the link tier it runs on (`part_link_tier`): `tp_comm` the intra-node
-  tier (TP stays inside a node, e.g. nvlink4); `cp_comm`, `ep_comm` and `dp_comm_exposed` the
-  intra-node tier when the group fits in one node, else the inter-node tier (e.g. ib-ndr), and
+  tier (TP stays inside a node or NVLink domain, e.g. nvlink4); `cp_comm`, `ep_comm` and
+  `dp_comm_exposed` the intra-node tier when the ring fits in one node (one NVLink domain:
+  a GB200 NVL72 rack's 72 GPUs), else the inter-node tier (e.g. ib-ndr), and
   for a DP group spanning device groups the tier between them (e.g. wan-100g); `pp_p2p` the
   tier between consecutive stages. Several candidates: the slowest (least effective bandwidth).
 
@@ -89,6 +91,7 @@ from meshplan.cost_model import BREAKDOWN_PARTS, predict
 from meshplan.ir import Cluster, DeviceGroup, Graph, LinkTier, Parallel, Recompute
 from meshplan.ir.cluster_io import (
     EXAMPLE_PRICE_PER_GPU_HOUR,
+    RACK_SCALE,
     parse_bandwidth,
     resolve_cluster,
 )
@@ -456,8 +459,17 @@ def _swap_gpu(cluster: Cluster, gpu: str) -> Cluster:
     links = cluster.links
     if not any(t.name == intra for t in links):
         links = (*links, LINK_TIERS[intra])
+    # An NVLink domain wider than a node is the rack's switch fabric: it stays for a rack-scale
+    # type (GB200 <-> GB300) and goes for the others, whose NVLink ends at the node.
+    domain_stays = spec.name in RACK_SCALE
     groups = tuple(
-        dataclasses.replace(g, gpu=spec, intra_link=intra, price_per_gpu_hour=None)
+        dataclasses.replace(
+            g,
+            gpu=spec,
+            intra_link=intra,
+            price_per_gpu_hour=None,
+            nvlink_domain=g.nvlink_domain if domain_stays else None,
+        )
         for g in cluster.groups
     )
     name = cluster.name.replace(types[0].lower(), spec.name.lower())
@@ -501,9 +513,10 @@ def _slowest(tiers: Sequence[LinkTier]) -> str:
     return min(tiers, key=lambda t: t.effective_bandwidth).name if tiers else ""
 
 
-def _ring_tier(cluster: Cluster, g: DeviceGroup, ranks: int, per_node: int) -> LinkTier:
-    """The tier a ring of `ranks` ranks of group g, `per_node` to a node, is limited by."""
-    if ranks <= max(1, per_node) or g.nodes == 1 or not g.inter_link:
+def _ring_tier(cluster: Cluster, g: DeviceGroup, ranks: int, per_domain: int) -> LinkTier:
+    """The tier a ring of `ranks` ranks of group g, `per_domain` to an NVLink domain (a node
+    unless the group sets `nvlink_domain`), is limited by."""
+    if ranks <= max(1, per_domain) or g.domains == 1 or not g.inter_link:
         return cluster.link(g.intra_link)
     return cluster.link(g.inter_link)
 
@@ -513,7 +526,7 @@ def _pair_tier(cluster: Cluster, a: str, b: str) -> LinkTier:
     if a != b:
         return cluster.link_between_groups(a, b)
     g = cluster.group(a)
-    return cluster.link(g.inter_link if g.nodes > 1 and g.inter_link else g.intra_link)
+    return cluster.link(g.inter_link if g.domains > 1 and g.inter_link else g.intra_link)
 
 
 def part_link_tier(plan: Plan, part: str, cluster: Cluster | None = None) -> str:
@@ -528,9 +541,9 @@ def part_link_tier(plan: Plan, part: str, cluster: Cluster | None = None) -> str
     if part == "tp_comm":
         tiers = [cluster.link(g.intra_link) for g in groups]
     elif part == "cp_comm":
-        tiers = [_ring_tier(cluster, g, cp, g.gpus_per_node // tp) for g in groups]
+        tiers = [_ring_tier(cluster, g, cp, g.domain_gpus // tp) for g in groups]
     elif part == "ep_comm":
-        tiers = [_ring_tier(cluster, g, ep, g.gpus_per_node // (tp * cp)) for g in groups]
+        tiers = [_ring_tier(cluster, g, ep, g.domain_gpus // (tp * cp)) for g in groups]
     elif part == "dp_comm_exposed":
         for u in used:
             if len(u) > 1:
@@ -539,7 +552,7 @@ def part_link_tier(plan: Plan, part: str, cluster: Cluster | None = None) -> str
                 ]
             else:
                 g = cluster.group(u[0])
-                tiers.append(_ring_tier(cluster, g, dp, g.gpus_per_node // (tp * cp)))
+                tiers.append(_ring_tier(cluster, g, dp, g.domain_gpus // (tp * cp)))
     elif part == "pp_p2p":
         # group-pure pipelines (uneven shares, per-group TP) never cross between groups
         pure = bool(plan.stages[0].microbatches or plan.stages[0].group_tp)
