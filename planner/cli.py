@@ -1162,6 +1162,7 @@ def launch(
     ] = None,
 ) -> None:
     """Run a plan: torchrun for this node (`meshplan launch plan.json -- python train.py`)."""
+    from meshplan.runtime.launch import TorchLog
     from meshplan.runtime.launch import launch as run_launch
 
     @user_errors
@@ -1188,10 +1189,19 @@ def launch(
             dry_run=dry_run,
             echo=lambda line: out.print(line, soft_wrap=True, markup=False),
             on_failure=causes.append,
+            torch_log=None if _debug else held.append,
         )
 
     causes: list[str] = []  # the ranks' own account of a failure (runtime/watchdog.py)
+    held: list[TorchLog] = []  # torch's own log, held back; `--debug` passes it through
     code = go()
+    summary = held[0].summary() if held else None
+    if summary:
+        err.print(
+            f"note: {summary}; `meshplan --debug launch ...` prints it",
+            markup=False,
+            soft_wrap=True,
+        )
     if code:
         why = causes[0] if causes else "see the rank above"
         from rich.markup import escape

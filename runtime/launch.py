@@ -3,7 +3,9 @@
 `torchrun_commands(plan, program)` gives each node's torchrun command line (processes per
 node from the plan's ranks on that node, node count, node rank, rendezvous endpoint), with
 `MESHPLAN_PLAN` pointing the program at the plan file. `check_machine` compares the plan with
-the machine before anything starts. `launch` is what `meshplan launch` runs.
+the machine before anything starts. `launch` is what `meshplan launch` runs; it can hold back
+torch's own log (`TorchLog`: torchrun's warnings and its traceback of a failed rank, the
+ranks' c10d lines) so that the ranks' output and meshplan's one-line account stay readable.
 
 `run_local(fn, world_size)` runs `fn` on `world_size` CPU ranks of one process tree: torch
 is imported once and each rank is a `fork` of the caller (a torchrun start costs ~10 s for 2
@@ -18,16 +20,18 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import shlex
 import shutil
 import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshplan.ir.plan import Plan
@@ -175,6 +179,81 @@ def check_machine(plan: Plan, node_rank: int, *, device_count: int | None = None
         )
 
 
+# -- torch's own log --------------------------------------------------------------------------
+
+# A line of torch's logging (Python `torch.*` loggers under torchrun's format, and c10's C++
+# glog lines, bracketed and maybe prefixed `[rank0]:`): level letter, MMDD time, pid, source.
+_TORCH_LOG_LINE = re.compile(
+    r"^(?:\[rank\d+\]:)?\[?(?P<level>[DIWEF])\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\]"
+)
+# torchrun's own traceback: the last thing it prints when a rank failed (ChildFailedError).
+_TORCHRUN_TRACEBACK_FRAME = re.compile(
+    r'^  File ".*[/\\](torchrun|torch[/\\]distributed[/\\]run\.py)"'
+)
+_LEVELS = {"D": "debug", "I": "info", "W": "warning", "E": "error", "F": "fatal"}
+
+
+@dataclass(slots=True)
+class TorchLog:
+    """Sorts torchrun's stderr, line by line, into torch's own log (held back) and the
+    ranks' output (passed on). Held back: lines in torch's log format (`_TORCH_LOG_LINE`)
+    and torchrun's traceback, from its first frame to the end (torchrun prints it last, once
+    every rank has exited). Everything else is the ranks' and goes to `passed` as it comes."""
+
+    passed: Callable[[str], None]
+    held: list[str] = field(default_factory=list)
+    levels: dict[str, int] = field(default_factory=dict)
+    traceback: str | None = None  # the exception line of torchrun's traceback
+    _pending: str | None = None  # a "Traceback" line whose first frame is not read yet
+
+    def feed(self, line: str) -> None:
+        """Take one line (with its newline)."""
+        if self.traceback is not None:  # inside torchrun's traceback: to the end
+            self.held.append(line)
+            if not line.startswith((" ", "Traceback")) and self.traceback == "":
+                self.traceback = line.strip()
+            return
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            if _TORCHRUN_TRACEBACK_FRAME.match(line):
+                self.held += [pending, line]
+                self.traceback = ""
+                return
+            self.passed(pending)
+        if line.startswith("Traceback (most recent call last):"):
+            self._pending = line
+            return
+        if m := _TORCH_LOG_LINE.match(line):
+            self.held.append(line)
+            level = _LEVELS[m["level"]]
+            self.levels[level] = self.levels.get(level, 0) + 1
+            return
+        self.passed(line)
+
+    def close(self) -> None:
+        """End of the stream: a held "Traceback" line that was not torchrun's goes on."""
+        if self._pending is not None:
+            self.passed(self._pending)
+            self._pending = None
+
+    def summary(self) -> str | None:
+        """One line saying what was held back, or None when nothing was."""
+        if not self.held:
+            return None
+        parts = [f"{n} {level} line{'s' * (n != 1)}" for level, n in self.levels.items()]
+        if self.traceback is not None:
+            what = self.traceback.split(":")[0].rsplit(".", 1)[-1] or "its"
+            parts.append(f"torchrun's {what} traceback")
+        return f"held back {len(self.held)} lines of torch's own log ({', '.join(parts)})"
+
+
+def _pump(stream, log: TorchLog) -> None:
+    """Feed `stream` (torchrun's stderr) to `log` line by line until it closes."""
+    for raw in iter(stream.readline, b""):
+        log.feed(raw.decode(errors="replace"))
+    log.close()
+
+
 def launch(
     plan_path: str | os.PathLike,
     program: Sequence[str],
@@ -184,6 +263,7 @@ def launch(
     dry_run: bool = False,
     echo: Callable[[str], None] = print,
     on_failure: Callable[[str], None] | None = None,
+    torch_log: Callable[[TorchLog], None] | None = None,
 ) -> int:
     """`meshplan launch`: check the machine and run this node's torchrun (exit status back).
 
@@ -197,6 +277,10 @@ def launch(
     killed here (torchrun's SIGTERM does not end a stopped process; it waits 30 s before
     SIGKILL). On a non-zero exit `on_failure` gets the line that explains the run
     (`failure_summary`).
+
+    With `torch_log`, torchrun's stderr is read through a `TorchLog`: torch's own lines are
+    held back and `torch_log` gets them once torchrun has exited, before `on_failure`; the
+    ranks' own stderr passes through as it comes. Without it, stderr is left alone.
     """
     import subprocess
 
@@ -218,12 +302,22 @@ def launch(
     reports = Path(tempfile.mkdtemp(prefix="meshplan-launch-"))
     env[REPORT_DIR_ENV] = str(reports)
     try:
-        with subprocess.Popen(list(cmd.argv), env=env) as proc:
+        stderr = subprocess.PIPE if torch_log is not None else None
+        with subprocess.Popen(list(cmd.argv), env=env, stderr=stderr) as proc:
+            log = TorchLog(passed=lambda line: (sys.stderr.write(line), sys.stderr.flush()))
+            pump = None
+            if proc.stderr is not None:
+                pump = threading.Thread(target=_pump, args=(proc.stderr, log), daemon=True)
+                pump.start()
             try:
                 code, first_gone = _supervise(proc, reports)
             except BaseException:  # Ctrl-C reaches torchrun too; do not leave it behind
                 proc.kill()
                 raise
+            if pump is not None:  # a rank's orphan could hold the pipe: do not wait on it
+                pump.join(timeout=5.0)
+        if torch_log is not None:
+            torch_log(log)
         if code and on_failure is not None:
             line = failure_summary(reports)
             if line is None and first_gone is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import sys
 import threading
 import time
 
@@ -144,6 +145,65 @@ def test_unknown_launch_options_are_refused_with_a_suggestion(plan_file):
 def test_node_rank_is_checked_under_dry_run(plan_file):
     r = run("launch", str(plan_file), "--node-rank", "3", "--dry-run", "--", "python", "t.py")
     assert_user_error(r, "--node-rank 3", "1 node(s)")
+
+
+# What torchrun 2.13 wrote on stderr when rank 1 of 4 raised SystemExit('rank 1: broken
+# input'), shortened, with a rank's own traceback and a c10d line from a rank added.
+TORCHRUN_STDERR = """\
+W1126 22:40:51.743000 30104 site-packages/torch/distributed/run.py:874] *****************
+W1126 22:40:51.743000 30104 site-packages/torch/distributed/run.py:874] Setting OMP_NUM_THREADS \
+environment variable for each process to be 1 in default
+W1126 22:40:51.743000 30104 site-packages/torch/distributed/run.py:874] *****************
+[rank0]:[W1126 22:40:51.900000 30105 torch/csrc/distributed/c10d/ProcessGroupGloo.cpp:7] Warning: x
+Traceback (most recent call last):
+  File "/home/me/train.py", line 3, in <module>
+    raise SystemExit('rank 1: broken input')
+rank 1: broken input
+E1126 22:40:51.995000 30104 site-packages/torch/distributed/elastic/multiprocessing/api.py:1002] \
+failed (exitcode: 1) local_rank: 1 (pid: 30108) of binary: /usr/bin/python3.11
+Traceback (most recent call last):
+  File "/usr/bin/torchrun", line 8, in <module>
+    sys.exit(main())
+             ^^^^^^
+  File "/usr/lib/python3.11/site-packages/torch/distributed/launcher/api.py", line 383, in la
+    raise ChildFailedError(
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+train.py FAILED
+------------------------------------------------------------
+Root Cause (first observed failure):
+  rank      : 1 (local_rank: 1)
+============================================================
+"""
+
+
+def test_torch_log_is_held_back_and_summarised(plan_file, tmp_path, monkeypatch, capfd):
+    """torchrun's own log and traceback are held back (one note says what); the ranks' own
+    output, tracebacks included, passes through; `--debug` passes everything through."""
+    fake = tmp_path / "torchrun"  # stands in for torchrun on PATH: prints, then fails
+    fake.write_text(
+        f"#!{sys.executable}\nimport sys\nsys.stderr.write({TORCHRUN_STDERR!r})\nsys.exit(1)\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    r = run("launch", str(plan_file), "--", "python", "train.py")
+    assert r.exit_code == 1, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert lines[:4] == [
+        "Traceback (most recent call last):",
+        '  File "/home/me/train.py", line 3, in <module>',
+        "    raise SystemExit('rank 1: broken input')",
+        "rank 1: broken input",
+    ]
+    assert lines[4] == (
+        "note: held back 18 lines of torch's own log (4 warning lines, 1 error line, "
+        "torchrun's ChildFailedError traceback); `meshplan --debug launch ...` prints it"
+    )
+    assert lines[5].startswith("error: training exited with status 1") and len(lines) == 6
+    capfd.readouterr()
+    r = run("--debug", "launch", str(plan_file), "--", "python", "train.py")
+    assert r.exit_code == 1 and "note:" not in r.stderr
+    assert capfd.readouterr().err == TORCHRUN_STDERR  # torchrun's stderr, untouched
 
 
 # -- flags, --version, --debug ------------------------------------------------------------------

@@ -58,7 +58,9 @@ CASES = {
     "cp-stop": (dict(world=2, cp=2, micro_batch=2, global_batch=4), 1, signal.SIGSTOP),
     "dpxtp-stop": (dict(world=4, dp=2, tp=2, micro_batch=2, global_batch=8), 2, signal.SIGSTOP),
     "ppxdp-stop": (dict(world=4, pp=2, dp=2, micro_batch=1, global_batch=8), 3, signal.SIGSTOP),
+    "dp-kill": (dict(world=2, dp=2, micro_batch=2, global_batch=8), 1, signal.SIGKILL),
     "tp-kill": (dict(world=2, tp=2, micro_batch=2, global_batch=4), 1, signal.SIGKILL),
+    "cp-kill": (dict(world=2, cp=2, micro_batch=2, global_batch=4), 1, signal.SIGKILL),
     "ppxdp-kill": (dict(world=4, pp=2, dp=2, micro_batch=1, global_batch=8), 1, signal.SIGKILL),
 }
 FAST = {"tp-stop"}
