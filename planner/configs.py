@@ -42,7 +42,7 @@ from meshplan.cost_model.engine import EAGER, Engine, EngineError
 from meshplan.ir import Cluster, Graph, Parallel, Recompute, Schedule
 from meshplan.ir.plan import Plan, assign_ranks, write_text_file
 from meshplan.models import PRESETS, TransformerConfig
-from meshplan.passes.partition import place_stages, stages_of
+from meshplan.passes.partition import chunk_layers, place_stages, stages_of
 
 FRAMEWORKS = ("torchtitan", "megatron", "deepspeed")
 EXPORT_FORMATS = ("torchtitan", "torchtitan-cli", "megatron", "deepspeed")
@@ -598,14 +598,29 @@ def _load_torchtitan_cli(
 
 # -- Megatron-LM ---------------------------------------------------------------------------------
 
-# Flags that switch off one of Megatron's fused kernels (Megatron-LM arguments.py); with none
-# of them the step runs fused, which the `fused` engine prices.
+# Flags that switch off one of Megatron's fused elementwise kernels (Megatron-LM arguments.py);
+# with none of them the step runs fused, which the `fused` engine prices.
+# `--no-gradient-accumulation-fusion` is not among them: it fuses the fp32 main-grad add into
+# the weight-gradient GEMM, which meshplan does not price apart, and Megatron-FSDP requires it
+# (Megatron-LM core_v0.16.1 docs/discussions/megatron-fsdp-user-guide, "Required Configurations").
 _MEGATRON_NO_FUSION = (
     "no-masked-softmax-fusion",
     "no-bias-gelu-fusion",
     "no-bias-swiglu-fusion",
     "no-bias-dropout-fusion",
-    "no-gradient-accumulation-fusion",
+)
+# Data-parallel sharding: Megatron-LM core_v0.16.1 arguments.py `--data-parallel-sharding-strategy`
+# choices (default no_shard) and megatron-core 0.16.1 DistributedDataParallelConfig: optim is
+# ZeRO-1, optim_grads ZeRO-2, optim_grads_params ZeRO-3 (Megatron-LM
+# docs/user-guide/parallelism-guide.md, "Sharding strategies").
+_MEGATRON_SHARDING = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
+_ZERO_TO_MEGATRON_SHARDING = {v: k for k, v in _MEGATRON_SHARDING.items()}
+# What Megatron-FSDP needs besides the strategy (the same user guide's required flags).
+_MEGATRON_FSDP_FLAGS = (
+    "--use-megatron-fsdp",
+    "--no-gradient-accumulation-fusion",
+    "--use-distributed-optimizer",
+    "--ckpt-format fsdp_dtensor",
 )
 # Flags meshplan reads (Megatron-LM megatron/training/arguments.py, core_r0.16); any other
 # flag that changes the step's time or memory lands in `unpriced`, the rest is ignored.
@@ -616,12 +631,6 @@ _MEGATRON_UNPRICED = {
     "overlap-grad-reduce": "",
     "overlap-param-gather": "",
     "fp16": "fp16 with loss scaling: priced as bf16",
-    "account-for-embedding-in-pipeline-split": (
-        "embedding counted as a layer in the pipeline split: priced with the stated layer counts"
-    ),
-    "account-for-loss-in-pipeline-split": (
-        "loss counted as a layer in the pipeline split: priced with the stated layer counts"
-    ),
     "microbatch-group-size-per-virtual-pipeline-stage": (
         "microbatch group size of the interleaved schedule: priced with Megatron's default"
     ),
@@ -658,16 +667,19 @@ def _load_megatron(
     global_batch = num("global-batch-size")
     if global_batch is None and dp is not None:
         global_batch = micro * dp  # type: ignore[operator]
-    zero = 0
-    if opts.get("use-distributed-optimizer"):
-        zero = 1
-    if opts.get("use-torch-fsdp2") or opts.get("use-megatron-fsdp"):
-        zero = 3
-        strategy = opts.get("data-parallel-sharding-strategy")
-        zero = {"optim": 1, "optim_grads": 2, "optim_grads_params": 3, None: 3}.get(
-            strategy,
-            3,  # type: ignore[arg-type]
-        )
+    zero = 1 if opts.get("use-distributed-optimizer") else 0
+    if opts.get("use-torch-fsdp2"):
+        # torch FSDP2 shards everything; `--torch-fsdp2-no-reshard-after-forward` keeps the
+        # gathered parameters from forward to backward (ZeRO-2)
+        zero = 2 if opts.get("torch-fsdp2-no-reshard-after-forward") else 3
+    elif opts.get("use-megatron-fsdp"):
+        strategy = opts.get("data-parallel-sharding-strategy", "no_shard")
+        if strategy not in _MEGATRON_SHARDING:
+            raise r.error(
+                "--data-parallel-sharding-strategy",
+                f"must be one of {', '.join(_MEGATRON_SHARDING)}, got {strategy!r}",
+            )
+        zero = max(zero, _MEGATRON_SHARDING[strategy])  # type: ignore[index]
     sp = bool(opts.get("sequence-parallel")) and tp > 1
 
     # model shape (when the file states it; --model wins)
@@ -686,25 +698,40 @@ def _load_megatron(
             num("decoder-first-pipeline-num-layers"),
             num("decoder-last-pipeline-num-layers"),
         )
+        emb = bool(opts.get("account-for-embedding-in-pipeline-split"))
+        loss = bool(opts.get("account-for-loss-in-pipeline-split"))
         if per_virtual is not None:
+            if first is not None or last is not None:
+                raise r.error(
+                    "--num-layers-per-virtual-pipeline-stage",
+                    "Megatron-LM refuses it with uneven first/last stages; use "
+                    "--num-virtual-stages-per-pipeline-rank",
+                )
             if not layers:
                 raise r.error(
                     "--num-layers-per-virtual-pipeline-stage",
                     "needs the layer count: add --num-layers or give --model",
                 )
-            if layers % (pp * per_virtual):
+            # Megatron-LM arguments.py: the embedding and the loss count as a layer each here
+            counted = layers + emb + loss
+            if counted % (pp * per_virtual):
                 raise r.error(
                     "--num-layers-per-virtual-pipeline-stage",
-                    f"{per_virtual} does not divide {layers} layers over pp={pp}",
+                    f"{per_virtual} does not divide {counted} layers over pp={pp}",
                 )
-            v = layers // (pp * per_virtual)
+            v = counted // (pp * per_virtual)
         if v is not None and v > 1:
             schedule, virtual = Schedule.INTERLEAVED_1F1B, v
-        if first is not None or last is not None:
-            stage_layers = _megatron_split(r, layers, pp, first, last)
-            if virtual:
-                r.note("uneven first/last stages with a virtual pipeline: priced as an even split")
-                stage_layers = ()
+        if first is not None or last is not None or emb or loss:
+            chunks = megatron_chunk_layers(layers, pp, virtual or 1, first, last, emb, loss, r)
+            if not virtual:
+                stage_layers = chunks if len(set(chunks)) > 1 else ()
+            elif chunks != chunk_layers(layers, pp, virtual):
+                # the cost model lays interleaved chunks out by `partition.chunk_layers` alone
+                r.note(
+                    f"chunk layout {chunks} (first/last-stage layers split over {virtual} "
+                    f"virtual stages): priced with {chunk_layers(layers, pp, virtual)}"
+                )
     # recomputation: granularity selective (core attention, Korthikanti et al.) or full
     # (method uniform/block over recompute-num-layers layers)
     recompute = Recompute.NONE
@@ -772,33 +799,68 @@ def _load_megatron(
     )
 
 
-def _megatron_split(
-    r: _Reader, layers: int, pp: int, first: int | None, last: int | None
+def megatron_chunk_layers(
+    layers: int,
+    pp: int,
+    v: int,
+    first: int | None = None,
+    last: int | None = None,
+    emb: bool = False,
+    loss: bool = False,
+    r: _Reader | None = None,
 ) -> tuple[int, ...]:
-    """Layers per stage with `--decoder-first/last-pipeline-num-layers`: the named stages get
-    their counts, the others share the rest evenly (Megatron-LM refuses a remainder)."""
+    """Layers of each of the pp * v model chunks in model order (chunk k on rank k % pp), as
+    Megatron builds them (megatron-core 0.16.1 `transformer_block.get_num_layers_to_build`,
+    `transformer_layer.get_transformer_layer_offset`): with `--decoder-first/last-pipeline-
+    num-layers` the named ranks hold those layers and the others share the rest evenly, each
+    rank's layers split evenly over its v chunks; with `--account-for-embedding/loss-in-
+    pipeline-split` the embedding and the loss count as a layer each, so the first and the
+    last chunk hold one layer fewer (the layout `partition.chunk_layers` prices). Raises
+    ConfigError where Megatron refuses the split."""
+    r = r or _Reader("megatron")
+    field = "--decoder-first-pipeline-num-layers"
     if not layers:
         raise r.error(
-            "--decoder-first-pipeline-num-layers",
-            "an uneven split needs the layer count: add --num-layers or give --model",
+            field, "an uneven split needs the layer count: add --num-layers or give --model"
         )
-    fixed = (first or 0) + (last or 0)
-    middle = pp - (first is not None) - (last is not None)
-    rest = layers - fixed
-    if middle == 0:
-        if rest:
-            raise r.error(
-                "--decoder-first-pipeline-num-layers",
-                f"first {first} + last {last} layers with pp=2 must add up to {layers}",
-            )
-        return (first or 0, last or 0)
-    if rest < middle or rest % middle:
+    if (first is not None or last is not None) and (emb or loss):
         raise r.error(
-            "--decoder-first-pipeline-num-layers",
-            f"the other {middle} stages cannot share {rest} layers evenly; change first/last",
+            field,
+            "megatron-core refuses uneven first/last stages with "
+            "--account-for-embedding/loss-in-pipeline-split; use one or the other",
         )
-    m = rest // middle
-    return (first if first is not None else m, *[m] * (pp - 2), last if last is not None else m)
+    if first is not None or last is not None:
+        rest = layers - (first or 0) - (last or 0)
+        middle = pp - (first is not None) - (last is not None)
+        if rest < 0 or (middle and (rest < middle or rest % middle)) or (not middle and rest):
+            raise r.error(
+                field,
+                f"first {first} and last {last} leave {rest} layers that the other {middle} "
+                f"stages of pp={pp} cannot share evenly; change first/last",
+            )
+        m = rest // middle if middle else 0
+        ranks = [m] * pp
+        if first is not None:
+            ranks[0] = first
+        if last is not None:
+            ranks[-1] = last
+        if any(n % v for n in ranks):
+            raise r.error(
+                field,
+                f"the stages' layers {tuple(ranks)} must each divide by the {v} virtual stages",
+            )
+        return tuple(ranks[k % pp] // v for k in range(pp * v))
+    counted = layers + emb + loss
+    if counted % (pp * v):
+        raise r.error(
+            "--account-for-embedding/loss-in-pipeline-split",
+            f"{layers} layers + {emb + loss} do not divide into {pp * v} chunks (pp={pp} x {v})",
+        )
+    c = counted // (pp * v)
+    chunks = [c] * (pp * v)
+    chunks[0] -= emb
+    chunks[-1] -= loss
+    return tuple(chunks)
 
 
 def _megatron_model(r: _Reader, opts: dict, num, model: str | None) -> ModelSpec | None:
@@ -1332,14 +1394,6 @@ def _problems(plan: Plan, fmt: str) -> list[_Problem]:
         if pp > 1 and titan_split_options(plan) is None:
             out.append(_Problem(f"pipeline split {_virtual_split(plan)}", split=()))
     elif fmt == "megatron":
-        if p.zero == 2 and (p.dp or 1) > 1:
-            out.append(
-                _Problem(
-                    "ZeRO-2 (Megatron's distributed optimizer shards optimizer states only, its "
-                    "FSDP everything)",
-                    (("zero", 1),),
-                )
-            )
         if pp > 1 and p.schedule in (Schedule.GPIPE, Schedule.ZERO_BUBBLE):
             out.append(
                 _Problem(
@@ -1347,7 +1401,7 @@ def _problems(plan: Plan, fmt: str) -> list[_Problem]:
                     (("schedule", Schedule.ONE_F_ONE_B), ("virtual_stages", None)),
                 )
             )
-        if p.chunks > 1 and len(set(_virtual_split(plan))) > 1:
+        if p.chunks > 1 and len(set(_virtual_split(plan))) > 1 and not _embedding_and_loss(plan):
             out.append(_Problem(f"uneven virtual stages {_virtual_split(plan)}", split=()))
         if pp > 1 and p.chunks == 1 and not even and _megatron_split_flags(counts) is None:
             out.append(_Problem(f"pipeline split {counts}", split=_megatron_nearest(counts)))
@@ -1386,6 +1440,15 @@ def _problems(plan: Plan, fmt: str) -> list[_Problem]:
         if pp > 1 and not even:
             out.append(_Problem(f"pipeline split {counts}", split=()))
     return out
+
+
+def _embedding_and_loss(plan: Plan) -> bool:
+    """Whether the plan's model chunks are Megatron's layout with the embedding and the loss
+    counted as a layer each (`partition.chunk_layers`' second layout, written as
+    `--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split`)."""
+    split = _virtual_split(plan)
+    c = split[1] if len(split) > 2 else split[0] + 1
+    return len(split) >= 2 and split == (c - 1, *[c] * (len(split) - 2), c - 1)
 
 
 def _megatron_nearest(counts: tuple[int, ...]) -> tuple[int, ...]:
@@ -1581,6 +1644,11 @@ def _write_megatron(plan: Plan, engine: Engine) -> str:
     args += [f"--tensor-model-parallel-size {p.tp}", f"--pipeline-model-parallel-size {p.pp}"]
     if p.schedule == Schedule.INTERLEAVED_1F1B and (p.virtual_stages or 1) > 1:
         args.append(f"--num-virtual-stages-per-pipeline-rank {p.virtual_stages}")
+        if _embedding_and_loss(plan):
+            args += [
+                "--account-for-embedding-in-pipeline-split",
+                "--account-for-loss-in-pipeline-split",
+            ]
     if (p.pp or 1) > 1 and p.chunks == 1:
         flags = _megatron_split_flags(stage_layer_counts(plan))
         first, last = flags if flags else (None, None)
@@ -1593,8 +1661,12 @@ def _write_megatron(plan: Plan, engine: Engine) -> str:
     args += [f"--context-parallel-size {p.cp}", f"--expert-model-parallel-size {p.ep}"]
     if p.zero == 1:
         args.append("--use-distributed-optimizer")
-    elif p.zero == 3:
-        args.append("--use-torch-fsdp2")
+    elif p.zero in (2, 3):
+        # Megatron-FSDP; Megatron-LM's validate_args refuses --use-torch-fsdp2 with pp or ep > 1
+        args += [
+            *_MEGATRON_FSDP_FLAGS,
+            f"--data-parallel-sharding-strategy {_ZERO_TO_MEGATRON_SHARDING[p.zero]}",
+        ]
     args += [f"--micro-batch-size {p.micro_batch}", f"--global-batch-size {p.global_batch}"]
     if p.recompute == Recompute.SELECTIVE:
         args.append("--recompute-granularity selective")
@@ -1609,8 +1681,8 @@ def _write_megatron(plan: Plan, engine: Engine) -> str:
         args += ["--fp8-format hybrid", "--fp8-recipe tensorwise"]
         if engine.float8_all_gather:
             args.append("--fp8-param-gather")
-    if engine.tp_overlap:
-        args.append("--tp-comm-overlap")
+    if engine.tp_overlap and (p.tp or 1) > 1 and p.sequence_parallel:
+        args.append("--tp-comm-overlap")  # Megatron-LM validate_args: needs TP with SP
     lines = _header(plan, "Megatron-LM arguments", "#")
     if preset is None:
         lines.append(f"# model {plan.model.name}: add its shape (--num-layers, --hidden-size, ...)")

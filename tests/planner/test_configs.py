@@ -312,3 +312,79 @@ def test_cli_estimate_from_and_plan_baseline(tmp_path):
     assert result.exit_code == 0, result.output
     assert "meshplan / baseline" in result.stdout and out.exists()
     assert configs.load(f"deepspeed:{out}", world_size=4, model="tiny").parallel.global_batch == 8
+
+
+SHAPE_30 = "--num-layers 30 --hidden-size 1024 --num-attention-heads 16 --vocab-size 32000 "
+SHAPE_30 += "--seq-length 1024 --pipeline-model-parallel-size 4 --global-batch-size 16 "
+
+
+@pytest.mark.parametrize(
+    "extra,virtual,rank_layers,chunk_layers",
+    [
+        # 30 layers + embedding + loss = 32 over 4 ranks: 8 a rank, 4 a virtual stage, the
+        # first and the last chunk one layer short: chunks (3,4,4,4 | 4,4,4,3), ranks 7,8,8,7
+        (
+            "--num-layers-per-virtual-pipeline-stage 4 --account-for-embedding-in-pipeline-split "
+            "--account-for-loss-in-pipeline-split",
+            2,
+            (7, 8, 8, 7),
+            ((3, 4), (4, 4), (4, 4), (4, 3)),
+        ),
+        # the same without virtual stages: 8 a rank, the first and the last one short
+        (
+            "--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split",
+            None,
+            (7, 8, 8, 7),
+            None,
+        ),
+    ],
+)
+def test_megatron_uneven_layout_priced_as_megatron_builds_it(
+    tmp_path, extra, virtual, rank_layers, chunk_layers
+):
+    from meshplan.passes.partition import layer_counts
+
+    path = tmp_path / "args.txt"
+    path.write_text(SHAPE_30 + extra + "\n")
+    cfg = configs.load(f"megatron:{path}", world_size=8)
+    assert cfg.parallel.virtual_stages == virtual and cfg.unpriced == ()
+    cluster = meshplan.Cluster.preset("cpu", gpus=8)
+    graph = configs.trace_model(cfg)
+    plan = configs.estimate(cfg, cluster, graph)
+    assert configs.stage_layer_counts(plan) == rank_layers
+    if chunk_layers:
+        assert tuple(tuple(layer_counts(graph, st.chunks)) for st in plan.stages) == chunk_layers
+
+
+def test_megatron_uneven_first_last_with_virtual_stages_is_named(tmp_path):
+    # first 6 and last 6 of 32 layers, 10 on each middle rank, each rank's layers halved over
+    # 2 virtual stages: chunks (3,5,5,3 | 3,5,5,3); meshplan's cost model lays chunks out by
+    # `partition.chunk_layers` (4 each), and the reader says so
+    path = tmp_path / "args.txt"
+    path.write_text(
+        "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 4 "
+        "--num-virtual-stages-per-pipeline-rank 2 --decoder-first-pipeline-num-layers 6 "
+        "--decoder-last-pipeline-num-layers 6\n"
+    )
+    cfg = configs.load(f"megatron:{path}", world_size=64, model="llama3-8b")
+    assert cfg.parallel.virtual_stages == 2
+    assert cfg.unpriced == (
+        "chunk layout (3, 5, 5, 3, 3, 5, 5, 3) (first/last-stage layers split over 2 virtual "
+        "stages): priced with (4, 4, 4, 4, 4, 4, 4, 4)",
+    )
+    assert configs.megatron_chunk_layers(32, 4, 2, 6, 6) == (3, 5, 5, 3, 3, 5, 5, 3)
+
+
+def test_megatron_fsdp_flags_read_as_zero_stages(tmp_path):
+    cases = {
+        "--use-distributed-optimizer": 1,
+        "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads": 2,
+        "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params": 3,
+        "--use-megatron-fsdp": 0,  # Megatron's default strategy is no_shard
+        "--use-torch-fsdp2": 3,
+        "--use-torch-fsdp2 --torch-fsdp2-no-reshard-after-forward": 2,
+    }
+    for flags, zero in cases.items():
+        path = tmp_path / "args.txt"
+        path.write_text(f"--tensor-model-parallel-size 2 {flags}\n")
+        assert configs.load(f"megatron:{path}", world_size=16).parallel.zero == zero, flags
