@@ -48,6 +48,7 @@ from meshplan.passes.fusion import fusion_regions
 from meshplan.passes.sharding import row_parallel_ops
 
 from .engine import EAGER, Engine
+from .features import essential_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,33 +94,39 @@ class KernelEfficiency:
 #   step-time error of its counted rows, bisection within 0.3-0.9; docs/fidelity.md lists
 #   the rows). The fit runs with wave quantization and the rows' own engines (fused kernels,
 #   Float8, TP overlap; `cost_model.engine`), so these are the efficiencies of a perfectly
-#   tiled GEMM: A100 on Korthikanti et al. Table 5, the 2020 Megatron DGX A100 rows and the
-#   torchtitan A100 rows (0.828); H100 SXM on the Megatron-Core r0.8 table (0.723); V100 on
-#   the 2020 DGX-2 rows (0.900, the top of the range: those rows' unfused-attention trace
-#   over-prices attention, see docs/fidelity.md); H100-96GB-500W (power capped) on the
-#   torchtitan rows (0.556 bf16, 0.549 of the FP8 peak, and its attention 0.210 / 0.173,
-#   fitted on the 32k-262k-token context-parallel rows: about half the FA2-on-H100 values
-#   below, through torch's context-parallel SDPA at 500 W). Hopper types without FP8 rows
-#   take the 500 W part's FP8/bf16 ratio (1.016) times their own bf16 value (extrapolation).
+#   tiled GEMM: A100 on Korthikanti et al. Table 5, the 2020 Megatron DGX A100 rows, the
+#   torchtitan A100 rows and llm-foundry's A100 rows (0.717, bisected by hand with the
+#   published attention fractions held: `--fit` also scales the A100 attention, by 1.23 on
+#   llm-foundry's long-sequence rows, and lands at 0.663; measured kernels side with 0.717:
+#   Vidur's fp16 projections on A100 80GB sustain a median 0.71 of peak at > 1 ms of work,
+#   benchmarks/gpu_op_latency.py); H100 SXM on the Megatron-Core r0.8 table (0.625); V100
+#   on the 2020 DGX-2 rows (0.768); H100-96GB-500W (power capped) on the torchtitan rows
+#   (0.577 bf16; 0.566 of the FP8 peak from the previous fit's Float8 rows, and its attention
+#   0.208 / 0.171, fitted on the 32k-262k-token context-parallel rows: about half the
+#   FA2-on-H100 values below, through torch's context-parallel SDPA at 500 W). Hopper types
+#   without FP8 rows take the 500 W part's FP8/bf16 ratio (0.566 / 0.577 = 0.981) times their
+#   own bf16 value (extrapolation).
 # - memory: STREAM-like kernels reach ~0.8-0.9 of HBM bandwidth on A100/H100 (NVIDIA's
-#   babelstream/nvbandwidth numbers); 0.8 is used for every type.
+#   babelstream/nvbandwidth numbers); 0.8 is used for every type, for the kinds
+#   `MEMORY_EFFICIENCY_BY_KIND` (below, fitted on measured kernels) does not cover and for
+#   fused kernels.
 _FIT = "benchmarks/fidelity.py --fit"
 KERNEL_EFFICIENCY: dict[str, KernelEfficiency] = {
-    "V100": KernelEfficiency(0.809, 0.50, 0.45, 0.8, f"2020 Megatron DGX-2 rows ({_FIT})"),
+    "V100": KernelEfficiency(0.768, 0.50, 0.45, 0.8, f"2020 Megatron DGX-2 rows ({_FIT})"),
     "A100-80GB": KernelEfficiency(
-        0.743, 0.661, 0.586, 0.8, f"Korthikanti T5, Megatron and torchtitan A100 rows ({_FIT})"
+        0.717, 0.661, 0.586, 0.8, f"Korthikanti T5, Megatron and torchtitan A100 rows ({_FIT})"
     ),
-    "A100-40GB": KernelEfficiency(0.743, 0.661, 0.586, 0.8, "as A100-80GB"),
-    "A100-PCIe": KernelEfficiency(0.743, 0.661, 0.586, 0.8, "as A100-80GB"),
+    "A100-40GB": KernelEfficiency(0.717, 0.661, 0.586, 0.8, "as A100-80GB"),
+    "A100-PCIe": KernelEfficiency(0.717, 0.661, 0.586, 0.8, "as A100-80GB"),
     "H100": KernelEfficiency(
-        0.631, 0.45, 0.38, 0.8, f"Megatron-Core r0.8 table ({_FIT})", gemm_fp8=0.641
+        0.625, 0.45, 0.38, 0.8, f"Megatron-Core r0.8 table ({_FIT})", gemm_fp8=0.613
     ),
     "H200": KernelEfficiency(
-        0.631, 0.45, 0.38, 0.8, "as H100 (same GH100 compute)", gemm_fp8=0.641
+        0.625, 0.45, 0.38, 0.8, "as H100 (same GH100 compute)", gemm_fp8=0.613
     ),
-    "H100-PCIe": KernelEfficiency(0.631, 0.45, 0.38, 0.8, "as H100", gemm_fp8=0.641),
+    "H100-PCIe": KernelEfficiency(0.625, 0.45, 0.38, 0.8, "as H100", gemm_fp8=0.613),
     "H100-96GB-500W": KernelEfficiency(
-        0.557, 0.208, 0.171, 0.8, f"torchtitan rows ({_FIT})", gemm_fp8=0.566
+        0.577, 0.208, 0.171, 0.8, f"torchtitan rows ({_FIT})", gemm_fp8=0.566
     ),
 }
 # Any other type: hardware.md's low end for large GEMMs and the FA2-on-A100 attention fraction.
@@ -128,6 +135,46 @@ DEFAULT_EFFICIENCY = KernelEfficiency(0.75, 0.5, 0.45, 0.8, "assumption")
 # Kept for callers that want one number: the default efficiencies.
 GEMM_EFFICIENCY = DEFAULT_EFFICIENCY.gemm
 MEMORY_EFFICIENCY = DEFAULT_EFFICIENCY.memory
+
+# Fitted on measured GPU kernels, the same fraction on every GPU type (`python
+# benchmarks/gpu_op_latency.py --fit`: each value minimises the MAPE of its rows, and
+# docs/op_latency.md gives the errors with every GPU type held out of its own fit).
+# - Achieved fraction of HBM bandwidth by kind of memory-bound kernel, in place of
+#   `KernelEfficiency.memory`: PyTorch's own CUDA kernels (NeuSight's float32 elementwise,
+#   softmax and layer-norm rows on A100-PCIe-40GB, V100-PCIe, T4, P100 and P4), the
+#   embedding on Vidur's TP-1 `F.embedding` rows (A100 80GB, A40). Other kinds (copies,
+#   reductions, the loss) keep `KernelEfficiency.memory`.
+MEMORY_EFFICIENCY_BY_KIND: dict[OpKind, float] = {
+    OpKind.ELEMENTWISE: 0.84,
+    OpKind.SOFTMAX: 0.64,
+    OpKind.NORM: 0.46,
+    OpKind.EMBEDDING: 0.46,  # Vidur A40 0.5, A100 0.15 (its gather runs at ~300 GB/s on both)
+}
+# - float32 GEMMs on CUDA cores (TF32 off, PyTorch's default) as a fraction of the CUDA-core
+#   FP32 peak: NeuSight's `linear` and `bmm` rows (cuBLAS sgemm) on the same five GPUs. Used
+#   for every "float32" GEMM unless `meshplan calibrate` measured this machine's GEMMs.
+CUDA_CORE_GEMM_EFFICIENCY = 0.64
+
+
+def tile_sides(gpu: GpuSpec, dtype: str, *, float8: bool = False) -> tuple[int, ...]:
+    """Tile sides a GEMM in `dtype` on `gpu` chooses among (`wave_efficiency`)."""
+    cuda_core = dtype == VECTOR_DTYPE and not float8 and gpu.name != "CPU"
+    return CUDA_CORE_TILES if cuda_core else TENSOR_CORE_TILES
+
+
+def memory_efficiency(op: Op, gpu: GpuSpec) -> float:
+    """Fraction of `gpu`'s HBM bandwidth the kernel of `op` sustains (by op kind)."""
+    return MEMORY_EFFICIENCY_BY_KIND.get(op.kind) or kernel_efficiency(gpu).memory
+
+
+def gemm_efficiency(gpu: GpuSpec, dtype: str) -> float:
+    """Fraction of `gpu.peak(dtype)` a large GEMM in `dtype` sustains: the GPU type's
+    tensor-core value, or the CUDA-core one for float32 (`CUDA_CORE_GEMM_EFFICIENCY`)
+    unless this machine's GEMMs were measured by `meshplan calibrate` (or it is the host
+    CPU "device", whose placeholder table entry keeps the default)."""
+    if dtype == VECTOR_DTYPE and gpu.gemm_efficiency is None and gpu.name != "CPU":
+        return CUDA_CORE_GEMM_EFFICIENCY
+    return kernel_efficiency(gpu).gemm
 
 
 def kernel_efficiency(gpu: GpuSpec) -> KernelEfficiency:
@@ -253,34 +300,44 @@ def _shape_factor(kernel: str, head_dim: int, causal: bool, seq_len: int) -> flo
 # Performance docs, sections "Tile Quantization" and "Wave Quantization"): a GEMM's output is
 # cut into tiles, one thread block each, and the tiles run in waves of one per SM, so a GEMM
 # takes ceil(tiles / SMs) waves however little of the last one is used, and partial tiles at
-# the edges cost as much as full ones. Tile side: 128 (the guide's and CUTLASS's common tile
-# for large fp16/bf16 GEMMs on Ampere and Hopper); 64 when an output has fewer 128-tiles than
-# the GPU has SMs (assumption: cuBLAS's heuristics pick smaller tiles for small outputs, at
-# no other loss). Fused attention tiles the query sequence in blocks of 128 per (batch,
-# head), FlashAttention-2's forward/backward grid (Dao 2023, section 3.2), and loops over the
-# keys inside a block.
-GEMM_TILE = 128
-SMALL_GEMM_TILE = 64
+# the edges cost as much as full ones. Tile sides: cuBLAS picks among several tile shapes per
+# GEMM; here the side among `TENSOR_CORE_TILES` (128, the guide's and CUTLASS's common tile
+# for large fp16/bf16 GEMMs on Ampere and Hopper, and 64) that wastes least of its waves,
+# at no other loss (assumption). CUDA-core float32 GEMMs also have 32-wide tiles (cuBLAS's
+# `sgemm_32x32` / `sgemm_32x128` kernels, named in NeuSight's measurements). Checked against
+# measured kernels by benchmarks/gpu_op_latency.py: on Vidur's fp16 projections (A100, A40,
+# TP 1-8) best-of-(128, 64) gives 8.3% / 8.8% MAPE where "64 only below one wave of
+# 128-tiles" gave 10.9% / 12.5%. Fused attention tiles the query sequence in blocks of 128
+# per (batch, head), FlashAttention-2's forward/backward grid (Dao 2023, section 3.2), and
+# loops over the keys inside a block.
+TENSOR_CORE_TILES = (128, 64)
+CUDA_CORE_TILES = (128, 64, 32)
 ATTENTION_BLOCK = 128
 
 
 def wave_efficiency(
-    batch: float, m: float, n: float, sms: int, *, attention: bool = False
+    batch: float,
+    m: float,
+    n: float,
+    sms: int,
+    *,
+    attention: bool = False,
+    sides: tuple[int, ...] = TENSOR_CORE_TILES,
 ) -> float:
     """Useful fraction of the tile-waves a GEMM with output (batch, m, n) runs on `sms` SMs:
-    batch m n / (waves * sms * tile area), in (0, 1]. `attention`: fused attention with `m`
-    query positions per (batch, head) row (`n` is ignored: keys are looped over, not tiled)."""
+    batch m n / (waves * sms * tile area), in (0, 1], at the best tile side of `sides`.
+    `attention`: fused attention with `m` query positions per (batch, head) row (`n` is
+    ignored: keys are looped over, not tiled)."""
     if sms <= 0 or batch <= 0 or m <= 0 or n <= 0:
         return 1.0
     if attention:
         tiles = math.ceil(batch) * math.ceil(m / ATTENTION_BLOCK)
         return batch * m / (math.ceil(tiles / sms) * sms * ATTENTION_BLOCK)
-    tile = GEMM_TILE
-    tiles = math.ceil(batch) * math.ceil(m / tile) * math.ceil(n / tile)
-    if tiles < sms:
-        tile = SMALL_GEMM_TILE
+    best = 0.0
+    for tile in sides:
         tiles = math.ceil(batch) * math.ceil(m / tile) * math.ceil(n / tile)
-    return batch * m * n / (math.ceil(tiles / sms) * sms * tile * tile)
+        best = max(best, batch * m * n / (math.ceil(tiles / sms) * sms * tile * tile))
+    return best
 
 
 def kept_by_selective(op: Op) -> bool:
@@ -381,15 +438,16 @@ def roofline_time(
     """Roofline time of `op` at its traced size, without the kernel floor (seconds);
     `attention` names the fused-attention kernel (`Engine.attention`)."""
     flops = effective_flops(op, backward=backward)
-    nbytes = op.bwd_bytes if backward else op.fwd_bytes
-    k = kernel_efficiency(gpu)
+    nbytes = essential_bytes(op, backward)
     if op.kind == OpKind.ATTENTION:
         eff = attention_efficiency(op, gpu, backward=backward, kernel=attention)
     elif op.kind in TENSOR_CORE_KINDS:
-        eff = k.gemm
+        eff = gemm_efficiency(gpu, dtype)
     else:
         eff, dtype = 1.0, VECTOR_DTYPE  # CUDA cores (TF32 and bf16 are matmul modes)
-    return max(flops / (gpu.peak(dtype) * eff), nbytes / (gpu.hbm_bandwidth * k.memory))
+    return max(
+        flops / (gpu.peak(dtype) * eff), nbytes / (gpu.hbm_bandwidth * memory_efficiency(op, gpu))
+    )
 
 
 def op_time(
@@ -428,6 +486,7 @@ class GemmTerm:
     m_by: tuple[str, ...] = ()
     n_by: tuple[str, ...] = ()
     attention: bool = False
+    sides: tuple[int, ...] = TENSOR_CORE_TILES  # tile sides (`wave_efficiency`)
 
     def extra(self, factors: dict[str, float], r: float, sms: int) -> float:
         """Seconds wave quantization adds to this GEMM at work share `r`."""
@@ -443,6 +502,7 @@ class GemmTerm:
             dim(self.n, self.n_by),
             sms,
             attention=self.attention,
+            sides=self.sides,
         )
         return r * (max(self.flop_s / q, self.mem_s) - max(self.flop_s, self.mem_s))
 
@@ -773,18 +833,19 @@ def gemm_terms(
         return ()
     keff = kernel_efficiency(gpu)
     peak = gpu.peak(FLOAT8_DTYPE if float8 else dtype)
+    sides = tile_sides(gpu, dtype, float8=float8)
     out: list[GemmTerm] = []
     for backward in (False, True):
         flops = effective_flops(op, backward=backward)
-        nbytes = op.bwd_bytes if backward else op.fwd_bytes
+        nbytes = essential_bytes(op, backward)
         if not flops:
             continue
         if op.kind == OpKind.ATTENTION:
             eff = attention_efficiency(op, gpu, backward=backward, kernel=attention)
         else:
-            eff = keff.fp8 if float8 else keff.gemm
+            eff = keff.fp8 if float8 else gemm_efficiency(gpu, dtype)
         flop_s = flops / (peak * eff)
-        mem_s = nbytes * (0.5 if float8 else 1.0) / (gpu.hbm_bandwidth * keff.memory)
+        mem_s = nbytes * (0.5 if float8 else 1.0) / (gpu.hbm_bandwidth * memory_efficiency(op, gpu))
         phase = "bwd" if backward else "fwd"
         tokens = ("mb", "cp")
         if op.kind == OpKind.ATTENTION:
@@ -812,6 +873,7 @@ def gemm_terms(
                     m_by,
                     n_by_,
                     attention=op.kind == OpKind.ATTENTION,
+                    sides=sides,
                 )  # fmt: skip
             )
     return tuple(out)

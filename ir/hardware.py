@@ -497,12 +497,89 @@ H100_96GB_500W = GpuSpec(
     f"compute as H100 SXM5 ({_HW_MD}); HBM bandwidth estimated",
 )
 
+# PCIe parts of older generations that public kernel-latency datasets were measured on
+# (`cost_model.kernel_data`, NeuSight's devices). Same conventions as `_SPECS`.
+A100_PCIE_40GB = GpuSpec(
+    name="A100-PCIe-40GB",
+    peak_flops=(
+        ("bfloat16", 312 * TERA),  # A100 datasheet (PCIe 40GB): BF16 tensor 312 dense
+        ("float16", 312 * TERA),  # A100 datasheet: FP16 tensor 312 dense
+        ("tfloat32", 156 * TERA),  # A100 datasheet: TF32 156 dense
+        ("float32", 19.5 * TERA),  # A100 datasheet: CUDA-core FP32 19.5
+    ),
+    memory_bytes=40 * GiB,  # A100 datasheet: 40 GB HBM2
+    hbm_bandwidth=1555 * GB,  # A100 datasheet (PCIe 40GB): 1,555 GB/s
+    sms=108,  # A100 architecture whitepaper: 108 SMs
+    nvlink_bandwidth=0.0,  # PCIe server (the 2-GPU NVLink bridge is ignored)
+    source="NVIDIA A100 Tensor Core GPU datasheet (PCIe 40GB)",
+)
+V100_PCIE = GpuSpec(
+    name="V100-PCIe",
+    peak_flops=(
+        ("float16", 112 * TERA),  # V100 datasheet (PCIe): tensor performance 112
+        ("float32", 14 * TERA),  # V100 datasheet (PCIe): single precision 14
+    ),
+    memory_bytes=32 * GiB,  # V100 datasheet: 32/16 GB HBM2; the 32 GB part
+    hbm_bandwidth=900 * GB,  # V100 datasheet: 900 GB/s
+    sms=80,  # Tesla V100 architecture whitepaper: 80 SMs
+    nvlink_bandwidth=0.0,  # PCIe part
+    source="NVIDIA Tesla V100 datasheet (PCIe 32GB)",
+)
+P100_PCIE = GpuSpec(
+    name="P100-PCIe",
+    peak_flops=(
+        # No tensor cores: FP16 is packed half2 on the CUDA cores, twice the FP32 rate.
+        ("float16", 18.7 * TERA),  # Tesla P100 datasheet (PCIe): half precision 18.7
+        ("float32", 9.3 * TERA),  # Tesla P100 datasheet (PCIe): single precision 9.3
+    ),
+    memory_bytes=16 * GiB,  # Tesla P100 datasheet: 16 GB CoWoS HBM2
+    hbm_bandwidth=732 * GB,  # Tesla P100 datasheet (PCIe 16GB): 732 GB/s
+    sms=56,  # Tesla P100 (GP100) whitepaper: 56 SMs
+    nvlink_bandwidth=0.0,  # PCIe part
+    source="NVIDIA Tesla P100 PCIe datasheet; Pascal GP100 whitepaper",
+)
+P4 = GpuSpec(
+    name="P4",
+    peak_flops=(
+        # GP104 runs FP16 arithmetic at a small fraction of FP32: no float16 entry.
+        ("float32", 5.5 * TERA),  # Tesla P4 datasheet: single precision 5.5
+    ),
+    memory_bytes=8 * GiB,  # Tesla P4 datasheet: 8 GB GDDR5
+    hbm_bandwidth=192 * GB,  # Tesla P4 datasheet: 192 GB/s
+    sms=20,  # Tesla P4 datasheet: 2,560 CUDA cores / 128 per Pascal GP104 SM
+    nvlink_bandwidth=0.0,  # PCIe part
+    source="NVIDIA Tesla P4 datasheet",
+)
+
+# Specs usable by name in measurements and benchmarks but not presets (no node network).
+VARIANT_SPECS: MappingProxyType[str, GpuSpec] = MappingProxyType(
+    {s.name: s for s in (H100_96GB_500W, A100_PCIE_40GB, V100_PCIE, P100_PCIE, P4)}
+)
+_VARIANT_ALIASES: dict[str, tuple[str, ...]] = {
+    "A100-PCIe-40GB": (),
+    "V100-PCIe": ("V100-PCIe-32GB",),
+    "P100-PCIe": ("P100-PCIe-16GB",),
+    "P4": ("P4-8GB",),
+    "H100-96GB-500W": (),
+}
+
+
+def variant_spec(name: str) -> GpuSpec | None:
+    """The measured-only variant named `name` (canonical or alias, any case), else None."""
+    key = _norm(name)
+    for canonical, aliases in _VARIANT_ALIASES.items():
+        if key in {_norm(a) for a in (canonical, *aliases)}:
+            return VARIANT_SPECS[canonical]
+    return None
+
+
 GPU_SPECS: MappingProxyType[str, GpuSpec] = MappingProxyType({s.name: s for s in _SPECS})
 
 # Aliases by canonical name. Lookup normalises case and drops every non-alphanumeric
 # character, so "H100 SXM5", "h100-sxm5" and "H100_SXM5" are one alias.
 _ALIASES: dict[str, tuple[str, ...]] = {
-    "H100": ("H100-SXM", "H100-SXM5", "H100-80GB", "H100-SXM5-80GB"),
+    # "H100 80GB HBM3": the SXM part as torch.cuda.get_device_name reports it
+    "H100": ("H100-SXM", "H100-SXM5", "H100-80GB", "H100-SXM5-80GB", "H100-80GB-HBM3"),
     "H100-PCIe": ("H100-PCIe-80GB",),
     "H200": ("H200-SXM", "H200-141GB"),
     "B200": ("HGX-B200", "B200-SXM"),

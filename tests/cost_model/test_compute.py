@@ -256,6 +256,12 @@ def test_wave_efficiency_by_hand():
     assert wave_efficiency(1, 4096, 4100, 132) == pytest.approx(4096 * 4100 / (8 * 132 * 128**2))
     # fewer 128-tiles than SMs: 64 x 64 tiles, 4 of them, one wave
     assert wave_efficiency(1, 128, 128, 132) == pytest.approx(128 * 128 / (132 * 64 * 64))
+    # the side that wastes least: 2048 x 1536 has 192 128-tiles (2 waves, 192 / 264) but
+    # 768 64-tiles (6 waves, 768 / 792); a float32 GEMM on CUDA cores may also take 32-tiles
+    assert wave_efficiency(1, 2048, 1536, 132) == pytest.approx(768 / 792)
+    assert wave_efficiency(1, 40, 40, 132, sides=(128, 64, 32)) == pytest.approx(
+        1600 / (132 * 32 * 32)
+    )
     # fused attention: (b x heads) x query blocks of 128, keys looped over: 32 x 16 = 512
     # blocks in 4 waves of 132
     assert wave_efficiency(32, 2048, 2048, 132, attention=True) == pytest.approx(512 / 528)
@@ -271,18 +277,23 @@ def test_wave_quantization_slows_a_gemm_as_tp_shards_it():
     block = Block("layer", "layer", (op,), (), inputs=(TensorMeta((1, m, k), "bfloat16"),))
     bc = block_compute(block, H100, "bfloat16")
     flop_s = 2 * m * n * k / (H100.peak("bfloat16") * GEMM_EFFICIENCY)
+
+    def waves(side: int, cols: float) -> float:  # useful fraction with one tile side
+        tiles = math.ceil(m / side) * math.ceil(cols / side)
+        return m * cols / (math.ceil(tiles / 132) * 132 * side**2)
+
     for tp in (1, 2, 8):
         fwd, _, _ = bc.times(tp=tp, cp=1, sequence_parallel=False, scale=1.0)
         q = wave_efficiency(1, m, n / tp, H100.sms)
-        tiles = math.ceil(m / 128) * math.ceil(n / tp / 128)
-        assert q == pytest.approx(m * n / tp / (math.ceil(tiles / 132) * 132 * 128**2))
+        assert q == pytest.approx(max(waves(128, n / tp), waves(64, n / tp)))
         assert fwd == pytest.approx(flop_s / tp / q + KERNEL_FLOOR_S, rel=1e-9)
-    # tp = 8: 16 x 12 = 192 tiles, 2 waves of 132: 27% lost; unsharded 16 x 96 = 1536
-    # tiles in 12 waves lose 3%
-    assert wave_efficiency(1, m, n / 8, 132) == pytest.approx(192 / 264)
-    assert wave_efficiency(1, m, n, 132) == pytest.approx(1536 / 1584)
+    # tp = 8: 16 x 12 = 192 tiles of 128, 2 waves of 132, would lose 27%; 32 x 24 = 768
+    # 64-tiles fill 6 waves of 132 to 768 / 792, the side chosen. Unsharded: 1536 128-tiles
+    # in 12 waves (1536 / 1584) or 6144 64-tiles in 47 waves (6144 / 6204): 64 wins again.
+    assert wave_efficiency(1, m, n / 8, 132) == pytest.approx(768 / 792)
+    assert wave_efficiency(1, m, n, 132) == pytest.approx(6144 / 6204)
     # a row-parallel projection (input of width != the model's) keeps its output tiles
     row = dataclasses.replace(op, inputs=(TensorMeta((m, 2 * k), "bfloat16"), op.inputs[1]))
     bc_row = block_compute(dataclasses.replace(block, ops=(row,)), H100, "bfloat16")
     fwd8, _, _ = bc_row.times(tp=8, cp=1, sequence_parallel=False, scale=1.0)
-    assert fwd8 == pytest.approx(flop_s / 8 / (1536 / 1584) + KERNEL_FLOOR_S, rel=1e-9)
+    assert fwd8 == pytest.approx(flop_s / 8 / (6144 / 6204) + KERNEL_FLOOR_S, rel=1e-9)
