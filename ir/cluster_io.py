@@ -130,6 +130,7 @@ from .hardware import (
     gpu_spec,
     known_gpus,
     known_links,
+    variant_spec,
 )
 
 __all__ = [
@@ -894,6 +895,11 @@ def _resolve_gpu(
         try:
             return gpu_spec(value), gpu_spec(value).name
         except UnknownGpuError as e:
+            # A measured-only variant (`hardware.VARIANT_SPECS`, e.g. H100-96GB-500W): its
+            # spec is known but no node network is, so the group states its links.
+            variant = variant_spec(value)
+            if variant is not None:
+                return variant, None
             raise fail(at, f"{e}; or give a mapping with the spec fields") from None
     assert isinstance(value, dict)
     base: GpuSpec | None = None
@@ -1037,6 +1043,8 @@ def cluster_to_file_dict(cluster: Cluster) -> dict:
 def _gpu_entry(spec: GpuSpec) -> str | dict:
     known = canonical_gpu_name(spec.name)
     if known is not None and gpu_spec(known) == spec:
+        return spec.name
+    if known is None and variant_spec(spec.name) == spec:
         return spec.name
     entry: dict[str, Any] = {"name": spec.name}
     if known is not None:
