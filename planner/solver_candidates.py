@@ -1,0 +1,586 @@
+"""Step 1 of the search (`meshplan.solver`): candidate configurations c in C, their splits L(c).
+
+Sets
+    c in C      candidate global configurations (tp, pp, dp, cp, ep, micro_batch, ZeRO stage,
+                recomputation, schedule with its virtual stages v: 1F1B, interleaved 1F1B,
+                zero-bubble ZB-V with v = 2; sequence parallel),
+                `enumerate_candidates`
+    l in L(c)   per-stage layer counts of c (uneven splits), `_splits`: every split when there
+                are at most EXHAUSTIVE_SPLITS, else the even split, one balanced split per device
+                group (stages holding the embedding / LM head take fewer layers,
+                `passes.partition.balanced_counts`) and, on mixed clusters, splits balanced
+                for the groups the stages fill fastest-first and slowest-first (more layers
+                on faster GPUs); interleaved 1F1B and ZB-V use the even split only
+
+Divisibility (in `enumerate_candidates`, each with its own InfeasibleError message): tp divides
+heads, kv_heads and the GPUs per node (or NVLink domain) of some group; cp divides seq_len / 2
+(load-balanced causal chunks) with at least MIN_CP_TOKENS tokens per rank; ep divides the
+experts and dp (expert ranks reuse data-parallel ranks, Megatron-Core's expert-data-parallel
+layout with expert-tensor-parallel = tp: the dp ranks of a stage form dp / ep expert-DP groups
+of ep ranks), and ep > 1 with tp > 1 only under sequence parallelism (Megatron-Core's rule; the
+runtime's EP x TP dispatch routes each sequence shard); pp <= layers; dp * micro_batch divides
+the global batch; interleaved 1F1B needs
+pp >= 2, v divides layers / pp and pp divides the micro-batch count (Megatron-LM's rule);
+every pipeline's micro-batch count, uneven shares included, is one torch's schedule runs
+(`ir.microbatch_problem`: 1F1B at least pp, GPipe in its place below that when unpinned).
+
+Per-group TP (`_per_group_tp_candidates`, `Candidate.group_tp`): a configuration may run its
+group-pure pipelines in two groups a and b at different TP degrees tp_a != tp_b (each must
+divide its own group's GPUs per node or NVLink domain: a wide TP on 8-GPU NVLink nodes next to
+2-GPU nodes, or memory-tight GPUs that need a wider TP than the others). Its tables are each
+group's own at its tp (`cost_model.simulate.hetero_tables`) with the cross-group gradient average of
+`Pricer.dp_cross_hetero`; it has only group-pure placements (n_a, n_b >= 1 pipelines, shares
+as in `solver_screen`, equal shares allowed even where the warm-up depth is not saturated), so
+its bounds are the share bounds. ZeRO-0 and no EP (what the runtime executes: replicas whose TP
+shards differ cannot share ZeRO shards). Pipelines with per-stage TP degrees (one pipeline
+crossing groups of different tp) are not searched: torch.distributed.pipelining pairs exactly
+one rank per stage in each pipeline, so stages of different tp cannot hand activations over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from meshplan.cost_model.simulate import SUPPORTED_SCHEDULES, Pricer
+from meshplan.ir import (
+    Cluster,
+    Graph,
+    Parallel,
+    Recompute,
+    Schedule,
+    microbatch_problem,
+)
+from meshplan.ir.facts import blocked_dimension, without_blocked
+from meshplan.passes.partition import (
+    balanced_counts,
+    chunk_layout_problem,
+    compositions,
+    count_compositions,
+    rank_layers,
+    replica_capacity,
+    tp_domain_problem,
+)
+
+# Largest micro-batch the planner tries unless pinned. Assumption: costs scale linearly with
+# the micro-batch (cost_model), so past a few sequences a larger one only saves kernel floors
+# while it lengthens the pipeline fill and raises activation memory.
+MAX_MICRO_BATCH = 16
+# Without a pipeline there is no fill to lengthen: micro-batches up to this one are tried
+# too (small models under FSDP amortise per-kernel and per-collective overheads over them;
+# llm-foundry's published MPT runs use up to 128).
+MAX_MICRO_BATCH_NO_PIPELINE = 128
+# Most model chunks per pipeline rank the planner tries for interleaved 1F1B (Megatron-LM
+# runs use 2-6; past that the p2p term m v P dominates what the bubble saves).
+MAX_VIRTUAL_STAGES = 8
+# Context parallelism keeps at least this many tokens per CP rank (shorter chunks leave the
+# attention GEMMs too small to run efficiently; assumption) and at most MAX_CP ranks.
+MIN_CP_TOKENS = 1024
+MAX_CP = 32
+# Up to this many splits of the layers over pp stages are searched exhaustively; beyond, the
+# structured family of `_splits`.
+EXHAUSTIVE_SPLITS = 16
+
+
+_ZB = Schedule.ZERO_BUBBLE  # a module constant: enum attribute access is slow in hot loops
+
+
+class InfeasibleError(ValueError):
+    """No configuration fits; the message names the binding constraint and its numbers."""
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One global configuration c (everything but the stage split and the placement)."""
+
+    tp: int
+    pp: int
+    dp: int
+    cp: int
+    ep: int
+    micro_batch: int
+    zero: int
+    recompute: Recompute
+    schedule: Schedule
+    sequence_parallel: bool
+    virtual_stages: int = 1
+    quantize_activations: bool = False  # AGoQ widths for saved activations (numerics change)
+    # Per-group TP (`StagePlacement.group_tp`): ((group a, tp_a), (group b, tp_b)) for
+    # group-pure pipelines in two groups at their own degrees; `tp` is then tp_a. Empty: every
+    # replica at `tp`.
+    group_tp: tuple[tuple[str, int], ...] = ()
+
+    def tp_of(self, group: str) -> int:
+        """The TP degree of `group`'s replicas."""
+        for g, t in self.group_tp:
+            if g == group:
+                return t
+        return self.tp
+
+    def sp_of(self, group: str) -> bool:
+        """Sequence parallelism on `group`'s replicas (off where a per-group tp is 1)."""
+        return self.sequence_parallel and (not self.group_tp or self.tp_of(group) > 1)
+
+    def view(self, group: str) -> Candidate:
+        """The homogeneous candidate `group`'s pipelines run (its tp, no per-group TP)."""
+        if not self.group_tp:
+            return self
+        return dataclasses.replace(
+            self, tp=self.tp_of(group), sequence_parallel=self.sp_of(group), group_tp=()
+        )
+
+    def parallel(self, global_batch: int) -> Parallel:
+        """The complete `Parallel` of this candidate."""
+        return Parallel(
+            dp=self.dp,
+            tp=self.tp,
+            pp=self.pp,
+            cp=self.cp,
+            ep=self.ep,
+            micro_batch=self.micro_batch,
+            global_batch=global_batch,
+            recompute=self.recompute,
+            zero=self.zero,
+            schedule=self.schedule,
+            sequence_parallel=self.sequence_parallel,
+            virtual_stages=(
+                self.virtual_stages
+                if self.schedule in (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE)
+                else None
+            ),
+            quantize_activations=self.quantize_activations or None,
+        )
+
+    @property
+    def fill(self) -> float:
+        """Coefficient of (S - U) in the pipeline term: 1 / v, 0 under ZB-V (`PlanTables.fill`)."""
+        return 0.0 if self.schedule is _ZB else 1.0 / self.virtual_stages
+
+    @property
+    def gpus(self) -> int:
+        """GPUs the configuration occupies: tp * pp * cp * dp."""
+        return self.tp * self.pp * self.cp * self.dp
+
+    def describe(self) -> str:
+        """One line for messages: `tp=8, pp=4, dp=2, micro_batch=1, full recompute, ZeRO-3`."""
+        rc = {"none": "no recompute", "selective": "selective recompute", "full": "full recompute"}[
+            self.recompute.value
+        ]
+        tp = f"tp={self.tp}"
+        if self.group_tp:
+            tp = "tp " + "/".join(f"{g}={t}" for g, t in self.group_tp)
+        parts = [tp, f"pp={self.pp}", f"dp={self.dp}"]
+        parts += [f"cp={self.cp}"] if self.cp > 1 else []
+        parts += [f"ep={self.ep}"] if self.ep > 1 else []
+        parts += [f"micro_batch={self.micro_batch}", rc, f"ZeRO-{self.zero}"]
+        if self.schedule == Schedule.INTERLEAVED_1F1B:
+            parts.append(f"interleaved 1F1B v={self.virtual_stages}")
+        elif self.schedule == Schedule.ZERO_BUBBLE:
+            parts.append("zero-bubble (ZB-V)")
+        elif self.schedule != Schedule.ONE_F_ONE_B:
+            parts.append(self.schedule.value)
+        if self.quantize_activations:
+            parts.append("AGoQ-quantized activations")
+        return ", ".join(parts)
+
+    @property
+    def sort_key(self) -> tuple:
+        """A total order for deterministic tie-breaking."""
+        return (
+            self.tp,
+            self.pp,
+            self.dp,
+            self.cp,
+            self.ep,
+            self.micro_batch,
+            self.zero,
+            self.recompute.value,
+            self.schedule.value,
+            self.virtual_stages,
+            self.sequence_parallel,
+            self.quantize_activations,
+            self.group_tp,
+        )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _divisors_upto(n: int, limit: int) -> list[int]:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+def micro_batch_options(per_replica: int, pp: int) -> list[int]:
+    """Micro-batches tried for a replica's `per_replica` sequences: every divisor up to
+    MAX_MICRO_BATCH, or up to MAX_MICRO_BATCH_NO_PIPELINE without a pipeline (pp == 1)."""
+    return _divisors_upto(per_replica, MAX_MICRO_BATCH if pp > 1 else MAX_MICRO_BATCH_NO_PIPELINE)
+
+
+def cp_options(seq_len: int) -> list[int]:
+    """Context-parallel degrees the planner tries: 1 and every cp <= MAX_CP with seq_len
+    divisible by 2 * cp (each rank holds two load-balanced chunks of the causal sequence) and
+    at least MIN_CP_TOKENS tokens per rank."""
+    if not seq_len:
+        return [1]
+    return [1] + [
+        c for c in range(2, MAX_CP + 1) if seq_len % (2 * c) == 0 and seq_len // c >= MIN_CP_TOKENS
+    ]
+
+
+def schedule_options(
+    pinned: Parallel, pp: int, n_layers: int, m: int, zero_bubble: bool = True
+) -> list[tuple[Schedule, int]]:
+    """(schedule, virtual stages) pairs for m micro-batches per pipeline: 1F1B when torch runs
+    it (`microbatch_problem`: m >= pp), else GPipe in its place (with m < pp both take the same
+    time); interleaved 1F1B with every v in 2..MAX_VIRTUAL_STAGES for which the layers have a
+    chunk layout (`partition.chunk_layers`: equal chunks, or Megatron's embedding and loss
+    counted as a layer each) when pp >= 2 and pp divides m (Megatron-LM's requirement,
+    stricter than torch's whole rounds), and ZB-V (two chunks per rank) when pp >= 2, the
+    layers have a two-chunk layout and m >= 2 pp - 1 (the cost model prices ZB-V's full
+    warm-up of 2 pp - 1 micro-batches; not when `zero_bubble` is False: the model's "zb"
+    blocker, `ir.facts`).
+    A pinned schedule or virtual_stages restricts the list (a pinned 1F1B or
+    interleaved 1F1B only where `microbatch_problem` accepts m); GPipe otherwise only when
+    pinned (it is never faster than 1F1B under this cost model, and holds more activations)."""
+    sched, pv = pinned.schedule, pinned.virtual_stages
+    if sched == Schedule.GPIPE:
+        return [(sched, 1)]
+    zb_ok = pp >= 2 and not chunk_layout_problem(n_layers, pp, 2, v_shape=True)
+    zb_ok = zb_ok and m >= 2 * pp - 1 and pv in (None, 2)
+    zb_ok = zb_ok and zero_bubble
+    if sched == Schedule.ZERO_BUBBLE:
+        return [(sched, 2)] if zb_ok else []
+    out: list[tuple[Schedule, int]] = []
+    if sched in (None, Schedule.ONE_F_ONE_B) and pv in (None, 1):
+        if microbatch_problem(Schedule.ONE_F_ONE_B, pp, m) is None:
+            out.append((Schedule.ONE_F_ONE_B, 1))
+        elif sched is None:
+            out.append((Schedule.GPIPE, 1))
+    if sched in (None, Schedule.INTERLEAVED_1F1B) and pp >= 2 and m % pp == 0:
+        vs = [pv] if pv else list(range(2, MAX_VIRTUAL_STAGES + 1))
+        vs = [v for v in vs if v >= 2 and not chunk_layout_problem(n_layers, pp, v)]
+        out += [(Schedule.INTERLEAVED_1F1B, v) for v in vs]
+    one_round = microbatch_problem(Schedule.INTERLEAVED_1F1B, pp, m) is None
+    if sched == Schedule.INTERLEAVED_1F1B and pv in (None, 1) and one_round:
+        out.append((Schedule.INTERLEAVED_1F1B, 1))  # one chunk per rank: 1F1B's timing
+    if sched is None and zb_ok:
+        out.append((Schedule.ZERO_BUBBLE, 2))
+    return out
+
+
+def enumerate_candidates(
+    graph: Graph,
+    cluster: Cluster,
+    pinned: Parallel,
+    global_batch: int,
+    *,
+    quantize: bool = False,
+    per_group_tp: bool = True,
+) -> list[Candidate]:
+    """Every configuration the planner considers, honouring each pinned field of `pinned`.
+
+    tp divides heads and kv_heads (0 = unknown) and the GPUs per node of some group; cp from
+    `cp_options` (divides the sequence); ep divides the experts and dp (MoE models only);
+    pp <= layer units; dp * micro_batch divides global_batch (`micro_batch_options` unless
+    pinned); the groups hold pp * dp replicas of tp * cp GPUs (not every GPU must be
+    used: the objective prefers configurations that use them); schedules from
+    `schedule_options`. ZeRO 1-3 only with dp * cp > 1 (ZeRO shards over the dp x cp ranks that
+    hold the same weights; with one such rank they equal ZeRO-0), sequence
+    parallel when tp > 1 (and ep > 1 with tp > 1 only with it). With `per_group_tp` on a
+    cluster of several groups, also the per-group TP candidates of
+    `_per_group_tp_candidates`. Raises InfeasibleError naming the first constraint that
+    leaves nothing.
+    """
+    info = graph.info
+    p = pinned
+    # Dimensions the runtime cannot run on this model (`ir.facts`): off, or refused if pinned.
+    if (why := blocked_dimension(info, p)) is not None:
+        raise InfeasibleError(f"no plan: {why}")
+    p = without_blocked(info, p)
+    zb = not info.blocker("zb")  # ZB-V, unless the model ties weights across its stages
+    if p.global_batch is not None and p.global_batch != global_batch:
+        raise ValueError(
+            f"global_batch={global_batch} conflicts with pinned global_batch={p.global_batch}"
+        )
+    if p.schedule is not None and p.schedule not in SUPPORTED_SCHEDULES:
+        raise InfeasibleError(
+            f"no plan: schedule {p.schedule.value!r} is not modelled yet (use "
+            + ", ".join(s.value for s in SUPPORTED_SCHEDULES)
+            + ")"
+        )
+    if (
+        p.virtual_stages
+        and p.virtual_stages > 1
+        and p.schedule not in (None, Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE)
+    ):
+        raise InfeasibleError(
+            f"no plan: virtual_stages={p.virtual_stages} needs schedule 'interleaved_1f1b'"
+        )
+    domain_sizes = sorted({g.domain_gpus for g in cluster.groups})
+    n_layers = len(graph.layer_units)
+
+    def tp_ok(t: int) -> str | None:
+        for what, n in (("heads", info.heads), ("kv_heads", info.kv_heads)):
+            if n and n % t:
+                return f"tp={t} does not divide the model's {what} ({n})"
+        return tp_domain_problem(cluster.groups, t)
+
+    if p.tp is not None:
+        if (why := tp_ok(p.tp)) is not None:
+            raise InfeasibleError(f"no plan: {why}")
+        tps = [p.tp]
+    else:
+        tps = [t for t in _divisors(max(domain_sizes)) if tp_ok(t) is None]
+    if p.cp is not None:
+        if info.seq_len and info.seq_len % p.cp:
+            raise InfeasibleError(f"no plan: cp={p.cp} does not divide seq_len={info.seq_len}")
+        cps = [p.cp]
+    else:
+        cps = cp_options(info.seq_len)
+    if p.ep is not None:
+        if p.ep > 1 and not info.experts:
+            raise InfeasibleError(f"no plan: ep={p.ep} but the model has no experts")
+        if info.experts and info.experts % p.ep:
+            raise InfeasibleError(f"no plan: ep={p.ep} does not divide experts={info.experts}")
+        eps = [p.ep]
+    else:
+        eps = _divisors(info.experts) if info.experts else [1]
+    # A model without repeated layers (a conv net, one block reused at every depth) is one
+    # unit: one pipeline stage (`ModelInfo.blocker("pp")` says so when pp is pinned).
+    if p.pp is not None and not 1 <= p.pp <= max(1, n_layers):
+        raise InfeasibleError(f"no plan: pp={p.pp} but the model has {n_layers} layers")
+    pps = [p.pp] if p.pp is not None else list(range(1, max(1, n_layers) + 1))
+    pinned_rows = [("dp", p.dp), ("micro_batch", p.micro_batch)]
+    if p.dp is not None and p.micro_batch is not None:
+        pinned_rows.append(("dp*micro_batch", p.dp * p.micro_batch))
+    for what, n in pinned_rows:
+        if n is not None and global_batch % n:
+            shown = f"{p.dp}*{p.micro_batch}={n}" if what == "dp*micro_batch" else str(n)
+            raise InfeasibleError(
+                f"no plan: global_batch={global_batch} is not divisible by {what}={shown}"
+            )
+    rcs = [Recompute(p.recompute)] if p.recompute is not None else list(Recompute)
+    # Activation quantization changes numerics: off unless pinned or `quantize` allows it.
+    if p.quantize_activations is not None:
+        qas = [bool(p.quantize_activations)]
+    else:
+        qas = [False, True] if quantize else [False]
+    out: list[Candidate] = []
+    why_none = "no configuration fits the cluster's GPU count"
+    for tp, cp, pp in itertools.product(tps, cps, pps):
+        sp = p.sequence_parallel if p.sequence_parallel is not None else tp > 1
+        max_dp = sum(replica_capacity(g, tp, cp) for g in cluster.groups) // pp
+        if p.dp is not None and p.dp > max_dp:
+            why_none = (
+                f"tp*pp*cp*dp = {tp}*{pp}*{cp}*{p.dp} = {tp * pp * cp * p.dp} GPUs in whole "
+                f"TP groups, but the cluster holds {max_dp * pp * tp * cp} of them"
+            )
+            continue
+        dps = [p.dp] if p.dp is not None else _divisors_upto(global_batch, max_dp)
+        for dp in dps:
+            mbs = (
+                [p.micro_batch]
+                if p.micro_batch is not None
+                else micro_batch_options(global_batch // dp, pp)
+            )
+            zeros = [p.zero] if p.zero is not None else ([0, 1, 2, 3] if dp * cp > 1 else [0])
+            for ep in eps:
+                if dp % ep:
+                    why_none = f"ep={ep} does not divide dp={dp} (expert ranks reuse DP ranks)"
+                    continue
+                if ep > 1 and tp > 1 and not sp:  # Megatron-Core's rule; the runtime's too
+                    why_none = "ep > 1 with tp > 1 needs sequence parallelism"
+                    continue
+                for mb in mbs:
+                    if global_batch % (dp * mb):  # a pinned micro-batch against a free dp
+                        why_none = (
+                            f"global_batch={global_batch} is not divisible by "
+                            f"dp*micro_batch={dp}*{mb}={dp * mb} for any dp that fits"
+                        )
+                        continue
+                    scheds = schedule_options(p, pp, n_layers, global_batch // (dp * mb), zb)
+                    if not scheds:
+                        m_ = global_batch // (dp * mb)
+                        why_none = (p.schedule and microbatch_problem(p.schedule, pp, m_)) or (
+                            f"zero_bubble (ZB-V) needs pp >= 2 with 2*pp dividing the {n_layers} "
+                            f"layers and at least 2*pp - 1 micro-batches (pp={pp}, {m_} "
+                            "micro-batches)"
+                            if p.schedule == Schedule.ZERO_BUBBLE
+                            else f"interleaved 1F1B needs pp >= 2 dividing the {n_layers} layers "
+                            f"and the micro-batch count (pp={pp}, {m_} micro-batches)"
+                        )
+                    for zero, rc, (sched, v), qa in itertools.product(zeros, rcs, scheds, qas):
+                        if zero == 3 and sched == Schedule.ZERO_BUBBLE:
+                            # torch's ZB-V with FSDP2 resharding gives wrong gradients
+                            # (measured; the runtime refuses it): not a plan to emit
+                            why_none = (
+                                "zero_bubble (ZB-V) with ZeRO-3 does not train correctly in "
+                                "torch 2.13 (the runtime refuses it); use zero <= 2"
+                            )
+                            continue
+                        out.append(Candidate(tp, pp, dp, cp, ep, mb, zero, rc, sched, sp, v, qa))
+    if per_group_tp and len(cluster.groups) > 1:
+        out += _per_group_tp_candidates(
+            cluster, p, global_batch, tps, cps, pps, rcs, qas, n_layers, zb
+        )
+    if not out:
+        raise InfeasibleError(f"no plan: {why_none}")
+    return out
+
+
+def _per_group_tp_candidates(
+    cluster: Cluster,
+    p: Parallel,
+    global_batch: int,
+    tps: Sequence[int],
+    cps: Sequence[int],
+    pps: Sequence[int],
+    rcs: Sequence[Recompute],
+    qas: Sequence[bool],
+    n_layers: int,
+    zb: bool = True,
+) -> list[Candidate]:
+    """Per-group TP (`Candidate.group_tp`): for every pair of device groups (a, b) and TP
+    degrees tp_a != tp_b (each dividing its group's GPUs per node or NVLink domain, and the
+    heads), the configurations whose pipelines run group-pure, n_a >= 1 of them in a at tp_a
+    and n_b >= 1 in b at tp_b, dp = n_a + n_b. Only where the runtime executes it: tp not
+    pinned, ZeRO-0 (the replicas' gradient shards differ in shape, `Pricer.hetero_dp_traffic`),
+    no EP.
+    Sequence parallelism where a group's tp > 1 (unless pinned)."""
+    if p.tp is not None or p.zero not in (None, 0) or p.ep not in (None, 1):
+        return []
+    out: list[Candidate] = []
+    for a, b in itertools.combinations(cluster.groups, 2):
+        tas = [t for t in tps if tp_domain_problem((a,), t) is None]
+        tbs = [t for t in tps if tp_domain_problem((b,), t) is None]
+        for ta, tb, cp, pp in itertools.product(tas, tbs, cps, pps):
+            na = replica_capacity(a, ta, cp) // pp
+            nb = replica_capacity(b, tb, cp) // pp
+            if ta == tb or na < 1 or nb < 1:
+                continue
+            sp = p.sequence_parallel if p.sequence_parallel is not None else True
+            dps = [p.dp] if p.dp is not None else _divisors_upto(global_batch, na + nb)
+            for dp in dps:
+                if dp < 2 or dp > na + nb or global_batch % dp:
+                    continue
+                mbs = (
+                    [p.micro_batch]
+                    if p.micro_batch is not None
+                    else micro_batch_options(global_batch // dp, pp)
+                )
+                for mb in mbs:
+                    if global_batch % (dp * mb):
+                        continue
+                    scheds = schedule_options(p, pp, n_layers, global_batch // (dp * mb), zb)
+                    for rc, (sched, v), qa in itertools.product(rcs, scheds, qas):
+                        group_tp = ((a.name, ta), (b.name, tb))
+                        out.append(
+                            Candidate(ta, pp, dp, cp, 1, mb, 0, rc, sched, sp, v, qa, group_tp)
+                        )
+    return out
+
+
+def _unit_costs(
+    pricer: Pricer, c: Candidate, group: str, cache: dict
+) -> tuple[float, float, float]:
+    """(mean layer time, time of the units before the first layer, after the last layer) of
+    one micro-batch on one rank of `group` under c's degrees (memoised in `cache`)."""
+    key = ("unit", group, c.tp_of(group), c.cp, c.ep, c.sp_of(group), c.micro_batch, c.recompute)
+    got = cache.get(key)
+    if got is None:
+        got = cache[key] = _unit_costs_uncached(pricer, c, group)
+    return got
+
+
+def _unit_costs_uncached(pricer: Pricer, c: Candidate, group: str) -> tuple[float, float, float]:
+    costs, graph = pricer.costs, pricer.costs.graph
+    lookup = dict(graph.blocks)
+    kinds = [lookup[k].kind for k in costs.unit_keys]
+    layer_pos = [i for i, k in enumerate(kinds) if k == "layer"]
+
+    @functools.cache
+    def t(key: str) -> float:
+        return pricer.stage_time(
+            ((key, 1),),
+            group,
+            tp=c.tp_of(group),
+            cp=c.cp,
+            ep=c.ep,
+            sp=c.sp_of(group),
+            micro_batch=c.micro_batch,
+            recompute=c.recompute,
+        ).total
+
+    layer = sum(t(costs.unit_keys[i]) for i in layer_pos) / len(layer_pos)
+    head = sum(t(costs.unit_keys[i]) for i in range(layer_pos[0]))
+    tail = sum(t(costs.unit_keys[i]) for i in range(layer_pos[-1] + 1, len(kinds)))
+    return layer, head, tail
+
+
+def _fill(capacity: dict[str, int], order: Sequence[str], pp: int, dp: int):
+    """The groups each stage's replicas land on when stages fill `order` in rank order."""
+    free = dict(capacity)
+    out = []
+    for _ in range(pp):
+        want, used = dp, []
+        for g in order:
+            take = min(want, free[g])
+            if take:
+                used.append(g)
+                free[g] -= take
+                want -= take
+            if not want:
+                break
+        if want:
+            return None
+        out.append(used)
+    return out
+
+
+def _splits(
+    pricer: Pricer, c: Candidate, groups: Sequence[str], n_layers: int, cache: dict
+) -> list[tuple[int, ...]]:
+    """The layer splits searched for c (module docstring, set L(c)); the even split first.
+    `cache` memoises per-unit costs and balanced splits within one search."""
+    pp = c.pp
+    base, extra = divmod(n_layers, pp)
+    even = tuple(base + (1 if s < extra else 0) for s in range(pp))
+    if pp == 1:
+        return [even]
+    if c.schedule in (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE) and c.virtual_stages > 1:
+        # the chunk layout fixes each rank's layers (`chunk_layers`: equal chunks, or the
+        # embedding and the loss counted as a layer each)
+        v_shape = c.schedule == Schedule.ZERO_BUBBLE
+        return [rank_layers(n_layers, pp, c.virtual_stages, v_shape)]
+    if c.schedule in (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE):
+        return [even]
+    if count_compositions(n_layers, pp) <= EXHAUSTIVE_SPLITS:
+        return [even] + [x for x in compositions(n_layers, pp) if x != even]
+    out = [even]
+    per = {g: _unit_costs(pricer, c, g, cache) for g in groups}
+
+    def balanced(stage_groups: Sequence[Sequence[str]]) -> tuple[int, ...]:
+        key = ("split", pp, tuple(tuple(gs) for gs in stage_groups), *(per[g] for g in groups))
+        got = cache.get(key)
+        if got is None:
+            layer = [max(per[g][0] for g in gs) for gs in stage_groups]
+            fixed = [0.0] * pp
+            fixed[0] += max(per[g][1] for g in stage_groups[0])
+            fixed[-1] += max(per[g][2] for g in stage_groups[-1])
+            got = cache[key] = balanced_counts(n_layers, layer, fixed)
+        return got
+
+    for g in groups:
+        out.append(balanced([[g]] * pp))
+    if len(groups) > 1 and not c.group_tp:  # lock-step fills (per-group TP is group-pure)
+        capacity = {g: replica_capacity(pricer.groups[g], c.tp, c.cp) for g in groups}
+        fast = sorted(groups, key=lambda g: (per[g][0], g))
+        for order in (fast, fast[::-1]):
+            filled = _fill(capacity, order, pp, c.dp)
+            if filled is not None:
+                out.append(balanced(filled))
+    return list(dict.fromkeys(out))

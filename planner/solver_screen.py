@@ -1,0 +1,495 @@
+"""Step 2 of the search (`meshplan.solver`): screen (bound, price, greedy warm start) before
+building any model.
+
+`_screen` bounds every (c, l) without memory (`solver_bounds._memory_free_bound`: fastest
+groups that can hold the replicas; with shares: the whole micro-batch count over the best
+pipeline rate, `_share_rate_bound`), prices them in bound order (`plan_tables`; stages repeat,
+so tables are built per distinct stage), drops those that fit in no group's memory, bounds again
+with memory (`_lower_bound`, `_share_bound`) and places greedily (`_greedy_placements`, the
+warm start, and `_share_placements`) until the bound passes the best plan: nothing left can
+win. Megatron-style configurations (`_megatron_seeds`) are priced first, for an early
+incumbent.
+
+Uneven data-parallel batch shares (`_share_placements`): besides lock-step placements (every
+replica runs m micro-batches, the model of `solver_model`), a configuration with ZeRO <= 2 may
+run group-pure pipelines, n_g pipelines wholly inside group g, each running m_g micro-batches,
+sum_g n_g m_g = dp m (`StagePlacement.microbatches`). Each group's pipeline term is
+f_g(m_g) = m_g (U_g + v P_g) + (S_g - U_g) / v + (pp - 1) P_g and the step takes the max over
+groups (`cost_model.simulate.evaluate`). For every pair of host groups and every split
+n_a + n_b = dp (a window around the fastest-first split when dp > SHARE_EXHAUSTIVE_DP) the
+best integer shares are found exactly: f_a rises and f_b falls with m_a, so the optimum is the
+feasible m_a nearest the crossing point on either side. The shares never raise a stage's
+in-flight activations (m_g stays where the schedule's warm-up depth is already saturated).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from meshplan.cost_model.memory import in_flight_microbatches
+from meshplan.cost_model.simulate import (
+    PlanTables,
+    Pricer,
+    evaluate,
+    hetero_tables,
+    plan_tables,
+)
+from meshplan.ir import Graph, Recompute, Schedule, microbatch_problem
+from meshplan.passes.partition import replica_capacity, stages_of
+
+from .solver_bounds import (
+    _lower_bound,
+    _memory_free_bound,
+    _pipeline_bound,
+    _share_bound,
+    _share_cap,
+    _share_hosts,
+    _share_terms,
+    _split_free_bound,
+    _split_free_memory,
+    _stage_memory,
+)
+from .solver_candidates import Candidate, _splits
+from .solver_objective import Placement, _Scorer, _Work
+
+# Uneven DP shares: every split of dp pipelines over two groups is tried up to this dp, a
+# window of SHARE_WINDOW splits around the fastest-first one beyond it.
+SHARE_EXHAUSTIVE_DP = 64
+SHARE_WINDOW = 8
+
+
+def _megatron_seeds(
+    cands: list[Candidate], fits: Callable[[Candidate], bool], per_pp: int = 2, most: int = 8
+) -> list[Candidate]:
+    """Megatron-LM-style warm starts among the candidates: the widest TP, no CP, the most EP,
+    micro-batch 1, ZeRO-1 (distributed optimizer), 1F1B, no or selective recompute, the largest
+    dp for each of the smallest pipeline depths whose layers can fit (`fits`), `most` in all."""
+    pool = [
+        c
+        for c in cands
+        if c.cp == 1
+        and not c.group_tp
+        and c.micro_batch == 1
+        and c.zero in (0, 1)
+        and c.schedule == Schedule.ONE_F_ONE_B
+        and c.recompute != Recompute.FULL
+    ]
+    if not pool:
+        return []
+    tp = max(c.tp for c in pool)
+    ep = max(c.ep for c in pool if c.tp == tp)
+    by_pp: dict[int, list[Candidate]] = {}
+    for c in pool:
+        if c.tp == tp and c.ep == ep and (c.zero == 1 or c.dp == 1):
+            by_pp.setdefault(c.pp, []).append(c)
+    out: list[Candidate] = []
+    for pp in sorted(by_pp):
+        top = max(c.dp for c in by_pp[pp])
+        best = sorted((c for c in by_pp[pp] if c.dp == top), key=lambda c: c.sort_key)
+        out += [c for c in best if fits(c)][:per_pp]
+        if len(out) >= most:
+            break
+    return out[:most]
+
+
+def _pair_shares(
+    fa: tuple[float, float],
+    fb: tuple[float, float],
+    na: int,
+    nb: int,
+    total: int,
+    cap: int,
+    runs: Callable[[int], bool] = lambda m: True,
+) -> tuple[int, int] | None:
+    """Integer (m_a, m_b) >= 1, <= cap, both counts the schedule runs (`runs`,
+    `ir.microbatch_problem`), with na m_a + nb m_b = total minimising max(fa(m_a), fb(m_b))
+    for increasing linear fa, fb: the feasible m_a nearest the crossing point on either side
+    (divisibility alone repeats every nb / gcd(na, nb); `runs` may skip further)."""
+    (sa, ca), (sb, cb) = fa, fb
+    lo = max(1, -(-(total - nb * cap) // na))
+    hi = min(cap, (total - nb) // na)
+    if lo > hi:
+        return None
+    x = (sb * total / nb + cb - ca) / (sa + sb * na / nb)
+
+    def feasible(ma: int) -> bool:
+        rest = total - na * ma
+        return rest % nb == 0 and runs(ma) and runs(rest // nb)
+
+    picks = []
+    down = min(hi, max(lo, math.floor(x)))
+    picks += [next((ma for ma in range(down, lo - 1, -1) if feasible(ma)), None)]
+    up = max(lo, min(hi, math.ceil(x)))
+    picks += [next((ma for ma in range(up, hi + 1) if feasible(ma)), None)]
+    picks = [ma for ma in picks if ma is not None]
+    if not picks:
+        return None
+    ma = min(picks, key=lambda a: (max(sa * a + ca, sb * ((total - na * a) // nb) + cb), a))
+    return ma, (total - na * ma) // nb
+
+
+def _share_placements(t: PlanTables, allowed: list[list[str]], prune: bool = True):
+    """Group-pure placements with uneven shares: ([(placement, shares)], exact).
+
+    For every pair of host groups (a, b) and n_a + n_b = dp pipelines, the best shares come
+    from `_pair_shares` (counts the schedule runs only). With `prune` (objectives that rank
+    by step time) the n_a are visited in order of their continuous bound
+    T(n_a) = (M + sum_g n_g c_g / s_g) / (sum_g n_g / s_g)
+    and the visit stops once T(n_a) reaches the best integer pipeline term found: exact for
+    every pair. Without it (cost: the group mix changes the price) every n_a is tried up to
+    dp = SHARE_EXHAUSTIVE_DP, a window around the fastest-first split beyond. `exact` says that
+    every group-pure placement was covered (at most two host groups, no window)."""
+    if t.parallel.zero == 3:
+        return [], True
+    cap = _share_cap(t)
+    if cap <= t.m and not t.group_tp:  # per-group TP: equal shares (cap = m) still count
+        return [], True
+    hosts = _share_hosts(t, allowed)
+    if len(hosts) < 2:
+        return [], True
+    dp, pp, total = t.parallel.dp, t.pp, t.parallel.dp * t.m
+    terms = {g: _share_terms(t, g) for g in hosts}
+    schedule = t.parallel.schedule
+
+    def runs(m: int) -> bool:
+        return microbatch_problem(schedule, pp, m) is None
+
+    out = []
+    exact = len(hosts) == 2 and (prune or dp <= SHARE_EXHAUSTIVE_DP)
+    ep = t.parallel.ep or 1
+    for a, b in itertools.combinations(hosts, 2):
+        (sa, ca), (sb, cb) = terms[a], terms[b]
+        ra, rb = t.replica_capacity[a] // pp, t.replica_capacity[b] // pp
+        lo, hi = max(1, dp - rb), min(dp - 1, ra)
+        if lo > hi:
+            continue
+        if prune:
+            order = sorted(
+                range(lo, hi + 1),
+                key=lambda na: (
+                    (total + na * ca / sa + (dp - na) * cb / sb) / (na / sa + (dp - na) / sb),
+                    na,
+                ),
+            )
+        elif dp <= SHARE_EXHAUSTIVE_DP:
+            order = list(range(lo, hi + 1))
+        else:
+            centre = hi if sa <= sb else lo
+            order = list(range(max(lo, centre - SHARE_WINDOW), min(hi, centre + SHARE_WINDOW) + 1))
+        best_pipe = math.inf
+        for na in order:
+            nb = dp - na
+            if na % ep:  # an ep group's all-to-alls need one share: inside one group
+                continue
+            if prune:
+                bound = (total + na * ca / sa + nb * cb / sb) / (na / sa + nb / sb)
+                if bound >= best_pipe * (1 - 1e-12):
+                    break
+            got = _pair_shares(terms[a], terms[b], na, nb, total, cap, runs)
+            if got is None:
+                continue
+            pipe = max(sa * got[0] + ca, sb * got[1] + cb)
+            if prune and pipe >= best_pipe:
+                continue
+            best_pipe = min(best_pipe, pipe)
+            placement = [[(a, na), (b, nb)] for _ in range(pp)]
+            out.append((placement, {a: got[0], b: got[1]}))
+    return out, exact
+
+
+def _largest_stage(pricer: Pricer, c: Candidate, ranges, global_batch: int) -> tuple[int, int]:
+    """(peak bytes, stage) of the stage needing the most memory, without building tables: per
+    distinct stage composition, its first stage holds the most micro-batches."""
+    m = global_batch // (c.dp * c.micro_batch)
+    worst, seen = (0, 0), set()
+    for s, (first, last) in enumerate(ranges):
+        comp = pricer.costs.composition(first, last)
+        if comp in seen:
+            continue
+        seen.add(comp)
+        mem = _stage_memory(pricer, comp, c)
+        held = in_flight_microbatches(c.schedule, s, len(ranges), m, c.virtual_stages)
+        peak, _ = mem.peak(held)
+        worst = max(worst, (peak, s))
+    return worst
+
+
+def _greedy_placements(t: PlanTables, allowed: list[list[str]], order: Sequence[str]):
+    """Warm-start placements: (1) rank order over the groups as listed, fastest first and
+    slowest first (as the splits of `_splits` assume); (2) heaviest stage first, each into its
+    fastest group that can hold all its replicas, else split fastest first; (3) everything in
+    one group when that group holds it all."""
+    dp, pp = t.parallel.dp, t.pp
+
+    def fill(stage_order, group_order_of):
+        free = dict(t.replica_capacity)
+        out: list[list[tuple[str, int]] | None] = [None] * pp
+        for s in stage_order:
+            groups = [g for g in group_order_of(s) if g in allowed[s]]
+            whole = [g for g in groups if free[g] >= dp]
+            if whole:
+                out[s] = [(whole[0], dp)]
+                free[whole[0]] -= dp
+                continue
+            want, reps = dp, []
+            for g in groups:
+                take = min(want, free[g])
+                if take:
+                    reps.append((g, take))
+                    free[g] -= take
+                    want -= take
+                if not want:
+                    break
+            if want:
+                return None
+            out[s] = reps
+        return out
+
+    speed = sorted(order, key=lambda g: (sum(t.time[s][g].total for s in range(pp)), g))
+    tries = [fill(range(pp), lambda s, o=o: o) for o in (list(order), speed, speed[::-1])]
+    heavy = sorted(range(pp), key=lambda s: -max(t.time[s][g].total for g in allowed[s]))
+    tries.append(fill(heavy, lambda s: sorted(order, key=lambda g: t.time[s][g].total)))
+    for g in order:
+        tries.append(fill(range(pp), lambda s, g=g: [g]))
+    out = []
+    for p in tries:
+        if p is not None and p not in out:
+            out.append(p)
+    return out
+
+
+@dataclass(slots=True)
+class _Priced:
+    cand: Candidate
+    layers: tuple[int, ...]
+    tables: PlanTables
+    allowed: list[list[str]]  # [stage] groups whose memory fits and that can hold a replica
+    lower: float  # score bound of every placement (lock-step or with shares)
+    lock_lower: float  # score bound of lock-step placements
+    share_open: float  # score bound of share placements not searched exactly (inf: none)
+    greedy_placement: Placement | None  # best lock-step warm start
+    greedy_score: float
+    best: tuple[float, Placement, dict | None] | None = None  # (score, placement, shares)
+    factor: float = 1.0
+
+
+def _screen(
+    pricer: Pricer,
+    graph: Graph,
+    cands: list[Candidate],
+    global_batch: int,
+    work: _Work,
+    until: float,
+    scorer: _Scorer,
+    limit: float,
+    say,
+    incumbent: float = math.inf,
+) -> tuple[list[_Priced], int, int, tuple | None, float]:
+    """Price (candidate, split) pairs in bound order until the bound passes the best plan.
+
+    Returns (priced pairs that may still win, pairs bounded, pairs priced in full, the
+    smallest memory need (bytes, stage, candidate) when nothing fits, the bound of the first
+    pair left unpriced when the budget cut the screen short, else infinity). Every step is
+    charged to `work`; the screen stops once `until` work units are spent (or at the safety
+    net) and some plan is known. Pairs whose bound exceeds `limit` are dropped (min_gpus: the
+    target step time)."""
+    cluster = pricer.cluster
+    order = [g.name for g in cluster.groups]
+    n_layers = len(graph.layer_units)
+    ranges_of: dict[tuple[int, ...], tuple[tuple[int, int], ...]] = {}
+    splits_of: dict[tuple, list[tuple[int, ...]]] = {}
+    bound_of: dict[tuple, tuple[float, float, float, float]] = {}
+    groups_of: dict[tuple[int, int], list[str]] = {}
+    factor_of: dict[tuple, float] = {}
+    cache: dict = {}
+
+    def groups_for(c: Candidate) -> list[str]:
+        key = (c.tp, c.cp, c.group_tp)
+        got = groups_of.get(key)
+        if got is None:
+            named = dict(c.group_tp)
+            got = groups_of[key] = [
+                g
+                for g in order
+                if (not named or g in named)
+                and replica_capacity(pricer.groups[g], c.tp_of(g), c.cp)
+            ]
+        return got
+
+    def capacity_of(c: Candidate) -> dict[str, int]:
+        return {g: replica_capacity(pricer.groups[g], c.tp_of(g), c.cp) for g in groups_for(c)}
+
+    def too_big(c: Candidate, need_of: Callable[[Candidate], tuple[int, int]]):
+        """(bytes, stage) that c needs where it fits on no GPU it may use, else None;
+        `need_of(candidate)` gives a homogeneous candidate's need (per-group TP: each group's
+        at its own tp, and both must host pipelines)."""
+        if not c.group_tp:
+            need = need_of(c)
+            top = max(pricer.groups[g].gpu.memory_bytes for g in groups_for(c))
+            return need if need[0] > top else None
+        for g, _ in c.group_tp:
+            need = need_of(c.view(g))
+            if need[0] > pricer.groups[g].gpu.memory_bytes:
+                return need
+        return None
+
+    # Best-first over candidates, then over their splits: a candidate enters with a bound that
+    # holds for every split (`_split_free_bound`) and is expanded into (candidate, split) pairs
+    # with their own bounds only when it reaches the front.
+    # Candidates that differ only in ZeRO stage and schedule form a family, bounded once by its
+    # loosest member (the least fill, ZeRO <= 2 when there is one: `_split_free_bound` is
+    # increasing in the fill and only ZeRO <= 2 gets the share bound) and expanded into its
+    # members when it reaches the front. Ties break by enumeration order (deterministic).
+    families: dict[tuple, list[tuple[int, Candidate]]] = {}
+    for i, c in enumerate(cands):
+        fam = (c.tp, c.cp, c.pp, c.dp, c.ep, c.micro_batch, c.recompute, c.sequence_parallel)
+        families.setdefault(fam + (c.quantize_activations, c.group_tp), []).append((i, c))
+    heap = []
+
+    def bounded(c: Candidate) -> tuple[float, float] | None:
+        """(bound x factor, factor) of c, or None when it cannot win (`limit`)."""
+        work.charge("bound")
+        groups = groups_for(c)
+        m = global_batch // (c.dp * c.micro_batch)
+        lb = _split_free_bound(pricer, c, groups, m, cache)
+        if math.isinf(lb) or lb > limit * (1 + 1e-9):
+            return None
+        fkey = (c.tp, c.cp, c.pp, c.dp, c.group_tp)
+        factor = factor_of.get(fkey)
+        if factor is None:
+            factor = factor_of[fkey] = scorer.factor(c, capacity_of(c))
+        return lb * factor, factor
+
+    for members in families.values():
+        loosest = min(members, key=lambda ic: (ic[1].fill, ic[1].zero > 2, ic[0]))[1]
+        got = bounded(loosest)
+        if got is not None:
+            heap.append((got[0], members[0][0], None, members, got[1]))
+    # Megatron-style warm starts go first (bound -1): a strong incumbent early prunes the rest.
+    top_memory = max(g.gpu.memory_bytes for g in cluster.groups)
+
+    def may_fit(c: Candidate) -> bool:
+        return _split_free_memory(pricer, c, n_layers, cache) <= top_memory
+
+    index = {id(c): i for i, c in enumerate(cands)}
+    for c in _megatron_seeds(cands, may_fit):
+        base, extra = divmod(n_layers, c.pp)
+        even = tuple(base + (1 if s < extra else 0) for s in range(c.pp))
+        ranges_of.setdefault(even, stages_of(graph, even))
+        fkey = (c.tp, c.cp, c.pp, c.dp, c.group_tp)
+        if fkey not in factor_of:
+            factor_of[fkey] = scorer.factor(c, capacity_of(c))
+        heap.append((-1.0, index[id(c)], even, c, factor_of[fkey]))
+    heapq.heapify(heap)
+    say(f"bounded {len(cands)} configurations in {len(families)} families; pricing in bound order")
+    done: set[tuple[Candidate, tuple[int, ...]]] = set()
+
+    best = incumbent
+    kept: list[_Priced] = []
+    priced = pairs = 0
+    smallest: tuple[int, int, Candidate] | None = None  # (bytes, stage, candidate)
+    cut = math.inf
+    while heap:
+        lb0, sort_key, split, c, factor = heapq.heappop(heap)
+        if lb0 > best * (1 + 1e-9):
+            break
+        # Past the budget, stop once there is a plan to return. Without one, go on: the
+        # memory check below makes pricing a candidate that fits nowhere cheap.
+        if lb0 >= 0 and math.isfinite(best) and work.exhausted(until):
+            cut = lb0
+            break
+        if split is None:  # a family: bound and queue its members
+            for i, member in c:
+                got = bounded(member)
+                if got is not None:
+                    heapq.heappush(heap, (got[0], i, (), member, got[1]))
+            continue
+        groups = groups_for(c)
+        if not split:  # expand the candidate into its splits
+            work.charge("memory")
+            need = too_big(c, lambda x: (_split_free_memory(pricer, x, n_layers, cache), x.pp - 1))
+            if need is not None:
+                if smallest is None or need[0] < smallest[0]:
+                    smallest = (*need, c)
+                continue  # no split fits: some stage holds ceil(L / pp) layers
+            skey = (c.tp, c.cp, c.ep, c.sequence_parallel, c.pp, c.dp, c.micro_batch)
+            skey += (c.recompute, c.group_tp)
+            chunked = c.schedule in (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE)
+            # a chunked schedule's split is its chunk layout's (`_splits`): per schedule and v
+            skey += ((c.schedule, c.virtual_stages) if chunked else None,)
+            splits = splits_of.get(skey)
+            if splits is None:
+                splits = splits_of[skey] = _splits(pricer, c, groups, n_layers, cache)
+            m = global_batch // (c.dp * c.micro_batch)
+            for sp_ in splits:
+                ranges = ranges_of.get(sp_)
+                if ranges is None:
+                    ranges = ranges_of[sp_] = stages_of(graph, sp_)
+                # zero does not change stage times, and the bound is linear in m
+                bkey = (*skey[:-1], sp_)
+                ab = bound_of.get(bkey)
+                if ab is None:
+                    work.charge("split")
+                    ab = bound_of[bkey] = _memory_free_bound(pricer, c, ranges, groups, cache)
+                big_u, total, rate, fill = ab
+                lb = _pipeline_bound(big_u, total, m, c.fill)
+                if c.zero <= 2 and rate > 0:
+                    lb = min(lb, c.dp * m / rate + fill * c.fill)
+                if math.isinf(lb) or lb > limit * (1 + 1e-9):
+                    continue
+                pairs += 1
+                heapq.heappush(heap, (lb * factor, sort_key, sp_, c, factor))
+            continue
+        if (c, split) in done:
+            continue  # a warm start priced already
+        done.add((c, split))
+        ranges = ranges_of[split]
+        work.charge("memory")
+        need = too_big(c, lambda x: _largest_stage(pricer, x, ranges, global_batch))
+        if need is not None:
+            if smallest is None or need[0] < smallest[0]:
+                smallest = (*need, c)
+            continue  # some stage fits on no GPU: no tables needed to know
+        priced += 1
+        if c.group_tp:
+            t = hetero_tables(pricer, c.parallel(global_batch), ranges, dict(c.group_tp))
+        else:
+            t = plan_tables(pricer, c.parallel(global_batch), ranges, groups)
+        work.charge("cell", t.pp * len(groups))
+        allowed = [[g for g in groups if t.fits[s][g]] for s in range(t.pp)]
+        if any(not a for a in allowed):
+            continue
+        # per-group TP: group-pure pipelines only (no lock-step placement)
+        lock_lower = math.inf if c.group_tp else _lower_bound(t, allowed) * factor
+        share_lower = _share_bound(t, allowed) * factor
+        lower = min(lock_lower, share_lower)
+        if lower > best * (1 + 1e-9):
+            continue
+        pr = _Priced(c, split, t, allowed, lower, lock_lower, math.inf, None, math.inf)
+        pr.factor = factor
+        for pl in [] if c.group_tp else _greedy_placements(t, allowed, order):
+            work.charge("placement")
+            sc = scorer.score(c, evaluate(t, pl).step_time_s, pl)
+            if sc < pr.greedy_score:
+                pr.greedy_placement, pr.greedy_score = pl, sc
+        if pr.greedy_placement is not None:
+            pr.best = (pr.greedy_score, pr.greedy_placement, None)
+        if share_lower < (pr.best[0] if pr.best else math.inf) * (1 - 1e-9):
+            options, exact = _share_placements(t, allowed, prune=not scorer.cost)
+            work.charge("placement", len(options))
+            for pl, shares in options:
+                sc = scorer.score(c, evaluate(t, pl, shares).step_time_s, pl)
+                if pr.best is None or sc < pr.best[0] * (1 - 1e-12):
+                    pr.best = (sc, pl, shares)
+            if not exact:
+                pr.share_open = share_lower
+        if pr.best is not None:
+            best = min(best, pr.best[0])
+        kept.append(pr)
+    kept = [k for k in kept if k.lower <= best * (1 + 1e-9)]
+    kept.sort(key=lambda k: (k.lower, k.best[0] if k.best else math.inf, k.cand.sort_key))
+    return kept, pairs, priced, smallest, cut
