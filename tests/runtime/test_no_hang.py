@@ -15,27 +15,46 @@ import sys
 import time
 from pathlib import Path
 
+import meshplan
 import pytest
 from meshplan.runtime import RankFailure, run_local
 from meshplan.runtime.launch import failure_summary
 from meshplan.runtime.watchdog import culprits, period_for, split_culprits
 
-from tests.runtime.harness import batch, build_model, loss_fn, make_plan, sgd
+from tests.runtime.harness import CFG, SEQ, batch, build_model, loss_fn, make_plan, sgd
+
+_MOE_GRAPHS: dict = {}
+
+
+def moe_graph(model_kw: dict):
+    """The tiny model with `model_kw` (experts), traced once per process."""
+    import torch
+
+    key = tuple(sorted(model_kw.items()))
+    if key not in _MOE_GRAPHS:
+        model, _ = meshplan.models.transformer(
+            dtype="float32", micro_batch=1, **{**CFG, **model_kw}
+        )
+        example = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
+        _MOE_GRAPHS[key] = meshplan.trace(model, example, example)
+    return _MOE_GRAPHS[key]
+
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 10.0
 SLACK_S = 4.0  # a beat period, the launcher's poll, a loaded 2-core machine
 
 
-def _train_until_signalled(plan, victim: int, sig: int, mark: str):
+def _train_until_signalled(plan, victim: int, sig: int, mark: str, model_kw: dict | None = None):
     """Inside a rank: train; at step 2 the victim stops or kills itself. Every rank also
-    returns its process groups' timeouts (never reached by a run that goes as planned)."""
+    returns its process groups' timeouts (never reached by a run that goes as planned).
+    `model_kw`: the tiny model's overrides (experts for the EP cases)."""
     import torch
     import torch.distributed as dist
     from meshplan.ir.plan import MESH_AXES
     from meshplan.runtime import apply
 
-    runner = apply(build_model(), plan, loss_fn, sgd)
+    runner = apply(build_model(**(model_kw or {})), plan, loss_fn, sgd)
     cpu = torch.device("cpu")
     timeouts = {
         a: runner.ctx.group(a)._get_backend(cpu).options._timeout.total_seconds() for a in MESH_AXES
@@ -62,7 +81,12 @@ CASES = {
     "tp-kill": (dict(world=2, tp=2, micro_batch=2, global_batch=4), 1, signal.SIGKILL),
     "cp-kill": (dict(world=2, cp=2, micro_batch=2, global_batch=4), 1, signal.SIGKILL),
     "ppxdp-kill": (dict(world=4, pp=2, dp=2, micro_batch=1, global_batch=8), 1, signal.SIGKILL),
+    # expert parallelism: the victim stops inside the MoE layers' all-to-alls
+    "epxdp-stop": (dict(world=4, dp=4, ep=2, micro_batch=1, global_batch=4), 3, signal.SIGSTOP),
+    "epxdp-kill": (dict(world=4, dp=4, ep=2, micro_batch=1, global_batch=4), 2, signal.SIGKILL),
 }
+# Model overrides per case (default: the dense tiny model); experts that drop no token.
+MODEL = {name: dict(experts=4, top_k=2, capacity_factor=2.0) for name in CASES if "ep" in name}
 FAST = {"tp-stop"}
 
 
@@ -70,7 +94,13 @@ def _check_case(name: str, tmp_path: Path) -> None:
     spec, victim, sig = CASES[name]
     spec = dict(spec)
     world = spec.pop("world")
-    plan = make_plan(world, **spec)
+    model_kw = MODEL.get(name)
+    if model_kw:
+        cluster = meshplan.Cluster.preset("cpu", gpus=world)
+        plan = meshplan.estimate_plan(moe_graph(model_kw), cluster=cluster,
+                                      parallel=meshplan.Parallel(**spec))  # fmt: skip
+    else:
+        plan = make_plan(world, **spec)
     mark = tmp_path / "stopped_at"
     with pytest.raises(RankFailure) as err:
         run_local(
@@ -80,6 +110,7 @@ def _check_case(name: str, tmp_path: Path) -> None:
             victim,
             sig,
             str(mark),
+            model_kw,
             timeout_s=120,
             collective_timeout_s=TIMEOUT_S,
         )
