@@ -410,29 +410,26 @@ def _read_torchtitan(
         r.note("CPU offload of FSDP states: priced without offload")
     if train.get("dtype") == "bfloat16" and "dtype" in train:
         r.note("pure bf16 training (no fp32 master weights): priced with mixed precision")
+    return _assembled(
+        r, "torchtitan", "parallelism", spec, stage_layers,
+        dict(fused=compiled, float8=float8, float8_all_gather=gather, tp_overlap=async_tp),
+        dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, micro_batch=micro, global_batch=global_batch,
+        recompute=recompute, zero=zero, schedule=schedule or Schedule.ONE_F_ONE_B,
+        sequence_parallel=sp, virtual_stages=virtual,
+    )  # fmt: skip
+
+
+def _assembled(
+    r, framework: str, field: str, spec, stage_layers, engine: dict | None, **parallel
+) -> FrameworkConfig:
+    """The `FrameworkConfig` of a read file: `Engine(**engine)` (None: eager) and
+    `Parallel(**parallel)`; a value either refuses is one error naming `field` of the file."""
     try:
-        engine = Engine(
-            fused=compiled, float8=float8, float8_all_gather=gather, tp_overlap=async_tp
-        )
-        parallel = Parallel(
-            dp=dp,
-            tp=tp,
-            pp=pp,
-            cp=cp,
-            ep=ep,
-            micro_batch=micro,
-            global_batch=global_batch,
-            recompute=recompute,
-            zero=zero,
-            schedule=schedule or Schedule.ONE_F_ONE_B,
-            sequence_parallel=sp,
-            virtual_stages=virtual,
-        )
+        built = Engine(**engine) if engine is not None else EAGER
+        par = Parallel(**parallel)
     except (ValueError, EngineError) as e:
-        raise r.error("parallelism", str(e)) from None
-    return FrameworkConfig(
-        "torchtitan", r.path, parallel, engine, spec, stage_layers, tuple(r.unpriced)
-    )
+        raise r.error(field, str(e)) from None
+    return FrameworkConfig(framework, r.path, par, built, spec, stage_layers, tuple(r.unpriced))
 
 
 def _layers_of(spec: ModelSpec | None) -> int:
@@ -771,32 +768,14 @@ def _load_megatron(
     for flag, why in _MEGATRON_UNPRICED.items():
         if opts.get(flag) and why:
             r.note(why)
-    try:
-        engine = Engine(
-            fused=fused,
-            float8=float8,
-            float8_all_gather=gather,
-            tp_overlap=bool(opts.get("tp-comm-overlap")),
-        )
-        parallel = Parallel(
-            dp=dp,
-            tp=tp,
-            pp=pp,
-            cp=cp,
-            ep=ep,
-            micro_batch=micro,
-            global_batch=global_batch,
-            recompute=recompute,
-            zero=zero,
-            schedule=schedule or Schedule.ONE_F_ONE_B,
-            sequence_parallel=sp,
-            virtual_stages=virtual,
-        )
-    except (ValueError, EngineError) as e:
-        raise r.error("arguments", str(e)) from None
-    return FrameworkConfig(
-        "megatron", r.path, parallel, engine, spec, stage_layers, tuple(r.unpriced)
-    )
+    return _assembled(
+        r, "megatron", "arguments", spec, stage_layers,
+        dict(fused=fused, float8=float8, float8_all_gather=gather,
+             tp_overlap=bool(opts.get("tp-comm-overlap"))),
+        dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, micro_batch=micro, global_batch=global_batch,
+        recompute=recompute, zero=zero, schedule=schedule or Schedule.ONE_F_ONE_B,
+        sequence_parallel=sp, virtual_stages=virtual,
+    )  # fmt: skip
 
 
 def megatron_chunk_layers(
@@ -1025,23 +1004,11 @@ def _load_deepspeed(
     if opt and str(opt).lower() not in ("adam", "adamw", "fusedadam"):
         r.note(f"optimizer {opt}: priced as Adam (two fp32 states)")
     spec = ModelSpec(model) if model is not None else None
-    try:
-        parallel = Parallel(
-            dp=dp,
-            tp=tp,
-            pp=pp,
-            cp=cp,
-            ep=1,
-            micro_batch=micro,
-            global_batch=tbs,
-            recompute=recompute,
-            zero=zero,
-            schedule=Schedule.ONE_F_ONE_B,
-            sequence_parallel=False,
-        )
-    except ValueError as e:
-        raise r.error("config", str(e)) from None
-    return FrameworkConfig("deepspeed", r.path, parallel, EAGER, spec, (), tuple(r.unpriced))
+    return _assembled(
+        r, "deepspeed", "config", spec, (), None,
+        dp=dp, tp=tp, pp=pp, cp=cp, ep=1, micro_batch=micro, global_batch=tbs,
+        recompute=recompute, zero=zero, schedule=Schedule.ONE_F_ONE_B, sequence_parallel=False,
+    )  # fmt: skip
 
 
 # -- load ----------------------------------------------------------------------------------------
