@@ -156,9 +156,15 @@ MEMORY_EFFICIENCY_BY_KIND: dict[OpKind, float] = {
 CUDA_CORE_GEMM_EFFICIENCY = 0.64
 
 
+def on_cuda_cores(gpu: GpuSpec, dtype: str) -> bool:
+    """A GEMM in `dtype` runs on `gpu`'s CUDA cores: float32 with TF32 off, on a GPU (the host
+    CPU "device" has no such split)."""
+    return dtype == VECTOR_DTYPE and gpu.name != "CPU"
+
+
 def tile_sides(gpu: GpuSpec, dtype: str, *, float8: bool = False) -> tuple[int, ...]:
     """Tile sides a GEMM in `dtype` on `gpu` chooses among (`wave_efficiency`)."""
-    cuda_core = dtype == VECTOR_DTYPE and not float8 and gpu.name != "CPU"
+    cuda_core = not float8 and on_cuda_cores(gpu, dtype)
     return CUDA_CORE_TILES if cuda_core else TENSOR_CORE_TILES
 
 
@@ -172,7 +178,7 @@ def gemm_efficiency(gpu: GpuSpec, dtype: str) -> float:
     tensor-core value, or the CUDA-core one for float32 (`CUDA_CORE_GEMM_EFFICIENCY`)
     unless this machine's GEMMs were measured by `meshplan calibrate` (or it is the host
     CPU "device", whose placeholder table entry keeps the default)."""
-    if dtype == VECTOR_DTYPE and gpu.gemm_efficiency is None and gpu.name != "CPU":
+    if on_cuda_cores(gpu, dtype) and gpu.gemm_efficiency is None:
         return CUDA_CORE_GEMM_EFFICIENCY
     return kernel_efficiency(gpu).gemm
 
