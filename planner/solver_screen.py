@@ -8,7 +8,9 @@ so tables are built per distinct stage), drops those that fit in no group's memo
 with memory (`_lower_bound`, `_share_bound`) and places greedily (`_greedy_placements`, the
 warm start, and `_share_placements`) until the bound passes the best plan: nothing left can
 win. Megatron-style configurations (`_megatron_seeds`) are priced first, for an early
-incumbent.
+incumbent. The heap holds typed entries (`_Queued`: a `_Family`, an `_Unsplit` candidate or a
+`_Pair`, ordered by bound, then enumeration index, then split); what the screen computes once
+per key lives in `_ScreenMemo`, and `_price` prices one pair.
 
 Uneven data-parallel batch shares (`_share_placements`): besides lock-step placements (every
 replica runs m micro-batches, the model of `solver_model`), a configuration with ZeRO <= 2 may
@@ -28,7 +30,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from meshplan.cost_model.memory import in_flight_microbatches
 from meshplan.cost_model.simulate import (
@@ -277,6 +279,264 @@ class _Priced:
     factor: float = 1.0
 
 
+# The screen's queue: best-first over candidates, then over their splits. Candidates that
+# differ only in ZeRO stage and schedule form a family (`_Family`), queued under its loosest
+# member's bound and expanded into its members (`_Unsplit`) at the front; a candidate is queued
+# under a bound that holds for every split and expanded into (candidate, split) pairs (`_Pair`)
+# with their own bounds at the front; a pair is priced in full at the front (`_price`).
+
+
+@dataclass(frozen=True, slots=True)
+class _Family:
+    """Candidates that differ only in ZeRO stage and schedule, bounded once by the loosest
+    member: the least fill, ZeRO <= 2 when there is one (`_split_free_bound` is increasing in
+    the fill and only ZeRO <= 2 gets the share bound)."""
+
+    members: tuple[tuple[int, Candidate], ...]  # (enumeration index, candidate)
+
+
+@dataclass(frozen=True, slots=True)
+class _Unsplit:
+    """A candidate under its split-free bound (`_split_free_bound`), not yet expanded into its
+    splits."""
+
+    cand: Candidate
+    factor: float  # score per second of step time at best (`_Scorer.factor`)
+
+
+@dataclass(frozen=True, slots=True)
+class _Pair:
+    """A (candidate, split) pair under its own bound (`_ScreenMemo.pair_bound`; a Megatron-style
+    warm start under -1), not yet priced."""
+
+    cand: Candidate
+    split: tuple[int, ...]
+    factor: float
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class _Queued:
+    """One entry of the screen's heap, ordered by (bound, index, split): the smallest score
+    bound first (warm starts at -1), ties in enumeration order (`index`: the candidate's, a
+    family's first member's), then by split (() for a family or an unsplit candidate: a
+    candidate before its pairs; a family and its members are never queued together). The
+    entry itself (`item`) is not compared."""
+
+    bound: float
+    index: int
+    split: tuple[int, ...]
+    item: _Family | _Unsplit | _Pair = field(compare=False)
+
+
+def _families(cands: list[Candidate]) -> list[_Family]:
+    """The candidates grouped by every knob but ZeRO stage and schedule, in enumeration order."""
+    families: dict[tuple, list[tuple[int, Candidate]]] = {}
+    for i, c in enumerate(cands):
+        fam = (c.tp, c.cp, c.pp, c.dp, c.ep, c.micro_batch, c.recompute, c.sequence_parallel)
+        families.setdefault(fam + (c.quantize_activations, c.group_tp), []).append((i, c))
+    return [_Family(tuple(members)) for members in families.values()]
+
+
+def _even_split(n_layers: int, pp: int) -> tuple[int, ...]:
+    """n_layers over pp stages, the first n_layers mod pp stages one layer more."""
+    base, extra = divmod(n_layers, pp)
+    return tuple(base + (1 if s < extra else 0) for s in range(pp))
+
+
+def _beyond(lb: float, limit: float) -> bool:
+    """Whether a step-time bound rules a candidate or pair out: infinite, or past `limit`."""
+    return math.isinf(lb) or lb > limit * (1 + 1e-9)
+
+
+def _smaller(smallest, need: tuple[int, int], c: Candidate):
+    """(bytes, stage, candidate): `smallest`, or c's `need` where that is less memory."""
+    if smallest is None or need[0] < smallest[0]:
+        return (*need, c)
+    return smallest
+
+
+class _ScreenMemo:
+    """The screen's inputs and what it computes once per key: the groups that can hold a
+    candidate's replicas, its score factor, a split's stage ranges, a candidate's splits, the
+    memory-free bound terms of a split, and the per-unit costs the bounds share (`cache`). Each
+    key names the knobs its value depends on."""
+
+    def __init__(
+        self,
+        pricer: Pricer,
+        graph: Graph,
+        global_batch: int,
+        work: _Work,
+        scorer: _Scorer,
+        limit: float,
+    ) -> None:
+        self.pricer = pricer
+        self.graph = graph
+        self.global_batch = global_batch
+        self.work = work
+        self.scorer = scorer
+        self.limit = limit
+        self.order = [g.name for g in pricer.cluster.groups]
+        self.n_layers = len(graph.layer_units)
+        self.cache: dict = {}
+        self._groups: dict[tuple, list[str]] = {}
+        self._factors: dict[tuple, float] = {}
+        self._ranges: dict[tuple[int, ...], tuple[tuple[int, int], ...]] = {}
+        self._splits: dict[tuple, list[tuple[int, ...]]] = {}
+        self._split_terms: dict[tuple, tuple[float, float, float, float]] = {}
+
+    def microbatches(self, c: Candidate) -> int:
+        """m = global batch / (dp x micro-batch): micro-batches per pipeline."""
+        return self.global_batch // (c.dp * c.micro_batch)
+
+    def groups(self, c: Candidate) -> list[str]:
+        """The groups, in cluster order, that can hold a replica of c (of tp x cp GPUs); under
+        per-group TP, only the groups it names."""
+        key = (c.tp, c.cp, c.group_tp)
+        got = self._groups.get(key)
+        if got is None:
+            named = dict(c.group_tp)
+            got = self._groups[key] = [
+                g
+                for g in self.order
+                if (not named or g in named)
+                and replica_capacity(self.pricer.groups[g], c.tp_of(g), c.cp)
+            ]
+        return got
+
+    def capacity(self, c: Candidate) -> dict[str, int]:
+        """Replicas of c each of its groups holds."""
+        return {
+            g: replica_capacity(self.pricer.groups[g], c.tp_of(g), c.cp) for g in self.groups(c)
+        }
+
+    def factor(self, c: Candidate) -> float:
+        """`_Scorer.factor` of c (it reads the degrees and the replica capacities only)."""
+        key = (c.tp, c.cp, c.pp, c.dp, c.group_tp)
+        got = self._factors.get(key)
+        if got is None:
+            got = self._factors[key] = self.scorer.factor(c, self.capacity(c))
+        return got
+
+    def ranges(self, split: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+        """Each stage's (first, last) unit under the per-stage layer counts `split`."""
+        got = self._ranges.get(split)
+        if got is None:
+            got = self._ranges[split] = stages_of(self.graph, split)
+        return got
+
+    def free_bound(self, c: Candidate) -> tuple[float, float] | None:
+        """(split-free bound x factor, factor) of c, or None when it cannot win (`limit`)."""
+        self.work.charge("bound")
+        groups = self.groups(c)
+        lb = _split_free_bound(self.pricer, c, groups, self.microbatches(c), self.cache)
+        if _beyond(lb, self.limit):
+            return None
+        factor = self.factor(c)
+        return lb * factor, factor
+
+    def split_free_memory(self, c: Candidate) -> int:
+        """Bytes at least of the stage holding ceil(L / pp) layers of c (`_split_free_memory`)."""
+        return _split_free_memory(self.pricer, c, self.n_layers, self.cache)
+
+    def too_big(self, c: Candidate, need_of: Callable[[Candidate], tuple[int, int]]):
+        """(bytes, stage) that c needs where it fits on no GPU it may use, else None;
+        `need_of(candidate)` gives a homogeneous candidate's need (per-group TP: each group's
+        at its own tp, and both must host pipelines)."""
+        if not c.group_tp:
+            need = need_of(c)
+            top = max(self.pricer.groups[g].gpu.memory_bytes for g in self.groups(c))
+            return need if need[0] > top else None
+        for g, _ in c.group_tp:
+            need = need_of(c.view(g))
+            if need[0] > self.pricer.groups[g].gpu.memory_bytes:
+                return need
+        return None
+
+    def _split_key(self, c: Candidate) -> tuple:
+        """The knobs c's splits depend on: all but ZeRO stage and quantization, and the
+        schedule with its v only where it is chunked (its split is its chunk layout's)."""
+        key = (c.tp, c.cp, c.ep, c.sequence_parallel, c.pp, c.dp, c.micro_batch)
+        key += (c.recompute, c.group_tp)
+        chunked = c.schedule in (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE)
+        return key + ((c.schedule, c.virtual_stages) if chunked else None,)
+
+    def splits(self, c: Candidate) -> list[tuple[int, ...]]:
+        """The layer splits L(c) (`_splits`)."""
+        key = self._split_key(c)
+        got = self._splits.get(key)
+        if got is None:
+            got = self._splits[key] = _splits(
+                self.pricer, c, self.groups(c), self.n_layers, self.cache
+            )
+        return got
+
+    def pair_bound(self, c: Candidate, split: tuple[int, ...]) -> float:
+        """Step-time bound of (c, split) without memory: the pipeline bound
+        (`_pipeline_bound`: m U + (S - U) fill) over the memory-free terms
+        (U, S, rate, share fill) of `_memory_free_bound`, or with shares (ZeRO <= 2)
+        dp m / rate + share fill x fill when that is less."""
+        ranges = self.ranges(split)
+        # zero does not change stage times, and the bound is linear in m
+        key = (*self._split_key(c)[:-1], split)
+        terms = self._split_terms.get(key)
+        if terms is None:
+            self.work.charge("split")
+            terms = self._split_terms[key] = _memory_free_bound(
+                self.pricer, c, ranges, self.groups(c), self.cache
+            )
+        big_u, total, rate, fill = terms
+        m = self.microbatches(c)
+        lb = _pipeline_bound(big_u, total, m, c.fill)
+        if c.zero <= 2 and rate > 0:
+            lb = min(lb, c.dp * m / rate + fill * c.fill)
+        return lb
+
+
+def _price(memo: _ScreenMemo, pair: _Pair, best: float) -> _Priced | None:
+    """(c, l) priced in full: its tables, the groups each stage fits in, its bounds with memory
+    (lock-step `_lower_bound`, shares `_share_bound`) and its warm starts (lock-step
+    `_greedy_placements`, then `_share_placements` where shares may beat them). None when some
+    stage fits in no group or the bound passes `best`."""
+    c, split, factor = pair.cand, pair.split, pair.factor
+    pricer, work, scorer = memo.pricer, memo.work, memo.scorer
+    groups = memo.groups(c)
+    ranges = memo.ranges(split)
+    if c.group_tp:
+        t = hetero_tables(pricer, c.parallel(memo.global_batch), ranges, dict(c.group_tp))
+    else:
+        t = plan_tables(pricer, c.parallel(memo.global_batch), ranges, groups)
+    work.charge("cell", t.pp * len(groups))
+    allowed = [[g for g in groups if t.fits[s][g]] for s in range(t.pp)]
+    if any(not a for a in allowed):
+        return None
+    # per-group TP: group-pure pipelines only (no lock-step placement)
+    lock_lower = math.inf if c.group_tp else _lower_bound(t, allowed) * factor
+    share_lower = _share_bound(t, allowed) * factor
+    lower = min(lock_lower, share_lower)
+    if lower > best * (1 + 1e-9):
+        return None
+    pr = _Priced(c, split, t, allowed, lower, lock_lower, math.inf, None, math.inf)
+    pr.factor = factor
+    for pl in [] if c.group_tp else _greedy_placements(t, allowed, memo.order):
+        work.charge("placement")
+        sc = scorer.score(c, evaluate(t, pl).step_time_s, pl)
+        if sc < pr.greedy_score:
+            pr.greedy_placement, pr.greedy_score = pl, sc
+    if pr.greedy_placement is not None:
+        pr.best = (pr.greedy_score, pr.greedy_placement, None)
+    if share_lower < (pr.best[0] if pr.best else math.inf) * (1 - 1e-9):
+        options, exact = _share_placements(t, allowed, prune=not scorer.cost)
+        work.charge("placement", len(options))
+        for pl, shares in options:
+            sc = scorer.score(c, evaluate(t, pl, shares).step_time_s, pl)
+            if pr.best is None or sc < pr.best[0] * (1 - 1e-12):
+                pr.best = (sc, pl, shares)
+        if not exact:
+            pr.share_open = share_lower
+    return pr
+
+
 def _screen(
     pricer: Pricer,
     graph: Graph,
@@ -297,94 +557,21 @@ def _screen(
     charged to `work`; the screen stops once `until` work units are spent (or at the safety
     net) and some plan is known. Pairs whose bound exceeds `limit` are dropped (min_gpus: the
     target step time)."""
-    cluster = pricer.cluster
-    order = [g.name for g in cluster.groups]
-    n_layers = len(graph.layer_units)
-    ranges_of: dict[tuple[int, ...], tuple[tuple[int, int], ...]] = {}
-    splits_of: dict[tuple, list[tuple[int, ...]]] = {}
-    bound_of: dict[tuple, tuple[float, float, float, float]] = {}
-    groups_of: dict[tuple[int, int], list[str]] = {}
-    factor_of: dict[tuple, float] = {}
-    cache: dict = {}
-
-    def groups_for(c: Candidate) -> list[str]:
-        key = (c.tp, c.cp, c.group_tp)
-        got = groups_of.get(key)
-        if got is None:
-            named = dict(c.group_tp)
-            got = groups_of[key] = [
-                g
-                for g in order
-                if (not named or g in named)
-                and replica_capacity(pricer.groups[g], c.tp_of(g), c.cp)
-            ]
-        return got
-
-    def capacity_of(c: Candidate) -> dict[str, int]:
-        return {g: replica_capacity(pricer.groups[g], c.tp_of(g), c.cp) for g in groups_for(c)}
-
-    def too_big(c: Candidate, need_of: Callable[[Candidate], tuple[int, int]]):
-        """(bytes, stage) that c needs where it fits on no GPU it may use, else None;
-        `need_of(candidate)` gives a homogeneous candidate's need (per-group TP: each group's
-        at its own tp, and both must host pipelines)."""
-        if not c.group_tp:
-            need = need_of(c)
-            top = max(pricer.groups[g].gpu.memory_bytes for g in groups_for(c))
-            return need if need[0] > top else None
-        for g, _ in c.group_tp:
-            need = need_of(c.view(g))
-            if need[0] > pricer.groups[g].gpu.memory_bytes:
-                return need
-        return None
-
-    # Best-first over candidates, then over their splits: a candidate enters with a bound that
-    # holds for every split (`_split_free_bound`) and is expanded into (candidate, split) pairs
-    # with their own bounds only when it reaches the front.
-    # Candidates that differ only in ZeRO stage and schedule form a family, bounded once by its
-    # loosest member (the least fill, ZeRO <= 2 when there is one: `_split_free_bound` is
-    # increasing in the fill and only ZeRO <= 2 gets the share bound) and expanded into its
-    # members when it reaches the front. Ties break by enumeration order (deterministic).
-    families: dict[tuple, list[tuple[int, Candidate]]] = {}
-    for i, c in enumerate(cands):
-        fam = (c.tp, c.cp, c.pp, c.dp, c.ep, c.micro_batch, c.recompute, c.sequence_parallel)
-        families.setdefault(fam + (c.quantize_activations, c.group_tp), []).append((i, c))
-    heap = []
-
-    def bounded(c: Candidate) -> tuple[float, float] | None:
-        """(bound x factor, factor) of c, or None when it cannot win (`limit`)."""
-        work.charge("bound")
-        groups = groups_for(c)
-        m = global_batch // (c.dp * c.micro_batch)
-        lb = _split_free_bound(pricer, c, groups, m, cache)
-        if math.isinf(lb) or lb > limit * (1 + 1e-9):
-            return None
-        fkey = (c.tp, c.cp, c.pp, c.dp, c.group_tp)
-        factor = factor_of.get(fkey)
-        if factor is None:
-            factor = factor_of[fkey] = scorer.factor(c, capacity_of(c))
-        return lb * factor, factor
-
-    for members in families.values():
-        loosest = min(members, key=lambda ic: (ic[1].fill, ic[1].zero > 2, ic[0]))[1]
-        got = bounded(loosest)
+    memo = _ScreenMemo(pricer, graph, global_batch, work, scorer, limit)
+    families = _families(cands)
+    queue: list[_Queued] = []
+    for family in families:
+        loosest = min(family.members, key=lambda ic: (ic[1].fill, ic[1].zero > 2, ic[0]))[1]
+        got = memo.free_bound(loosest)
         if got is not None:
-            heap.append((got[0], members[0][0], None, members, got[1]))
+            queue.append(_Queued(got[0], family.members[0][0], (), family))
     # Megatron-style warm starts go first (bound -1): a strong incumbent early prunes the rest.
-    top_memory = max(g.gpu.memory_bytes for g in cluster.groups)
-
-    def may_fit(c: Candidate) -> bool:
-        return _split_free_memory(pricer, c, n_layers, cache) <= top_memory
-
+    top_memory = max(g.gpu.memory_bytes for g in pricer.cluster.groups)
     index = {id(c): i for i, c in enumerate(cands)}
-    for c in _megatron_seeds(cands, may_fit):
-        base, extra = divmod(n_layers, c.pp)
-        even = tuple(base + (1 if s < extra else 0) for s in range(c.pp))
-        ranges_of.setdefault(even, stages_of(graph, even))
-        fkey = (c.tp, c.cp, c.pp, c.dp, c.group_tp)
-        if fkey not in factor_of:
-            factor_of[fkey] = scorer.factor(c, capacity_of(c))
-        heap.append((-1.0, index[id(c)], even, c, factor_of[fkey]))
-    heapq.heapify(heap)
+    for c in _megatron_seeds(cands, lambda c: memo.split_free_memory(c) <= top_memory):
+        even = _even_split(memo.n_layers, c.pp)
+        queue.append(_Queued(-1.0, index[id(c)], even, _Pair(c, even, memo.factor(c))))
+    heapq.heapify(queue)
     say(f"bounded {len(cands)} configurations in {len(families)} families; pricing in bound order")
     done: set[tuple[Candidate, tuple[int, ...]]] = set()
 
@@ -393,103 +580,52 @@ def _screen(
     priced = pairs = 0
     smallest: tuple[int, int, Candidate] | None = None  # (bytes, stage, candidate)
     cut = math.inf
-    while heap:
-        lb0, sort_key, split, c, factor = heapq.heappop(heap)
-        if lb0 > best * (1 + 1e-9):
+    while queue:
+        entry = heapq.heappop(queue)
+        if entry.bound > best * (1 + 1e-9):
             break
         # Past the budget, stop once there is a plan to return. Without one, go on: the
         # memory check below makes pricing a candidate that fits nowhere cheap.
-        if lb0 >= 0 and math.isfinite(best) and work.exhausted(until):
-            cut = lb0
+        if entry.bound >= 0 and math.isfinite(best) and work.exhausted(until):
+            cut = entry.bound
             break
-        if split is None:  # a family: bound and queue its members
-            for i, member in c:
-                got = bounded(member)
-                if got is not None:
-                    heapq.heappush(heap, (got[0], i, (), member, got[1]))
-            continue
-        groups = groups_for(c)
-        if not split:  # expand the candidate into its splits
-            work.charge("memory")
-            need = too_big(c, lambda x: (_split_free_memory(pricer, x, n_layers, cache), x.pp - 1))
-            if need is not None:
-                if smallest is None or need[0] < smallest[0]:
-                    smallest = (*need, c)
-                continue  # no split fits: some stage holds ceil(L / pp) layers
-            skey = (c.tp, c.cp, c.ep, c.sequence_parallel, c.pp, c.dp, c.micro_batch)
-            skey += (c.recompute, c.group_tp)
-            chunked = c.schedule in (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE)
-            # a chunked schedule's split is its chunk layout's (`_splits`): per schedule and v
-            skey += ((c.schedule, c.virtual_stages) if chunked else None,)
-            splits = splits_of.get(skey)
-            if splits is None:
-                splits = splits_of[skey] = _splits(pricer, c, groups, n_layers, cache)
-            m = global_batch // (c.dp * c.micro_batch)
-            for sp_ in splits:
-                ranges = ranges_of.get(sp_)
-                if ranges is None:
-                    ranges = ranges_of[sp_] = stages_of(graph, sp_)
-                # zero does not change stage times, and the bound is linear in m
-                bkey = (*skey[:-1], sp_)
-                ab = bound_of.get(bkey)
-                if ab is None:
-                    work.charge("split")
-                    ab = bound_of[bkey] = _memory_free_bound(pricer, c, ranges, groups, cache)
-                big_u, total, rate, fill = ab
-                lb = _pipeline_bound(big_u, total, m, c.fill)
-                if c.zero <= 2 and rate > 0:
-                    lb = min(lb, c.dp * m / rate + fill * c.fill)
-                if math.isinf(lb) or lb > limit * (1 + 1e-9):
+        match entry.item:
+            case _Family(members=members):  # bound and queue its members
+                for i, member in members:
+                    got = memo.free_bound(member)
+                    if got is not None:
+                        unsplit = _Unsplit(member, got[1])
+                        heapq.heappush(queue, _Queued(got[0], i, (), unsplit))
+            case _Unsplit(cand=c, factor=factor):  # expand the candidate into its splits
+                work.charge("memory")
+                need = memo.too_big(c, lambda x: (memo.split_free_memory(x), x.pp - 1))
+                if need is not None:
+                    smallest = _smaller(smallest, need, c)
+                    continue  # no split fits: some stage holds ceil(L / pp) layers
+                for split in memo.splits(c):
+                    lb = memo.pair_bound(c, split)
+                    if _beyond(lb, limit):
+                        continue
+                    pairs += 1
+                    pair = _Pair(c, split, factor)
+                    heapq.heappush(queue, _Queued(lb * factor, entry.index, split, pair))
+            case _Pair(cand=c, split=split) as pair:  # price it
+                if (c, split) in done:
+                    continue  # a warm start priced already
+                done.add((c, split))
+                ranges = memo.ranges(split)
+                work.charge("memory")
+                need = memo.too_big(c, lambda x: _largest_stage(pricer, x, ranges, global_batch))
+                if need is not None:
+                    smallest = _smaller(smallest, need, c)
+                    continue  # some stage fits on no GPU: no tables needed to know
+                priced += 1
+                pr = _price(memo, pair, best)
+                if pr is None:
                     continue
-                pairs += 1
-                heapq.heappush(heap, (lb * factor, sort_key, sp_, c, factor))
-            continue
-        if (c, split) in done:
-            continue  # a warm start priced already
-        done.add((c, split))
-        ranges = ranges_of[split]
-        work.charge("memory")
-        need = too_big(c, lambda x: _largest_stage(pricer, x, ranges, global_batch))
-        if need is not None:
-            if smallest is None or need[0] < smallest[0]:
-                smallest = (*need, c)
-            continue  # some stage fits on no GPU: no tables needed to know
-        priced += 1
-        if c.group_tp:
-            t = hetero_tables(pricer, c.parallel(global_batch), ranges, dict(c.group_tp))
-        else:
-            t = plan_tables(pricer, c.parallel(global_batch), ranges, groups)
-        work.charge("cell", t.pp * len(groups))
-        allowed = [[g for g in groups if t.fits[s][g]] for s in range(t.pp)]
-        if any(not a for a in allowed):
-            continue
-        # per-group TP: group-pure pipelines only (no lock-step placement)
-        lock_lower = math.inf if c.group_tp else _lower_bound(t, allowed) * factor
-        share_lower = _share_bound(t, allowed) * factor
-        lower = min(lock_lower, share_lower)
-        if lower > best * (1 + 1e-9):
-            continue
-        pr = _Priced(c, split, t, allowed, lower, lock_lower, math.inf, None, math.inf)
-        pr.factor = factor
-        for pl in [] if c.group_tp else _greedy_placements(t, allowed, order):
-            work.charge("placement")
-            sc = scorer.score(c, evaluate(t, pl).step_time_s, pl)
-            if sc < pr.greedy_score:
-                pr.greedy_placement, pr.greedy_score = pl, sc
-        if pr.greedy_placement is not None:
-            pr.best = (pr.greedy_score, pr.greedy_placement, None)
-        if share_lower < (pr.best[0] if pr.best else math.inf) * (1 - 1e-9):
-            options, exact = _share_placements(t, allowed, prune=not scorer.cost)
-            work.charge("placement", len(options))
-            for pl, shares in options:
-                sc = scorer.score(c, evaluate(t, pl, shares).step_time_s, pl)
-                if pr.best is None or sc < pr.best[0] * (1 - 1e-12):
-                    pr.best = (sc, pl, shares)
-            if not exact:
-                pr.share_open = share_lower
-        if pr.best is not None:
-            best = min(best, pr.best[0])
-        kept.append(pr)
+                if pr.best is not None:
+                    best = min(best, pr.best[0])
+                kept.append(pr)
     kept = [k for k in kept if k.lower <= best * (1 + 1e-9)]
     kept.sort(key=lambda k: (k.lower, k.best[0] if k.best else math.inf, k.cand.sort_key))
     return kept, pairs, priced, smallest, cut
