@@ -43,7 +43,7 @@ import dataclasses
 import functools
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from meshplan.cost_model.simulate import SUPPORTED_SCHEDULES, Pricer
 from meshplan.ir import (
@@ -206,6 +206,44 @@ class Candidate:
         )
 
 
+# The constraints of `enumerate_candidates`'s loops, in the order they apply: each sees only the
+# partial configurations that passed the ones before it.
+CONSTRAINTS = (
+    "world size",  # the pp x dp replicas of tp x cp GPUs fit the cluster in whole TP groups
+    "ep divides dp",  # expert ranks reuse data-parallel ranks
+    "ep with tp needs sp",  # Megatron-Core's rule; the runtime's too
+    "batch",  # dp x micro_batch divides the global batch
+    "schedule",  # some schedule runs the m micro-batches on pp stages (`schedule_options`)
+    "zb without zero3",  # torch's ZB-V with FSDP2 resharding gives wrong gradients
+)
+
+
+@dataclass
+class _Funnel:
+    """How many partial configurations passed each of CONSTRAINTS, and the first one each
+    rejected (the enumeration's first: the smallest degrees). Every constraint sees only what
+    passed those before it, so when nothing is left the first constraint that nothing passed is
+    the one that left nothing, whatever the later ones would have said."""
+
+    passed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CONSTRAINTS, 0))
+    example: dict[str, str] = field(default_factory=dict)
+
+    def keep(self, constraint: str) -> None:
+        """One partial configuration passed `constraint`."""
+        self.passed[constraint] += 1
+
+    def reject(self, constraint: str, reason: str) -> None:
+        """One partial configuration failed `constraint`, for `reason`."""
+        self.example.setdefault(constraint, reason)
+
+    def why_none(self) -> str:
+        """The reason of the first constraint that nothing passed."""
+        for constraint in CONSTRAINTS:
+            if not self.passed[constraint]:
+                return self.example.get(constraint, "no configuration fits the cluster's GPU count")
+        raise AssertionError("a configuration passed every constraint")
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -293,7 +331,8 @@ def enumerate_candidates(
     parallel when tp > 1 (and ep > 1 with tp > 1 only with it). With `per_group_tp` on a
     cluster of several groups, also the per-group TP candidates of
     `_per_group_tp_candidates`. Raises InfeasibleError naming the first constraint that
-    leaves nothing.
+    leaves nothing: a pinned value refused on its own (before any loop), else the first of
+    CONSTRAINTS that no configuration passed (`_Funnel`), with its first rejection's reason.
     """
     info = graph.info
     p = pinned
@@ -370,18 +409,27 @@ def enumerate_candidates(
     else:
         qas = [False, True] if quantize else [False]
     out: list[Candidate] = []
-    why_none = "no configuration fits the cluster's GPU count"
+    funnel = _Funnel()
     for tp, cp, pp in itertools.product(tps, cps, pps):
         sp = p.sequence_parallel if p.sequence_parallel is not None else tp > 1
-        max_dp = sum(replica_capacity(g, tp, cp) for g in cluster.groups) // pp
+        replicas = sum(replica_capacity(g, tp, cp) for g in cluster.groups)
+        max_dp = replicas // pp
         if p.dp is not None and p.dp > max_dp:
-            why_none = (
+            funnel.reject(
+                "world size",
                 f"tp*pp*cp*dp = {tp}*{pp}*{cp}*{p.dp} = {tp * pp * cp * p.dp} GPUs in whole "
-                f"TP groups, but the cluster holds {max_dp * pp * tp * cp} of them"
+                f"TP groups, but the cluster holds {max_dp * pp * tp * cp} of them",
             )
             continue
         dps = [p.dp] if p.dp is not None else _divisors_upto(global_batch, max_dp)
+        if not dps:
+            funnel.reject(
+                "world size",
+                f"tp*pp*cp = {tp}*{pp}*{cp} = {tp * pp * cp} GPUs for one pipeline in whole "
+                f"TP groups, but the cluster holds {replicas * tp * cp} of them",
+            )
         for dp in dps:
+            funnel.keep("world size")
             mbs = (
                 [p.micro_batch]
                 if p.micro_batch is not None
@@ -390,45 +438,62 @@ def enumerate_candidates(
             zeros = [p.zero] if p.zero is not None else ([0, 1, 2, 3] if dp * cp > 1 else [0])
             for ep in eps:
                 if dp % ep:
-                    why_none = f"ep={ep} does not divide dp={dp} (expert ranks reuse DP ranks)"
+                    funnel.reject(
+                        "ep divides dp",
+                        f"ep={ep} does not divide dp={dp} (expert ranks reuse DP ranks)",
+                    )
                     continue
+                funnel.keep("ep divides dp")
                 if ep > 1 and tp > 1 and not sp:  # Megatron-Core's rule; the runtime's too
-                    why_none = "ep > 1 with tp > 1 needs sequence parallelism"
+                    funnel.reject(
+                        "ep with tp needs sp", "ep > 1 with tp > 1 needs sequence parallelism"
+                    )
                     continue
+                funnel.keep("ep with tp needs sp")
                 for mb in mbs:
                     if global_batch % (dp * mb):  # a pinned micro-batch against a free dp
-                        why_none = (
+                        funnel.reject(
+                            "batch",
                             f"global_batch={global_batch} is not divisible by "
-                            f"dp*micro_batch={dp}*{mb}={dp * mb} for any dp that fits"
+                            f"dp*micro_batch={dp}*{mb}={dp * mb} for any dp that fits",
                         )
                         continue
+                    funnel.keep("batch")
                     scheds = schedule_options(p, pp, n_layers, global_batch // (dp * mb), zb)
                     if not scheds:
                         m_ = global_batch // (dp * mb)
-                        why_none = (p.schedule and microbatch_problem(p.schedule, pp, m_)) or (
-                            f"zero_bubble (ZB-V) needs pp >= 2 with 2*pp dividing the {n_layers} "
-                            f"layers and at least 2*pp - 1 micro-batches (pp={pp}, {m_} "
-                            "micro-batches)"
-                            if p.schedule == Schedule.ZERO_BUBBLE
-                            else f"interleaved 1F1B needs pp >= 2 dividing the {n_layers} layers "
-                            f"and the micro-batch count (pp={pp}, {m_} micro-batches)"
+                        funnel.reject(
+                            "schedule",
+                            (p.schedule and microbatch_problem(p.schedule, pp, m_))
+                            or (
+                                f"zero_bubble (ZB-V) needs pp >= 2 with 2*pp dividing the "
+                                f"{n_layers} layers and at least 2*pp - 1 micro-batches "
+                                f"(pp={pp}, {m_} micro-batches)"
+                                if p.schedule == Schedule.ZERO_BUBBLE
+                                else f"interleaved 1F1B needs pp >= 2 dividing the {n_layers} "
+                                f"layers and the micro-batch count (pp={pp}, {m_} micro-batches)"
+                            ),
                         )
+                        continue
+                    funnel.keep("schedule")
                     for zero, rc, (sched, v), qa in itertools.product(zeros, rcs, scheds, qas):
                         if zero == 3 and sched == Schedule.ZERO_BUBBLE:
                             # torch's ZB-V with FSDP2 resharding gives wrong gradients
                             # (measured; the runtime refuses it): not a plan to emit
-                            why_none = (
+                            funnel.reject(
+                                "zb without zero3",
                                 "zero_bubble (ZB-V) with ZeRO-3 does not train correctly in "
-                                "torch 2.13 (the runtime refuses it); use zero <= 2"
+                                "torch 2.13 (the runtime refuses it); use zero <= 2",
                             )
                             continue
+                        funnel.keep("zb without zero3")
                         out.append(Candidate(tp, pp, dp, cp, ep, mb, zero, rc, sched, sp, v, qa))
     if per_group_tp and len(cluster.groups) > 1:
         out += _per_group_tp_candidates(
             cluster, p, global_batch, tps, cps, pps, rcs, qas, n_layers, zb
         )
     if not out:
-        raise InfeasibleError(f"no plan: {why_none}")
+        raise InfeasibleError(f"no plan: {funnel.why_none()}")
     return out
 
 
