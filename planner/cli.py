@@ -334,8 +334,8 @@ def _print_framework(cfg) -> None:
         markup=False,
         soft_wrap=True,
     )
-    if cfg.unpriced:
-        out.print("not priced: " + "; ".join(cfg.unpriced), markup=False, soft_wrap=True)
+    if line := cfg.not_priced_line():
+        out.print(line, markup=False, soft_wrap=True)
 
 
 def _trace(name: str, model, inputs):

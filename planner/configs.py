@@ -1,16 +1,17 @@
 """Configurations of the frameworks people already train with: import, compare, export.
 
     cfg = meshplan.configs.load("megatron:args.txt", world_size=1024)
-    cfg.parallel, cfg.engine, cfg.model, cfg.stage_layers, cfg.unpriced
+    cfg.parallel, cfg.engine, cfg.model, cfg.stage_layers, cfg.unpriced, cfg.unknown
     plan = meshplan.configs.estimate(cfg, cluster)          # predicted on your cluster
     text = meshplan.configs.export(plan, "torchtitan").text  # a job TOML torchtitan runs
 
 Three readers turn a framework's own configuration into one `FrameworkConfig` (a
 `Parallel`, the engine options meshplan prices, the model when the file states it, the
-layers per pipeline stage of an uneven split, and the list of what the file says that
-meshplan cannot price); writers turn a `Plan` back into each framework's form, or refuse
-with one line naming the feature it cannot express (`--closest` writes the nearest plan it
-can, re-priced). `import(export(plan))` gives back the plan's `Parallel`.
+layers per pipeline stage of an uneven split, the list of what the file says that meshplan
+cannot price, and the options it does not know); writers turn a `Plan` back into each
+framework's form, or refuse with one line naming the feature it cannot express (`--closest`
+writes the nearest plan it can, re-priced). `import(export(plan))` gives back the plan's
+`Parallel`.
 
 Formats and where their names come from (each reader cites the file it follows):
 - `torchtitan`: the job TOML of torchtitan <= 0.2 (`torchtitan/config/job_config.py`:
@@ -24,7 +25,10 @@ Formats and where their names come from (each reader cites the file it follows):
 - `deepspeed`: a DeepSpeed JSON config (deepspeed 0.19.8 `deepspeed/runtime/config.py`,
   `runtime/constants.py`, `runtime/zero/config.py`, `runtime/tensor_parallel/config.py`).
 
-Every mistake in a file is a one-line `ConfigError`: `FILE: field F: what is wrong; what to do`.
+Every option a file states is priced, listed as not priced, silently accepted as
+bookkeeping, or listed as unknown with the nearest known name (`configs_options`, which holds
+each framework's option tables). Every mistake in a file is a one-line `ConfigError`:
+`FILE: field F: what is wrong; what to do`.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ from meshplan.ir import Cluster, Graph, Parallel, Recompute, Schedule
 from meshplan.ir.plan import Plan, assign_ranks, write_text_file
 from meshplan.models import PRESETS, TransformerConfig
 from meshplan.passes.partition import chunk_layers, place_stages, stages_of
+
+from .configs_options import OPTIONS, classify
 
 FRAMEWORKS = ("torchtitan", "megatron", "deepspeed")
 EXPORT_FORMATS = ("torchtitan", "torchtitan-cli", "megatron", "deepspeed")
@@ -80,7 +86,10 @@ class FrameworkConfig:
     `parallel` has dp and global_batch filled when the world size is known (given to
     `load`, or stated by the file); `stage_layers` lists the layers of each pipeline stage
     of an uneven split (empty: even); `unpriced` what the file asks for that meshplan does
-    not price (each entry says how it is priced instead)."""
+    not price (each entry names the options and says how they are priced instead);
+    `unknown` the options it states that are no option of that framework meshplan knows
+    (each with the nearest known name: `--tensor-model-paralel-size (did you mean
+    --tensor-model-parallel-size?)`)."""
 
     framework: str
     source: str
@@ -89,14 +98,23 @@ class FrameworkConfig:
     model: ModelSpec | None = None
     stage_layers: tuple[int, ...] = ()
     unpriced: tuple[str, ...] = ()
+    unknown: tuple[str, ...] = ()
+
+    def not_priced_line(self) -> str:
+        """The one line `meshplan estimate --from` prints: what is not priced, then the
+        unknown options; empty when there is neither."""
+        items = [*self.unpriced, *(f"unknown {u}" for u in self.unknown)]
+        return "not priced: " + "; ".join(items) if items else ""
 
 
 class _Reader:
-    """Collects a reader's fields, errors and unpriced notes for one file."""
+    """Collects a reader's fields, errors, unpriced notes and unknown options for one file."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.unpriced: list[str] = []
+        self.options: list[str] = []  # not-priced options, from `sort_options`
+        self.unknown: list[str] = []
 
     def error(self, field: str, what: str) -> ConfigError:
         return ConfigError(f"{self.path}: field {field}: {what}")
@@ -114,6 +132,17 @@ class _Reader:
     def note(self, text: str) -> None:
         if text not in self.unpriced:
             self.unpriced.append(text)
+
+    def sort_options(self, fmt: str, given) -> None:
+        """Sort `given` (the file's `(name, value)` options, spelt as `configs_options`
+        spells them for `fmt`): what is not priced and what is unknown."""
+        found = classify(OPTIONS[fmt], given)
+        self.options += found.not_priced
+        self.unknown += found.unknown
+
+    def notes(self) -> tuple[str, ...]:
+        """The reader's own notes, then the not-priced options."""
+        return tuple(dict.fromkeys([*self.unpriced, *self.options]))
 
 
 def _world_dp(r: _Reader, world_size: int | None, mp: int, field: str) -> int | None:
@@ -287,9 +316,6 @@ def _read_torchtitan(
         sp = False
     else:
         sp = tp > 1
-    if not par.get("disable_loss_parallel", False) and tp > 1:
-        pass  # loss parallel is what meshplan's TP prices (vocab-sharded logits)
-
     # model and its layer count (for the stage split)
     spec: ModelSpec | None = None
     seq = r.positive("training.seq_len", train.get("seq_len", 2048))
@@ -429,7 +455,9 @@ def _assembled(
         par = Parallel(**parallel)
     except (ValueError, EngineError) as e:
         raise r.error(field, str(e)) from None
-    return FrameworkConfig(framework, r.path, par, built, spec, stage_layers, tuple(r.unpriced))
+    return FrameworkConfig(
+        framework, r.path, par, built, spec, stage_layers, r.notes(), tuple(r.unknown)
+    )
 
 
 def _layers_of(spec: ModelSpec | None) -> int:
@@ -463,6 +491,7 @@ def _load_torchtitan_toml(
     if any("mx" in c for c in converters):
         f8["mx"] = True
     ac = data.get("activation_checkpoint", {})
+    r.sort_options("torchtitan", data.items())
     sections = {
         "parallelism": data.get("parallelism", {}),
         "training": data.get("training", {}),
@@ -474,7 +503,7 @@ def _load_torchtitan_toml(
         sections,
         model_name,
         world_size,
-        str(ac.get("mode", "selective")),
+        str(ac.get("mode", "selective")).replace("_", "-"),  # 0.2 spells it memory_budget
         str(ac.get("selective_ac_option", "2")),
         model,
     )
@@ -489,6 +518,17 @@ def _cli_tokens(r: _Reader, text: str) -> list[str]:
         raise ConfigError(
             f"{r.path}: cannot split the command line ({e}); fix its quoting"
         ) from None
+
+
+def _program_args(tokens: list[str]) -> list[str]:
+    """The program's own arguments: what follows the program (`pretrain_gpt.py`, or the module
+    after `-m`) when the file holds the launcher's command line too (`torchrun
+    --nproc_per_node 8 pretrain_gpt.py ...`, whose options are not the program's); all of
+    it when the file holds the arguments alone."""
+    for i, t in enumerate(tokens):
+        if t.endswith(".py") or (i and tokens[i - 1] == "-m"):
+            return tokens[i + 1 :]
+    return tokens
 
 
 def _cli_options(r: _Reader, tokens: list[str]) -> tuple[dict[str, object], list[str]]:
@@ -539,7 +579,7 @@ def _load_torchtitan_cli(
     `--section.no-field`; the activation-checkpoint policy as subcommand
     `activation_checkpoint:full|selective|memory-budget|none`)."""
     r = _Reader(path)
-    opts, rest = _cli_options(r, _cli_tokens(r, text))
+    opts, rest = _cli_options(r, _program_args(_cli_tokens(r, text)))
     module, fn = opts.pop("module", None), opts.pop("config", None)
     if not isinstance(module, str) or not isinstance(fn, str):
         raise r.error(
@@ -566,21 +606,25 @@ def _load_torchtitan_cli(
     for key, value in base.items():
         sec, _, field = key.partition(".")
         sections[sec][field] = value
+    given: list[tuple[str, object]] = []  # the file's overrides, for `sort_options`
     for name, raw in opts.items():
         key = name.replace("-", "_")
         sec, dot, field = key.partition(".")
         if not dot:
-            continue  # torchrun's or the script's own options (--nproc_per_node ...)
+            given.append((key, raw))  # Trainer.Config's own fields (--dump_folder ...)
+            continue
         negated = field.startswith("no_")
         if negated:
             field = field[3:]
         value = _cli_value(r, f"--{name}", raw)
         if negated:
             value = not value if isinstance(value, bool) else False
+        given.append((f"{sec}.{field}", value))
         if sec in ("parallelism", "training", "compile"):
             sections[sec][field] = value
         elif sec == "activation_checkpoint" and field == "mode":
             ac_mode = str(value)
+    r.sort_options("torchtitan-cli", given)
     sections["float8"] = {"enabled": float8}
     return _read_torchtitan(
         r,
@@ -619,30 +663,14 @@ _MEGATRON_FSDP_FLAGS = (
     "--use-distributed-optimizer",
     "--ckpt-format fsdp_dtensor",
 )
-# Flags meshplan reads (Megatron-LM megatron/training/arguments.py, core_r0.16); any other
-# flag that changes the step's time or memory lands in `unpriced`, the rest is ignored.
-_MEGATRON_UNPRICED = {
-    "cpu-offloading": "activation/weight CPU offloading: priced without offload",
-    "optimizer-cpu-offload": "optimizer CPU offload: priced with the optimizer on the GPU",
-    "moe-grouped-gemm": "",
-    "overlap-grad-reduce": "",
-    "overlap-param-gather": "",
-    "fp16": "fp16 with loss scaling: priced as bf16",
-    "microbatch-group-size-per-virtual-pipeline-stage": (
-        "microbatch group size of the interleaved schedule: priced with Megatron's default"
-    ),
-    "moe-token-dispatcher-type": "",
-    "expert-tensor-parallel-size": (
-        "expert tensor parallelism: priced with experts sharded by expert parallelism only"
-    ),
-}
 
 
 def _load_megatron(
     path: str, text: str, world_size: int | None, model: str | None
 ) -> FrameworkConfig:
     r = _Reader(path)
-    opts, _ = _cli_options(r, _cli_tokens(r, text))
+    opts, _ = _cli_options(r, _program_args(_cli_tokens(r, text)))
+    r.sort_options("megatron", opts.items())
 
     def num(name: str, default: int | None = None) -> int | None:
         if name not in opts:
@@ -756,7 +784,7 @@ def _load_megatron(
     # engine
     fused = not any(opts.get(f) for f in _MEGATRON_NO_FUSION)
     float8 = None
-    if opts.get("fp8-format") or opts.get("fp8"):
+    if opts.get("fp8-format"):
         recipe = opts.get("fp8-recipe", "delayed")
         if recipe in ("delayed", "tensorwise"):
             float8 = "tensorwise"
@@ -765,9 +793,6 @@ def _load_megatron(
         else:
             r.note(f"FP8 recipe {recipe}: priced in bf16 (its kernels are not modelled)")
     gather = bool(opts.get("fp8-param-gather")) and float8 is not None and zero >= 1
-    for flag, why in _MEGATRON_UNPRICED.items():
-        if opts.get(flag) and why:
-            r.note(why)
     return _assembled(
         r, "megatron", "arguments", spec, stage_layers,
         dict(fused=fused, float8=float8, float8_all_gather=gather,
@@ -867,13 +892,23 @@ def _megatron_model(r: _Reader, opts: dict, num, model: str | None) -> ModelSpec
             )
     style = "llama" if swiglu else "gpt"
     rms = opts.get("normalization") == "RMSNorm"
-    rope = opts.get("position-embedding-type") == "rope"
+    rope = opts.get("position-embedding-type") == "rope" or bool(
+        opts.get("use-rotary-position-embeddings")  # the older spelling of the same
+    )
     if (style == "llama") != rms or (style == "llama") != rope:
         r.note(
             f"{'SwiGLU' if swiglu else 'GeLU'} MLP with "
             f"{'RMSNorm' if rms else 'LayerNorm'} and {'RoPE' if rope else 'learned positions'}: "
             f"priced as a {'Llama' if swiglu else 'GPT'}-style block"
         )
+    # meshplan's GPT-style block has biases, its Llama-style block none
+    if style == "gpt" and opts.get("disable-bias-linear"):
+        r.note("--disable-bias-linear: priced with the GPT-style block's biases")
+    if style == "llama" and opts.get("add-qkv-bias"):
+        r.note("--add-qkv-bias: priced without biases (Llama-style block)")
+    head_dim = num("kv-channels")
+    if head_dim is not None and head_dim * heads != hidden:  # type: ignore[operator]
+        r.note(f"--kv-channels {head_dim}: priced with head dimension hidden / heads")
     experts = num("num-experts") or 0
     try:
         cfg = TransformerConfig(
@@ -899,8 +934,8 @@ def _megatron_model(r: _Reader, opts: dict, num, model: str | None) -> ModelSpec
 
 # -- DeepSpeed -----------------------------------------------------------------------------------
 
-# deepspeed 0.19.8 runtime/config.py reads these; the rest (optimizer, scheduler, logging)
-# does not change what meshplan prices, except as listed in `_load_deepspeed`.
+# The keys `_load_deepspeed` reads are deepspeed 0.19.8's (runtime/config.py); what each of
+# the others does to the price is in `configs_options.DEEPSPEED`.
 
 
 def _load_deepspeed(
@@ -1003,6 +1038,7 @@ def _load_deepspeed(
     opt = (data.get("optimizer", {}) or {}).get("type")
     if opt and str(opt).lower() not in ("adam", "adamw", "fusedadam"):
         r.note(f"optimizer {opt}: priced as Adam (two fp32 states)")
+    r.sort_options("deepspeed", data.items())
     spec = ModelSpec(model) if model is not None else None
     return _assembled(
         r, "deepspeed", "config", spec, (), None,

@@ -107,6 +107,7 @@ def test_round_trip(tmp_path, llama8b, fmt, parallel, split):
     assert cfg.model is not None and cfg.model.name == "llama3-8b"
     # DeepSpeed's checkpointing is called by the model's code: the reader says so
     assert cfg.unpriced == () or fmt == "deepspeed" and "activation" in cfg.unpriced[0]
+    assert cfg.unknown == ()  # every option the writers write is one the tables know
     # the file prices as the plan does, as the framework runs it (Megatron: fused kernels)
     again = configs.estimate(cfg, cluster, llama8b)
     expected = configs.reprice(plan, llama8b, cfg.engine).predicted.step_time_s
@@ -132,7 +133,8 @@ def test_engine_options_round_trip(tmp_path, llama8b):
     for fmt in ("torchtitan", "megatron"):
         path = tmp_path / f"e{SUFFIX[fmt]}"
         configs.export(plan, fmt, engine=engine).write(path)
-        assert configs.load(f"{fmt}:{path}", world_size=16).engine == engine
+        cfg = configs.load(f"{fmt}:{path}", world_size=16)
+        assert cfg.engine == engine and cfg.unpriced == cfg.unknown == ()
 
 
 def test_refuses_or_writes_closest(llama8b):
@@ -280,13 +282,14 @@ def test_cli_estimate_from_and_plan_baseline(tmp_path):
         "--group-query-attention --num-query-groups 4 --vocab-size 1024 --swiglu\n"
         "--normalization RMSNorm --position-embedding-type rope --seq-length 256\n"
         "--untie-embeddings-and-output-weights --tensor-model-parallel-size 2\n"
-        "--micro-batch-size 1 --global-batch-size 8 --cpu-offloading\n"
+        "--micro-batch-size 1 --global-batch-size 8 --cpu-offloading-num-layers 2\n"
     )
     result = runner.invoke(
         app, ["estimate", "--from", f"megatron:{args}", "--cluster", "cpu", "--gpus", "4"]
     )
     assert result.exit_code == 0, result.output
-    assert "read megatron config" in result.stdout and "not priced: activation" in result.stdout
+    assert "read megatron config" in result.stdout
+    assert "not priced: --cpu-offloading-num-layers 2: activation/weight CPU" in result.stdout
     out = tmp_path / "ds.json"
     result = runner.invoke(
         app,

@@ -259,3 +259,62 @@ def test_megatron_lm_parses_and_validates_the_arguments(
         for r in range(p.pp)
     )
     assert layers == configs.stage_layer_counts(plan)
+
+
+# -- the option tables of `configs_options` against the frameworks' own names -----------------
+# Each table says which options meshplan prices, which it lists as not priced and which are
+# bookkeeping; a name in them that the framework does not have would hide a real unknown.
+
+
+def test_megatron_option_names_are_megatron_lm_flags(megatron_lm):
+    import argparse
+
+    from meshplan.configs_options import OPTIONS
+
+    parser = megatron_lm.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    flags = {s[2:] for a in parser._actions for s in a.option_strings if s.startswith("--")}
+    # NeMo / Megatron-Bridge's name for --num-virtual-stages-per-pipeline-rank, which the
+    # reader takes too
+    assert OPTIONS["megatron"].known - flags == {"virtual-pipeline-model-parallel-size"}
+
+
+def test_deepspeed_option_names_are_deepspeed_fields(monkeypatch):
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    zero = pytest.importorskip("deepspeed.runtime.zero.config")
+    precision = pytest.importorskip("deepspeed.runtime.precision_config")
+    tp = pytest.importorskip("deepspeed.runtime.tensor_parallel.config")
+    from meshplan.configs_options import OPTIONS
+
+    models = {
+        "zero_optimization": zero.DeepSpeedZeroConfig,
+        "bf16": precision.DeepSpeedBF16Config,
+        "bfloat16": precision.DeepSpeedBF16Config,
+        "fp16": precision.DeepSpeedFP16Config,
+        "tensor_parallel": tp.TPTrainingConfig,
+    }
+    for section, model in models.items():
+        fields = {n for name, f in model.model_fields.items() for n in (name, f.alias) if n}
+        ours = {
+            n.split(".", 1)[1] for n in OPTIONS["deepspeed"].known if n.startswith(section + ".")
+        }
+        assert ours <= fields, (section, ours - fields)
+
+
+def test_torchtitan_option_names_are_torchtitan_fields():
+    titan = pytest.importorskip("torchtitan.config.configs")
+    from meshplan.configs_options import OPTIONS
+
+    sections = {
+        "training": titan.TrainingConfig,
+        "parallelism": titan.ParallelismConfig,
+        "compile": titan.CompileConfig,
+        "comm": titan.CommConfig,
+        "debug": titan.DebugConfig,
+    }
+    known = OPTIONS["torchtitan-cli"].known
+    for section, cls in sections.items():
+        fields = {f.name for f in dataclasses.fields(cls)}
+        ours = {n.split(".", 1)[1] for n in known if n.startswith(section + ".")}
+        # torchtitan 0.1's names that the reader, shared with the job TOML, still reads
+        assert ours - fields <= {"enable_async_tensor_parallel", "pipeline_parallel_split_points"}
+        assert fields <= ours, (section, fields - ours)
