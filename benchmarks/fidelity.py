@@ -671,14 +671,14 @@ Predictor = Callable[[Sequence[Case], Mapping[str, object]], dict[int, float]]
 def efficiencies(table: Mapping[str, object]):
     """`compute.KERNEL_EFFICIENCY` with `table`'s entries replaced, restored on exit (the
     simulator's caches are dropped both ways: its prices depend on the efficiencies)."""
-    from meshplan.cost_model import compute, simulate
+    from meshplan.cost_model import compute, graph_costs, pricer
 
     _shipped()
     saved = dict(compute.KERNEL_EFFICIENCY)
 
     def clear() -> None:
-        simulate._MODEL_CACHE.clear()
-        simulate._PRICER_CACHE.clear()
+        graph_costs._MODEL_CACHE.clear()
+        pricer._PRICER_CACHE.clear()
 
     compute.KERNEL_EFFICIENCY.update(table)
     clear()

@@ -2,20 +2,19 @@
 
 `predict` is the public entry; the modules hold the pieces (compute.py: roofline per op and
 block; collectives.py: alpha-beta per link tier; memory.py: model states and activations;
-simulate.py: the step-time formula over a placement).
+graph_costs.py: per-graph facts; pricer.py and dp_traffic.py: per-stage times, memory and
+traffic on a cluster; simulate.py: the step-time formula over a placement).
 """
 
+from .graph_costs import ModelCosts, model_costs
+from .pricer import Pricer, pricer_for
 from .simulate import (
     BREAKDOWN_PARTS,
-    ModelCosts,
     PlanTables,
-    Pricer,
     evaluate,
     hetero_tables,
-    model_costs,
     plan_tables,
     predict,
-    pricer_for,
 )
 
 __all__ = [

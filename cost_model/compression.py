@@ -587,7 +587,7 @@ def coded_cross(
     dtype: str,
 ) -> tuple[float, float, float | None] | None:
     """The coded variant (unshared, latency, per_stage) of cross-group DP traffic, in the form
-    of `simulate.CrossTraffic`: each collective takes its fastest coded method priced on
+    of `dp_traffic.CrossTraffic`: each collective takes its fastest coded method priced on
     `path` narrowed to its share of the shared link with one stage crossing (`streams` rings
     share it), which also picks its chunk count; the shared link carries bytes / ratio;
     `latency` gathers the alphas and the coding time beyond the transfer (the pipeline's
@@ -672,7 +672,7 @@ def plan_decisions(pricer, parallel, stages) -> tuple:
     (`ir.plan.CommDecision`s): TP / CP / EP inside each group used, the data-parallel traffic
     of each stage (inside one group, or across two: raw or coded as a whole, at the plan's
     number of crossing stages), and each pipeline boundary. `pricer` is the
-    `simulate.Pricer` the plan was priced with (its `comm` options)."""
+    `pricer.Pricer` the plan was priced with (its `comm` options)."""
     from .collectives import group_path, intra_node_path
 
     p, costs, cluster = parallel, pricer.costs, pricer.cluster
@@ -756,7 +756,7 @@ def plan_decisions(pricer, parallel, stages) -> tuple:
 
 def _hetero_decisions(pricer, comp, st, groups, p) -> list:
     """Per-group TP: the stage's piece-wise gradient all-reduces across its groups
-    (`simulate.Pricer.hetero_dp_traffic`), raw (the runtime does not code them); one record
+    (`dp_traffic.DataParallelTraffic.hetero_dp_traffic`), raw (the runtime does not code them); one record
     per group, since each group's ranks run their own number of pieces."""
     tps = {g: st.tp_of(g, p.tp) for g in groups}
     traffic = pricer.hetero_dp_traffic(comp, tps, dp=p.dp, cp=p.cp)
@@ -775,7 +775,7 @@ def _hetero_decisions(pricer, comp, st, groups, p) -> list:
 
 
 def _cross_decisions(pricer, traffic, stage, a, b, tp, cp, crossing) -> list:
-    """Cross-group DP traffic is raw or coded as a whole (`simulate.CrossTraffic`); each
+    """Cross-group DP traffic is raw or coded as a whole (`dp_traffic.CrossTraffic`); each
     collective's record shows its own methods priced on the unshared path."""
     ct = pricer.dp_cross(traffic, a, b, tp=tp, cp=cp)
     raw = ct.raw_time(crossing)

@@ -53,7 +53,7 @@ class Engine:
     float8_all_gather: bool = False
     tp_overlap: bool = False
     # MoE routing: the busiest expert-parallel rank's tokens over the mean, as measured on the
-    # user's model; None: a balanced router's statistical bound (`simulate.moe_imbalance`).
+    # user's model; None: a balanced router's statistical bound (`graph_costs.moe_imbalance`).
     moe_imbalance: float | None = None
     attention: str = "flash2"
     fused_loss: bool = False

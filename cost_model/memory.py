@@ -215,7 +215,7 @@ def replicated_params(block: Block) -> tuple[int, ...]:
     """Elements of each parameter of `block` that tensor parallelism leaves whole (norm
     weights): read only by ops that do not split with TP and not expert weights, the rule
     `block_memory` counts into `params_rep` (which also holds the MoE router's gate, whole on
-    every tp rank but listed apart: `simulate.BlockFacts.router_params`). Under sequence
+    every tp rank but listed apart: `graph_costs.BlockFacts.router_params`). Under sequence
     parallelism each TP rank sees only its share of the tokens, so these parameters'
     gradients are partial sums over tp."""
     split: set[str] = set()

@@ -206,7 +206,7 @@ class StagePlacement:
     Like uneven shares it needs group-pure pipelines (every stage the same `replicas`,
     `microbatches` and `group_tp`): a pipeline runs inside one group at that group's tp, and
     the replicas' gradients are reduced across groups piece by piece
-    (`meshplan.cost_model.simulate.Pricer.dp_cross_hetero`). `Parallel.tp` is then the tp of
+    (`meshplan.cost_model.pricer.Pricer.dp_cross_hetero`). `Parallel.tp` is then the tp of
     the first group listed.
     """
 

@@ -35,7 +35,7 @@ from meshplan.cost_model.compression import (
     quantization_plan,
 )
 from meshplan.cost_model.engine import EAGER, Engine
-from meshplan.cost_model.simulate import compute_dtype
+from meshplan.cost_model.pricer import compute_dtype
 from meshplan.ir import (
     Cluster,
     Graph,

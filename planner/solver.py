@@ -62,7 +62,8 @@ from dataclasses import dataclass, field
 
 from meshplan.cost_model.compression import CommOptions
 from meshplan.cost_model.engine import EAGER, Engine
-from meshplan.cost_model.simulate import Pricer, evaluate, predict, pricer_for
+from meshplan.cost_model.pricer import Pricer, pricer_for
+from meshplan.cost_model.simulate import evaluate, predict
 from meshplan.ir import (
     Cluster,
     Graph,
@@ -331,7 +332,7 @@ def solve(
     work.charge("solve")
     say = progress or (lambda _msg: None)
     pricer = pricer_for(graph, cluster, dtype, comm, engine=engine)
-    dtype = pricer.dtype  # None: the model's own (`simulate.compute_dtype`)
+    dtype = pricer.dtype  # None: the model's own (`pricer.compute_dtype`)
     cands = enumerate_candidates(
         graph, cluster, pinned, global_batch, quantize=quantize, per_group_tp=per_group_tp
     )

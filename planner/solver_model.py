@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
-from meshplan.cost_model.simulate import OVERLAP_EFFICIENCY
+from meshplan.cost_model.pricer import OVERLAP_EFFICIENCY
 from meshplan.ir import Cluster
 from ortools.sat.python import cp_model
 

@@ -148,7 +148,7 @@ class DpCoding:
 
 def dp_coding(plan, stage: int) -> DpCoding:
     """The `DpCoding` of pipeline stage `stage` from `plan.compression.decisions`: its "dp
-    stage <stage> ..." entries, in the order `cost_model.simulate.Pricer.dp_traffic` lists the
+    stage <stage> ..." entries, in the order `cost_model.pricer.Pricer.dp_traffic` lists the
     collectives (dense parameters, then experts), for one group (or group pair) of the stage."""
     prefix = f"dp stage {stage} "
     mine = [d for d in plan.compression.decisions if d.group.startswith(prefix)]
@@ -325,7 +325,7 @@ def code_fsdp_module(module: FSDPModule, gradients: Method, weights: Method) -> 
 class HeteroGradients:
     """Per-group TP (`StagePlacement.group_tp`): average the gradients of one pipeline stage
     over replicas whose device groups use different TP degrees, after backward, the way the
-    cost model prices it (`cost_model.simulate.Pricer.hetero_dp_traffic`).
+    cost model prices it (`cost_model.pricer.Pricer.hetero_dp_traffic`).
 
     Replicas shard a tensor-parallel parameter into different numbers of pieces, so no one
     collective pairs their shards. Every parameter the plan places `S(d)` is cut into

@@ -49,14 +49,14 @@ With ep == 1 the MoE is one region:
       -> reduce-scatter to the sequence shard (backward: all-gather) | without SP: all-reduce
       + shared experts (a zoo MLP, column/row-parallel with its own region) on the input
 
-which is what the cost model prices (`cost_model.simulate._tp_collectives`: the experts are
+which is what the cost model prices (`cost_model.graph_costs._tp_collectives`: the experts are
 one row-parallel region of the block output's size). Replicated parameters get gradients
 that are partial sums over tp: the router's (the routing weights scale partial outputs), and
 a replicated experts parameter's (a row-parallel bias such as the GPT-style `b_down`, which
 is applied on tp rank 0 only so that the reduction adds it once). They are Replicate
 DTensors whose gradients are `Partial` DTensors, reduced over tp once per gradient reduction
 like the norm weights under SP (FSDP2 / `replicate` do it, else
-`tensor_parallel.reduce_partial_gradients`), as `cost_model.simulate.Pricer.sp_grad_sync`
+`tensor_parallel.reduce_partial_gradients`), as `cost_model.pricer.Pricer.sp_grad_sync`
 prices them (with or without SP).
 
 EP x TP (ep > 1, tp > 1; sequence parallelism required). Each tp rank routes ITS sequence
@@ -76,7 +76,7 @@ gradient a shard owner accumulates already sums the contributions of all ep (and
 tokens (they flow back through the all-to-all and the tp gather), so summing it over the
 ranks holding the same shard (its R = dp/ep x cp replicas; same tp rank) and dividing by
 dp*cp counts every dp x cp rank's mean loss once. How, by ZeRO stage, as the cost model
-prices it (`cost_model.simulate.Pricer.dp_traffic`, `cost_model.memory`):
+prices it (`cost_model.pricer.Pricer.dp_traffic`, `cost_model.memory`):
 
     zero=0   after backward `ExpertParallel.finish_gradients` all-reduces the expert gradients
              over the replicas (one flat buffer), / dp*cp

@@ -32,7 +32,7 @@ probe of its aten ops on meta tensors, `is_cross_entropy`), the LM head's output
 on the vocabulary (a `Shard(-1)` DTensor) and the loss runs under torch's `loss_parallel`:
 three all-reduces of one value per token instead of gathering the logits, as Megatron-LM's
 `vocab_parallel_cross_entropy` and torchtitan do, and as the cost model prices it
-(`cost_model.simulate.loss_collectives`). Any other loss function gets the whole logits (one
+(`cost_model.graph_costs.loss_collectives`). Any other loss function gets the whole logits (one
 all-gather per micro-batch, which `loss_collectives(vocab_parallel=False)` prices).
 
 Gradients of replicated parameters under sequence parallelism (norm weights), and of the

@@ -14,7 +14,7 @@ from meshplan.cost_model.compute import (
     memory_efficiency,
 )
 from meshplan.cost_model.engine import EAGER, Engine, EngineError
-from meshplan.cost_model.simulate import exposed, pricer_for
+from meshplan.cost_model.pricer import exposed, pricer_for
 from meshplan.ir import Block, Op, OpKind, TensorMeta
 from meshplan.ir.hardware import gpu_spec
 from meshplan.passes.fusion import fusion_regions

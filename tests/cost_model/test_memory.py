@@ -43,7 +43,7 @@ def run(tp=2, pp=2, dp=4, zero=0, recompute="none", schedule="1f1b", sp=True, m=
 def stage_parts(tp=2, recompute="none", policy="keep_linear"):
     """The components of the whole model's stage (pp = 1) before the peak rule picks a
     moment (`StageMemory`)."""
-    from meshplan.cost_model.simulate import pricer_for
+    from meshplan.cost_model.pricer import pricer_for
     from meshplan.ir import Recompute
 
     g, c = graph(), h100_cluster(4)
@@ -221,7 +221,7 @@ def test_context_parallel_ranks_share_zero_shards_and_gradient_reduction():
     """CP ranks hold the same weights: ZeRO shards and gradient reductions span dp * cp
     (Megatron's data-parallel group with CP, torchtitan's dp_shard x cp mesh)."""
     from meshplan.cost_model.collectives import Collective
-    from meshplan.cost_model.simulate import pricer_for
+    from meshplan.cost_model.pricer import pricer_for
 
     g, c = graph(), h100_cluster(4)
     dp, cp = 2, 2

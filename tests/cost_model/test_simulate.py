@@ -234,7 +234,7 @@ def test_expert_parallel_all_to_all_by_hand():
 
 
 def test_moe_imbalance_is_capped_by_the_capacity_factor():
-    from meshplan.cost_model.simulate import moe_imbalance
+    from meshplan.cost_model.graph_costs import moe_imbalance
 
     assert moe_imbalance(1000, 1) == 1.0
     assert moe_imbalance(16384, 8) == pytest.approx(
@@ -284,7 +284,7 @@ def test_cp_kv_bytes_count_the_kv_heads_not_their_repetition():
     were widened to the query heads before SDPA (HF's `repeat_kv`, which HF runs whenever it
     passes a mask, as under tracing; the tracer's `kv_heads` attr looks through it) is priced
     as the un-repeated K/V, like the one that hands SDPA the KV heads."""
-    from meshplan.cost_model.simulate import model_costs
+    from meshplan.cost_model.graph_costs import model_costs
     from meshplan.ir import OpKind
 
     g = transformer_graph(2, 256, 8, 2, 1024, 1000, 512, 1, dtype="float32")

@@ -15,14 +15,14 @@ import pytest
 from meshplan import Cluster
 from meshplan.cost_model.collectives import Collective
 from meshplan.cost_model.compression import RUNTIME_CODED_AXES, CommOptions, choose
-from meshplan.cost_model.memory import GRAD_BYTES  # bf16 gradients: the graph is bf16
-from meshplan.cost_model.simulate import (
+from meshplan.cost_model.graph_costs import (
     LOSS_BYTES_PER_TOKEN,
     is_lm_head,
     loss_collectives,
     model_costs,
-    pricer_for,
 )
+from meshplan.cost_model.memory import GRAD_BYTES  # bf16 gradients: the graph is bf16
+from meshplan.cost_model.pricer import pricer_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from synthetic import transformer_graph  # noqa: E402

@@ -12,7 +12,7 @@ import types
 
 import pytest
 from meshplan.cost_model.memory import in_flight_microbatches
-from meshplan.cost_model.simulate import StageTime
+from meshplan.cost_model.pricer import StageTime
 from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
 from torch.distributed.pipelining.schedules import _ComputationType as CT
 

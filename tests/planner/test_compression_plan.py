@@ -56,7 +56,7 @@ def test_nvlink_traffic_stays_raw(small):
     coding would not pay anyway (priced with TP coding allowed, as for another engine)."""
     from meshplan.cost_model.collectives import intra_node_path
     from meshplan.cost_model.compression import CommOptions
-    from meshplan.cost_model.simulate import pricer_for
+    from meshplan.cost_model.pricer import pricer_for
 
     c = Cluster.preset("dgx-h100", gpus=8)
     p = meshplan.plan(

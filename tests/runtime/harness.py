@@ -245,12 +245,8 @@ def expected_tp(plan, graph_, pp_rank: int, m: int, *, vocab_parallel: bool = Tr
     the routing (uneven all-to-alls on the tp group, checked by volume in
     test_parity_moe_tp.py); left out here, replaced by what stays exact: per MoE layer and
     forward, one all-gather of the E per-expert row counts (tp x E values)."""
-    from meshplan.cost_model.simulate import (
-        is_lm_head,
-        loss_collectives,
-        model_costs,
-        pricer_for,
-    )
+    from meshplan.cost_model.graph_costs import is_lm_head, loss_collectives, model_costs
+    from meshplan.cost_model.pricer import pricer_for
 
     p = plan.parallel
     if p.tp == 1:
@@ -288,7 +284,7 @@ def expected_tp(plan, graph_, pp_rank: int, m: int, *, vocab_parallel: bool = Tr
 
 def expected_loss_sync() -> Counter:
     """The step's scalar loss all-reduce over all ranks (`LOSS_SYNC_BYTES` of float64)."""
-    from meshplan.cost_model.simulate import LOSS_SYNC_BYTES
+    from meshplan.cost_model.pricer import LOSS_SYNC_BYTES
 
     return Counter({("all_reduce", LOSS_SYNC_BYTES // 8): 1})
 
@@ -298,7 +294,8 @@ def expected_dp_volume(plan, graph_, pp_rank: int, *, experts: bool = False) -> 
     cost model's `dp_traffic` over dp x cp, times its occurrences per step (m under ZeRO-3,
     else 1). Dense parameters, or (`experts`) the expert parameters, which move on their own
     replica group (the dp x cp / ep ranks holding the same experts)."""
-    from meshplan.cost_model.simulate import model_costs, pricer_for
+    from meshplan.cost_model.graph_costs import model_costs
+    from meshplan.cost_model.pricer import pricer_for
 
     p = plan.parallel
     costs = model_costs(graph_)

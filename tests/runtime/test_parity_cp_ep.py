@@ -270,7 +270,7 @@ def _records(result, axis, kinds):
 
 
 def _stage_facts(plan, model_kw, stage=0):
-    from meshplan.cost_model.simulate import model_costs
+    from meshplan.cost_model.graph_costs import model_costs
 
     costs = model_costs(_graph(model_kw))
     s = plan.stages[stage]

@@ -215,7 +215,7 @@ def _cp_expected(plan, graph, pp_rank: int) -> Counter:
     """The all-gather CP variant's collectives in one step, as the cost model prices them
     (`cp_comm`): per attention and micro-batch one all-gather of K and V (/tp: heads are
     TP-sharded) in forward and one reduce-scatter of their gradients in backward."""
-    from meshplan.cost_model.simulate import model_costs
+    from meshplan.cost_model.graph_costs import model_costs
 
     p = plan.parallel
     costs = model_costs(graph)

@@ -102,7 +102,7 @@ def _check_tp_rows(plan, results, name, config):
     a balanced load (`Engine(moe_imbalance=1)`) when nothing is dropped, and stay below it
     otherwise (each rank's own count varies with the routing)."""
     from meshplan.cost_model.engine import Engine
-    from meshplan.cost_model.simulate import pricer_for
+    from meshplan.cost_model.pricer import pricer_for
 
     p = plan.parallel
     model_kw = config[2]

@@ -1,0 +1,250 @@
+"""Data-parallel traffic of a stage: gradient reductions and ZeRO's weight gathers, inside one
+device group or across two (`Pricer`'s data-parallel half).
+
+`DataParallelTraffic` is mixed into `pricer.Pricer`; it reads the pricer's `costs`, `groups`,
+`cluster`, `precision`, `engine` and `comm`, and caches cross-group paths in `_cross`. The
+step formula that uses these figures (overlap windows, exposure) is in simulate.py.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from meshplan.ir import (
+    GpuSpec,
+)
+
+from .collectives import (
+    Collective,
+    CrossPath,
+    Path,
+    bus_factor,
+    cross_group_path,
+    group_collective_time,
+)
+from .compression import (
+    CommChoice,
+    choose,
+    coded_cross,
+    tensor_of,
+)
+from .graph_costs import Composition
+
+
+@dataclass(frozen=True, slots=True)
+class DpTraffic:
+    """The data-parallel collectives of one stage per occurrence: (kind, per-rank bytes, ranks)."""
+
+    collectives: tuple[tuple[Collective, float, int], ...]
+
+    @property
+    def volume(self) -> float:
+        """sum S * f(n): bytes one rank moves per occurrence (the alpha-free part)."""
+        return sum(s * bus_factor(k, n) for k, s, n in self.collectives if n > 1)
+
+    @property
+    def count(self) -> int:
+        """Collectives that move data (each pays one latency)."""
+        return sum(1 for _, s, n in self.collectives if n > 1 and s > 0)
+
+
+@dataclass(frozen=True, slots=True)
+class CrossTraffic:
+    """Data-parallel traffic of a stage whose replicas span two groups: with k stages crossing
+    between groups at once, time(k) = max(unshared, latency + per_stage * k)."""
+
+    unshared: float
+    latency: float
+    per_stage: float | None  # None when no shared GroupLink bounds it
+    # The same traffic coded (lossless / int8 gradients, `compression.coded_cross`), in the
+    # same form; `time` takes the faster of the two.
+    coded: CrossTraffic | None = None
+
+    def raw_time(self, crossing_stages: int) -> float:
+        """Seconds uncoded when `crossing_stages` stages' DP rings cross at once."""
+        if self.per_stage is None:
+            return self.unshared
+        return max(self.unshared, self.latency + self.per_stage * max(1, crossing_stages))
+
+    def time(self, crossing_stages: int) -> float:
+        """Seconds when `crossing_stages` stages' DP rings cross between groups at once."""
+        raw = self.raw_time(crossing_stages)
+        return raw if self.coded is None else min(raw, self.coded.raw_time(crossing_stages))
+
+
+class DataParallelTraffic:
+    """The data-parallel methods of `pricer.Pricer` (see the module docstring)."""
+
+    def dp_traffic(
+        self, comp: Composition, *, tp: int, ep: int, dp: int, zero: int, cp: int = 1
+    ) -> DpTraffic:
+        """Per-occurrence DP collectives of a stage (gradients and weights at the training
+        precision's bytes per parameter, `memory.Precision`: bf16 under mixed precision):
+        ZeRO-0 all-reduces gradients; ZeRO-1/2 reduce-scatter
+        gradients and all-gather updated weights; ZeRO-3 (per micro-batch) all-gathers weights
+        for forward and for backward and reduce-scatters gradients. Context-parallel ranks hold
+        the same weights and their gradients are reduced with the data-parallel ones, so the
+        group is dp * cp ranks (Megatron-LM's data-parallel group "with CP", torchtitan's FSDP
+        mesh dp_shard x cp). Expert parameters use the dp * cp / ep ranks that hold the same
+        experts."""
+        facts = [(self.costs.facts[k].memory, n) for k, n in comp]
+        dense = sum(n * (b.params_tp / tp + b.params_rep) for b, n in facts)
+        experts = sum(n * b.params_expert / (tp * ep) for b, n in facts)
+        AR, AG, RS = Collective.ALL_REDUCE, Collective.ALL_GATHER, Collective.REDUCE_SCATTER
+        out: list[tuple[Collective, float, int]] = []
+        dcp = dp * cp
+        g_bytes, w_bytes = self.precision.grad_bytes, self.precision.weight_bytes
+        if self.engine.float8_all_gather:  # FSDP gathers the FP8 weights (1 byte each)
+            w_bytes = 1
+        for params, n in ((dense, dcp), (experts, dcp // ep if dcp >= ep else 1)):
+            if params <= 0 or n <= 1:
+                continue
+            if zero == 0:
+                out.append((AR, params * g_bytes, n))
+            elif zero in (1, 2):
+                out += [(RS, params * g_bytes, n), (AG, params * w_bytes, n)]
+            else:
+                out += [(AG, params * w_bytes, n)] * 2 + [(RS, params * g_bytes, n)]
+        return DpTraffic(tuple(out))
+
+    def dp_single(self, traffic: DpTraffic, group: str, *, tp: int, cp: int) -> float:
+        """DP traffic time when all replicas of the stage sit in one group, packed into NVLink
+        domains (nodes)."""
+        return sum(c.time_s for c in self.dp_single_choices(traffic, group, tp=tp, cp=cp))
+
+    def dp_single_choices(
+        self, traffic: DpTraffic, group: str, *, tp: int, cp: int
+    ) -> list[CommChoice]:
+        """The priced methods of each collective of `dp_single` (gradients reduced, weights
+        gathered)."""
+        g = self.groups[group]
+        # The DP x CP group's ranks in one NVLink domain (node): every rank of the domain
+        # outside TP (cp sits inside dp in the mesh order pp, dp, cp, ep, tp).
+        per_node = max(1, g.domain_gpus // tp)
+        return [
+            choose(
+                k,
+                s,
+                n,
+                lambda x, k=k, n=n: group_collective_time(
+                    k, x, self.cluster, g, n, min(n, per_node)
+                ),
+                self.comm,
+                g.gpu,
+                self.dtype,
+                tensor_of(k),
+            )
+            for k, s, n in traffic.collectives
+        ]
+
+    def cross_path(self, a: str, b: str, ranks_a: int, ranks_b: int) -> CrossPath:
+        """`collectives.cross_group_path`, cached."""
+        key = (a, b, ranks_a, ranks_b)
+        got = self._cross.get(key)
+        if got is None:
+            got = self._cross[key] = cross_group_path(self.cluster, a, b, ranks_a, ranks_b)
+        return got
+
+    def dp_cross(self, traffic: DpTraffic, a: str, b: str, *, tp: int, cp: int) -> CrossTraffic:
+        """DP traffic time of a flat ring spanning groups a and b (replicas packed in nodes).
+        Each crossing stage has tp rings (one per TP rank, each over the dp * cp ranks that
+        hold the same weights) on a shared GroupLink."""
+        # Ranks of one DP ring per NVLink domain (node): the replicas a domain holds, at most
+        # dp. Placement-independent on purpose (the planner prices it before placing):
+        # optimistic when one side holds fewer replicas than fit in a domain.
+        dp = max((n for _, _, n in traffic.collectives), default=1)
+        ga, gb = self.groups[a], self.groups[b]
+        path = self.cross_path(
+            a,
+            b,
+            max(1, min(dp, ga.domain_gpus // tp)),
+            max(1, min(dp, gb.domain_gpus // tp)),
+        )
+        vol, alpha = traffic.volume, traffic.count * path.latency
+        per_stage = None
+        if path.shared_bandwidth is not None:
+            per_stage = vol * tp / path.shared_bandwidth
+        coded = coded_cross(
+            traffic.collectives,
+            Path(path.bandwidth, path.latency),
+            path.shared_bandwidth,
+            tp,
+            self.comm,
+            slower_gpu(ga.gpu, gb.gpu),
+            self.dtype,
+        )
+        return CrossTraffic(
+            alpha + vol / path.bandwidth,
+            alpha,
+            per_stage,
+            CrossTraffic(*coded) if coded is not None else None,
+        )
+
+    def hetero_dp_traffic(
+        self, comp: Composition, tp_by_group: Mapping[str, int], *, dp: int, cp: int = 1
+    ) -> dict[str, DpTraffic]:
+        """Per-group TP (`StagePlacement.group_tp`): the gradient reduction of a stage whose
+        replicas use different TP degrees, per rank of each group, as the runtime runs it
+        (`meshplan.runtime.data_parallel.HeteroGradients`).
+
+        Every TP-sharded parameter (and stacked expert weight) is cut into L = lcm(tp_g)
+        pieces along its sharded dim; a rank of group g holds L / tp_g consecutive pieces.
+        Piece j is all-reduced over the dp * cp ranks that hold it (one per replica and cp
+        rank), together with the stage's TP-replicated parameters (norms), which every rank
+        holds whole. So a rank of group g runs L / tp_g all-reduces of (P_tp / L + P_rep)
+        gradients each, n = dp * cp ranks: ZeRO-0 only (the replicas' optimizers cannot
+        share shards of different shapes)."""
+        facts = [(self.costs.facts[k].memory, n) for k, n in comp]
+        sharded = sum(n * (b.params_tp + b.params_expert) for b, n in facts)
+        replicated = sum(n * b.params_rep for b, n in facts)
+        pieces = math.lcm(*tp_by_group.values())
+        piece = (sharded / pieces + replicated) * self.precision.grad_bytes
+        ranks = dp * cp
+        if ranks <= 1:
+            return {g: DpTraffic(()) for g in tp_by_group}
+        return {
+            g: DpTraffic(((Collective.ALL_REDUCE, piece, ranks),) * (pieces // t))
+            for g, t in tp_by_group.items()
+        }
+
+    def dp_cross_hetero(
+        self,
+        comp: Composition,
+        a: str,
+        b: str,
+        tp_by_group: Mapping[str, int],
+        *,
+        dp: int,
+        cp: int = 1,
+    ) -> CrossTraffic:
+        """`hetero_dp_traffic` of a stage with pipelines in groups a and b, priced like
+        `dp_cross`: the piece rings cross the groups' link; the slower side (the group with
+        the smaller tp moves more pieces) sets the unshared time, and the link carries
+        L pieces per stage when a shared GroupLink bounds it. Raw: the runtime does not code
+        these reductions."""
+        traffic = self.hetero_dp_traffic(comp, tp_by_group, dp=dp, cp=cp)
+        ga, gb = self.groups[a], self.groups[b]
+        ta, tb = tp_by_group[a], tp_by_group[b]
+        path = self.cross_path(
+            a,
+            b,
+            max(1, min(dp, ga.domain_gpus // ta)),
+            max(1, min(dp, gb.domain_gpus // tb)),
+        )
+        unshared = max(
+            traffic[g].count * path.latency + traffic[g].volume / path.bandwidth for g in (a, b)
+        )
+        latency = max(traffic[g].count for g in (a, b)) * path.latency
+        per_stage = None
+        if path.shared_bandwidth is not None:
+            pieces = math.lcm(*tp_by_group.values())
+            one = traffic[a].collectives[:1]  # one piece's ring
+            per_stage = pieces * DpTraffic(one).volume / path.shared_bandwidth
+        return CrossTraffic(unshared, latency, per_stage, None)
+
+
+def slower_gpu(a: GpuSpec, b: GpuSpec) -> GpuSpec:
+    """The GPU with less streaming bandwidth (the codec's end that sets its speed)."""
+    return a if a.hbm_bandwidth <= b.hbm_bandwidth else b
