@@ -50,16 +50,16 @@ How each source's rows are read (see also docs/fidelity.md):
   flash-attn's Triton FlashAttention, "slightly slower" than FlashAttention 1.x by its own
   docstring, priced at FlashAttention 1.x's published throughput (the `flash1` attention
   engine, `cost_model.compute.ATTENTION_TFLOPS`), and flash-attn's fused cross entropy (the
-  `fused_loss` engine); eager kernels (no torch.compile, no fused norms). The model is
+  `fused_loss` engine); eager kernels (no torch.compile, no fused norms); amp_bf16 rows
+  reduce-scatter gradients in fp32 (Composer's FSDP mixed precision DEFAULT, the
+  `reduce_fp32` engine), bf16 rows in bf16 (PURE). The model is
   MPT as the benchmark yamls build it: `MPTConfig` defaults, so learned positions (no ALiBi)
   and biases, LayerNorm, GELU MLP of 4h, tied embeddings, vocab 50368 = the zoo's GPT style:
   its parameter count equals the README's `NumParams` to the parameter on every size and
   sequence length (the count grows with the sequence by (s - 2048) * h: the position table),
-  and the script excludes a row where it differs by more than 0.5%. Not modelled: the
-  amp_bf16 rows ran FSDP mixed precision DEFAULT (gradients reduce-scattered in fp32, twice
-  the bytes priced), the bf16 rows PURE (bf16 reduce-scatter, as priced); Composer's per-step
-  work outside the micro-batches (gradient clipping over all shards, the speed monitor) is
-  priced only as the optimizer step.
+  and the script excludes a row where it differs by more than 0.5%. Gradient clipping is
+  priced with the optimizer step (`pricer.GRAD_CLIP_BYTES_PER_PARAM`); Composer's speed
+  monitor and other callbacks are not.
 
 Excluded (listed with the reason in the output): rows without a parallel configuration,
 Float8 rowwise rows (not modelled) and interleaved PP with unstated split points.
@@ -307,6 +307,9 @@ def interpret(i: int, r: dict[str, str]) -> Case:
         case.arch = Arch(None, layers, hidden, heads, 4 * hidden, vocab, "gpt")
         case.cluster = "dgx-h100"
         par |= {"micro_batch": 1, "recompute": "none", "zero": 1}
+        # bf16 Megatron-LM accumulates and reduces gradients in fp32 (arguments.py sets
+        # `accumulate_allreduce_grads_in_fp32` under --bf16).
+        case.engine = engine | {"reduce_fp32": True}
         flops = megatron_model_flops(gb, seq, layers, hidden, vocab)
         case.measured_step_s = flops / (case.value * 1e12 * gpus)
         case.conversion = "72Bslh^2(1+s/6h+V/12lh) / (TFLOP/s * gpus)"
@@ -335,6 +338,8 @@ def interpret(i: int, r: dict[str, str]) -> Case:
                 case.status = "excluded"
                 case.reason = "interleaved 1F1B with unstated split points (126 layers / pp 8)"
                 return case
+        # FSDP2 reduces gradients in fp32 (`training.mixed_precision_reduce`'s default).
+        case.engine = engine | {"reduce_fp32": True}
         case.measured_step_s = gb * seq / (case.value * gpus)
         case.conversion = "global_batch * seq / (tokens/s/GPU * gpus)"
     elif src.startswith("mosaicml/llm-foundry"):
@@ -351,6 +356,9 @@ def interpret(i: int, r: dict[str, str]) -> Case:
         # flash-attn's fused cross entropy (MPT's `loss_fn` default "fused_crossentropy" in
         # llm-foundry's `ComposerMPTCausalLM` at both commits).
         case.engine = engine | {"attention": "flash1", "fused_loss": True}
+        if "precision=amp_bf16" in notes:
+            # Composer's FSDP mixed precision DEFAULT under amp_bf16: reduce_dtype fp32.
+            case.engine["reduce_fp32"] = True
         case.measured_step_s = gb * seq / (case.value * gpus)
         n = mpt_params(layers, hidden, heads, seq)
         # The README's MFU: (6 N + 12 l h s) FLOPs per token (attention's full square) over

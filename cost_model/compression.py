@@ -579,6 +579,7 @@ def tensor_of(kind: Collective) -> str:
 
 def coded_cross(
     collectives: Sequence[tuple[Collective, float, int]],
+    repeats: Sequence[int],
     path: Path,
     shared_bandwidth: float | None,
     streams: int,
@@ -589,15 +590,15 @@ def coded_cross(
     """The coded variant (unshared, latency, per_stage) of cross-group DP traffic, in the form
     of `dp_traffic.CrossTraffic`: each collective takes its fastest coded method priced on
     `path` narrowed to its share of the shared link with one stage crossing (`streams` rings
-    share it), which also picks its chunk count; the shared link carries bytes / ratio;
-    `latency` gathers the alphas and the coding time beyond the transfer (the pipeline's
+    share it), which also picks its chunk count, and counted `repeats[i]` times; the shared
+    link carries bytes / ratio; `latency` gathers the alphas and the coding time beyond the transfer (the pipeline's
     fill). None when coding is not allowed."""
     if options is None or not options.active:
         return None
     if shared_bandwidth is not None:  # one crossing stage: its rings share the link
         path = Path(min(path.bandwidth, shared_bandwidth / max(1, streams)), path.latency)
     unshared = latency = per = 0.0
-    for kind, size, n in collectives:
+    for (kind, size, n), times in zip(collectives, repeats, strict=True):
         if n <= 1 or size <= 0:
             continue
         tensor = tensor_of(kind)
@@ -618,10 +619,11 @@ def coded_cross(
             ratio = predicted_ratio(dtype, tensor)
         else:
             ratio = int8_gradient_ratio()
-        unshared += coded
-        latency += path.latency + max(0.0, coded - collective_time(kind, size / ratio, n, path))
+        unshared += times * coded
+        extra = max(0.0, coded - collective_time(kind, size / ratio, n, path))
+        latency += times * (path.latency + extra)
         if shared_bandwidth is not None:
-            per += size * bus_factor(kind, n) * streams / (ratio * shared_bandwidth)
+            per += times * size * bus_factor(kind, n) * streams / (ratio * shared_bandwidth)
     return unshared, latency, (per if shared_bandwidth is not None else None)
 
 
@@ -756,8 +758,8 @@ def plan_decisions(pricer, parallel, stages) -> tuple:
 
 def _hetero_decisions(pricer, comp, st, groups, p) -> list:
     """Per-group TP: the stage's piece-wise gradient all-reduces across its groups
-    (`dp_traffic.DataParallelTraffic.hetero_dp_traffic`), raw (the runtime does not code them); one record
-    per group, since each group's ranks run their own number of pieces."""
+    (`dp_traffic.DataParallelTraffic.hetero_dp_traffic`), raw (the runtime does not code
+    them); one record per group, since each group's ranks run their own number of pieces."""
     tps = {g: st.tp_of(g, p.tp) for g in groups}
     traffic = pricer.hetero_dp_traffic(comp, tps, dp=p.dp, cp=p.cp)
     ct = pricer.dp_cross_hetero(comp, groups[0], groups[-1], tps, dp=p.dp, cp=p.cp)

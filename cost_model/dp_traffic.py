@@ -35,19 +35,33 @@ from .graph_costs import Composition
 
 @dataclass(frozen=True, slots=True)
 class DpTraffic:
-    """The data-parallel collectives of one stage per occurrence: (kind, per-rank bytes, ranks)."""
+    """The data-parallel collectives of one stage per occurrence: (kind, per-rank bytes,
+    ranks), collective i run `repeats[i]` times (ZeRO-3: once per FSDP unit of that block;
+    every collective once when `repeats` is empty)."""
 
     collectives: tuple[tuple[Collective, float, int], ...]
+    repeats: tuple[int, ...] = ()
+
+    @property
+    def times(self) -> tuple[int, ...]:
+        """How often each collective runs per occurrence."""
+        return self.repeats or (1,) * len(self.collectives)
 
     @property
     def volume(self) -> float:
-        """sum S * f(n): bytes one rank moves per occurrence (the alpha-free part)."""
-        return sum(s * bus_factor(k, n) for k, s, n in self.collectives if n > 1)
+        """sum r * S * f(n): bytes one rank moves per occurrence (the alpha-free part)."""
+        return sum(
+            r * s * bus_factor(k, n)
+            for (k, s, n), r in zip(self.collectives, self.times, strict=True)
+            if n > 1
+        )
 
     @property
     def count(self) -> int:
         """Collectives that move data (each pays one latency)."""
-        return sum(1 for _, s, n in self.collectives if n > 1 and s > 0)
+        return sum(
+            r for (_, s, n), r in zip(self.collectives, self.times, strict=True) if n > 1 and s > 0
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,48 +91,102 @@ class CrossTraffic:
 class DataParallelTraffic:
     """The data-parallel methods of `pricer.Pricer` (see the module docstring)."""
 
-    def dp_traffic(
-        self, comp: Composition, *, tp: int, ep: int, dp: int, zero: int, cp: int = 1
-    ) -> DpTraffic:
-        """Per-occurrence DP collectives of a stage (gradients and weights at the training
-        precision's bytes per parameter, `memory.Precision`: bf16 under mixed precision):
-        ZeRO-0 all-reduces gradients; ZeRO-1/2 reduce-scatter
-        gradients and all-gather updated weights; ZeRO-3 (per micro-batch) all-gathers weights
-        for forward and for backward and reduce-scatters gradients. Context-parallel ranks hold
-        the same weights and their gradients are reduced with the data-parallel ones, so the
-        group is dp * cp ranks (Megatron-LM's data-parallel group "with CP", torchtitan's FSDP
-        mesh dp_shard x cp). Expert parameters use the dp * cp / ep ranks that hold the same
-        experts."""
+    @property
+    def reduce_bytes(self) -> int:
+        """Bytes per gradient element a reduction moves: 4 under `Engine.reduce_fp32`, else
+        the training precision's (`memory.Precision.grad_bytes`)."""
+        return 4 if self.engine.reduce_fp32 else self.precision.grad_bytes
+
+    def _dp_params(self, comp: Composition, *, tp: int, ep: int) -> tuple[float, float]:
+        """(dense, expert) parameters one rank holds of the blocks in `comp`."""
         facts = [(self.costs.facts[k].memory, n) for k, n in comp]
         dense = sum(n * (b.params_tp / tp + b.params_rep) for b, n in facts)
         experts = sum(n * b.params_expert / (tp * ep) for b, n in facts)
+        return dense, experts
+
+    def dp_traffic(
+        self,
+        comp: Composition,
+        *,
+        tp: int,
+        ep: int,
+        dp: int,
+        zero: int,
+        cp: int = 1,
+        first: str | None = None,
+    ) -> DpTraffic:
+        """Per-occurrence DP collectives of a stage that overlap with its compute (gradients at
+        `reduce_bytes` per parameter, weights at the training precision's,
+        `memory.Precision`): ZeRO-0 all-reduces gradients; ZeRO-1/2 reduce-scatter gradients
+        and all-gather updated weights (one bucketed collective each); ZeRO-3 (per
+        micro-batch) runs one all-gather of each FSDP unit's weights for forward, one for
+        backward and one reduce-scatter of its gradients (FSDP2 and FSDP1 wrap every block:
+        one collective per unit, each paying its latency and reaching the bandwidth of its
+        own message size). Under ZeRO-3 `first` names the block of the stage's first unit:
+        its forward all-gather and its reduce-scatter are left out here, because nothing
+        overlaps them (`dp_edge`). Context-parallel ranks hold the same weights and their
+        gradients are reduced with the data-parallel ones, so the group is dp * cp ranks
+        (Megatron-LM's data-parallel group "with CP", torchtitan's FSDP mesh dp_shard x cp).
+        Expert parameters use the dp * cp / ep ranks that hold the same experts."""
         AR, AG, RS = Collective.ALL_REDUCE, Collective.ALL_GATHER, Collective.REDUCE_SCATTER
-        out: list[tuple[Collective, float, int]] = []
         dcp = dp * cp
-        g_bytes, w_bytes = self.precision.grad_bytes, self.precision.weight_bytes
-        if self.engine.float8_all_gather:  # FSDP gathers the FP8 weights (1 byte each)
-            w_bytes = 1
-        for params, n in ((dense, dcp), (experts, dcp // ep if dcp >= ep else 1)):
-            if params <= 0 or n <= 1:
-                continue
-            if zero == 0:
-                out.append((AR, params * g_bytes, n))
-            elif zero in (1, 2):
-                out += [(RS, params * g_bytes, n), (AG, params * w_bytes, n)]
-            else:
-                out += [(AG, params * w_bytes, n)] * 2 + [(RS, params * g_bytes, n)]
+        g_bytes, w_bytes = self.reduce_bytes, self._gather_bytes()
+        groups = ((True, dcp), (False, dcp // ep if dcp >= ep else 1))
+        if zero in (0, 1, 2):
+            dense, experts = self._dp_params(comp, tp=tp, ep=ep)
+            out: list[tuple[Collective, float, int]] = []
+            for params, n in zip((dense, experts), (n for _, n in groups), strict=True):
+                if params <= 0 or n <= 1:
+                    continue
+                if zero == 0:
+                    out.append((AR, params * g_bytes, n))
+                else:
+                    out += [(RS, params * g_bytes, n), (AG, params * w_bytes, n)]
+            return DpTraffic(tuple(out))
+        colls: list[tuple[Collective, float, int]] = []
+        reps: list[int] = []
+        for key, count in comp:
+            unit = self._dp_params(((key, 1),), tp=tp, ep=ep)
+            edge = 1 if key == first else 0
+            for params, (_, n) in zip(unit, groups, strict=True):
+                if params <= 0 or n <= 1:
+                    continue
+                colls += [(AG, params * w_bytes, n), (RS, params * g_bytes, n)]
+                reps += [2 * count - edge, count - edge]
+        kept = [(c, r) for c, r in zip(colls, reps, strict=True) if r > 0]
+        return DpTraffic(tuple(c for c, _ in kept), tuple(r for _, r in kept))
+
+    def dp_edge(self, first: str, *, tp: int, ep: int, dp: int, cp: int = 1) -> DpTraffic:
+        """ZeRO-3's collectives of a micro-batch that no compute overlaps: the all-gather of
+        the stage's first unit (block `first`) before its forward (FSDP prefetches each next
+        unit's gather behind the current unit's compute, but the first has nothing before
+        it) and that unit's reduce-scatter after the backward's last compute (the optimizer
+        waits for it). Run on the critical path of every micro-batch (`simulate`)."""
+        AG, RS = Collective.ALL_GATHER, Collective.REDUCE_SCATTER
+        dcp = dp * cp
+        out: list[tuple[Collective, float, int]] = []
+        unit = self._dp_params(((first, 1),), tp=tp, ep=ep)
+        for params, n in zip(unit, (dcp, dcp // ep if dcp >= ep else 1), strict=True):
+            if params > 0 and n > 1:
+                out += [(AG, params * self._gather_bytes(), n), (RS, params * self.reduce_bytes, n)]
         return DpTraffic(tuple(out))
+
+    def _gather_bytes(self) -> int:
+        """Bytes per weight an all-gather moves: the training precision's, or 1 when FSDP
+        gathers the FP8 weights (`Engine.float8_all_gather`)."""
+        return 1 if self.engine.float8_all_gather else self.precision.weight_bytes
 
     def dp_single(self, traffic: DpTraffic, group: str, *, tp: int, cp: int) -> float:
         """DP traffic time when all replicas of the stage sit in one group, packed into NVLink
         domains (nodes)."""
-        return sum(c.time_s for c in self.dp_single_choices(traffic, group, tp=tp, cp=cp))
+        choices = self.dp_single_choices(traffic, group, tp=tp, cp=cp)
+        return sum(c.time_s * r for c, r in zip(choices, traffic.times, strict=True))
 
     def dp_single_choices(
         self, traffic: DpTraffic, group: str, *, tp: int, cp: int
     ) -> list[CommChoice]:
         """The priced methods of each collective of `dp_single` (gradients reduced, weights
-        gathered)."""
+        gathered), once per entry of `traffic.collectives` (each runs `traffic.times` times)."""
         g = self.groups[group]
         # The DP x CP group's ranks in one NVLink domain (node): every rank of the domain
         # outside TP (cp sits inside dp in the mesh order pp, dp, cp, ep, tp).
@@ -168,6 +236,7 @@ class DataParallelTraffic:
             per_stage = vol * tp / path.shared_bandwidth
         coded = coded_cross(
             traffic.collectives,
+            traffic.times,
             Path(path.bandwidth, path.latency),
             path.shared_bandwidth,
             tp,
@@ -200,7 +269,7 @@ class DataParallelTraffic:
         sharded = sum(n * (b.params_tp + b.params_expert) for b, n in facts)
         replicated = sum(n * b.params_rep for b, n in facts)
         pieces = math.lcm(*tp_by_group.values())
-        piece = (sharded / pieces + replicated) * self.precision.grad_bytes
+        piece = (sharded / pieces + replicated) * self.reduce_bytes
         ranks = dp * cp
         if ranks <= 1:
             return {g: DpTraffic(()) for g in tp_by_group}

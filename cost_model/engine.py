@@ -28,6 +28,14 @@ price a step as another stack would run it:
   (flash-attn's `losses.cross_entropy.CrossEntropyLoss`, the default `loss_fn` of MosaicML's
   MPT): it saves the logits and a per-token logsumexp and writes the logits' gradient, where
   eager PyTorch copies the logits to fp32 and keeps their log-softmax (`compute.loss_chain`).
+- `reduce_fp32`: gradients are reduced across data-parallel (and the SP norm gradients across
+  tensor-parallel) ranks in fp32, 4 bytes a parameter, although the model computes in
+  bf16/fp16. torchtitan's default (`training.mixed_precision_reduce = "float32"`, FSDP2's
+  `MixedPrecisionPolicy(reduce_dtype=float32)`), Megatron-LM under `--bf16` (it sets
+  `accumulate_allreduce_grads_in_fp32` unless `--grad-reduce-in-bf16`, megatron/training/
+  arguments.py: "accumulate and all-reduce gradients in fp32 for bfloat16 data type") and
+  Composer's FSDP mixed precision DEFAULT (`precision: amp_bf16`). meshplan's runtime
+  reduces the bf16 gradients it computes, as do FSDP's PURE policy and fp16 Megatron.
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ class Engine:
     moe_imbalance: float | None = None
     attention: str = "flash2"
     fused_loss: bool = False
+    reduce_fp32: bool = False
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KERNELS:
@@ -98,6 +107,8 @@ class Engine:
             parts.append(f"attention {self.attention}")
         if self.fused_loss:
             parts.append("fused-loss")
+        if self.reduce_fp32:
+            parts.append("fp32-reduce")
         return "+".join(parts) or "eager"
 
 

@@ -66,10 +66,18 @@ def exposed(comm: float, window: float, eta: float = OVERLAP_EFFICIENCY) -> floa
 # The runner's per-step loss all-reduce: one float64 (meshplan.runtime.Runner._global_mean).
 LOSS_SYNC_BYTES = 8
 
-# Bytes the Adam update streams per parameter it owns: read fp32 master/momentum/variance and
-# the bf16 gradient, write the three fp32 states back and the new bf16 weight, about 16 + 4.
-# Assumption (fused multi-tensor Adam is memory-bound), calibrated in issue 3.
-OPTIMIZER_BYTES_PER_PARAM = 20
+# Bytes a fused AdamW step streams per parameter it owns (torch's `fused=True`, apex's and
+# Transformer Engine's FusedAdam; torchtitan's default implementation is "fused"): it reads
+# the fp32 master weight, the gradient (fp32: Megatron's main grads, FSDP2's sharded fp32
+# parameters' gradients; 4), the momentum and the variance, 16, and writes the weight and the
+# two states back, 12. Derived from the kernel's operands, not fitted.
+OPTIMIZER_BYTES_PER_PARAM = 28
+# Bytes the global-norm gradient clipping streams per parameter it owns, every step:
+# torchtitan (`training.max_norm` 1.0), Megatron-LM (`--clip-grad` 1.0) and Composer
+# (llm-foundry's `gradient_clipping` algorithm) clip by default. The norm reads every fp32
+# gradient once (4), the scaling reads and writes it (8; torch's `clip_grads_with_norm_`
+# scales whatever the norm, Megatron only above the threshold, counted here as always).
+GRAD_CLIP_BYTES_PER_PARAM = 12
 
 # ---------------------------------------------------------------------------------------------
 # Pricing pieces (per graph x cluster x dtype, cached)
@@ -138,6 +146,10 @@ class StageTime:
     cp_comm: float
     ep_comm: float
     wgrad: float = 0.0  # the weight-gradient part of `backward` (ZB-V's W)
+    # ZeRO-3: the micro-batch's data-parallel collectives that nothing overlaps (the first
+    # unit's all-gather and reduce-scatter, `DataParallelTraffic.dp_edge`). Set by
+    # `simulate.plan_tables`, 0 otherwise.
+    dp_edge: float = 0.0
 
     @property
     def compute(self) -> float:
@@ -148,7 +160,7 @@ class StageTime:
     def zb_bubble(self) -> float:
         """ZB-V's per-rank bubble unit max(f, b, 2 (b - w)) over the rank's two chunks (half the
         stage each), communication split evenly between forward and backward."""
-        comm = (self.tp_comm + self.cp_comm + self.ep_comm) / 2
+        comm = (self.tp_comm + self.cp_comm + self.ep_comm + self.dp_edge) / 2
         f = self.forward + comm
         w = self.wgrad
         b = self.backward - w + self.recompute + comm
@@ -157,7 +169,14 @@ class StageTime:
     @property
     def total(self) -> float:
         """The stage's time per micro-batch on the critical path (u in the docstring)."""
-        return self.compute + self.recompute + self.tp_comm + self.cp_comm + self.ep_comm
+        return (
+            self.compute
+            + self.recompute
+            + self.tp_comm
+            + self.cp_comm
+            + self.ep_comm
+            + self.dp_edge
+        )
 
 
 class Pricer(DataParallelTraffic):
@@ -532,8 +551,9 @@ class Pricer(DataParallelTraffic):
     def optimizer_time(
         self, comp: Composition, group: str, *, tp: int, ep: int, dp: int, zero: int
     ) -> float:
-        """Adam update of the parameters this rank owns (all it holds under ZeRO-0, 1/dp of
-        them under ZeRO >= 1), streaming OPTIMIZER_BYTES_PER_PARAM bytes per parameter."""
+        """Gradient clipping and the Adam update of the parameters this rank owns (all it holds
+        under ZeRO-0, 1/dp of them under ZeRO >= 1), streaming GRAD_CLIP_BYTES_PER_PARAM +
+        OPTIMIZER_BYTES_PER_PARAM bytes per parameter at the GPU's achieved bandwidth."""
         facts = [(self.costs.facts[k].memory, n) for k, n in comp]
         dense = sum(n * (b.params_tp / tp + b.params_rep) for b, n in facts)
         experts = sum(n * b.params_expert / (tp * ep) for b, n in facts)
@@ -542,7 +562,8 @@ class Pricer(DataParallelTraffic):
             experts /= max(1, dp // ep)
         gpu = self.groups[group].gpu
         hbm = gpu.hbm_bandwidth * kernel_efficiency(gpu).memory
-        return (dense + experts) * OPTIMIZER_BYTES_PER_PARAM / hbm
+        streamed = OPTIMIZER_BYTES_PER_PARAM + GRAD_CLIP_BYTES_PER_PARAM
+        return (dense + experts) * streamed / hbm
 
     # -- once per step, outside the pipeline and the DP overlap window -------------------------
     def sp_grad_sync(
@@ -569,7 +590,7 @@ class Pricer(DataParallelTraffic):
             facts = self.costs.facts[key]
             numels = (facts.replicated_params if sp else ()) + facts.router_params
             for numel in numels:
-                out += [(Collective.ALL_REDUCE, numel * self.precision.grad_bytes, tp)] * (
+                out += [(Collective.ALL_REDUCE, numel * self.reduce_bytes, tp)] * (
                     count * reductions
                 )
         return tuple(out)

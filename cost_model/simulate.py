@@ -91,6 +91,7 @@ from meshplan.ir import (
 )
 from meshplan.passes.partition import (
     layer_counts,
+    rank_chunks,
     rank_layers,
     replica_capacity,
     tp_domain_problem,
@@ -219,25 +220,38 @@ def plan_tables(
     reductions = rep if dp * cp > 1 else 1  # of the SP norm gradients (`sp_grad_sync`)
     costs = pricer.costs
     if pp > 1 and p.chunks > 1:  # each rank runs its chunks (ranges is the even split)
-        comps = list(costs.chunked_compositions(pp, p.chunks, p.schedule == Schedule.ZERO_BUBBLE))
+        v_shape = p.schedule == Schedule.ZERO_BUBBLE
+        comps = list(costs.chunked_compositions(pp, p.chunks, v_shape))
+        starts = [chunks[0][0] for chunks in rank_chunks(costs.graph, pp, p.chunks, v_shape)]
     else:
         comps = [costs.composition(a, b) for a, b in ranges]
-    uniq: dict[Composition, dict] = {}
-    for comp in comps:
-        if comp in uniq:
+        starts = [a for a, _ in ranges]
+    # ZeRO-3: the block of each stage's first unit, whose gather and reduce-scatter nothing
+    # overlaps (`DataParallelTraffic.dp_edge`); None otherwise.
+    edged = zero == 3 and dp * cp > 1
+    firsts = [costs.unit_keys[a] if edged else None for a in starts]
+    uniq: dict[tuple[Composition, str | None], dict] = {}
+    for comp, first in zip(comps, firsts, strict=True):
+        if (comp, first) in uniq:
             continue
-        traffic = pricer.dp_traffic(comp, tp=tp, ep=ep, dp=dp, zero=zero, cp=cp)
+        traffic = pricer.dp_traffic(comp, tp=tp, ep=ep, dp=dp, zero=zero, cp=cp, first=first)
+        edge = pricer.dp_edge(first, tp=tp, ep=ep, dp=dp, cp=cp) if first else None
         times = {
             g: pricer.stage_time(
                 comp, g, tp=tp, cp=cp, ep=ep, sp=sp, micro_batch=mb, recompute=rc, quantize=quant
             )
             for g in names
         }
+        if edge is not None:
+            times = {
+                g: dataclasses.replace(t, dp_edge=pricer.dp_single(edge, g, tp=tp, cp=cp))
+                for g, t in times.items()
+            }
         cross = {}
         for i, a in enumerate(names):
             for b in names[i + 1 :]:
                 cross[(a, b)] = pricer.dp_cross(traffic, a, b, tp=tp, cp=cp)
-        uniq[comp] = {
+        uniq[(comp, first)] = {
             "time": times,
             "window": {g: _dp_window(t, zero) for g, t in times.items()},
             # The optimizer update, and the step's exposed syncs around it (SP gradients of
@@ -262,19 +276,21 @@ def plan_tables(
         kw = dict(tp=tp, cp=cp, ep=ep, sp=sp, micro_batch=mb, recompute=rc, quantize=quant)
 
         def ep_span(s: int, g: str, span: EpSpan) -> StageTime:
-            return pricer.stage_time(comps[s], g, **kw, span=span)
+            t = pricer.stage_time(comps[s], g, **kw, span=span)
+            return dataclasses.replace(t, dp_edge=time[s][g].dp_edge)
 
-        for comp, u in uniq.items():
+        for (comp, _), u in uniq.items():
             for g in names:
                 if capacity[g] < ep:  # every ep group with ranks here spans groups
                     floor = _ep_floor(pricer, comp, g, names, capacity, kw)
                     if floor is not None:
+                        floor = dataclasses.replace(floor, dp_edge=u["time"][g].dp_edge)
                         u["time"][g] = floor
                         u["window"][g] = _dp_window(floor, zero)
     time, window, opt, memory, fits, single, cross = [], [], [], [], [], [], []
     peaks: dict[tuple, tuple] = {}
     for s, comp in enumerate(comps):
-        u = uniq[comp]
+        u = uniq[(comp, firsts[s])]
         held = in_flight_microbatches(p.schedule, s, pp, max_microbatches or m, p.chunks)
         # Quantized activations: the AGoQ widths depend on the stage (early: attention 4 bits).
         early = quant and 2 * (pp - s) > pp
@@ -542,7 +558,9 @@ def evaluate(
         "ep_comm": m * t.ep_comm,
         "pp_p2p": m * v * p2p,
         "pp_bubble": (sum(stage_u) - big_u) * tables.fill + (pp - 1) * (z + p2p),
-        "dp_comm_exposed": tables.rep * exposed,
+        # ZeRO-3's unoverlapped first gather and last reduce-scatter of each micro-batch
+        # (`StageTime.dp_edge`, inside U) count as exposed data-parallel traffic.
+        "dp_comm_exposed": tables.rep * exposed + m * t.dp_edge,
         "optimizer": optimizer,
     }
     breakdown = tuple((k, parts[k]) for k in BREAKDOWN_PARTS)
