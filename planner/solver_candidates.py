@@ -45,7 +45,8 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from meshplan.cost_model.simulate import SUPPORTED_SCHEDULES, Pricer
+from meshplan.cost_model.pricer import Pricer
+from meshplan.cost_model.simulate import SUPPORTED_SCHEDULES
 from meshplan.ir import (
     Cluster,
     Graph,

@@ -33,9 +33,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from meshplan.cost_model.memory import in_flight_microbatches
+from meshplan.cost_model.pricer import Pricer
 from meshplan.cost_model.simulate import (
     PlanTables,
-    Pricer,
     evaluate,
     hetero_tables,
     plan_tables,
