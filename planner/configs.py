@@ -436,9 +436,16 @@ def _read_torchtitan(
         r.note("CPU offload of FSDP states: priced without offload")
     if train.get("dtype") == "bfloat16" and "dtype" in train:
         r.note("pure bf16 training (no fp32 master weights): priced with mixed precision")
+    # FSDP2's gradient reduction dtype; torchtitan's default is float32
+    reduce = str(train.get("mixed_precision_reduce", "float32"))
+    if reduce not in ("float32", "bfloat16"):
+        raise r.error(
+            "training.mixed_precision_reduce", f"must be float32 or bfloat16, got {reduce!r}"
+        )
     return _assembled(
         r, "torchtitan", "parallelism", spec, stage_layers,
-        dict(fused=compiled, float8=float8, float8_all_gather=gather, tp_overlap=async_tp),
+        dict(fused=compiled, float8=float8, float8_all_gather=gather, tp_overlap=async_tp,
+             reduce_fp32=reduce == "float32"),
         dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, micro_batch=micro, global_batch=global_batch,
         recompute=recompute, zero=zero, schedule=schedule or Schedule.ONE_F_ONE_B,
         sequence_parallel=sp, virtual_stages=virtual,
@@ -793,10 +800,16 @@ def _load_megatron(
         else:
             r.note(f"FP8 recipe {recipe}: priced in bf16 (its kernels are not modelled)")
     gather = bool(opts.get("fp8-param-gather")) and float8 is not None and zero >= 1
+    # Gradients are accumulated and reduced in fp32 unless fp16 (or --grad-reduce-in-bf16):
+    # Megatron-LM's arguments.py sets accumulate_allreduce_grads_in_fp32 under --bf16, and an
+    # fp32 run's gradients are fp32.
+    reduce_fp32 = bool(opts.get("accumulate-allreduce-grads-in-fp32")) or not (
+        opts.get("fp16") or opts.get("grad-reduce-in-bf16")
+    )
     return _assembled(
         r, "megatron", "arguments", spec, stage_layers,
         dict(fused=fused, float8=float8, float8_all_gather=gather,
-             tp_overlap=bool(opts.get("tp-comm-overlap"))),
+             tp_overlap=bool(opts.get("tp-comm-overlap")), reduce_fp32=reduce_fp32),
         dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, micro_batch=micro, global_batch=global_batch,
         recompute=recompute, zero=zero, schedule=schedule or Schedule.ONE_F_ONE_B,
         sequence_parallel=sp, virtual_stages=virtual,
@@ -1558,6 +1571,8 @@ def _titan_values(plan: Plan, engine: Engine) -> dict[str, dict[str, object]]:
         "local_batch_size": local,
         "global_batch_size": p.global_batch,
         "seq_len": plan.model.seq_len,
+        # the gradient reduction dtype the plan was priced with (`Engine.reduce_fp32`)
+        "mixed_precision_reduce": "float32" if engine.reduce_fp32 else "bfloat16",
     }
     ac = {"mode": str(p.recompute)}
     if p.recompute == Recompute.SELECTIVE:
@@ -1680,6 +1695,8 @@ def _write_megatron(plan: Plan, engine: Engine) -> str:
             "--recompute-num-layers 1",
         ]
     args.append("--bf16")
+    if not engine.reduce_fp32:  # as priced: bf16 gradient reduction (Megatron's is fp32)
+        args.append("--grad-reduce-in-bf16")
     if engine.float8:
         args += ["--fp8-format hybrid", "--fp8-recipe tensorwise"]
         if engine.float8_all_gather:

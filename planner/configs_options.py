@@ -254,7 +254,8 @@ _MEGATRON_PRICED = _names(
         # head dimension other than hidden / heads
         "read into the engine": """
             no-masked-softmax-fusion no-bias-gelu-fusion no-bias-swiglu-fusion
-            no-bias-dropout-fusion fp8-format fp8-recipe fp8-param-gather tp-comm-overlap""",
+            no-bias-dropout-fusion fp8-format fp8-recipe fp8-param-gather tp-comm-overlap
+            accumulate-allreduce-grads-in-fp32 grad-reduce-in-bf16""",
         # what meshplan prices: bf16 mixed precision; data-parallel traffic overlapped with
         # the backward (gradients) and the forward (parameters); FlashAttention-2; TP traffic
         # exposed unless --tp-comm-overlap (the async all-reduce flags switch overlap off);
@@ -265,7 +266,7 @@ _MEGATRON_PRICED = _names(
             bf16 overlap-grad-reduce overlap-param-gather use-flash-attn use-mcore-models
             no-async-tensor-model-parallel-allreduce disable-async-tensor-model-parallel-allreduce
             no-gradient-accumulation-fusion moe-grouped-gemm moe-router-force-load-balancing
-            grad-reduce-in-bf16 manual-gc manual-gc-interval""",
+            manual-gc manual-gc-interval""",
     }
 )
 
@@ -291,9 +292,6 @@ _MEGATRON_NOT_PRICED: dict[str, NotPriced] = {
     "moe-layer-recompute": NotPriced("MoE-layer recomputation: priced without it"),
     # precision
     "fp16": NotPriced("fp16 with loss scaling: priced as bf16"),
-    "accumulate-allreduce-grads-in-fp32": NotPriced(
-        "fp32 gradient accumulation and reduction: priced with bf16 gradients"
-    ),
     **_each(
         "lower-precision optimizer states / main weights: priced as fp32 Adam states",
         "main-grads-dtype main-params-dtype exp-avg-dtype exp-avg-sq-dtype",
@@ -557,7 +555,11 @@ _FLOAT8 = ("float8", "quantize.linear.float8")
 _TITAN_READ = " ".join(
     [
         _in("model", "name flavor converters"),
-        _in("training", "local_batch_size global_batch_size seq_len enable_cpu_offload dtype"),
+        _in(
+            "training",
+            "local_batch_size global_batch_size seq_len enable_cpu_offload dtype "
+            "mixed_precision_reduce",
+        ),
         _in(
             "parallelism",
             "data_parallel_replicate_degree data_parallel_shard_degree "
@@ -595,9 +597,6 @@ _TITAN_NOT_PRICED: dict[str, NotPriced] = {
     ),
     "training.mixed_precision_param": NotPriced(
         "fp32 parameters in FSDP's compute: priced in bf16", ("bfloat16",)
-    ),
-    "training.mixed_precision_reduce": NotPriced(
-        "fp32 gradient reduction: priced with bf16 gradients", ()
     ),
     "training.gc_debug": NotPriced("garbage collection every step: not modelled"),
     "parallelism.disable_loss_parallel": NotPriced(
@@ -752,7 +751,11 @@ TORCHTITAN_TOML = Options(
 # torchtitan's tyro parser refuses a misspelt field in them itself.
 _CLI_READ = (
     "module config "
-    + _in("training", "local_batch_size global_batch_size seq_len enable_cpu_offload dtype")
+    + _in(
+        "training",
+        "local_batch_size global_batch_size seq_len enable_cpu_offload dtype "
+        "mixed_precision_reduce",
+    )
     + " "
     + " ".join(n for n in TORCHTITAN_TOML.priced if n.startswith("parallelism."))
     + " "
@@ -764,7 +767,7 @@ _CLI_READ = (
 _CLI_NOT_PRICED: dict[str, NotPriced] = {
     name: _TITAN_NOT_PRICED[name]
     for name in (
-        "training.mixed_precision_param training.mixed_precision_reduce training.gc_debug "
+        "training.mixed_precision_param training.gc_debug "
         "parallelism.pipeline_parallel_schedule_csv parallelism.context_parallel_load_balancer "
         "compile.components compile.backend debug.deterministic optimizer.implementation"
     ).split()

@@ -148,10 +148,10 @@ CASES = [
         ".txt",
         "--module llama3 --config llama3_8b --dump_folder /out --metrics.log_freq 5 "
         "--checkpoint.interval 100 --training.steps 20 --parallelism.tensor_parallel_degree 2 "
-        "--parallelism.no-enable_sequence_parallel --training.mixed_precision_reduce float32",
+        "--parallelism.no-enable_sequence_parallel --training.mixed_precision_param float32",
         (
-            "--training.mixed_precision_reduce float32: fp32 gradient reduction: priced with "
-            "bf16 gradients",
+            "--training.mixed_precision_param float32: fp32 parameters in FSDP's compute: "
+            "priced in bf16",
         ),
         (),
     ),
