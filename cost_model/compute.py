@@ -112,21 +112,21 @@ class KernelEfficiency:
 #   fused kernels.
 _FIT = "benchmarks/fidelity.py --fit"
 KERNEL_EFFICIENCY: dict[str, KernelEfficiency] = {
-    "V100": KernelEfficiency(0.768, 0.50, 0.45, 0.8, f"2020 Megatron DGX-2 rows ({_FIT})"),
+    "V100": KernelEfficiency(0.800, 0.50, 0.45, 0.8, f"2020 Megatron DGX-2 rows ({_FIT})"),
     "A100-80GB": KernelEfficiency(
         0.717, 0.661, 0.586, 0.8, f"Korthikanti T5, Megatron and torchtitan A100 rows ({_FIT})"
     ),
     "A100-40GB": KernelEfficiency(0.717, 0.661, 0.586, 0.8, "as A100-80GB"),
     "A100-PCIe": KernelEfficiency(0.717, 0.661, 0.586, 0.8, "as A100-80GB"),
     "H100": KernelEfficiency(
-        0.625, 0.45, 0.38, 0.8, f"Megatron-Core r0.8 table ({_FIT})", gemm_fp8=0.613
+        0.666, 0.45, 0.38, 0.8, f"Megatron-Core r0.8 table ({_FIT})", gemm_fp8=0.643
     ),
     "H200": KernelEfficiency(
-        0.625, 0.45, 0.38, 0.8, "as H100 (same GH100 compute)", gemm_fp8=0.613
+        0.666, 0.45, 0.38, 0.8, "as H100 (same GH100 compute)", gemm_fp8=0.643
     ),
-    "H100-PCIe": KernelEfficiency(0.625, 0.45, 0.38, 0.8, "as H100", gemm_fp8=0.613),
+    "H100-PCIe": KernelEfficiency(0.666, 0.45, 0.38, 0.8, "as H100", gemm_fp8=0.643),
     "H100-96GB-500W": KernelEfficiency(
-        0.577, 0.208, 0.171, 0.8, f"torchtitan rows ({_FIT})", gemm_fp8=0.566
+        0.605, 0.208, 0.171, 0.8, f"torchtitan rows ({_FIT})", gemm_fp8=0.585
     ),
 }
 # Any other type: hardware.md's low end for large GEMMs and the FA2-on-A100 attention fraction.
