@@ -591,8 +591,8 @@ def coded_cross(
     of `dp_traffic.CrossTraffic`: each collective takes its fastest coded method priced on
     `path` narrowed to its share of the shared link with one stage crossing (`streams` rings
     share it), which also picks its chunk count, and counted `repeats[i]` times; the shared
-    link carries bytes / ratio; `latency` gathers the alphas and the coding time beyond the transfer (the pipeline's
-    fill). None when coding is not allowed."""
+    link carries bytes / ratio; `latency` gathers the alphas and the coding time beyond the
+    transfer (the pipeline's fill). None when coding is not allowed."""
     if options is None or not options.active:
         return None
     if shared_bandwidth is not None:  # one crossing stage: its rings share the link

@@ -28,6 +28,11 @@ price a step as another stack would run it:
   (flash-attn's `losses.cross_entropy.CrossEntropyLoss`, the default `loss_fn` of MosaicML's
   MPT): it saves the logits and a per-token logsumexp and writes the logits' gradient, where
   eager PyTorch copies the logits to fp32 and keeps their log-softmax (`compute.loss_chain`).
+- `selective`: which outputs `Recompute.SELECTIVE` keeps, the stack's policy
+  (`SelectivePolicy`, priced by `cost_model.recompute`): None is meshplan's runtime's and
+  Megatron-LM's keep-every-linear; torchtitan's per-op policy ("torchtitan_op", its
+  `selective_ac_option = "op"`) or every second layer checkpointed ("every_other_layer",
+  `selective_ac_option = "2"`).
 - `reduce_fp32`: gradients are reduced across data-parallel (and the SP norm gradients across
   tensor-parallel) ranks in fp32, 4 bytes a parameter, although the model computes in
   bf16/fp16. torchtitan's default (`training.mixed_precision_reduce = "float32"`, FSDP2's
@@ -40,7 +45,17 @@ price a step as another stack would run it:
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+
+
+class SelectivePolicy(enum.StrEnum):
+    """How `Recompute.SELECTIVE` is carried out (`cost_model.recompute`'s docstring)."""
+
+    KEEP_LINEAR = "keep_linear"
+    TORCHTITAN_OP = "torchtitan_op"
+    EVERY_OTHER_LAYER = "every_other_layer"
+
 
 FLOAT8_RECIPES = ("tensorwise",)
 # Fused-attention kernels with published throughput (`compute.ATTENTION_TFLOPS`).
@@ -66,8 +81,14 @@ class Engine:
     attention: str = "flash2"
     fused_loss: bool = False
     reduce_fp32: bool = False
+    selective: str | None = None
 
     def __post_init__(self) -> None:
+        if self.selective is not None and self.selective not in set(SelectivePolicy):
+            raise EngineError(
+                f"selective policy {self.selective!r} is not modelled; use one of "
+                f"{', '.join(SelectivePolicy)}"
+            )
         if self.attention not in ATTENTION_KERNELS:
             raise EngineError(
                 f"attention kernel {self.attention!r} is not modelled; use one of "
@@ -109,9 +130,18 @@ class Engine:
             parts.append("fused-loss")
         if self.reduce_fp32:
             parts.append("fp32-reduce")
+        if self.selective is not None:
+            parts.append(f"selective {self.selective}")
         return "+".join(parts) or "eager"
 
 
 EAGER = Engine()
 
-__all__ = ["ATTENTION_KERNELS", "EAGER", "FLOAT8_RECIPES", "Engine", "EngineError"]
+__all__ = [
+    "ATTENTION_KERNELS",
+    "EAGER",
+    "FLOAT8_RECIPES",
+    "Engine",
+    "EngineError",
+    "SelectivePolicy",
+]

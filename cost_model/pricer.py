@@ -198,7 +198,8 @@ class Pricer(DataParallelTraffic):
         self.dtype = dtype
         # How Recompute.SELECTIVE keeps outputs (recompute.SelectivePolicy): meshplan's and
         # Megatron's keep-every-linear by default; torchtitan's op or layer policies on request.
-        self.selective_policy = SelectivePolicy(selective_policy).value
+        # The engine's own policy, when it names one, is the stack's (`Engine.selective`).
+        self.selective_policy = SelectivePolicy(engine.selective or selective_policy).value
         # What the planner may do to traffic (compression.py): every collective is priced at
         # its fastest allowed method (raw, lossless, int8 gradients). None: raw only.
         self.comm = comm

@@ -27,20 +27,10 @@ output bytes and `recompute_forward_time` prices the forward of the others.
 
 from __future__ import annotations
 
-import enum
-
 from meshplan.ir import Block, GpuSpec, Op, OpKind
 
 from .compute import KERNEL_FLOOR_S, kept_by_selective, roofline_time, splits_with_tp
-
-
-class SelectivePolicy(enum.StrEnum):
-    """How `Recompute.SELECTIVE` is carried out (module docstring)."""
-
-    KEEP_LINEAR = "keep_linear"
-    TORCHTITAN_OP = "torchtitan_op"
-    EVERY_OTHER_LAYER = "every_other_layer"
-
+from .engine import SelectivePolicy
 
 DEFAULT_POLICY = SelectivePolicy.KEEP_LINEAR
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshplan.cost_model import predict
-from meshplan.cost_model.engine import EAGER, Engine, EngineError
+from meshplan.cost_model.engine import EAGER, Engine, EngineError, SelectivePolicy
 from meshplan.ir import Cluster, Graph, Parallel, Recompute, Schedule
 from meshplan.ir.plan import Plan, assign_ranks, write_text_file
 from meshplan.models import PRESETS, TransformerConfig
@@ -397,17 +397,24 @@ def _read_torchtitan(
     global_batch = _batches(r, dp, micro, gb, local)
 
     # recomputation
+    selective = None
     if ac_mode in (None, "none"):
         recompute = Recompute.NONE
     elif ac_mode == "full":
         recompute = Recompute.FULL
     elif ac_mode == "selective":
         recompute = Recompute.SELECTIVE
-        if ac_option not in ("op", ""):
-            r.note(
-                f"selective_ac_option {ac_option!r} (full checkpointing of every "
-                f"{ac_option}th layer): priced as per-op selective recomputation"
-            )
+        # torchtitan's two selective policies (`cost_model.recompute`): "op" saves every
+        # other matmul of a layer; "2" checkpoints every second layer whole
+        if ac_option in ("op", ""):
+            selective = SelectivePolicy.TORCHTITAN_OP
+        else:
+            selective = SelectivePolicy.EVERY_OTHER_LAYER
+            if ac_option != "2":
+                r.note(
+                    f"selective_ac_option {ac_option!r} (full checkpointing of every "
+                    f"{ac_option}th layer): priced as every second layer checkpointed"
+                )
     elif ac_mode == "memory-budget":
         recompute = Recompute.SELECTIVE
         r.note("memory-budget activation checkpointing: priced as selective")
@@ -445,7 +452,7 @@ def _read_torchtitan(
     return _assembled(
         r, "torchtitan", "parallelism", spec, stage_layers,
         dict(fused=compiled, float8=float8, float8_all_gather=gather, tp_overlap=async_tp,
-             reduce_fp32=reduce == "float32"),
+             reduce_fp32=reduce == "float32", selective=selective),
         dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, micro_batch=micro, global_batch=global_batch,
         recompute=recompute, zero=zero, schedule=schedule or Schedule.ONE_F_ONE_B,
         sequence_parallel=sp, virtual_stages=virtual,
@@ -1576,7 +1583,9 @@ def _titan_values(plan: Plan, engine: Engine) -> dict[str, dict[str, object]]:
     }
     ac = {"mode": str(p.recompute)}
     if p.recompute == Recompute.SELECTIVE:
-        ac["selective_ac_option"] = "op"
+        # every second layer checkpointed when the plan was priced so, else the per-op policy
+        layers = engine.selective == SelectivePolicy.EVERY_OTHER_LAYER
+        ac["selective_ac_option"] = "2" if layers else "op"
     return {
         "training": training,
         "parallelism": par,

@@ -305,3 +305,37 @@ def test_published_examples_hold_no_unknown_option(spec, gpus):
     framework, path = spec.split(":")
     cfg = configs.load(f"{framework}:{root / path}", world_size=gpus)
     assert cfg.unknown == () and cfg.unpriced == ()
+
+
+def test_torchtitan_selective_policy_is_read_and_priced_as_torchtitan_runs_it(tmp_path):
+    """torchtitan's "op" policy saves every other matmul of a layer and "2" checkpoints every
+    second layer: each import carries its policy in the engine, and the pricer prices the
+    engine's policy exactly as when the policy is named to it."""
+    import meshplan
+    from meshplan import configs
+    from meshplan.cost_model.engine import Engine, EngineError, SelectivePolicy
+
+    want = {"op": SelectivePolicy.TORCHTITAN_OP, "2": SelectivePolicy.EVERY_OTHER_LAYER}
+    for option, policy in want.items():
+        path = tmp_path / f"job_{option}.toml"
+        path.write_text(
+            '[model]\nname = "llama3"\nflavor = "8B"\n'
+            "[training]\nlocal_batch_size = 1\nseq_len = 2048\n"
+            f'[activation_checkpoint]\nmode = "selective"\nselective_ac_option = "{option}"\n'
+        )
+        cfg = configs.load(f"torchtitan:{path}", world_size=8)
+        assert cfg.engine.selective == policy
+        assert f"selective {policy}" in cfg.engine.describe()
+    with pytest.raises(EngineError, match="selective policy 'everything' is not modelled"):
+        Engine(selective="everything")
+    # the engine's policy is the pricer's (the oracle: pricer_for with the policy named)
+    from meshplan.cost_model.pricer import pricer_for
+    from tests.synthetic import h100_cluster, transformer_graph
+
+    g = transformer_graph(2, 1024, 8, 8, 4096, 32000, 1024, 1)
+    c = h100_cluster(1)
+    for policy in SelectivePolicy:
+        by_engine = pricer_for(g, c, engine=Engine(selective=str(policy)))
+        by_name = pricer_for(g, c, None, None, str(policy))
+        assert by_engine.selective_policy == by_name.selective_policy == policy
+    assert meshplan  # imported for configs' side effects
