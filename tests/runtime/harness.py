@@ -305,12 +305,13 @@ def expected_dp_volume(plan, graph_, pp_rank: int, *, experts: bool = False) -> 
     rep = p.num_microbatches if p.zero == 3 else 1
     group = p.dp * p.cp // p.ep if experts else p.dp * p.cp
     want: Counter = Counter()
-    for kind, size, n in traffic.collectives:
+    for (kind, size, n), times in zip(traffic.collectives, traffic.times, strict=True):
         if n != group or (not experts and p.ep > 1 and n == p.dp * p.cp // p.ep):
             continue
         prec = pricer.precision  # bytes per parameter (fp32 here)
         per = prec.weight_bytes if str(kind) == "all_gather" else prec.grad_bytes
-        want[str(kind)] += rep * round(size / per)
+        # ZeRO-3: one collective per FSDP unit, `times` of them per micro-batch
+        want[str(kind)] += rep * times * round(size / per)
     return want
 
 
