@@ -605,9 +605,14 @@ def _rank_main(
         # line naming that peer (the watchdog's diagnosis)
         line = failure_line(e, rank)
         own = f"rank {rank} failed: "
-        with open(workdir / f"{rank}.err", "w") as f:
-            f.write((line[len(own) :] if line.startswith(own) else line) + "\n")
-            f.write(traceback.format_exc())
+        # Written whole, then renamed: this rank's watchdog may `os._exit` it at any moment
+        # (it fires on the same peer), and a report cut after `open` truncated it reads as
+        # an empty cause that blames this rank. (Not the watchdog's `<rank>.err.tmp`.)
+        tmp = workdir / f"{rank}.err.main.tmp"
+        tmp.write_text(
+            (line[len(own) :] if line.startswith(own) else line) + "\n" + traceback.format_exc()
+        )
+        os.replace(tmp, workdir / f"{rank}.err")
         sys.stderr.write(f"[rank {rank}] {traceback.format_exc()}")
         return 1
 

@@ -232,12 +232,24 @@ class Watchdog:
         A store whose host is gone (connections reset: it exited or was killed) names its
         host only with `gone` (the error path): the heartbeat verdict leaves that case to
         the collectives, which fail at once on a closed connection, so that a store host
-        leaving after its own error (or normally) does not make its peers blame it."""
+        leaving after its own error (or normally) does not make its peers blame it.
+
+        Once the store is lost (gone, or not answering for `min_age_s`) no beat can be read,
+        so beats are judged as of its last answer, and a peer already stale then is named
+        before the store's host: the host may have left only because it named that peer
+        (its watchdog fired) before this rank read its `abort`."""
         now = time.monotonic()
         with self._lock:
-            if self._store_gone:
-                if not gone:
-                    return None
+            if self._store_gone and not gone:
+                return None
+            store_lost = self._store_gone or now - self._store_ok >= min_age_s
+            as_of = self._store_ok if store_lost else now
+            stale = sorted(
+                (r, now - s.since, s.step)
+                for r, s in self._seen.items()
+                if not s.done and as_of - s.since >= min_age_s
+            )
+            if not stale and self._store_gone:
                 where = _store_address()
                 if self.store_host:
                     return (
@@ -249,7 +261,7 @@ class Watchdog:
                     f"the launcher's store ({where}) closed its connections: node 0's "
                     f"launcher is gone; seen by rank {self.rank}"
                 )
-            if now - self._store_ok >= min_age_s:
+            if not stale and store_lost:
                 age = now - self._store_ok
                 where = _store_address()
                 if self.store_host:
@@ -263,11 +275,6 @@ class Watchdog:
                     f"(timeout {self.timeout_s:.0f} s): node 0's launcher stopped or died; "
                     f"seen by rank {self.rank}"
                 )
-            stale = sorted(
-                (r, now - s.since, s.step)
-                for r, s in self._seen.items()
-                if not s.done and now - s.since >= min_age_s
-            )
         if not stale:
             return None
         ranks = ", ".join(str(r) for r, _, _ in stale)
