@@ -647,6 +647,9 @@ _PLANNING_MODULES = (
     "meshplan.cost_model.features",
     "meshplan.cost_model.collectives",
     "meshplan.cost_model.memory",
+    "meshplan.cost_model.engine",
+    "meshplan.cost_model.recompute",
+    "meshplan.cost_model.compression",
     "meshplan.passes.partition",
     "meshplan.passes.sharding",
 )
