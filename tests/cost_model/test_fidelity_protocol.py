@@ -37,9 +37,10 @@ SOURCES = {
 }
 
 
-def _case(fid, row: int, source: str, work: float, slow: float = 1.0, cluster="dgx-a100"):
-    """A counted A100 row whose step takes `work` / GEMM efficiency, measured at efficiency 0.6
-    times `slow`."""
+def _case(fid, row: int, source: str, work: float, slow: float = 1.0, cluster="dgx-h100"):
+    """A counted H100 row whose step takes `work` / GEMM efficiency, measured at efficiency 0.6
+    times `slow` (an H100: the A100's GEMM efficiency is measured on kernels and never fitted,
+    `KERNEL_MEASURED_GEMM`)."""
     return fid.Case(
         row=row,
         source=SOURCES[source],
@@ -47,7 +48,7 @@ def _case(fid, row: int, source: str, work: float, slow: float = 1.0, cluster="d
         metric="step",
         value=0.0,
         gpus=8,
-        gpu_type="A100-80GB",
+        gpu_type="H100",
         params=1e9,
         seq_len=2048,
         cluster=cluster,
@@ -78,7 +79,7 @@ def _table(fid, slow_b: float):
     """Rows 1-3 of source A and 7-9 of source C measured at efficiency 0.6; source B's seven
     rows (a majority of every fit that contains them) measured `slow_b` times slower."""
     cases = [_case(fid, r, "A", r) for r in (1, 2, 3)]
-    cases += [_case(fid, r, "B", r, slow_b, "mosaic-a100-80") for r in B_ROWS]
+    cases += [_case(fid, r, "B", r, slow_b) for r in B_ROWS]
     cases += [_case(fid, r, "C", r) for r in (7, 8, 9)]
     return cases
 
@@ -95,11 +96,11 @@ def test_loso_prediction_of_a_source_ignores_its_own_rows(fid):
         predictions[slow_b] = steps
         held_b = fid.source_of(cases[3])
         assert held_b == "llm-foundry"
-        assert fits[held_b]["A100-80GB"].rows == (1, 2, 3, 7, 8, 9)
+        assert fits[held_b]["H100"].rows == (1, 2, 3, 7, 8, 9)
         for c in cases:
             if fid.source_of(c) == held_b:
                 assert steps[c.row] == pytest.approx(_work(c) / 0.6, rel=1e-3)
-        refit = fid.fit_constants(cases, _synthetic_predictor())["A100-80GB"].efficiency.gemm
+        refit = fid.fit_constants(cases, _synthetic_predictor())["H100"].efficiency.gemm
         assert refit == pytest.approx(0.3 if slow_b > 1 else 0.9, abs=1e-3)  # at B's bound
     assert all(predictions[10.0][r] == predictions[0.1][r] for r in B_ROWS)
     assert predictions[10.0][1] != pytest.approx(predictions[0.1][1], rel=0.1)
@@ -163,7 +164,7 @@ def test_constant_mfu_baseline_on_a_hand_computed_row(fid):
     """1e9 parameters, 8 x 2048 tokens per step on 8 A100s (312 TFLOP/s bf16) at MFU 0.5:
     6 * 1e9 * 16384 / (8 * 0.5 * 312e12) = 0.078769... s. The V100 rows (fp16) use 125 TFLOP/s.
     The fitted MFU is the median achieved one, so its signed errors have a zero median."""
-    case = _case(fid, 1, "A", 1.0)
+    case = _case(fid, 1, "A", 1.0, cluster="dgx-a100")
     assert fid.baseline_step(case, 0.5) == pytest.approx(6e9 * 16384 / (8 * 0.5 * 312e12))
     assert fid.baseline_step(case, 0.5) == pytest.approx(0.0787692, rel=1e-6)
     v100 = fid.dataclasses.replace(case, cluster="dgx2-v100", dtype="float16")
@@ -247,7 +248,7 @@ def test_sources_are_publishers_not_tables(fid):
         "pytorch/torchtitan docs/performance.md (commit 877991a70",
         "pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md",
     ]
-    case = _case(fid, 1, "A", 1.0)
+    case = _case(fid, 1, "A", 1.0, cluster="dgx-a100")
     assert {fid.source_of(fid.dataclasses.replace(case, source=n)) for n in names} == {"torchtitan"}
     assert math.isnan(case.refit_step_s)
 
@@ -261,7 +262,7 @@ def test_cost_model_predictor_prices_with_the_table_and_restores_the_shipped_one
 
     arch = fid.Arch(None, 2, 512, 8, 2048, 1024, "gpt")
     fid._GRAPHS[arch.key(256)] = transformer_graph(2, 512, 8, 8, 2048, 1024, 256, 1)
-    case = _case(fid, 1, "A", 1.0)
+    case = _case(fid, 1, "A", 1.0, cluster="dgx-a100")
     case = fid.dataclasses.replace(
         case,
         arch=arch,
@@ -280,3 +281,17 @@ def test_cost_model_predictor_prices_with_the_table_and_restores_the_shipped_one
     assert predict([case], {})[1] == pytest.approx(
         predict([case], {"A100-80GB": a100})[1], rel=1e-12
     )
+
+
+def test_a_kernel_measured_gemm_is_never_fitted(fid):
+    """The A100's GEMM efficiency comes from measured kernels (`KERNEL_MEASURED_GEMM`): however
+    slow or fast its step rows are, the fit keeps the shipped value, in sample and held out."""
+    from meshplan.cost_model.compute import KERNEL_EFFICIENCY
+
+    shipped = KERNEL_EFFICIENCY["A100-80GB"].gemm
+    for slow in (10.0, 0.1):
+        cases = [_case(fid, r, "A", r, slow, "dgx-a100") for r in (1, 2, 3)]
+        cases += [_case(fid, r, "C", r, slow, "dgx-a100") for r in (7, 8, 9)]
+        fits = fid.fit_constants(cases, _synthetic_predictor())
+        assert fits["A100-80GB"].efficiency.gemm == shipped
+        assert fits["A100-80GB"].field("gemm") is None
