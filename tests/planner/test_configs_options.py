@@ -330,6 +330,7 @@ def test_torchtitan_selective_policy_is_read_and_priced_as_torchtitan_runs_it(tm
         Engine(selective="everything")
     # the engine's policy is the pricer's (the oracle: pricer_for with the policy named)
     from meshplan.cost_model.pricer import pricer_for
+
     from tests.synthetic import h100_cluster, transformer_graph
 
     g = transformer_graph(2, 1024, 8, 8, 4096, 32000, 1024, 1)

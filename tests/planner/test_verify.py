@@ -179,9 +179,7 @@ def test_tied_embeddings_train_as_one_tensor(layout):
 
     def model_fn():
         torch.manual_seed(0)
-        m, _ = meshplan.models.transformer(
-            **kw, tie_embeddings=True, dtype="float32", device="cpu"
-        )
+        m, _ = meshplan.models.transformer(**kw, tie_embeddings=True, dtype="float32", device="cpu")
         return m, (torch.zeros(1, 8, dtype=torch.long),)
 
     meta, inputs = meshplan.models.transformer(**kw, tie_embeddings=True, micro_batch=1)
