@@ -288,7 +288,8 @@ class DataParallelTraffic:
         dp: int,
         cp: int = 1,
     ) -> CrossTraffic:
-        """`hetero_dp_traffic` of a stage with pipelines in groups a and b, priced like
+        """`hetero_dp_traffic` of a stage with replicas in groups a and b (`tp_by_group`: the
+        degree of each group holding replicas of the stage, L = their lcm), priced like
         `dp_cross`: the piece rings cross the groups' link; the slower side (the group with
         the smaller tp moves more pieces) sets the unshared time, and the link carries
         L pieces per stage when a shared GroupLink bounds it. Raw: the runtime does not code

@@ -44,6 +44,35 @@ pipeline depth pp, m = global_batch / (dp * micro_batch) micro-batches per pipel
   m_g micro-batches, sum_g n_g m_g = dp * m. The pipeline term is then the maximum over the
   groups of the formula above with m_g and group g's own stage times and boundaries (HetPipe /
   Whale-style load balancing); ZeRO-3 is excluded (its per-micro-batch gathers are lock-step).
+- Per-stage TP layouts (`StagePlacement.group_tp` on any stage, stages free to differ: a
+  pipeline whose stages run at different degrees on different GPU types, stages mixing
+  groups, as Sailor, Metis and AMP plan; `layout_tables`). Stage s's replicas in group g run
+  at their own degree t_sg (sequence parallelism where t_sg > 1 and the configuration asks
+  for it), and the formula above holds with
+  - u_sg: the stage's time at t_sg (`Pricer.stage_time`); u_s = max_g u_sg over the groups
+    holding replicas of s (lock-step, as above);
+  - P: the slowest hand-off a pipeline makes (pipeline i is dp index i of every stage,
+    `handoff_pairs`). From stage s on (a, t_a) to s + 1 on (b, t_b) the boundary activation
+    A (bytes per micro-batch and replica) crosses once, cut into pieces: every sender holds
+    it whole (its 1/t_a sequence shard under SP) and every receiver needs it whole (its
+    1/t_b shard), so a rank on the side with fewer ranks moves A / (cp min(t_a, t_b)),
+    forward and again backward, on the path between a and b (their own link when a = b,
+    else the cross-group path, a shared GroupLink divided among n_ab cp min(t_a, t_b)
+    streams, n_ab the pipelines making that hand-off; `Pricer.handoff`). Equal degrees give
+    the A / (cp tp) above; the all-gather that re-replicates the pieces inside a receiving
+    TP group without SP stays on its node's link and is not priced, as for equal degrees;
+  - C_s: a stage inside one group reduces as below at its degree; a stage whose replicas
+    sit in several groups reduces piece-wise (`Pricer.hetero_dp_traffic`: each TP-sharded
+    parameter cut into L = lcm of the stage's degrees, a rank at degree t running L / t
+    all-reduces over the dp * cp ranks holding a piece), priced across each pair of its
+    groups (`Pricer.dp_cross_hetero`, raw: the runtime does not code it), the slowest pair;
+    W_s = max_g of the windows at t_sg;
+  - O: the largest over (s, g) of the update and syncs at t_sg, plus, across groups, the
+    loss all-reduce's hop up and down the slowest link; memory per (s, g) at t_sg.
+  ZeRO-0 and ep = 1 only, interleaved 1F1B only on group-pure pipelines
+  (`ir.parallel.stage_tp_problem`). On group-pure pipelines with uneven shares (what the
+  planner searches, `hetero_tables`) this is the shares formula above at each group's own
+  degree.
 - C_s: the data-parallel traffic of stage s, W_s: the compute it overlaps with. ZeRO 0-2
   reduce gradients once per step (all-reduce, or reduce-scatter + all-gather), overlapped with
   the last micro-batch's forward + backward (rep = 1; ZeRO-0 only its backward: the gradient
@@ -89,6 +118,7 @@ from meshplan.ir import (
     StagePlacement,
     group_tp_problem,
 )
+from meshplan.ir.parallel import stage_tp_problem
 from meshplan.passes.partition import (
     layer_counts,
     rank_chunks,
@@ -159,7 +189,8 @@ class PlanTables:
     chunks: int = 1  # model chunks per pipeline rank (interleaved 1F1B, ZB-V), else 1
     zero_bubble: bool = False  # ZB-V: the fill is (pp - 1) Z, not (S - U) / v
     # Per-group TP (`hetero_tables`): each group's tp, and each stage's (peak, breakdown) per
-    # group (`memory` then holds the larger of the groups' peaks per stage). Empty otherwise.
+    # group (`memory` then holds the larger of the groups' peaks per stage). Empty otherwise;
+    # `layout_tables` (degrees per stage) fills only `group_memory`.
     group_tp: dict[str, int] = field(default_factory=dict)
     group_memory: list[dict[str, tuple[int, tuple[tuple[str, int], ...]]]] = field(
         default_factory=list
@@ -393,7 +424,8 @@ def hetero_tables(
     max_microbatches: int | None = None,
 ) -> PlanTables:
     """`plan_tables` of a configuration whose device groups use their own TP degrees
-    (`StagePlacement.group_tp`: group-pure pipelines, ZeRO-0).
+    (`StagePlacement.group_tp`: group-pure pipelines, ZeRO-0), before placement: what the
+    planner searches. `layout_tables` prices a placed layout whose stages may differ.
 
     Each group's entries (stage times, overlap windows, optimizer, memory, fits, replica
     capacity, boundaries inside the group) come from `plan_tables` at that group's tp
@@ -401,21 +433,12 @@ def hetero_tables(
     and is `Pricer.dp_cross_hetero`. Boundaries between different groups are infinite: a
     pipeline never leaves its group. `evaluate` prices these tables as any other."""
     names = tuple(group_tp)
-    per: dict[str, PlanTables] = {}
-    for g, tp in group_tp.items():
-        p_g = dataclasses.replace(
-            parallel, tp=tp, sequence_parallel=bool(parallel.sequence_parallel) and tp > 1
-        )
-        per[g] = plan_tables(pricer, p_g, ranges, (g,), max_microbatches=max_microbatches)
+    per = {
+        g: _at_tp(pricer, parallel, ranges, g, tp, max_microbatches) for g, tp in group_tp.items()
+    }
     first = per[names[0]]
     pp = first.pp
-    costs = pricer.costs
-    if pp > 1 and first.chunks > 1:
-        comps = list(
-            costs.chunked_compositions(pp, first.chunks, parallel.schedule == Schedule.ZERO_BUBBLE)
-        )
-    else:
-        comps = [costs.composition(a, b) for a, b in ranges]
+    comps = _rank_compositions(pricer, parallel, ranges)
     cross: list[dict[tuple[str, str], CrossTraffic]] = []
     made: dict[Composition, dict] = {}
     for comp in comps:
@@ -430,11 +453,7 @@ def hetero_tables(
             }
         cross.append(row)
     group_memory = [{g: per[g].memory[s] for g in names} for s in range(pp)]
-    # The step's scalar loss all-reduce crosses between the groups (up and down the link).
-    hop = {
-        g: 2 * max((pricer.cross_path(g, o, 1, 1).latency for o in names if o != g), default=0.0)
-        for g in names
-    }
+    hop = _loss_hops(pricer, names)
     p2p = [
         {(a, b): (per[a].p2p[s][(a, a)] if a == b else math.inf) for a in names for b in names}
         for s in range(pp - 1)
@@ -457,6 +476,146 @@ def hetero_tables(
         chunks=first.chunks,
         zero_bubble=first.zero_bubble,
         group_tp=dict(group_tp),
+        group_memory=group_memory,
+    )
+
+
+def _at_tp(
+    pricer: Pricer,
+    parallel: Parallel,
+    ranges: Sequence[tuple[int, int]],
+    group: str,
+    tp: int,
+    max_microbatches: int | None,
+) -> PlanTables:
+    """`plan_tables` of `group` alone at degree `tp` (sequence parallelism where tp > 1 and
+    the configuration asks for it)."""
+    p = dataclasses.replace(
+        parallel, tp=tp, sequence_parallel=bool(parallel.sequence_parallel) and tp > 1
+    )
+    return plan_tables(pricer, p, ranges, (group,), max_microbatches=max_microbatches)
+
+
+def _rank_compositions(
+    pricer: Pricer, parallel: Parallel, ranges: Sequence[tuple[int, int]]
+) -> list[Composition]:
+    """What each pipeline rank runs: its chunks under interleaved 1F1B or ZB-V, else its
+    range."""
+    pp, costs = len(ranges), pricer.costs
+    if pp > 1 and parallel.chunks > 1:
+        v_shape = parallel.schedule == Schedule.ZERO_BUBBLE
+        return list(costs.chunked_compositions(pp, parallel.chunks, v_shape))
+    return [costs.composition(a, b) for a, b in ranges]
+
+
+def _loss_hops(pricer: Pricer, names: Sequence[str]) -> dict[str, float]:
+    """The step's scalar loss all-reduce crossing between the groups: up and down the slowest
+    link from each group (added to that group's optimizer term)."""
+    return {
+        g: 2 * max((pricer.cross_path(g, o, 1, 1).latency for o in names if o != g), default=0.0)
+        for g in names
+    }
+
+
+def handoff_pairs(
+    before: Sequence[tuple[str, int]], after: Sequence[tuple[str, int]]
+) -> dict[tuple[str, str], int]:
+    """(group of stage s, group of stage s + 1) -> how many pipelines hand off between them,
+    from the two stages' replicas. Pipeline i is dp index i of every stage, and dp indices
+    are numbered across the groups in placement order (`meshplan.ir.plan.assign_ranks`)."""
+    out: dict[tuple[str, str], int] = {}
+    left = [g for g, n in before for _ in range(n)]
+    right = [g for g, n in after for _ in range(n)]
+    for pair in zip(left, right, strict=True):
+        out[pair] = out.get(pair, 0) + 1
+    return out
+
+
+def layout_tables(
+    pricer: Pricer,
+    parallel: Parallel,
+    stages: Sequence[StagePlacement],
+    *,
+    max_microbatches: int | None = None,
+) -> PlanTables:
+    """The tables of a per-group TP layout (`StagePlacement.group_tp` on any stage: each
+    stage's groups at their own degrees, stages free to differ), for this placement: the
+    module docstring's "per-stage TP layouts". ZeRO-0, no EP (`ir.parallel.stage_tp_problem`).
+
+    Entry [s][g] (stage time, overlap window, optimizer, memory, fits) is `plan_tables`' for
+    group g alone at stage s's degree for g (sequence parallelism where that degree > 1),
+    the optimizer with the loss all-reduce's hop between the groups; `p2p[s]` holds the
+    hand-offs the placement's pipelines make across boundary s (`Pricer.handoff`), and only
+    those; a stage's DP traffic is `dp_single` at its degree when its replicas sit in one
+    group, else `Pricer.dp_cross_hetero` over each pair of its groups at the stage's degrees.
+    `group_tp` stays empty (the degrees are per stage); `replica_capacity` counts replicas
+    at the widest degree a group runs. On group-pure pipelines every entry `evaluate` reads
+    equals `hetero_tables`'."""
+    p = parallel
+    ranges = [(st.first_unit, st.last_unit) for st in stages]
+    pp = len(stages)
+    order = [g.name for g in pricer.cluster.groups]
+    names = tuple(g for g in order if any(g == r for st in stages for r, _ in st.replicas))
+    degrees = [{g: st.tp_of(g, p.tp) for g, _ in st.replicas} for st in stages]
+    per: dict[tuple[str, int], PlanTables] = {}
+    for row in degrees:
+        for g, t in row.items():
+            if (g, t) not in per:
+                per[(g, t)] = _at_tp(pricer, p, ranges, g, t, max_microbatches)
+    rows = [{g: per[(g, t)] for g, t in row.items()} for row in degrees]
+    hop = _loss_hops(pricer, names)
+    comps = _rank_compositions(pricer, p, ranges)
+    single: list[dict[str, float]] = []
+    cross: list[dict[tuple[str, str], CrossTraffic]] = []
+    for s, comp in enumerate(comps):
+        groups = [g for g in names if g in degrees[s]]
+        if len(groups) == 1:
+            single.append({groups[0]: rows[s][groups[0]].dp_single[s][groups[0]]})
+        else:
+            single.append({})
+        cross.append(
+            {
+                (a, b): pricer.dp_cross_hetero(comp, a, b, degrees[s], dp=p.dp, cp=p.cp)
+                for i, a in enumerate(groups)
+                for b in groups[i + 1 :]
+            }
+        )
+    scale = p.micro_batch / pricer.costs.traced_micro_batch
+    p2p = []
+    for s in range(pp - 1):
+        bkey = pricer.costs.boundary_key(ranges[s][1])
+        activation = pricer.costs.facts[bkey].output_bytes * scale
+        pairs = handoff_pairs(stages[s].replicas, stages[s + 1].replicas)
+        p2p.append(
+            {
+                (a, b): pricer.handoff(
+                    activation, a, degrees[s][a], b, degrees[s + 1][b], pipelines=n, cp=p.cp
+                )
+                for (a, b), n in pairs.items()
+            }
+        )
+    group_memory = [{g: t.memory[s] for g, t in rows[s].items()} for s in range(pp)]
+    capacity: dict[str, int] = {}
+    for (g, _), t in per.items():
+        capacity[g] = min(capacity.get(g, t.replica_capacity[g]), t.replica_capacity[g])
+    first = next(iter(per.values()))  # m, rep, chunks and the schedule are the same in all
+    return PlanTables(
+        parallel=p,
+        ranges=tuple(ranges),
+        groups=names,
+        m=first.m,
+        rep=first.rep,
+        time=[{g: t.time[s][g] for g, t in rows[s].items()} for s in range(pp)],
+        window=[{g: t.window[s][g] for g, t in rows[s].items()} for s in range(pp)],
+        optimizer=[{g: t.optimizer[s][g] + hop[g] for g, t in rows[s].items()} for s in range(pp)],
+        memory=[max(row.values(), key=lambda x: x[0]) for row in group_memory],
+        fits=[{g: t.fits[s][g] for g, t in rows[s].items()} for s in range(pp)],
+        replica_capacity=capacity,
+        dp_single=single,
+        dp_cross=cross,
+        p2p=p2p,
+        chunks=first.chunks,
+        zero_bubble=first.zero_bubble,
         group_memory=group_memory,
     )
 
@@ -519,9 +678,10 @@ def evaluate(
         stage_u.append(times[s][g].total)
     s_star = max(range(pp), key=lambda s: stage_u[s])
     big_u = stage_u[s_star]
+    # Layout tables (`layout_tables`) hold only the hand-offs the placement's pipelines make.
     p2p = max(
         (
-            tables.p2p[s][(a, b)]
+            tables.p2p[s].get((a, b), 0.0)
             for s in range(pp - 1)
             for a in used_pipe[s]
             for b in used_pipe[s + 1]
@@ -653,7 +813,7 @@ def check_parallel(
                 f"micro-batch shares add up to {total} micro-batches, but dp * num_microbatches "
                 f"= {p.dp}*{p.num_microbatches} = {p.dp * p.num_microbatches}"
             )
-    if any(st.group_tp for st in stages) and (why := group_tp_problem(p, tuple(stages))):
+    if any(st.group_tp for st in stages) and (why := stage_tp_problem(p, tuple(stages))):
         raise ValueError(why)
     if p.pp > 1 and p.chunks > 1:
         counts = layer_counts(graph, [(st.first_unit, st.last_unit) for st in stages])
@@ -673,22 +833,31 @@ def check_parallel(
         expect = st.last_unit
     if expect != len(graph.units):
         raise ValueError(f"stages cover units [0, {expect}) of {len(graph.units)}")
-    used: dict[str, int] = {}
+    used: dict[str, dict[int, int]] = {}  # group -> {tp: replicas over all stages}
     known = {g.name: g for g in cluster.groups}
     for st in stages:
         for g, n in st.replicas:
             if g not in known:
                 raise ValueError(f"stage {st.index}: unknown device group {g!r}")
-            used[g] = used.get(g, 0) + n
-    for g, n in used.items():
-        tp = stages[0].tp_of(g, p.tp)
-        cap = replica_capacity(known[g], tp, p.cp)
-        if (why := tp_domain_problem((known[g],), tp)) is not None:
-            raise ValueError(why)
-        if n > cap:
+            by_tp = used.setdefault(g, {})
+            tp = st.tp_of(g, p.tp)
+            by_tp[tp] = by_tp.get(tp, 0) + n
+    for g, by_tp in used.items():
+        for tp in by_tp:
+            if (why := tp_domain_problem((known[g],), tp)) is not None:
+                raise ValueError(why)
+        need = sum(n * tp * p.cp for tp, n in by_tp.items())
+        if len(by_tp) == 1 and need > known[g].num_gpus:
+            ((tp, n),) = by_tp.items()
             raise ValueError(
                 f"group {g}: {n} replicas of tp*cp={tp * p.cp} GPUs need "
                 f"{n * tp * p.cp} GPUs, it has {known[g].num_gpus}"
+            )
+        if need > known[g].num_gpus:
+            parts = " + ".join(f"{n} of tp*cp={tp * p.cp}" for tp, n in sorted(by_tp.items()))
+            raise ValueError(
+                f"group {g}: its replicas ({parts} GPUs) need {need} GPUs, "
+                f"it has {known[g].num_gpus}"
             )
 
 
@@ -730,9 +899,9 @@ def predict(
     )
     shares = stages[0].shares
     most = max(shares.values()) if shares else None
-    if stages[0].group_tp:
-        group_tp = {g: stages[0].tp_of(g, p.tp) for g in names}
-        tables = hetero_tables(pricer, p, ranges, group_tp, max_microbatches=most)
+    layout = any(st.group_tp for st in stages)
+    if layout:
+        tables = layout_tables(pricer, p, stages, max_microbatches=most)
     else:
         tables = plan_tables(pricer, p, ranges, names, max_microbatches=most)
     placement = [st.replicas for st in stages]
@@ -778,6 +947,11 @@ def predict(
                 f"stage {st.index}: an ep group spans device groups ({split}): its "
                 "all-to-alls cross between the groups"
             )
+    if layout and group_tp_problem(p, tuple(stages)) is not None:
+        notes.append(
+            "stages at different tp degrees (or pipelines leaving their group): priced, but "
+            "the runtime runs per-group tp only in group-pure pipelines"
+        )
     bottleneck = f"bottleneck: stage {ev.bottleneck_stage} on {ev.bottleneck_group}"
     notes.append(bottleneck)
     latency = _latency_sources([pricer.groups[g].gpu for g in names])

@@ -201,13 +201,16 @@ class StagePlacement:
     (`meshplan.passes.partition.rank_chunks`); [first_unit, last_unit) is then the rank's part
     of the even split, which holds as many layers.
 
-    `group_tp` (optional; empty = every replica uses `Parallel.tp`) gives each device group
-    its own tensor-parallel degree: (group name, tp) for exactly the groups of `replicas`.
-    Like uneven shares it needs group-pure pipelines (every stage the same `replicas`,
-    `microbatches` and `group_tp`): a pipeline runs inside one group at that group's tp, and
-    the replicas' gradients are reduced across groups piece by piece
-    (`meshplan.cost_model.pricer.Pricer.dp_cross_hetero`). `Parallel.tp` is then the tp of
-    the first group listed.
+    `group_tp` (optional; empty = every replica uses `Parallel.tp`) gives this stage's
+    replicas in each device group their own tensor-parallel degree: (group name, tp) for
+    exactly the groups of `replicas`. Stages may differ (a pipeline whose stages run at
+    different degrees and on different GPU types, and stages that mix groups, as Sailor,
+    Metis and AMP plan): the cost model prices any such layout at ZeRO-0 without EP
+    (`stage_tp_problem`); the replicas of a stage whose degrees differ reduce their gradients
+    piece by piece (`meshplan.cost_model.dp_traffic.DataParallelTraffic.dp_cross_hetero`).
+    The runtime runs only group-pure ones (every stage the same `replicas`, `microbatches`
+    and `group_tp`: a pipeline inside one group at that group's tp, `group_tp_problem`).
+    `Parallel.tp` is the degree of stage 0's first group.
     """
 
     index: int
@@ -259,21 +262,16 @@ class StagePlacement:
         return dict(self.group_tp).get(group, default)
 
 
-def group_tp_problem(parallel: Parallel, stages: tuple[StagePlacement, ...]) -> str | None:
-    """What keeps `stages` from being a valid per-group TP plan (`StagePlacement.group_tp`),
-    or None: group-pure pipelines (every stage the same replicas, shares and degrees),
-    ZeRO-0 and no EP (replicas whose shards differ in shape cannot share ZeRO shards), and
-    `Parallel.tp` the first group's degree. The cost model and the runtime both ask it."""
+def stage_tp_problem(parallel: Parallel, stages: tuple[StagePlacement, ...]) -> str | None:
+    """What keeps `stages` from being a per-group TP layout the cost model prices
+    (`StagePlacement.group_tp`, on any stage), or None: ZeRO-0 and no EP (replicas whose
+    shards differ in shape cannot share ZeRO shards or expert groups), `Parallel.tp` the
+    degree of stage 0's first group, and, where the pipelines leave their group or change
+    degree between stages, a schedule whose hand-offs run between neighbouring stages only
+    (interleaved 1F1B also hands the last stage's output back to stage 0, which is not
+    priced). `meshplan.cost_model.simulate.check_parallel` asks it; the runtime asks the
+    narrower `group_tp_problem`."""
     p, first = parallel, stages[0]
-    if any(
-        (st.replicas, dict(st.group_tp), dict(st.microbatches))
-        != (first.replicas, dict(first.group_tp), dict(first.microbatches))
-        for st in stages
-    ):
-        return (
-            "per-group tp needs group-pure pipelines: every stage must have the same replicas, "
-            "shares and tp per group"
-        )
     if p.zero != 0:
         return (
             f"per-group tp needs zero=0, got zero={p.zero} (replicas with different tp cannot "
@@ -283,8 +281,43 @@ def group_tp_problem(parallel: Parallel, stages: tuple[StagePlacement, ...]) -> 
         return f"per-group tp needs ep=1, got ep={p.ep}"
     lead = first.tp_of(first.replicas[0][0], p.tp)
     if lead != p.tp:
-        return f"Parallel.tp={p.tp} must be the first group's tp ({first.replicas[0][0]}: {lead})"
+        return (
+            f"Parallel.tp={p.tp} must be stage 0's first group's tp "
+            f"({first.replicas[0][0]}: {lead})"
+        )
+    if p.schedule == Schedule.INTERLEAVED_1F1B and not _group_pure(stages):
+        return (
+            "schedule 'interleaved_1f1b' over stages of different groups or tp degrees is not "
+            "priced (its hand-off from the last stage back to stage 0 is not modelled); use "
+            "'1f1b', 'gpipe' or 'zero_bubble'"
+        )
     return None
+
+
+def group_tp_problem(parallel: Parallel, stages: tuple[StagePlacement, ...]) -> str | None:
+    """What keeps the runtime from running `stages` as a per-group TP plan, or None:
+    `stage_tp_problem`, and group-pure pipelines (every stage the same replicas, shares and
+    tp per group: each pipeline inside one group at one degree), since the runtime cannot
+    yet hand activations from one stage's TP group to a next stage's of another degree.
+    The runtime's `check_plan` and the plan JSON's `plan_problem` ask it."""
+    if not _group_pure(stages):
+        return (
+            "per-group tp runs only in group-pure pipelines (every stage the same replicas, "
+            "shares and tp per group): the runtime cannot yet hand activations between stages "
+            "of different tp degrees; the cost model prices such a layout (`predict`), but it "
+            "cannot be launched"
+        )
+    return stage_tp_problem(parallel, stages)
+
+
+def _group_pure(stages: tuple[StagePlacement, ...]) -> bool:
+    """Every stage has the same replicas, shares and tp per group."""
+    first = stages[0]
+    return all(
+        (st.replicas, dict(st.group_tp), dict(st.microbatches))
+        == (first.replicas, dict(first.group_tp), dict(first.microbatches))
+        for st in stages
+    )
 
 
 @dataclass(frozen=True, slots=True)
