@@ -571,7 +571,7 @@ def source_of(case: Case) -> str:
 # GPU types fitted as one: `cost_model/compute.KERNEL_EFFICIENCY` gives the members the
 # leader's values ("as A100-80GB", "as H100"), so their rows fit one set and every member gets it.
 FIT_GROUPS: dict[str, tuple[str, ...]] = {
-    "V100": ("V100",),
+    "V100": ("V100", "V100-16GB"),
     "A100-80GB": ("A100-80GB", "A100-40GB", "A100-PCIe"),
     "H100": ("H100", "H200", "H100-PCIe"),
     "H100-96GB-500W": ("H100-96GB-500W",),

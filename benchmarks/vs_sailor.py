@@ -21,9 +21,9 @@ What is assumed, since the plan as published (in the issue) leaves it open:
 - the network: one NIC per node at `--gbps` (default 50 Gb/s, about the 6 GB/s Ethernet
   of the issue's measurement), Ethernet latency and efficiency defaults
   (`ir.hardware.DEFAULT_LATENCY` / `DEFAULT_EFFICIENCY`), NVLink inside nodes;
-- V100-16GB: the table's V100 (SXM2) with 16 GiB (NVIDIA Tesla V100 datasheet: the SXM2
-  16 GB part has the same 125 / 15.7 TFLOP/s, 900 GB/s HBM2 and NVLink2 300 GB/s as the
-  32 GB part); kept under the name "V100" so its kernel efficiencies apply.
+- V100-16GB: the GPU table's `V100-16GB` (NVIDIA Tesla V100 datasheet, SXM2 16 GB: the
+  same 125 / 15.7 TFLOP/s, 900 GB/s HBM2 and NVLink2 300 GB/s as the 32 GB part; its kernel
+  efficiencies are the V100's).
 
 `--sailor-runtime` plans under Sailor's runtime assumptions where the API has a switch:
 fp32 training (`precision="fp32"`, CUDA-core FP32 on both types; TF32 on the A100s only
@@ -39,7 +39,6 @@ num_layers 32, hidden_size 2560, num_heads 20, vocab_size 50257, max_position_em
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import time
 
@@ -89,11 +88,7 @@ def sailor_cluster(gbps: float, a100_nodes: int = 8, v100_nodes: int = 24):
     net = LinkTier(
         f"eth-{gbps:g}g", eth, gbps * 1e9 / 8, DEFAULT_LATENCY[eth], DEFAULT_EFFICIENCY[eth]
     )
-    v100_16 = dataclasses.replace(
-        gpu_spec("V100"),
-        memory_bytes=16 * GiB,
-        source="NVIDIA Tesla V100 datasheet (SXM2 16GB): as the 32 GB part, 16 GB HBM2",
-    )
+    v100_16 = gpu_spec("V100-16GB")
     return Cluster(
         name=f"sailor-{4 * a100_nodes}a100-{4 * v100_nodes}v100",
         groups=(

@@ -114,6 +114,7 @@ class KernelEfficiency:
 _FIT = "benchmarks/fidelity.py --fit"
 KERNEL_EFFICIENCY: dict[str, KernelEfficiency] = {
     "V100": KernelEfficiency(0.800, 0.50, 0.45, 0.8, f"2020 Megatron DGX-2 rows ({_FIT})"),
+    "V100-16GB": KernelEfficiency(0.800, 0.50, 0.45, 0.8, "as V100 (same GV100 compute)"),
     "A100-80GB": KernelEfficiency(
         0.712, 0.661, 0.586, 0.8, "Vidur A100 80GB fp16 GEMM kernels (gpu_op_latency.py)"
     ),

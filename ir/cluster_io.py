@@ -1291,6 +1291,7 @@ _NODE_NETWORK: dict[str, tuple[str, int]] = {
     "A100-80GB": ("ib-hdr", 8),  # DGX A100: 8 x 200 Gb/s (hardware.md)
     "A100-40GB": ("ib-hdr", 8),  # DGX A100 (320 GB model): same network
     "V100": ("ib-edr", 4),  # DGX-1 with V100: 4 x 100 Gb/s EDR
+    "V100-16GB": ("ib-edr", 4),  # DGX-1 (its first V100 build was 16 GB): the same
     "MI300X": ("roce-400g", 8),  # typical MI300X platforms: one 400 GbE NIC per GPU
     "MI250X": ("roce-200g", 4),  # Frontier-like node: 4 MI250X (8 dies), 4 x 200 Gb/s NICs
     "H100-PCIe": ("roce-200g", 4),  # PCIe servers: commonly one 200 Gb/s NIC per 2 GPUs

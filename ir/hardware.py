@@ -285,6 +285,18 @@ _SPECS: tuple[GpuSpec, ...] = (
         source=f"NVIDIA Tesla V100 datasheet (SXM2 32GB); {_HW_MD}",
     ),
     GpuSpec(
+        name="V100-16GB",
+        peak_flops=(
+            ("float16", 125 * TERA),  # V100 datasheet (SXM2): tensor performance 125
+            ("float32", 15.7 * TERA),  # V100 datasheet (SXM2): single precision 15.7
+        ),
+        memory_bytes=16 * GiB,  # V100 datasheet: 16 GB HBM2 (the SXM2 16 GB part)
+        hbm_bandwidth=900 * GB,  # V100 datasheet: 900 GB/s (both memory sizes)
+        sms=80,  # NVIDIA Tesla V100 GPU architecture whitepaper: 80 SMs
+        nvlink_bandwidth=150 * GB,  # V100 datasheet: NVLink 300 GB/s bidirectional / 2
+        source="NVIDIA Tesla V100 datasheet (SXM2 16GB; Sailor's and DGX-1's V100)",
+    ),
+    GpuSpec(
         name="L40S",
         peak_flops=(
             ("bfloat16", 362 * TERA),  # hardware.md (datasheet 733 with sparsity)
@@ -593,6 +605,7 @@ _ALIASES: dict[str, tuple[str, ...]] = {
     "A100-40GB": ("A100-SXM4-40GB", "A100-40GB-SXM"),
     "A100-PCIe": ("A100-PCIe-80GB", "A100-80GB-PCIe"),
     "V100": ("V100-SXM2", "V100-32GB", "V100-SXM2-32GB", "Tesla-V100"),
+    "V100-16GB": ("V100-SXM2-16GB", "Tesla-V100-16GB"),
     "L40S": (),
     "RTX4090": ("GeForce-RTX-4090", "4090"),
     "A10": ("A10-24GB",),
@@ -762,6 +775,7 @@ _INTRA_LINK: dict[str, str] = {
     "A100-40GB": "nvlink3",
     "A100-PCIe": "pcie4",
     "V100": "nvlink2",
+    "V100-16GB": "nvlink2",
     "L40S": "pcie4",
     "RTX4090": "pcie4",
     "A10": "pcie4",
