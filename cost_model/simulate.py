@@ -947,10 +947,15 @@ def predict(
                 f"stage {st.index}: an ep group spans device groups ({split}): its "
                 "all-to-alls cross between the groups"
             )
-    if layout and group_tp_problem(p, tuple(stages)) is not None:
+    refused = group_tp_problem(p, tuple(stages)) if layout else None
+    if refused is not None:
+        notes.append(f"priced, but the runtime cannot run this layout: {refused}")
+    edge = tables.time[ev.bottleneck_stage][ev.bottleneck_group].dp_edge
+    if edge > 0:
         notes.append(
-            "stages at different tp degrees (or pipelines leaving their group): priced, but "
-            "the runtime runs per-group tp only in group-pure pipelines"
+            f"ZeRO-3: each micro-batch's first-unit all-gather and last reduce-scatter run "
+            f"exposed ({edge * 1e3:.2f} ms, in dp_comm_exposed); the other units' gathers and "
+            "reduce-scatters overlap with compute"
         )
     bottleneck = f"bottleneck: stage {ev.bottleneck_stage} on {ev.bottleneck_group}"
     notes.append(bottleneck)

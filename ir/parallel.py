@@ -208,8 +208,9 @@ class StagePlacement:
     Metis and AMP plan): the cost model prices any such layout at ZeRO-0 without EP
     (`stage_tp_problem`); the replicas of a stage whose degrees differ reduce their gradients
     piece by piece (`meshplan.cost_model.dp_traffic.DataParallelTraffic.dp_cross_hetero`).
-    The runtime runs only group-pure ones (every stage the same `replicas`, `microbatches`
-    and `group_tp`: a pipeline inside one group at that group's tp, `group_tp_problem`).
+    The runtime runs them too, under '1f1b' or 'gpipe' with even shares and cp = 1 where
+    stages differ (`group_tp_problem`; the hand-off between TP groups of different degrees
+    is `meshplan.runtime.pipeline_handoff`).
     `Parallel.tp` is the degree of stage 0's first group.
     """
 
@@ -269,8 +270,8 @@ def stage_tp_problem(parallel: Parallel, stages: tuple[StagePlacement, ...]) -> 
     degree of stage 0's first group, and, where the pipelines leave their group or change
     degree between stages, a schedule whose hand-offs run between neighbouring stages only
     (interleaved 1F1B also hands the last stage's output back to stage 0, which is not
-    priced). `meshplan.cost_model.simulate.check_parallel` asks it; the runtime asks the
-    narrower `group_tp_problem`."""
+    priced). `meshplan.cost_model.simulate.check_parallel` asks it; the runtime asks
+    `group_tp_problem`, which adds what it does not run yet."""
     p, first = parallel, stages[0]
     if p.zero != 0:
         return (
@@ -285,7 +286,7 @@ def stage_tp_problem(parallel: Parallel, stages: tuple[StagePlacement, ...]) -> 
             f"Parallel.tp={p.tp} must be stage 0's first group's tp "
             f"({first.replicas[0][0]}: {lead})"
         )
-    if p.schedule == Schedule.INTERLEAVED_1F1B and not _group_pure(stages):
+    if p.schedule == Schedule.INTERLEAVED_1F1B and not group_pure(stages):
         return (
             "schedule 'interleaved_1f1b' over stages of different groups or tp degrees is not "
             "priced (its hand-off from the last stage back to stage 0 is not modelled); use "
@@ -296,22 +297,39 @@ def stage_tp_problem(parallel: Parallel, stages: tuple[StagePlacement, ...]) -> 
 
 def group_tp_problem(parallel: Parallel, stages: tuple[StagePlacement, ...]) -> str | None:
     """What keeps the runtime from running `stages` as a per-group TP plan, or None:
-    `stage_tp_problem`, and group-pure pipelines (every stage the same replicas, shares and
-    tp per group: each pipeline inside one group at one degree), since the runtime cannot
-    yet hand activations from one stage's TP group to a next stage's of another degree.
-    The runtime's `check_plan` and the plan JSON's `plan_problem` ask it."""
-    if not _group_pure(stages):
+    `stage_tp_problem`, and, where the pipelines are not group-pure (stages at different
+    degrees or in different groups, handed off between TP groups by
+    `runtime.pipeline_handoff`), what that hand-off does not run yet: schedules other than
+    '1f1b' and 'gpipe' (interleaved 1F1B and ZB-V hold several chunks per rank), uneven
+    micro-batch shares (a pipeline crossing groups has no one group's share) and context
+    parallelism. The runtime's `check_plan` and the plan JSON's `plan_problem` ask it."""
+    if why := stage_tp_problem(parallel, stages):
+        return why
+    if group_pure(stages):
+        return None
+    if parallel.schedule not in (Schedule.ONE_F_ONE_B, Schedule.GPIPE):
         return (
-            "per-group tp runs only in group-pure pipelines (every stage the same replicas, "
-            "shares and tp per group): the runtime cannot yet hand activations between stages "
-            "of different tp degrees; the cost model prices such a layout (`predict`), but it "
-            "cannot be launched"
+            f"schedule={str(parallel.schedule)!r} with stages at different tp degrees or groups "
+            "is not run (the tp-changing hand-off runs one chunk per rank); use '1f1b' or "
+            "'gpipe'"
         )
-    return stage_tp_problem(parallel, stages)
+    for st in stages:
+        if len(set(st.shares.values())) > 1:
+            return (
+                f"stages[{st.index}].microbatches: uneven shares with stages at different tp "
+                "degrees or groups are not run (a pipeline crossing groups has no one share)"
+            )
+    if (parallel.cp or 1) > 1:
+        return (
+            f"cp={parallel.cp} with stages at different tp degrees or groups is not run "
+            "(the tp-changing hand-off is not written for context-parallel shards)"
+        )
+    return None
 
 
-def _group_pure(stages: tuple[StagePlacement, ...]) -> bool:
-    """Every stage has the same replicas, shares and tp per group."""
+def group_pure(stages: tuple[StagePlacement, ...]) -> bool:
+    """Every stage has the same replicas, shares and tp per group (each pipeline inside one
+    group at one degree: per-group TP without a tp-changing hand-off)."""
     first = stages[0]
     return all(
         (st.replicas, dict(st.group_tp), dict(st.microbatches))

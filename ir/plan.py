@@ -1000,7 +1000,7 @@ def plan_problem(plan: Plan) -> str | None:
         )
     if (p.ep or 1) > 1 and p.dp % p.ep:
         return f"degrees.ep={p.ep} does not divide degrees.dp={p.dp} (expert ranks reuse dp ranks)"
-    tps = [t for _, t in plan.stages[0].group_tp]
+    tps = [t for st in plan.stages for _, t in st.group_tp]  # any stage may set its own
     widest = dataclasses.replace(p, tp=max([p.tp, *tps]))
     checks = (
         lambda: stages_problem(p, plan.stages, len(plan.model.units)),

@@ -46,7 +46,9 @@ The order of the transformations is fixed, and matters (as in torchtitan's paral
                     its copies' gradients summed over the stages holding them, after the
                     dp reduction (`pipeline_parallel.TiedGradients`)
     6. optimizer    built by the caller's factory over the final (sharded) parameters
-    7. schedule     torch.distributed.pipelining around the wrapped stage
+    7. schedule     torch.distributed.pipelining around the wrapped stage; where stages run
+                    at different tp degrees or in different groups, `pipeline_handoff`'s
+                    1F1B / GPipe, which hands activations between the stages' TP groups
 
 Semantics of `Runner.step(inputs, targets)`: `inputs`/`targets` hold the *global* batch
 (`plan.global_batch` rows, the same on every rank) or this dp replica's share; each dp
@@ -74,7 +76,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 from meshplan.ir.facts import tied_parameters
-from meshplan.ir.parallel import Schedule, group_tp_problem
+from meshplan.ir.parallel import Schedule, group_pure, group_tp_problem
 from meshplan.ir.plan import Plan, plan_problem
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -98,6 +100,7 @@ from .data_parallel import (
 from .errors import RuntimePlanError
 from .expert_parallel import ExpertParallel, apply_expert_parallel
 from .mesh import RankContext, build_mesh, check_stage_widths, data_parallel_context
+from .pipeline_handoff import HandoffSchedule
 from .pipeline_parallel import (
     build_schedule,
     check_microbatches,
@@ -218,8 +221,8 @@ def check_plan(plan: Plan) -> None:
         check_microbatches(plan, n)
     check_schedule(plan)
     check_stage_widths(plan)
-    group_tp = plan.stages[0].group_tp
-    tp = max([p.tp or 1, *(t for _, t in group_tp)])
+    group_tp = [t for st in plan.stages for _, t in st.group_tp]  # any stage may set its own
+    tp = max([p.tp or 1, *group_tp])
     if (p.ep or 1) > 1 and tp > 1 and not p.sequence_parallel:
         raise RuntimePlanError(
             "runtime: expert parallelism with tp > 1 needs sequence parallelism (each tp rank "
@@ -506,7 +509,10 @@ def apply(
         # which is wrong when replicas run different m).
         weight = whole.parallel.dp / sum(counts)
         loss = _weighted(loss_fn, weight, as_output)
-        schedule = build_schedule(wrapped, chunks, ctx, loss, counts[ctx.replica])
+        if hetero and not group_pure(whole.stages):  # stages at different tp degrees
+            schedule = HandoffSchedule(wrapped[0], ctx, loss, counts[ctx.replica])
+        else:
+            schedule = build_schedule(wrapped, chunks, ctx, loss, counts[ctx.replica])
     return Runner(
         ctx,
         wrapped,

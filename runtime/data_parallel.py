@@ -325,7 +325,8 @@ def code_fsdp_module(module: FSDPModule, gradients: Method, weights: Method) -> 
 class HeteroGradients:
     """Per-group TP (`StagePlacement.group_tp`): average the gradients of one pipeline stage
     over replicas whose device groups use different TP degrees, after backward, the way the
-    cost model prices it (`cost_model.pricer.Pricer.hetero_dp_traffic`).
+    cost model prices it (`cost_model.pricer.Pricer.hetero_dp_traffic`). Each stage has its
+    own degrees (stages may differ), so its own L below.
 
     Replicas shard a tensor-parallel parameter into different numbers of pieces, so no one
     collective pairs their shards. Every parameter the plan places `S(d)` is cut into
@@ -344,22 +345,24 @@ class HeteroGradients:
 
     def __init__(self, ctx: RankContext, modules: list[nn.Module]) -> None:
         whole = ctx.whole_plan
-        first = whole.stages[0]
         p = whole.parallel
-        tps = {g: first.tp_of(g, p.tp) for g, _ in first.replicas}
-        self.pieces = math.lcm(*tps.values())
-        my_tp = tps[ctx.assignment.group]
+        # Each stage's degrees by group, and its L (stages may differ: `stage_tp_problem`).
+        tps = [{g: st.tp_of(g, p.tp) for g, _ in st.replicas} for st in whole.stages]
+        stage = ctx.stage_index
+        self.pieces = math.lcm(*tps[stage].values())
+        my_tp = tps[stage][ctx.assignment.group]
         self.divisor = (p.dp or 1) * (p.cp or 1)
         ranks = sorted((r for r in whole.ranks if r.coords is not None), key=lambda r: r.rank)
         torch_rank = {r.rank: i for i, r in enumerate(ranks)}
         me = torch_rank[ctx.whole_assignment.rank] if ctx.whole_assignment else dist.get_rank()
         self.groups: list[tuple[int, dist.ProcessGroup]] = []  # (piece, group) of mine
         for s in range(p.pp or 1):
-            for j in range(self.pieces):
+            pieces = math.lcm(*tps[s].values())
+            for j in range(pieces):
                 members = sorted(
                     torch_rank[r.rank]
                     for r in ranks
-                    if r.coords[0] == s and r.coords[3] == j * tps[r.group] // self.pieces
+                    if r.coords[0] == s and r.coords[3] == j * tps[s][r.group] // pieces
                 )
                 group = dist.new_group(members)
                 if me in members:

@@ -24,7 +24,11 @@ tp, so the ranks do not form one mesh. Each group's pipelines are a homogeneous 
 their own (`group_view`: that group's replicas, its tp, dp indices counted inside the group)
 with its own DeviceMesh, and the rank's context is its group's view; `RankContext.whole` keeps
 the plan as written, for what spans groups: the batch split, the loss average and the
-gradient reduction (`data_parallel.HeteroGradients`).
+gradient reduction (`data_parallel.HeteroGradients`). Where stages differ in degree or groups
+(pipeline i is dp index i of every stage, its stages' replicas in whatever groups the
+placement puts them), the view is per (stage, group) (`stage_group_view`), its mesh covers
+that stage only, and the stages hand activations to each other through
+`pipeline_handoff` instead of torch's pipelining.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from meshplan.ir.parallel import group_pure
 from meshplan.ir.plan import MESH_AXES, Plan, RankAssignment
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -258,8 +263,10 @@ def build_mesh(plan: Plan, device: torch.device | None = None) -> RankContext:
     check_stage_widths(plan)
     if watchdog.active() is None:  # a process group the script made itself: bound it too
         bound_process_groups()
-    if plan.stages[0].group_tp:
-        return _build_group_meshes(plan, ranks, device)
+    if any(st.group_tp for st in plan.stages):
+        if group_pure(plan.stages):
+            return _build_group_meshes(plan, ranks, device)
+        return _build_stage_meshes(plan, ranks, device)
     shape = plan.mesh_shape
     grid = torch.full(shape, -1, dtype=torch.int)
     for torch_rank, r in enumerate(ranks):
@@ -346,6 +353,90 @@ def _build_group_meshes(plan: Plan, ranks: list[RankAssignment], device) -> Rank
         mesh = DeviceMesh(device.type, grid, mesh_dim_names=MESH_AXES)
         if group == me.group:
             mine = (view, mesh)
+    assert mine is not None
+    view, mesh = mine
+    local = next(r for r in view.ranks if r.rank == me.rank)
+    return RankContext(
+        plan=view,
+        rank=dist.get_rank(),
+        assignment=local,
+        mesh=mesh,
+        device=device,
+        whole=plan,
+        whole_assignment=me,
+    )
+
+
+def stage_group_view(plan: Plan, stage: int, group: str) -> Plan:
+    """The homogeneous plan the replicas of pipeline stage `stage` in device group `group`
+    run under, when stages differ in degree or groups (not group-pure): those replicas only
+    (dp indices counted among them), their tp (sequence parallelism where it is > 1), every
+    stage's unit range kept, every other rank idle. Its mesh covers that one stage
+    (`_build_stage_meshes`); the hand-offs between stages and the gradient average read the
+    whole plan (`pipeline_handoff`, `data_parallel.HeteroGradients`)."""
+    st = plan.stages[stage]
+    n = dict(st.replicas)[group]
+    tp = st.tp_of(group, plan.parallel.tp)
+    offset = 0
+    for g, k in st.replicas:
+        if g == group:
+            break
+        offset += k
+    p = dataclasses.replace(
+        plan.parallel,
+        dp=n,
+        tp=tp,
+        sequence_parallel=bool(plan.parallel.sequence_parallel) and tp > 1,
+    )
+    stages = tuple(
+        dataclasses.replace(s, replicas=((group, n),), microbatches=(), group_tp=())
+        for s in plan.stages
+    )
+    ranks = tuple(
+        dataclasses.replace(
+            r,
+            coords=(stage, r.coords[1] - offset, r.coords[2], r.coords[3])
+            if r.coords is not None and r.group == group and r.coords[0] == stage
+            else None,
+        )
+        for r in plan.ranks
+    )
+    return dataclasses.replace(
+        plan,
+        parallel=p,
+        stages=stages,
+        ranks=ranks,
+        compression=dataclasses.replace(plan.compression, mode="off", decisions=()),
+    )
+
+
+def _build_stage_meshes(plan: Plan, ranks: list[RankAssignment], device) -> RankContext:
+    """Stages at different degrees or in different groups: one DeviceMesh (1, n, cp, tp) per
+    (stage, group) pair over the ranks of that stage's replicas in that group (every rank
+    builds every mesh, in stage then placement order: creating process groups is
+    collective), and this rank's `stage_group_view`. Its "pp" axis has one rank: stages
+    talk through `pipeline_handoff`, not torch's pipelining."""
+    me = ranks[dist.get_rank()]
+    if device is None:
+        device = plan_device(plan, int(os.environ.get("LOCAL_RANK", me.local_rank)))
+    torch_rank = {r.rank: i for i, r in enumerate(ranks)}
+    mine = None
+    for st in plan.stages:
+        for group, _ in st.replicas:
+            view = stage_group_view(plan, st.index, group)
+            _, dp, cp, tp = view.mesh_shape
+            grid = torch.full((1, dp, cp, tp), -1, dtype=torch.int)
+            for r in view.ranks:
+                if r.coords is not None:
+                    grid[(0, *r.coords[1:])] = torch_rank[r.rank]
+            if (grid < 0).any():
+                raise RuntimePlanError(
+                    f"runtime: stage {st.index}'s ranks in group {group} do not fill its mesh "
+                    f"(dp {dp}, cp {cp}, tp {tp})"
+                )
+            mesh = DeviceMesh(device.type, grid, mesh_dim_names=MESH_AXES)
+            if me.coords is not None and (st.index, group) == (me.coords[0], me.group):
+                mine = (view, mesh)
     assert mine is not None
     view, mesh = mine
     local = next(r for r in view.ranks if r.rank == me.rank)

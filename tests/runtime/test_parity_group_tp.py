@@ -249,8 +249,8 @@ def test_group_tp_needs_zero0_and_group_pure_pipelines():
     zero2 = dataclasses.replace(plan.parallel, zero=2)
     with pytest.raises(ValueError, match="per-group tp needs zero=0"):
         predict(graph(), plan.cluster, zero2, plan.stages)
-    # Stages at different degrees: the cost model prices them (`stage_tp_problem`), the
-    # runtime refuses them in one line (`group_tp_problem`: no tp-changing hand-off yet).
+    # Stages at different degrees with uneven shares: a pipeline crossing groups has no single
+    # group's share, so the runtime refuses it in one line naming the field.
     from meshplan.ir import group_tp_problem
 
     st = plan.stages[0]
@@ -260,4 +260,5 @@ def test_group_tp_needs_zero0_and_group_pure_pipelines():
         dataclasses.replace(st, index=1, first_unit=cut, group_tp=()),
     )
     two = dataclasses.replace(plan.parallel, pp=2)
-    assert "group-pure pipelines" in (group_tp_problem(two, mixed) or "")
+    why = group_tp_problem(two, mixed) or ""
+    assert "microbatches" in why and "\n" not in why
