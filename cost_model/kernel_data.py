@@ -32,10 +32,13 @@ import gzip
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 from meshplan.ir import GpuSpec, Op, OpKind, TensorMeta
 from meshplan.ir.hardware import UnknownGpuError, gpu_spec, variant_spec
+
+from .dataset import DeviceDescriptor, Sample
 
 MS = 1e-3  # both datasets state times in milliseconds
 
@@ -75,6 +78,44 @@ def device_spec(name: str) -> GpuSpec:
                 "datasheet figures (or an alias) to meshplan/ir/hardware.py"
             ) from None
         return spec
+
+
+@cache
+def datasheet_descriptor(spec: GpuSpec) -> DeviceDescriptor:
+    """The learned model's record of a GPU type known by its datasheet only: the peaks per
+    dtype, HBM bandwidth (also the roofline's, no cache bandwidth is known) and SM count of
+    `spec`; caches and clock unknown (0). Its `DeviceFeatures` equal
+    `DeviceFeatures.from_spec(spec)`, what the model reads for a GPU it was not trained on."""
+    return DeviceDescriptor(
+        name=spec.name,
+        processor=spec.name,
+        backend="cuda",
+        cores=spec.sms,
+        clock_hz=0.0,
+        l2_bytes=0,
+        l3_bytes=0,
+        memory_bytes=spec.memory_bytes,
+        torch_version="",
+        peak_flops=spec.peak_flops,
+        mem_bandwidth=spec.hbm_bandwidth,
+        cache_bandwidth=spec.hbm_bandwidth,
+    )
+
+
+def as_sample(row: KernelRow, spec: GpuSpec) -> Sample:
+    """`row` as a learned-model training sample on `spec`'s datasheet descriptor (forward,
+    family = source, model = op class). The seconds are the row's as measured; what the
+    source's timing adds to them is the caller's `offsets` (`learned.train`)."""
+    return Sample(
+        family=row.source,
+        model=row.op_class,
+        op=row.op,
+        backward=False,
+        dtype=row.dtype,
+        seconds=row.seconds,
+        spread=0.0,
+        device=datasheet_descriptor(spec),
+    )
 
 
 # -- op builders: one IR op per kernel, as the tracer records it -----------------------------

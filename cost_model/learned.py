@@ -382,28 +382,49 @@ def train(
     weight_decay: float = 1e-3,
     seed: int = 0,
     threads: int = 1,
+    offsets: np.ndarray | None = None,
+    bound: bool = True,
+    ignore: tuple[str, ...] = (),
 ) -> LatencyModel:
     """Fit the efficiency MLPs to measured samples (seconds to a minute on one core).
 
     The target is log(measured seconds); the prediction log(physics) - log(efficiency). A
     measurement faster than the roofline (possible only within the roofline's own error)
     pulls the efficiency towards 1 and no further.
+
+    `offsets` (seconds, one per sample, default none): time a measurement includes that is
+    not the op's, e.g. the launch and event pair around one timed call. The loss compares
+    prediction + offset with the measurement, so the model learns the op alone and a caller
+    adds the offset of its own measurement back. `bound=False` keeps every sample's
+    descriptor as given instead of `bound_devices`: for devices known by their datasheet,
+    where a held-out device has no rows to raise its roofline by, so the training devices'
+    rooflines must not be raised either. `ignore` names `feature_names` columns the nets do
+    not read (standardised to 0, like a column constant in training).
     """
     import torch
 
+    if offsets is not None and len(offsets) != len(samples):
+        raise ValueError(f"train: {len(offsets)} offsets for {len(samples)} samples")
     prev_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
-    samples = bound_devices(samples)
+    if bound:
+        samples = bound_devices(samples)
     try:
         x, phys = design_matrix(samples)
         y = np.log(np.asarray([s.seconds for s in samples]))
+        if offsets is not None:  # log of the extra seconds (1e-30 s where there are none)
+            log_offset = torch.tensor(
+                np.log(np.maximum(np.asarray(offsets, dtype=np.float64), 1e-30)),
+                dtype=torch.float32,
+            )
         mean = x.mean(0)
         std = x.std(0)
         # Columns constant in training (a packet never profiled) carry no information the
         # nets could have learned: an infinite scale maps them to 0 at prediction too, so
         # an unseen category falls back on its kind and class instead of extrapolating.
         std[std < 1e-8] = np.inf
+        std[[feature_names().index(c) for c in ignore]] = np.inf
         xs = torch.tensor((x - mean) / std, dtype=torch.float32)
         log_phys = torch.tensor(x[:, _LG_PHYS] * np.log(2.0), dtype=torch.float32)
         target = torch.tensor(y, dtype=torch.float32)
@@ -428,8 +449,11 @@ def train(
                 opt.zero_grad()
                 z = net(xs)
                 log_eff = _combine_log_eff(log_phys, bwd, z[:, 0], z[:, 1], floor, torch)
-                # log(pred) - log(measured): prediction = physics / efficiency
-                err = log_phys - log_eff - target
+                # log(pred) - log(measured): prediction = physics / efficiency (+ offset)
+                log_pred = log_phys - log_eff
+                if offsets is not None:
+                    log_pred = torch.logaddexp(log_pred, log_offset)
+                err = log_pred - target
                 loss = torch.nn.functional.huber_loss(err, torch.zeros_like(err), delta=HUBER_DELTA)
                 loss.backward()
                 opt.step()
@@ -453,6 +477,9 @@ def train(
         "train_seconds": round(time.perf_counter() - t0, 2),
         "hidden": hidden,
         "epochs": epochs,
+        "offsets": offsets is not None,
+        "bound": bound,
+        "ignore": list(ignore),
     }
     return LatencyModel(mean, std, members, floors, devices, meta)
 
