@@ -22,7 +22,7 @@ import importlib.util
 import inspect
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -67,6 +67,7 @@ from meshplan.passes.partition import (
 )
 from meshplan.passes.sharding import tp_param_placements
 
+from .layout import layout_parallel, stages_from_layout
 from .rehearse import rehearse_pipeline_cut, rehearse_tensor_parallel
 from .solver import InfeasibleError, Objective, solve
 
@@ -279,12 +280,14 @@ def estimate(
     progress: Progress = None,
     engine: Engine = EAGER,
     precision: str | None = None,
+    layout: Sequence[Mapping] | None = None,
 ) -> Prediction:
     """Predicted step time, tokens/s, MFU, peak memory per rank and `fits` of a hand-chosen
     configuration (missing fields filled as in `complete_parallel`). `engine`
     (`meshplan.cost_model.engine.Engine`): price the step as another stack runs it (fused
     kernels, Float8 linears, TP overlap); the default is meshplan's own eager runtime.
-    `precision`: fp32, tf32, bf16, fp16 or fp8 (`resolve_precision`)."""
+    `precision`: fp32, tf32, bf16, fp16 or fp8 (`resolve_precision`). `layout`: price a
+    stage list instead of placing `parallel` (`estimate_plan`)."""
     return estimate_plan(
         model,
         example_inputs,
@@ -293,6 +296,7 @@ def estimate(
         progress=progress,
         engine=engine,
         precision=precision,
+        layout=layout,
     ).predicted
 
 
@@ -359,15 +363,24 @@ def estimate_plan(
     progress: Progress = None,
     engine: Engine = EAGER,
     precision: str | None = None,
+    layout: Sequence[Mapping] | None = None,
 ) -> Plan:
-    """Like `estimate`, but returns the whole fixed Plan (for `explain()` and JSON)."""
+    """Like `estimate`, but returns the whole fixed Plan (for `explain()` and JSON).
+
+    `layout` (`meshplan.layout`): the pipeline stages as a list of {layers, replicas, tp}
+    mappings, e.g. another planner's plan with stages at their own TP degree and GPU types;
+    it sets pp, dp, tp and ZeRO-0, `parallel` gives the rest (batches, recompute, schedule)."""
     cluster = cluster or Cluster.preset("default")
     graph = as_graph(model, example_inputs, progress=progress)
     precision, dtype, engine, note = resolve_precision(graph, cluster, precision, engine)
-    p = complete_parallel(graph, cluster, parallel or Parallel())
-    check_config(graph, cluster, p, parallel)
-    stages = place_stages(cluster, p, default_stages(graph, p))
-    stages = with_chunks(graph, p, stages)
+    if layout is not None:
+        fields, stages = stages_from_layout(graph, cluster, layout)
+        p = complete_parallel(graph, cluster, layout_parallel(parallel or Parallel(), fields))
+    else:
+        p = complete_parallel(graph, cluster, parallel or Parallel())
+        check_config(graph, cluster, p, parallel)
+        stages = place_stages(cluster, p, default_stages(graph, p))
+        stages = with_chunks(graph, p, stages)
     prediction = _noted(predict(graph, cluster, p, stages, dtype=dtype, engine=engine), note)
     # Priced with quantized activations: record the widths the runtime then applies.
     quant = quantization_plan(p, stages, "activations") if p.quantize_activations else None

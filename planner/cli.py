@@ -759,8 +759,19 @@ def estimate(
             "line), megatron:args.txt or deepspeed:ds_config.json.",
         ),
     ] = None,
+    layout: Annotated[
+        Path | None,
+        typer.Option(
+            "--layout",
+            help="Price this stage list (YAML/JSON: stages of layers, replicas and tp per "
+            "device group), e.g. another planner's plan; it sets dp, tp, pp and ZeRO-0.",
+        ),
+    ] = None,
 ) -> None:
     """Predict step time, throughput, MFU and memory of a configuration you choose.
+
+    --layout prices a stage list instead (each stage its layers, replicas per device group
+    and each group's TP degree: Sailor's, Metis's or a hand-written plan; `meshplan.layout`).
 
     --compile/--float8/--tp-overlap price the step as another training stack would run it
     (meshplan's own runtime is eager bf16 without TP overlap, the default).
@@ -775,6 +786,8 @@ def estimate(
     pins = _pins(
         dp, tp, pp, cp, ep, micro_batch, global_batch, recompute, zero, schedule, virtual_stages
     )
+    if from_config is not None and layout is not None:
+        raise ValueError("--from and --layout both set the configuration; give one of them")
     if from_config is not None:
         given = [f"--{k.replace('_', '-')}" for k in pins.pinned()]
         given += ["--seq-len"] if seq_len is not None else []
@@ -792,9 +805,14 @@ def estimate(
         if not as_json:
             _print_framework(cfg)
     else:
+        from .layout import read_layout
+
+        stages = read_layout(layout) if layout is not None else None  # before tracing
         name, m, inputs, c = _load(model, cluster, gpus, seq_len, profile=profile)
         graph = _trace(name, m, inputs)
-        result = estimate_plan(graph, cluster=c, parallel=pins, engine=engine, precision=precision)
+        result = estimate_plan(
+            graph, cluster=c, parallel=pins, engine=engine, precision=precision, layout=stages
+        )
         _print_plan(result, as_json)
     if not result.predicted.fits:
         worst = max(result.predicted.memory, key=lambda r: r.peak_bytes - r.capacity_bytes)
