@@ -28,8 +28,8 @@ What is assumed, since the plan as published (in the issue) leaves it open:
 `--sailor-runtime` plans under Sailor's runtime assumptions where the API has a switch:
 fp32 training (`precision="fp32"`, CUDA-core FP32 on both types; TF32 on the A100s only
 would need a per-group precision, which plans do not have), ZeRO-0, no sequence parallelism,
-no recomputation. Equal micro-batches per replica has no switch yet: meshplan may give the
-A100 and V100 pipelines different shares. The GPT-Neo model is the zoo's GPT style at
+no recomputation, and equal micro-batches per replica (`equal_shares=True`: no uneven DP
+shares between the A100 and V100 pipelines). The GPT-Neo model is the zoo's GPT style at
 GPT-Neo-2.7B's shape (EleutherAI/gpt-neo-2.7B config.json on the Hugging Face hub:
 num_layers 32, hidden_size 2560, num_heads 20, vocab_size 50257, max_position_embeddings
 2048, intermediate_size null = 4 x hidden, tied embeddings); GPT-Neo's local attention
@@ -246,12 +246,13 @@ def main(argv: list[str] | None = None) -> int:
         parallel=pinned if args.sailor_runtime else None,
         time_limit_s=args.time_limit,
         precision=precision if args.sailor_runtime else None,
+        equal_shares=args.sailor_runtime,
     )
     t_plan = time.perf_counter() - t0
     ours = plan.predicted
 
     mode = (
-        "Sailor's runtime (fp32, ZeRO-0, no SP, no recompute)"
+        "Sailor's runtime (fp32, ZeRO-0, no SP, no recompute, equal shares)"
         if args.sailor_runtime
         else ("meshplan's runtime")
     )

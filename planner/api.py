@@ -415,6 +415,7 @@ def plan(
     codec: CodecSpeed | None = None,
     per_group_tp: bool = True,
     precision: str | None = None,
+    equal_shares: bool = False,
 ) -> Plan:
     """The fastest plan for `model` on `cluster` that fits in memory.
 
@@ -436,6 +437,8 @@ def plan(
     `plan.compression` / `plan.quantization`, the plan JSON and `plan.explain()`.
     `per_group_tp`: on clusters of several device groups, also consider group-pure pipelines
     that run each group at its own TP degree (`StagePlacement.group_tp`; ZeRO-0, no EP).
+    `equal_shares`: every replica runs the same number of micro-batches (no uneven DP shares
+    across GPU types), as planners without them assume (Sailor); throughput and cost only.
     `precision`: fp32, tf32, bf16, fp16 or fp8 mixed precision (`resolve_precision`; default
     the model's own dtype), recorded in the plan and applied by the runtime.
     Raises `InfeasibleError` with the binding constraint when no plan fits.
@@ -485,6 +488,7 @@ def plan(
         comm=comm,
         quantize=quant_acts,
         per_group_tp=per_group_tp,
+        equal_shares=equal_shares,
         dtype=dtype,
         engine=engine,
     )

@@ -566,6 +566,14 @@ def plan(
             "TP degree (ZeRO-0)."
         ),
     ] = True,
+    equal_shares: Annotated[
+        bool,
+        typer.Option(
+            "--equal-shares",
+            help="Every replica runs the same number of micro-batches (no uneven DP shares "
+            "across GPU types), as Sailor and other planners assume.",
+        ),
+    ] = False,
     precision: PrecisionOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print plan JSON.")] = False,
     baseline: Annotated[
@@ -646,6 +654,7 @@ def plan(
             quantize=quantize,
             per_group_tp=per_group_tp,
             precision=precision,
+            equal_shares=equal_shares,
         )
     _print_plan(result, as_json)
     if objective == "cost" and not as_json:

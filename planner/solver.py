@@ -302,6 +302,7 @@ def solve(
     per_group_tp: bool = True,
     wall_limit_s: float | None = None,
     engine: Engine = EAGER,
+    equal_shares: bool = False,
 ) -> SolveResult:
     """The best configuration and placement that fits, honouring the fields of `pinned`.
 
@@ -311,7 +312,8 @@ def solve(
     `per_group_tp`: on clusters of several device groups, also search group-pure pipelines
     whose groups use different TP degrees (`Candidate.group_tp`). `engine`: price every
     candidate as that training stack runs it (`cost_model.engine`; default meshplan's eager
-    runtime).
+    runtime). `equal_shares`: every replica runs the same number of micro-batches (no uneven
+    DP shares across GPU types; a peer planner's runtime assumption).
 
     `objective` (default throughput) as in the module docstring. Returns the plan re-priced by
     `predict`. `time_limit_s` is the search's work budget, in seconds of the reference
@@ -343,7 +345,7 @@ def solve(
     if objective.kind == "min_gpus":
         out = _min_gpus(pricer, graph, cands, global_batch, work, say, objective)
     else:
-        scorer = _Scorer(objective, cluster)
+        scorer = _Scorer(objective, cluster, equal_shares)
         if objective.kind == "throughput" and len(cluster.groups) > 1:
             seed = _single_group_seed(
                 graph, cluster, pinned, global_batch, work, dtype, comm, quantize

@@ -120,7 +120,10 @@ class _Scorer:
     """The objective in numbers: a placement's score (step seconds, or dollars per step for
     "cost") and the factor that turns a step-time bound into a score bound."""
 
-    def __init__(self, objective: Objective, cluster: Cluster) -> None:
+    def __init__(self, objective: Objective, cluster: Cluster, equal_shares: bool = False) -> None:
+        # Every replica runs the same number of micro-batches (no uneven DP shares): the
+        # runtime assumption of planners without them (Sailor), for a like-for-like comparison.
+        self.equal_shares = equal_shares
         self.cost = objective.kind == "cost"
         self.price = objective.price_per_gpu_s(cluster) if self.cost else {}
         self.uniform = len(set(self.price.values())) <= 1

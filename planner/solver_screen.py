@@ -528,6 +528,8 @@ def _price(memo: _ScreenMemo, pair: _Pair, best: float) -> _Priced | None:
     if share_lower < (pr.best[0] if pr.best else math.inf) * (1 - 1e-9):
         options, exact = _share_placements(t, allowed, prune=not scorer.cost)
         work.charge("placement", len(options))
+        if scorer.equal_shares:  # only the options whose replicas all run m micro-batches
+            options = [(pl, sh) for pl, sh in options if set(sh.values()) == {t.m}]
         for pl, shares in options:
             sc = scorer.score(c, evaluate(t, pl, shares).step_time_s, pl)
             if pr.best is None or sc < pr.best[0] * (1 - 1e-12):

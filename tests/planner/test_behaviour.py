@@ -153,3 +153,15 @@ def test_fewest_gpus_meeting_a_throughput_target():
     assert used < fastest.parallel.tp * fastest.parallel.pp * fastest.parallel.dp
     with pytest.raises(InfeasibleError, match="short of"):
         solve(SMALL, cluster, Parallel(), global_batch=64, objective=Objective("min_gpus", 1e12))
+
+
+def test_equal_shares_gives_every_replica_the_same_micro_batches():
+    """`equal_shares` (a peer planner's runtime assumption): the same instance as above now
+    plans without uneven shares, and it cannot be faster than the plan that may use them (the
+    unconstrained search contains it); the equal-share plan is re-priced by `predict` like any
+    other."""
+    free = solve(SMALL, mixed_cluster(1, 1), Parallel(), global_batch=64)
+    assert free.stages[0].shares  # this instance wants uneven shares
+    equal = solve(SMALL, mixed_cluster(1, 1), Parallel(), global_batch=64, equal_shares=True)
+    assert all(not st.microbatches for st in equal.stages)
+    assert equal.prediction.step_time_s >= free.prediction.step_time_s * (1 - 1e-9)
