@@ -28,6 +28,18 @@ pipeline depth pp, m = global_batch / (dp * micro_batch) micro-batches per pipel
   drain shrink by v, so the bubble
   is (sum_s u_s - U) / v + (pp - 1) * P, a fraction (p - 1) / (v m + p - 1) for equal stages,
   and every chunk boundary sends, so the p2p term is m * v * P.
+- Which chunks a rank runs (interleaved 1F1B, ZB-V): the stages' own (`StagePlacement.chunks`,
+  e.g. a framework's uneven virtual stages: torchtitan's first/last_stage_less_layers over
+  pp * v stages, Megatron's first/last-stage layers split over v chunks) when they list them,
+  else the layout the planner searches (`partition.rank_chunks`: equal chunks, or Megatron's
+  with the embedding and the loss counted as a layer). u_s is then the sum over rank s's
+  chunks of their blocks' times, as is its memory and its DP traffic. The formulas above are
+  unchanged with chunks of unequal size: each rank still sends at m * v chunk boundaries per
+  direction, and P is the slowest boundary crossing between ranks s and s + 1 in either
+  direction (the output of every chunk that hands off to the other rank; the wrap from the
+  last rank to the first is not priced on its own link); the fill and drain are priced at
+  each rank's mean chunk, (sum_s u_s - U) / v, exact when a rank's chunks are equal (under
+  ZB-V, Z takes each chunk as half its rank's time likewise).
 - Zero bubble (`Schedule.ZERO_BUBBLE`): ZB-V (Qi et al., "Pipeline Parallelism with
   Controllable Memory", 2024; torch's `ScheduleZBVZeroBubble`, what the runtime runs). Each rank
   holds two chunks in a V; backward is split into B (input gradient) and W (weight gradient),
@@ -121,6 +133,7 @@ from meshplan.ir import (
 from meshplan.ir.parallel import stage_tp_problem
 from meshplan.passes.partition import (
     layer_counts,
+    listed_chunks_problem,
     rank_chunks,
     rank_layers,
     replica_capacity,
@@ -234,11 +247,15 @@ def plan_tables(
     groups: Sequence[str] | None = None,
     *,
     max_microbatches: int | None = None,
+    chunks: Sequence[Sequence[tuple[int, int]]] = (),
 ) -> PlanTables:
     """Price every (stage, group) and (boundary, group pair) of a complete configuration.
 
     `max_microbatches` (uneven DP shares: the largest per-replica share) sizes the in-flight
-    activations of the memory check; default the configuration's num_microbatches."""
+    activations of the memory check; default the configuration's num_microbatches. `chunks`
+    (interleaved 1F1B, ZB-V): the unit ranges of each rank's model chunks
+    (`StagePlacement.chunks`); empty: the chunk layout `partition.rank_chunks` (what the
+    planner searches)."""
     p = parallel
     names = tuple(groups) if groups is not None else tuple(pricer.groups)
     tp, cp, ep, dp, mb = p.tp, p.cp, p.ep, p.dp, p.micro_batch
@@ -250,13 +267,9 @@ def plan_tables(
     rep = m if zero == 3 else 1  # gradient reductions (and ZeRO-3 gathers) per step
     reductions = rep if dp * cp > 1 else 1  # of the SP norm gradients (`sp_grad_sync`)
     costs = pricer.costs
-    if pp > 1 and p.chunks > 1:  # each rank runs its chunks (ranges is the even split)
-        v_shape = p.schedule == Schedule.ZERO_BUBBLE
-        comps = list(costs.chunked_compositions(pp, p.chunks, v_shape))
-        starts = [chunks[0][0] for chunks in rank_chunks(costs.graph, pp, p.chunks, v_shape)]
-    else:
-        comps = [costs.composition(a, b) for a, b in ranges]
-        starts = [a for a, _ in ranges]
+    held_ranges = _rank_ranges(pricer, p, ranges, chunks)  # each rank's chunks, in model order
+    comps = _rank_compositions(pricer, p, ranges, chunks)
+    starts = [held[0][0] for held in held_ranges]
     # ZeRO-3: the block of each stage's first unit, whose gather and reduce-scatter nothing
     # overlaps (`DataParallelTraffic.dp_edge`); None otherwise.
     edged = zero == 3 and dp * cp > 1
@@ -357,8 +370,7 @@ def plan_tables(
     streams = tp * cp * dp
     by_boundary: dict[str, dict[tuple[str, str], float]] = {}
     p2p = []
-    for s in range(pp - 1):
-        bkey = costs.boundary_key(ranges[s][1])
+    for bkey in _boundary_keys(pricer, held_ranges):
         row = by_boundary.get(bkey)
         if row is None:
             # Megatron's scatter/gather optimisation (Narayanan et al. SC'21, sec. 4.1; also what
@@ -487,25 +499,80 @@ def _at_tp(
     group: str,
     tp: int,
     max_microbatches: int | None,
+    chunks: Sequence[Sequence[tuple[int, int]]] = (),
 ) -> PlanTables:
     """`plan_tables` of `group` alone at degree `tp` (sequence parallelism where tp > 1 and
     the configuration asks for it)."""
     p = dataclasses.replace(
         parallel, tp=tp, sequence_parallel=bool(parallel.sequence_parallel) and tp > 1
     )
-    return plan_tables(pricer, p, ranges, (group,), max_microbatches=max_microbatches)
+    return plan_tables(
+        pricer, p, ranges, (group,), max_microbatches=max_microbatches, chunks=chunks
+    )
+
+
+def _rank_ranges(
+    pricer: Pricer,
+    parallel: Parallel,
+    ranges: Sequence[tuple[int, int]],
+    chunks: Sequence[Sequence[tuple[int, int]]] = (),
+) -> list[tuple[tuple[int, int], ...]]:
+    """The unit ranges each pipeline rank runs, in model order: under interleaved 1F1B or
+    ZB-V its model chunks (`chunks`, the stages' own, else the layout `rank_chunks`), else
+    its one range."""
+    pp = len(ranges)
+    if pp > 1 and parallel.chunks > 1:
+        if chunks:
+            return [tuple(held) for held in chunks]
+        v_shape = parallel.schedule == Schedule.ZERO_BUBBLE
+        return list(rank_chunks(pricer.costs.graph, pp, parallel.chunks, v_shape))
+    return [((a, b),) for a, b in ranges]
 
 
 def _rank_compositions(
-    pricer: Pricer, parallel: Parallel, ranges: Sequence[tuple[int, int]]
+    pricer: Pricer,
+    parallel: Parallel,
+    ranges: Sequence[tuple[int, int]],
+    chunks: Sequence[Sequence[tuple[int, int]]] = (),
 ) -> list[Composition]:
-    """What each pipeline rank runs: its chunks under interleaved 1F1B or ZB-V, else its
-    range."""
+    """What each pipeline rank runs: the blocks of all its chunks under interleaved 1F1B or
+    ZB-V (`_rank_ranges`), else of its range."""
     pp, costs = len(ranges), pricer.costs
     if pp > 1 and parallel.chunks > 1:
-        v_shape = parallel.schedule == Schedule.ZERO_BUBBLE
-        return list(costs.chunked_compositions(pp, parallel.chunks, v_shape))
+        if not chunks:  # the layout the planner searches (cached)
+            v_shape = parallel.schedule == Schedule.ZERO_BUBBLE
+            return list(costs.chunked_compositions(pp, parallel.chunks, v_shape))
+        out = []
+        for held in _rank_ranges(pricer, parallel, ranges, chunks):
+            counts: dict[str, int] = {}
+            for a, b in held:
+                for k, n in costs.composition(a, b):
+                    counts[k] = counts.get(k, 0) + n
+            out.append(tuple(sorted(counts.items())))
+        return out
     return [costs.composition(a, b) for a, b in ranges]
+
+
+def _boundary_keys(pricer: Pricer, held: Sequence[Sequence[tuple[int, int]]]) -> list[str]:
+    """Per boundary s (between pipeline ranks s and s + 1), the block whose output is the
+    largest activation crossing it: the output of every chunk that hands off to the other
+    rank, in either direction (ZB-V's V sends back). With one chunk per rank that is the
+    output of the last unit of stage s. Interleaved 1F1B's wrap from the last rank to the
+    first is no boundary of its own (its activations are the same size)."""
+    costs = pricer.costs
+    owner = sorted((a, b, r) for r, ranges in enumerate(held) for a, b in ranges)
+    pp = len(held)
+    found: list[str | None] = [None] * max(0, pp - 1)
+    for (_, end, r), (_, _, nxt) in zip(owner, owner[1:]):
+        if abs(r - nxt) != 1:
+            continue
+        s, key = min(r, nxt), costs.boundary_key(end)
+        old = found[s]
+        if old is None or costs.facts[key].output_bytes > costs.facts[old].output_bytes:
+            found[s] = key
+    if any(k is None for k in found):  # pragma: no cover - ranks hand off in every layout
+        raise ValueError("a pipeline boundary no chunk crosses")
+    return [k for k in found if k is not None]
 
 
 def _loss_hops(pricer: Pricer, names: Sequence[str]) -> dict[str, float]:
@@ -553,6 +620,7 @@ def layout_tables(
     equals `hetero_tables`'."""
     p = parallel
     ranges = [(st.first_unit, st.last_unit) for st in stages]
+    chunks = [st.chunks for st in stages] if any(st.chunks for st in stages) else []
     pp = len(stages)
     order = [g.name for g in pricer.cluster.groups]
     names = tuple(g for g in order if any(g == r for st in stages for r, _ in st.replicas))
@@ -561,10 +629,10 @@ def layout_tables(
     for row in degrees:
         for g, t in row.items():
             if (g, t) not in per:
-                per[(g, t)] = _at_tp(pricer, p, ranges, g, t, max_microbatches)
+                per[(g, t)] = _at_tp(pricer, p, ranges, g, t, max_microbatches, chunks)
     rows = [{g: per[(g, t)] for g, t in row.items()} for row in degrees]
     hop = _loss_hops(pricer, names)
-    comps = _rank_compositions(pricer, p, ranges)
+    comps = _rank_compositions(pricer, p, ranges, chunks)
     single: list[dict[str, float]] = []
     cross: list[dict[tuple[str, str], CrossTraffic]] = []
     for s, comp in enumerate(comps):
@@ -582,8 +650,8 @@ def layout_tables(
         )
     scale = p.micro_batch / pricer.costs.traced_micro_batch
     p2p = []
-    for s in range(pp - 1):
-        bkey = pricer.costs.boundary_key(ranges[s][1])
+    keys = _boundary_keys(pricer, _rank_ranges(pricer, p, ranges, chunks))
+    for s, bkey in enumerate(keys):
         activation = pricer.costs.facts[bkey].output_bytes * scale
         pairs = handoff_pairs(stages[s].replicas, stages[s + 1].replicas)
         p2p.append(
@@ -815,9 +883,13 @@ def check_parallel(
             )
     if any(st.group_tp for st in stages) and (why := stage_tp_problem(p, tuple(stages))):
         raise ValueError(why)
-    if p.pp > 1 and p.chunks > 1:
+    v_shape = p.schedule == Schedule.ZERO_BUBBLE
+    if any(st.chunks for st in stages):
+        if why := listed_chunks_problem(graph, stages, p.chunks if p.pp > 1 else 1, v_shape):
+            raise ValueError(why)
+    elif p.pp > 1 and p.chunks > 1:
         counts = layer_counts(graph, [(st.first_unit, st.last_unit) for st in stages])
-        want = rank_layers(sum(counts), p.pp, p.chunks, p.schedule == Schedule.ZERO_BUBBLE)
+        want = rank_layers(sum(counts), p.pp, p.chunks, v_shape)
         if counts != want:
             raise ValueError(
                 f"schedule {p.schedule.value!r} runs {p.chunks} chunks per rank: its chunk "
@@ -903,7 +975,9 @@ def predict(
     if layout:
         tables = layout_tables(pricer, p, stages, max_microbatches=most)
     else:
-        tables = plan_tables(pricer, p, ranges, names, max_microbatches=most)
+        # the stages' own model chunks (interleaved 1F1B, ZB-V) when they list them
+        chunks = [st.chunks for st in stages] if any(st.chunks for st in stages) else []
+        tables = plan_tables(pricer, p, ranges, names, max_microbatches=most, chunks=chunks)
     placement = [st.replicas for st in stages]
     ev = evaluate(tables, placement, shares or None)
 

@@ -198,8 +198,9 @@ class StagePlacement:
 
     `chunks` (optional; empty = the one range [first_unit, last_unit)) lists, in model order,
     the unit ranges of the model chunks this pipeline rank runs under interleaved 1F1B or ZB-V
-    (`meshplan.passes.partition.rank_chunks`); [first_unit, last_unit) is then the rank's part
-    of the even split, which holds as many layers.
+    (`meshplan.passes.partition.rank_chunks`, or a framework's uneven split as read by
+    `meshplan.configs`); [first_unit, last_unit) is then the rank's share of that split,
+    which holds as many layers as its chunks.
 
     `group_tp` (optional; empty = every replica uses `Parallel.tp`) gives this stage's
     replicas in each device group their own tensor-parallel degree: (group name, tp) for

@@ -5,6 +5,9 @@ turns any per-stage layer counts into unit ranges (uneven splits); `balanced_cou
 the layer counts that minimise the slowest stage given per-stage layer and fixed costs (more
 layers on faster GPUs, fewer on the stages holding the embedding and the LM head);
 `compositions` lists every split (the planner searches all of them when they are few).
+`rank_chunks` cuts the layers into the model chunks each rank runs under interleaved 1F1B or
+ZB-V (meshplan's layout `chunk_layers`, or a framework's own layers per chunk), and
+`listed_chunks_problem` checks the chunks a plan's stages list.
 `place_stages` gives the default placement that `estimate` uses when the user names only the
 degrees. The planner makes its own placements (`meshplan.planner.solver`) over these ranges.
 """
@@ -131,29 +134,50 @@ def chunk_layers(n_layers: int, pp: int, chunks: int) -> tuple[int, ...] | None:
     return None
 
 
-def chunk_layout_problem(n_layers: int, pp: int, chunks: int, v_shape: bool = False) -> str:
-    """Why `n_layers` cannot run as pp * chunks model chunks (`chunk_layers`), or "": no
-    layout, or a rank left without a layer (ZB-V's rank 0 holds the first and the last
+def chunk_layout_problem(
+    n_layers: int, pp: int, chunks: int, v_shape: bool = False, counts: Sequence[int] = ()
+) -> str:
+    """Why `n_layers` cannot run as pp * chunks model chunks, or "": with `counts` (the
+    layers of each chunk in model order, a framework's own split such as torchtitan's uneven
+    virtual stages) when those are not pp * chunks counts adding up to the layers, a chunk
+    other than the first and the last without a layer (those two may hold only the embedding
+    or the loss), or a rank left without a layer; without them (`chunk_layers`) when there
+    is no layout, or a rank left without a layer (ZB-V's rank 0 holds the first and the last
     chunk, both short under the uneven layout)."""
-    per_chunk = chunk_layers(n_layers, pp, chunks)
     total = pp * chunks
-    if per_chunk is None:
-        return (
-            f"{total} model chunks (pp={pp} x {chunks} per rank) need the {n_layers} layers "
-            f"to be a multiple of {total}, or of {total} less 2 (the embedding and the loss "
-            "counted as a layer each, Megatron-LM's uneven first and last stages)"
-        )
+    if counts:
+        inner = tuple(counts)[1:-1]
+        if len(counts) != total or sum(counts) != n_layers or min(counts) < 0 or 0 in inner:
+            return (
+                f"layers per model chunk {tuple(counts)} must be {total} counts (pp={pp} x "
+                f"{chunks} per rank) adding up to the {n_layers} layers, each at least 1 but "
+                "the first and the last"
+            )
+        per_chunk = tuple(counts)
+    else:
+        got = chunk_layers(n_layers, pp, chunks)
+        if got is None:
+            return (
+                f"{total} model chunks (pp={pp} x {chunks} per rank) need the {n_layers} "
+                f"layers to be a multiple of {total}, or of {total} less 2 (the embedding and "
+                "the loss counted as a layer each, Megatron-LM's uneven first and last stages)"
+            )
+        per_chunk = got
     if min(_per_rank(per_chunk, pp, chunks, v_shape)) < 1:
         return f"{total} model chunks of {n_layers} layers leave a pipeline rank without a layer"
     return ""
 
 
-def rank_layers(n_layers: int, pp: int, chunks: int, v_shape: bool = False) -> tuple[int, ...]:
-    """Layers each pipeline rank runs under `chunk_layers`, with the chunk-to-rank map of
-    `rank_chunks` (ValueError with `chunk_layout_problem`'s reason when there is none)."""
-    if why := chunk_layout_problem(n_layers, pp, chunks, v_shape):
+def rank_layers(
+    n_layers: int, pp: int, chunks: int, v_shape: bool = False, counts: Sequence[int] = ()
+) -> tuple[int, ...]:
+    """Layers each pipeline rank runs when its chunks hold `counts` layers (model order;
+    empty: `chunk_layers`), with the chunk-to-rank map of `rank_chunks` (ValueError with
+    `chunk_layout_problem`'s reason when there is no such layout)."""
+    if why := chunk_layout_problem(n_layers, pp, chunks, v_shape, counts):
         raise ValueError(why)
-    return _per_rank(chunk_layers(n_layers, pp, chunks) or (), pp, chunks, v_shape)
+    per_chunk = tuple(counts) or chunk_layers(n_layers, pp, chunks) or ()
+    return _per_rank(per_chunk, pp, chunks, v_shape)
 
 
 def _per_rank(per_chunk, pp: int, chunks: int, v_shape: bool) -> tuple[int, ...]:
@@ -169,24 +193,75 @@ def _chunk_rank(k: int, pp: int, chunks: int, v_shape: bool) -> int:
 
 
 def rank_chunks(
-    graph: Graph, pp: int, chunks: int, v_shape: bool = False
+    graph: Graph, pp: int, chunks: int, v_shape: bool = False, counts: Sequence[int] = ()
 ) -> tuple[tuple[tuple[int, int], ...], ...]:
     """The unit ranges each pipeline rank runs when the layers are cut into pp * chunks model
-    chunks (`chunk_layers`: interleaved 1F1B and ZB-V), per rank in model order.
+    chunks (interleaved 1F1B and ZB-V) of `counts` layers each in model order (empty:
+    `chunk_layers`), per rank in model order.
 
     Chunk k (the prologue goes with chunk 0, the epilogue with the last; a first or last chunk
     without layers holds only them) runs on rank k mod pp (Megatron-LM's interleaved layout,
     Narayanan et al. SC'21), or with `v_shape` on rank k for k < pp and 2 pp - 1 - k after
     (ZB-V, Qi et al. 2024; torch `ScheduleZBVZeroBubble`), so rank 0 holds both the embedding
-    and the LM head. Raises ValueError when `chunk_layers` has no layout."""
+    and the LM head. Raises ValueError with `chunk_layout_problem`'s reason when there is no
+    such layout."""
     n_layers = len(_layer_positions(graph))
-    if why := chunk_layout_problem(n_layers, pp, chunks, v_shape):
+    if why := chunk_layout_problem(n_layers, pp, chunks, v_shape, counts):
         raise ValueError(why)
-    ranges = _chunk_ranges(graph, chunk_layers(n_layers, pp, chunks) or ())
+    ranges = _chunk_ranges(graph, tuple(counts) or chunk_layers(n_layers, pp, chunks) or ())
     out: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
     for k, r in enumerate(ranges):
         out[_chunk_rank(k, pp, chunks, v_shape)].append(r)
     return tuple(tuple(c) for c in out)
+
+
+def listed_chunks_problem(
+    graph: Graph, stages: Sequence[StagePlacement], chunks: int, v_shape: bool = False
+) -> str:
+    """Why the chunk ranges the stages list (`StagePlacement.chunks`: the model chunks each
+    pipeline rank runs, in model order) are not a layout of `chunks` chunks per rank, or "":
+    every stage lists `chunks` ranges (none when the schedule runs one chunk per rank); taken
+    in the schedule's order (chunk k on rank k mod pp, or ZB-V's V, `rank_chunks`) they tile
+    the units in order; and each stage's [first_unit, last_unit) holds as many layers as its
+    chunks. The chunks' sizes are free (a framework's uneven virtual stages): the cost model
+    prices the chunks as listed and the runtime cuts them so."""
+    listed = [st for st in stages if st.chunks]
+    if not listed:
+        return ""
+    pp = len(stages)
+    if pp < 2 or chunks < 2:
+        return (
+            f"stage {listed[0].index} lists model chunks but the schedule runs one per rank "
+            f"(pp={pp})"
+        )
+    for st in stages:
+        if len(st.chunks) != chunks:
+            return (
+                f"stage {st.index} lists {len(st.chunks)} model chunks, the schedule runs {chunks}"
+            )
+    where = [0] * pp  # chunks of each rank seen so far
+    first = 0
+    for k in range(pp * chunks):
+        r = _chunk_rank(k, pp, chunks, v_shape)
+        a, b = stages[r].chunks[where[r]]
+        where[r] += 1
+        if a != first:
+            return (
+                f"model chunk {k} (stage {r}'s chunk {where[r] - 1}) starts at unit {a}, the one "
+                f"before it ends at {first}: the chunks must tile the model in the schedule's order"
+            )
+        first = b
+    if first != len(graph.units):
+        return f"the model chunks cover units [0, {first}) of {len(graph.units)}"
+    for st in stages:
+        held = sum(layer_counts(graph, st.chunks))
+        (own,) = layer_counts(graph, ((st.first_unit, st.last_unit),))
+        if held != own:
+            return (
+                f"stage {st.index} holds {own} layers in units [{st.first_unit}, "
+                f"{st.last_unit}) but its model chunks hold {held}"
+            )
+    return ""
 
 
 def _chunk_ranges(graph: Graph, counts: Sequence[int]) -> tuple[tuple[int, int], ...]:

@@ -219,12 +219,18 @@ def complete_parallel(graph: Graph, cluster: Cluster, parallel: Parallel) -> Par
 
 
 def check_config(
-    graph: Graph, cluster: Cluster, p: Parallel, pinned: Parallel | None = None
+    graph: Graph,
+    cluster: Cluster,
+    p: Parallel,
+    pinned: Parallel | None = None,
+    split: Sequence[int] = (),
 ) -> None:
     """One-line ValueError for a configuration that cannot run on this model and cluster.
 
     `pinned` is what the user wrote before `complete_parallel`: when it fixes dp, tp, pp and cp
-    all four, their product must be the cluster's GPU count."""
+    all four, their product must be the cluster's GPU count. `split`: the layers per stage or
+    per model chunk the stages will hold (`estimate_plan`), checked instead of the default
+    chunk layout."""
     info = graph.info
     n_layers = len(graph.layer_units) or info.layers
     if n_layers and p.pp > n_layers:  # type: ignore[operator]
@@ -234,9 +240,10 @@ def check_config(
             raise ValueError(f"virtual_stages={p.virtual_stages} needs schedule='interleaved_1f1b'")
     if p.schedule == Schedule.ZERO_BUBBLE and (p.pp or 1) < 2:
         raise ValueError("schedule 'zero_bubble' (ZB-V, two chunks per rank) needs pp >= 2")
-    if n_layers and (p.pp or 1) > 1 and p.chunks > 1:
+    if n_layers and ((p.pp or 1) > 1 and p.chunks > 1 or split):
         v_shape = p.schedule == Schedule.ZERO_BUBBLE
-        if why := chunk_layout_problem(n_layers, p.pp, p.chunks, v_shape):
+        chunks = p.chunks if (p.pp or 1) > 1 else 1
+        if why := chunk_layout_problem(n_layers, p.pp or 1, chunks, v_shape, split):
             raise ValueError(why)
     for what, n in (("heads", info.heads), ("kv_heads", info.kv_heads)):
         if n and n % p.tp:  # type: ignore[operator]
@@ -331,26 +338,33 @@ def _noted(prediction: Prediction, note: str) -> Prediction:
     return dataclasses.replace(prediction, notes=(*prediction.notes, note))
 
 
-def default_stages(graph: Graph, p: Parallel) -> tuple[tuple[int, int], ...]:
+def default_stages(
+    graph: Graph, p: Parallel, split: Sequence[int] = ()
+) -> tuple[tuple[int, int], ...]:
     """The unit ranges of each pipeline rank when the user names only the degrees: the even
     split, or under a schedule with several chunks per rank the layers its chunk layout gives
-    each rank (`partition.rank_layers`)."""
+    each rank (`partition.rank_layers`). `split` (layers per stage, or per model chunk in
+    model order under several chunks per rank; `chunk_layout_problem` checks it): the ranks
+    hold those instead."""
     pp = p.pp or 1
-    if pp > 1 and p.chunks > 1:
+    chunks = p.chunks if pp > 1 else 1
+    if split or chunks > 1:
         v_shape = p.schedule == Schedule.ZERO_BUBBLE
-        per_rank = rank_layers(len(graph.layer_units), pp, p.chunks, v_shape)
+        per_rank = rank_layers(len(graph.layer_units), pp, chunks, v_shape, split)
         return stages_of(graph, per_rank)
     return even_stages(graph, pp)
 
 
 def with_chunks(
-    graph: Graph, p: Parallel, stages: tuple[StagePlacement, ...]
+    graph: Graph, p: Parallel, stages: tuple[StagePlacement, ...], split: Sequence[int] = ()
 ) -> tuple[StagePlacement, ...]:
     """Record on each stage the chunk ranges its rank runs when the schedule has several chunks
-    per rank (interleaved 1F1B, ZB-V), so the runtime reads them from the plan."""
+    per rank (interleaved 1F1B, ZB-V), so the runtime reads them from the plan and the cost
+    model prices them: the chunk layout, or chunks of `split` layers (model order)."""
     if p.pp is None or p.pp < 2 or p.chunks < 2:
         return stages
-    per_rank = rank_chunks(graph, p.pp, p.chunks, p.schedule == Schedule.ZERO_BUBBLE)
+    v_shape = p.schedule == Schedule.ZERO_BUBBLE
+    per_rank = rank_chunks(graph, p.pp, p.chunks, v_shape, split)
     return tuple(dataclasses.replace(st, chunks=per_rank[st.index]) for st in stages)
 
 
@@ -364,23 +378,29 @@ def estimate_plan(
     engine: Engine = EAGER,
     precision: str | None = None,
     layout: Sequence[Mapping] | None = None,
+    split: Sequence[int] = (),
 ) -> Plan:
     """Like `estimate`, but returns the whole fixed Plan (for `explain()` and JSON).
 
     `layout` (`meshplan.layout`): the pipeline stages as a list of {layers, replicas, tp}
     mappings, e.g. another planner's plan with stages at their own TP degree and GPU types;
-    it sets pp, dp, tp and ZeRO-0, `parallel` gives the rest (batches, recompute, schedule)."""
+    it sets pp, dp, tp and ZeRO-0, `parallel` gives the rest (batches, recompute, schedule).
+    `split`: the layers of each pipeline stage, or under interleaved 1F1B / ZB-V of each of
+    the pp * chunks model chunks in model order (a framework's uneven split, as
+    `meshplan.configs` reads it); () = the even split or the default chunk layout."""
     cluster = cluster or Cluster.preset("default")
     graph = as_graph(model, example_inputs, progress=progress)
     precision, dtype, engine, note = resolve_precision(graph, cluster, precision, engine)
     if layout is not None:
+        if split:
+            raise ValueError("give the stages' layers in the layout, not as a split")
         fields, stages = stages_from_layout(graph, cluster, layout)
         p = complete_parallel(graph, cluster, layout_parallel(parallel or Parallel(), fields))
     else:
         p = complete_parallel(graph, cluster, parallel or Parallel())
-        check_config(graph, cluster, p, parallel)
-        stages = place_stages(cluster, p, default_stages(graph, p))
-        stages = with_chunks(graph, p, stages)
+        check_config(graph, cluster, p, parallel, split)
+        stages = place_stages(cluster, p, default_stages(graph, p, split))
+        stages = with_chunks(graph, p, stages, split)
     prediction = _noted(predict(graph, cluster, p, stages, dtype=dtype, engine=engine), note)
     # Priced with quantized activations: record the widths the runtime then applies.
     quant = quantization_plan(p, stages, "activations") if p.quantize_activations else None

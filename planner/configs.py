@@ -46,7 +46,7 @@ from meshplan.cost_model.engine import EAGER, Engine, EngineError, SelectivePoli
 from meshplan.ir import Cluster, Graph, Parallel, Recompute, Schedule
 from meshplan.ir.plan import Plan, assign_ranks, write_text_file
 from meshplan.models import PRESETS, TransformerConfig
-from meshplan.passes.partition import chunk_layers, place_stages, stages_of
+from meshplan.passes.partition import place_stages
 
 from .configs_options import OPTIONS, classify
 
@@ -85,7 +85,9 @@ class FrameworkConfig:
 
     `parallel` has dp and global_batch filled when the world size is known (given to
     `load`, or stated by the file); `stage_layers` lists the layers of each pipeline stage
-    of an uneven split (empty: even); `unpriced` what the file asks for that meshplan does
+    of an uneven split, under a schedule with several model chunks per rank (interleaved
+    1F1B, ZB-V) of each of the pp * chunks chunks in model order (empty: even, or meshplan's
+    chunk layout `partition.chunk_layers`); `unpriced` what the file asks for that meshplan does
     not price (each entry names the options and says how they are priced instead);
     `unknown` the options it states that are no option of that framework meshplan knows
     (each with the nearest known name: `--tensor-model-paralel-size (did you mean
@@ -227,7 +229,14 @@ _TITAN_NEAREST = {
     "DualPipeV": Schedule.ZERO_BUBBLE,
 }
 _SCHEDULE_TO_TITAN = {v: k for k, v in _TITAN_SCHEDULES.items()}
-_MULTI_STAGE = {"Interleaved1F1B", "ZBVZeroBubble", "LoopedBFS", "InterleavedZeroBubble"}
+# Schedules that run several stages per rank (torch's PipelineScheduleMulti); the others one.
+_MULTI_STAGE = {
+    "Interleaved1F1B",
+    "ZBVZeroBubble",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "DualPipeV",
+}
 
 
 def titan_stage_split(stages: int, layers: int, first_less: int, last_less: int) -> tuple[int, ...]:
@@ -371,10 +380,17 @@ def _read_torchtitan(
                 raise r.error("parallelism.pipeline_parallel_layers_per_stage", str(e)) from None
             if schedule == Schedule.INTERLEAVED_1F1B:
                 virtual = chunks
-            if chunks == 1:
-                stage_layers = split if len(set(split)) > 1 else ()
+            # the model chunks a rank runs as meshplan prices the schedule
+            runs = {Schedule.INTERLEAVED_1F1B: chunks, Schedule.ZERO_BUBBLE: 2}.get(schedule, 1)
+            if len(set(split)) > 1 and runs == chunks:
+                # priced as read: one stage per rank, or pp * chunks model chunks in model
+                # order (`meshplan.estimate_plan(split=...)`)
+                stage_layers = split
             elif len(set(split)) > 1:
-                r.note(f"uneven virtual-stage split {split}: priced as an even split")
+                r.note(
+                    f"{chunks} stages per rank split {split}: {name} is priced with {runs} "
+                    "per rank and meshplan's split"
+                )
         elif schedule == Schedule.INTERLEAVED_1F1B:
             virtual = 2
         if schedule == Schedule.ZERO_BUBBLE:
@@ -762,15 +778,10 @@ def _load_megatron(
         if v is not None and v > 1:
             schedule, virtual = Schedule.INTERLEAVED_1F1B, v
         if first is not None or last is not None or emb or loss:
+            # layers per stage, or with virtual stages per model chunk (pp * v, model order):
+            # priced as read (`meshplan.estimate_plan(split=...)`)
             chunks = megatron_chunk_layers(layers, pp, virtual or 1, first, last, emb, loss, r)
-            if not virtual:
-                stage_layers = chunks if len(set(chunks)) > 1 else ()
-            elif chunks != chunk_layers(layers, pp, virtual):
-                # the cost model lays interleaved chunks out by `partition.chunk_layers` alone
-                r.note(
-                    f"chunk layout {chunks} (first/last-stage layers split over {virtual} "
-                    f"virtual stages): priced with {chunk_layers(layers, pp, virtual)}"
-                )
+            stage_layers = chunks if len(set(chunks)) > 1 else ()
     # recomputation: granularity selective (core attention, Korthikanti et al.) or full
     # (method uniform/block over recompute-num-layers layers)
     recompute = Recompute.NONE
@@ -1139,15 +1150,15 @@ def trace_model(cfg: FrameworkConfig, progress=None) -> Graph:
 def with_stage_layers(
     plan: Plan, graph: Graph, stage_layers: tuple[int, ...], engine: Engine = EAGER
 ) -> Plan:
-    """`plan` with the pipeline split into `stage_layers` layers per stage, re-placed and
-    re-priced (one chunk per rank)."""
+    """`plan` with the pipeline split into `stage_layers` layers per stage, or under a
+    schedule with several chunks per rank per model chunk (pp * chunks of them, model order;
+    the stages then list those chunks), re-placed and re-priced."""
+    from .api import check_config, default_stages, with_chunks
+
     p = plan.parallel
-    if len(stage_layers) != p.pp or p.chunks > 1:
-        raise ValueError(
-            f"an uneven split {stage_layers} needs pp={len(stage_layers)} stages of one chunk, "
-            f"got pp={p.pp} with {p.chunks} chunks per rank"
-        )
-    stages = place_stages(plan.cluster, p, stages_of(graph, stage_layers))
+    check_config(graph, plan.cluster, p, split=stage_layers)
+    stages = place_stages(plan.cluster, p, default_stages(graph, p, stage_layers))
+    stages = with_chunks(graph, p, stages, stage_layers)
     return dataclasses.replace(
         plan,
         stages=stages,
@@ -1158,17 +1169,20 @@ def with_stage_layers(
 
 def estimate(cfg: FrameworkConfig, cluster: Cluster, graph: Graph | None = None) -> Plan:
     """The configuration priced on `cluster` as the framework runs it (its engine options and
-    stage split), through `meshplan.estimate_plan`."""
+    stage split, model chunks included), through `meshplan.estimate_plan`."""
     from .api import estimate_plan
 
     graph = graph if graph is not None else trace_model(cfg)
     try:
-        plan = estimate_plan(graph, cluster=cluster, parallel=cfg.parallel, engine=cfg.engine)
-        if cfg.stage_layers:
-            plan = with_stage_layers(plan, graph, cfg.stage_layers, cfg.engine)
+        return estimate_plan(
+            graph,
+            cluster=cluster,
+            parallel=cfg.parallel,
+            engine=cfg.engine,
+            split=cfg.stage_layers,
+        )
     except ValueError as e:
         raise ConfigError(f"{cfg.source}: {e}") from None
-    return plan
 
 
 def stage_layer_counts(plan: Plan) -> tuple[int, ...]:
@@ -1529,14 +1543,14 @@ def _nearest(plan: Plan, problems: list[_Problem], graph: Graph, engine: Engine)
         fields.update({k: v for k, v in x.changes if not k.startswith("_")})
         if x.split is not None:
             split = x.split
-    p = dataclasses.replace(plan.parallel, **fields)
+    p, q = dataclasses.replace(plan.parallel, **fields), plan.parallel
     counts = stage_layer_counts(plan)
-    if split is None and p.chunks == 1 and len(set(counts)) > 1 and len(counts) == (p.pp or 1):
-        split = counts  # keep the plan's own split where it was not the problem
-    new = estimate_plan(graph, cluster=plan.cluster, parallel=p, engine=engine)
-    if split:
-        new = with_stage_layers(new, graph, split, engine)
-    return new
+    if split is None and len(counts) == (p.pp or 1):
+        # keep the plan's own split (per stage, or per model chunk) where it was not the problem
+        same_chunks = p.chunks == q.chunks and p.schedule == q.schedule
+        own = counts if p.chunks == 1 else _virtual_split(plan) if same_chunks else ()
+        split = own if len(set(own)) > 1 else None
+    return estimate_plan(graph, cluster=plan.cluster, parallel=p, engine=engine, split=split or ())
 
 
 def _header(plan: Plan, fmt: str, comment: str) -> list[str]:

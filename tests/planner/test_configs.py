@@ -4,6 +4,8 @@ plan's `Parallel` back for every dimension, and one-line errors for bad files.""
 
 from __future__ import annotations
 
+import dataclasses
+
 import meshplan
 import pytest
 from meshplan import configs
@@ -157,6 +159,49 @@ def test_torchtitan_stage_split_matches_torchtitan():
     # 34 effective layers -> 9, 9, 8, 8 effective -> 8, 9, 8, 7 layers
     assert configs.titan_stage_split(4, 32, 1, 1) == (8, 9, 8, 7)
     assert configs.titan_stage_split(4, 32, 0, 0) == (8, 8, 8, 8)
+
+
+def test_torchtitan_uneven_virtual_stages_priced_as_read(tmp_path, llama8b):
+    # 32 layers, pp 4, Interleaved1F1B with 3 layers per stage and torchtitan's default
+    # first/last_stage_less_layers 1/1 written out: ceil(34 / 3) = 12 stages, 3 per rank,
+    # split (2, 3 x 9, 2, 1); meshplan's own chunk layout has none for 12 chunks of 32 layers
+    from meshplan.ir.plan import Plan, plan_problem
+    from meshplan.passes.partition import chunk_layers, layer_counts
+    from meshplan.runtime.apply import check_plan
+    from meshplan.runtime.pipeline_parallel import chunk_ranges
+
+    toml = tmp_path / "llama3_8b_pp.toml"
+    toml.write_text(
+        '[model]\nname = "llama3"\nflavor = "8B"\n[training]\nlocal_batch_size = 8\n'
+        "seq_len = 2048\n[parallelism]\ntensor_parallel_degree = 2\n"
+        'pipeline_parallel_degree = 4\npipeline_parallel_schedule = "Interleaved1F1B"\n'
+        "pipeline_parallel_layers_per_stage = 3\n"
+        "pipeline_parallel_first_stage_less_layers = 1\n"
+        "pipeline_parallel_last_stage_less_layers = 1\n"
+    )
+    cfg = configs.load(f"torchtitan:{toml}", world_size=64)
+    split = configs.titan_stage_split(12, 32, 1, 1)
+    assert split == (2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 2, 1)
+    assert chunk_layers(32, 4, 3) is None
+    assert (cfg.parallel.schedule, cfg.parallel.virtual_stages) == ("interleaved_1f1b", 3)
+    assert cfg.stage_layers == split
+    assert not any("even split" in note for note in cfg.unpriced)
+    plan = configs.estimate(cfg, meshplan.Cluster.preset("dgx-h100", gpus=64), llama8b)
+    # rank r holds torchtitan's stages r, r + 4, r + 8 (in model order)
+    held = [layer_counts(llama8b, st.chunks) for st in plan.stages]
+    assert held == [(2, 3, 3), (3, 3, 3), (3, 3, 2), (3, 3, 1)]
+    assert tuple(held[k % 4][k // 4] for k in range(12)) == split  # chunk k on rank k % 4
+    assert configs.stage_layer_counts(plan) == (8, 9, 8, 7)
+    # a valid plan the runtime runs as priced: its chunk-stages are torchtitan's stages
+    assert plan_problem(plan) is None
+    check_plan(plan)
+    assert tuple(layer_counts(llama8b, chunk_ranges(plan))) == split
+    again = Plan.from_json(plan.to_json())
+    assert again.stages == plan.stages
+    # without the file's split meshplan's own layout has no chunks for these degrees
+    even = dataclasses.replace(cfg, stage_layers=())
+    with pytest.raises(configs.ConfigError, match="12 model chunks"):
+        configs.estimate(even, meshplan.Cluster.preset("dgx-h100", gpus=64), llama8b)
 
 
 def test_reads_published_files(tmp_path):
@@ -359,10 +404,12 @@ def test_megatron_uneven_layout_priced_as_megatron_builds_it(
         assert tuple(tuple(layer_counts(graph, st.chunks)) for st in plan.stages) == chunk_layers
 
 
-def test_megatron_uneven_first_last_with_virtual_stages_is_named(tmp_path):
+def test_megatron_uneven_first_last_with_virtual_stages_priced_as_read(tmp_path, llama8b):
     # first 6 and last 6 of 32 layers, 10 on each middle rank, each rank's layers halved over
-    # 2 virtual stages: chunks (3,5,5,3 | 3,5,5,3); meshplan's cost model lays chunks out by
-    # `partition.chunk_layers` (4 each), and the reader says so
+    # 2 virtual stages: chunks (3,5,5,3 | 3,5,5,3) in model order, chunk k on rank k % 4
+    # (megatron-core `get_num_layers_to_build`); priced as read, not as meshplan's 4 each
+    from meshplan.passes.partition import layer_counts
+
     path = tmp_path / "args.txt"
     path.write_text(
         "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 4 "
@@ -371,11 +418,18 @@ def test_megatron_uneven_first_last_with_virtual_stages_is_named(tmp_path):
     )
     cfg = configs.load(f"megatron:{path}", world_size=64, model="llama3-8b")
     assert cfg.parallel.virtual_stages == 2
-    assert cfg.unpriced == (
-        "chunk layout (3, 5, 5, 3, 3, 5, 5, 3) (first/last-stage layers split over 2 virtual "
-        "stages): priced with (4, 4, 4, 4, 4, 4, 4, 4)",
-    )
+    assert cfg.unpriced == ()
+    assert cfg.stage_layers == (3, 5, 5, 3, 3, 5, 5, 3)
     assert configs.megatron_chunk_layers(32, 4, 2, 6, 6) == (3, 5, 5, 3, 3, 5, 5, 3)
+    plan = configs.estimate(cfg, meshplan.Cluster.preset("dgx-h100", gpus=64), llama8b)
+    # rank r holds chunks r and r + 4: 3 + 3, 5 + 5, 5 + 5, 3 + 3 layers
+    assert [layer_counts(llama8b, st.chunks) for st in plan.stages] == [
+        (3, 3),
+        (5, 5),
+        (5, 5),
+        (3, 3),
+    ]
+    assert configs.stage_layer_counts(plan) == (6, 10, 10, 6)
 
 
 def test_megatron_fsdp_flags_read_as_zero_stages(tmp_path):
