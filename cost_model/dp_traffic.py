@@ -88,6 +88,13 @@ class CrossTraffic:
         return raw if self.coded is None else min(raw, self.coded.raw_time(crossing_stages))
 
 
+def _dp_ranks(dp: int, cp: int, ep: int) -> tuple[int, int]:
+    """(ranks that reduce a dense parameter's gradient: dp * cp, ranks that hold the same
+    experts: dp * cp / ep), as `DataParallelTraffic.dp_traffic` states."""
+    dcp = dp * cp
+    return dcp, dcp // ep if dcp >= ep else 1
+
+
 class DataParallelTraffic:
     """The data-parallel methods of `pricer.Pricer` (see the module docstring)."""
 
@@ -129,13 +136,12 @@ class DataParallelTraffic:
         (Megatron-LM's data-parallel group "with CP", torchtitan's FSDP mesh dp_shard x cp).
         Expert parameters use the dp * cp / ep ranks that hold the same experts."""
         AR, AG, RS = Collective.ALL_REDUCE, Collective.ALL_GATHER, Collective.REDUCE_SCATTER
-        dcp = dp * cp
         g_bytes, w_bytes = self.reduce_bytes, self._gather_bytes()
-        groups = ((True, dcp), (False, dcp // ep if dcp >= ep else 1))
+        ranks = _dp_ranks(dp, cp, ep)
         if zero in (0, 1, 2):
             dense, experts = self._dp_params(comp, tp=tp, ep=ep)
             out: list[tuple[Collective, float, int]] = []
-            for params, n in zip((dense, experts), (n for _, n in groups), strict=True):
+            for params, n in zip((dense, experts), ranks, strict=True):
                 if params <= 0 or n <= 1:
                     continue
                 if zero == 0:
@@ -148,7 +154,7 @@ class DataParallelTraffic:
         for key, count in comp:
             unit = self._dp_params(((key, 1),), tp=tp, ep=ep)
             edge = 1 if key == first else 0
-            for params, (_, n) in zip(unit, groups, strict=True):
+            for params, n in zip(unit, ranks, strict=True):
                 if params <= 0 or n <= 1:
                     continue
                 colls += [(AG, params * w_bytes, n), (RS, params * g_bytes, n)]
@@ -163,10 +169,9 @@ class DataParallelTraffic:
         it) and that unit's reduce-scatter after the backward's last compute (the optimizer
         waits for it). Run on the critical path of every micro-batch (`simulate`)."""
         AG, RS = Collective.ALL_GATHER, Collective.REDUCE_SCATTER
-        dcp = dp * cp
         out: list[tuple[Collective, float, int]] = []
         unit = self._dp_params(((first, 1),), tp=tp, ep=ep)
-        for params, n in zip(unit, (dcp, dcp // ep if dcp >= ep else 1), strict=True):
+        for params, n in zip(unit, _dp_ranks(dp, cp, ep), strict=True):
             if params > 0 and n > 1:
                 out += [(AG, params * self._gather_bytes(), n), (RS, params * self.reduce_bytes, n)]
         return DpTraffic(tuple(out))

@@ -20,6 +20,7 @@ Errors name the stage and the field and say what to do, in one line.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -123,6 +124,4 @@ def layout_parallel(base: Parallel, fields: Mapping) -> Parallel:
         pinned = getattr(base, k)
         if pinned is not None and pinned != v:
             raise LayoutError(f"--{k.replace('_', '-')} {pinned} contradicts the layout ({k}={v})")
-    import dataclasses
-
     return dataclasses.replace(base, **fields)

@@ -45,7 +45,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from meshplan.ir.parallel import group_pure
+from meshplan.ir.parallel import Parallel, StagePlacement, group_pure
 from meshplan.ir.plan import MESH_AXES, Plan, RankAssignment
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -285,15 +285,14 @@ def build_mesh(plan: Plan, device: torch.device | None = None) -> RankContext:
     return RankContext(plan=plan, rank=dist.get_rank(), assignment=me, mesh=mesh, device=device)
 
 
-def group_view(plan: Plan, group: str) -> Plan:
-    """The homogeneous plan `group`'s pipelines run under per-group TP: only its replicas, its
-    tp (sequence parallelism where that tp > 1), dp indices counted inside the group, the
-    other groups' ranks idle. Raw traffic: the cross-group reduction is not coded."""
-    first = plan.stages[0]
-    n = dict(first.replicas)[group]
-    tp = first.tp_of(group, plan.parallel.tp)
+def _group_slice(plan: Plan, st: StagePlacement, group: str) -> tuple[int, int, Parallel]:
+    """(the replicas stage `st` holds in `group`, the dp index of the first of them, the
+    homogeneous `Parallel` they run: dp those replicas, their tp, sequence parallelism where
+    that tp > 1)."""
+    n = dict(st.replicas)[group]
+    tp = st.tp_of(group, plan.parallel.tp)
     offset = 0
-    for g, k in first.replicas:
+    for g, k in st.replicas:
         if g == group:
             break
         offset += k
@@ -303,6 +302,14 @@ def group_view(plan: Plan, group: str) -> Plan:
         tp=tp,
         sequence_parallel=bool(plan.parallel.sequence_parallel) and tp > 1,
     )
+    return n, offset, p
+
+
+def group_view(plan: Plan, group: str) -> Plan:
+    """The homogeneous plan `group`'s pipelines run under per-group TP: only its replicas, its
+    tp (sequence parallelism where that tp > 1), dp indices counted inside the group, the
+    other groups' ranks idle. Raw traffic: the cross-group reduction is not coded."""
+    n, offset, p = _group_slice(plan, plan.stages[0], group)
     stages = tuple(
         dataclasses.replace(
             st,
@@ -374,20 +381,7 @@ def stage_group_view(plan: Plan, stage: int, group: str) -> Plan:
     stage's unit range kept, every other rank idle. Its mesh covers that one stage
     (`_build_stage_meshes`); the hand-offs between stages and the gradient average read the
     whole plan (`pipeline_handoff`, `data_parallel.HeteroGradients`)."""
-    st = plan.stages[stage]
-    n = dict(st.replicas)[group]
-    tp = st.tp_of(group, plan.parallel.tp)
-    offset = 0
-    for g, k in st.replicas:
-        if g == group:
-            break
-        offset += k
-    p = dataclasses.replace(
-        plan.parallel,
-        dp=n,
-        tp=tp,
-        sequence_parallel=bool(plan.parallel.sequence_parallel) and tp > 1,
-    )
+    n, offset, p = _group_slice(plan, plan.stages[stage], group)
     stages = tuple(
         dataclasses.replace(s, replicas=((group, n),), microbatches=(), group_tp=())
         for s in plan.stages
