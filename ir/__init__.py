@@ -16,8 +16,8 @@ from .parallel import (
     Schedule,
     StagePlacement,
     group_tp_problem,
-    microbatch_problem,
 )
+from .rules import microbatch_problem
 from .trace import TraceError, trace
 
 __all__ = [

@@ -67,8 +67,8 @@ from .parallel import (
     Schedule,
     StagePlacement,
     group_tp_problem,
-    microbatch_problem,
 )
+from .rules import microbatch_problem, schedule_problem
 
 PLAN_VERSION = "meshplan.plan/v1"
 MESH_AXES = ("pp", "dp", "cp", "tp")
@@ -934,25 +934,6 @@ def batch_problem(parallel: Parallel, stages: tuple[StagePlacement, ...]) -> str
     for m in sorted(counts):
         if why := microbatch_problem(p.schedule, p.pp, m):
             return why
-    return None
-
-
-def schedule_problem(parallel: Parallel) -> str | None:
-    """What keeps `parallel`'s schedule from describing the pipeline it runs, or None: ZB-V
-    needs a pipeline (pp >= 2: its V places two chunks on each of pp ranks); several chunks
-    per rank (`virtual_stages` > 1) only under interleaved 1F1B or ZB-V, and only with a
-    pipeline to interleave. With pp = 1 no schedule runs (the runner accumulates
-    micro-batches), so 1f1b, gpipe and one-chunk interleaved 1F1B (which the planner writes
-    when that schedule is pinned) run alike. How many micro-batches a schedule runs is
-    `microbatch_problem`."""
-    p = parallel
-    v = p.virtual_stages or 1
-    if p.schedule == Schedule.ZERO_BUBBLE and p.pp < 2:
-        return f"schedule zero_bubble needs a pipeline (degrees.pp >= 2), got pp={p.pp}"
-    if v > 1 and p.schedule not in (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE):
-        return f"virtual_stages={v} needs schedule interleaved_1f1b, got {p.schedule}"
-    if v > 1 and p.pp < 2:
-        return f"virtual_stages={v} needs a pipeline to interleave (degrees.pp >= 2), got pp=1"
     return None
 
 

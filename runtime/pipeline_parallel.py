@@ -59,8 +59,9 @@ from collections.abc import Callable
 
 import torch
 from meshplan.ir.facts import pipeline_cut, tied_parameters
-from meshplan.ir.parallel import Schedule, microbatch_problem
+from meshplan.ir.parallel import Schedule
 from meshplan.ir.plan import Plan
+from meshplan.ir.rules import microbatch_problem
 from meshplan.ir.trace import is_hf_decoder, is_transformers_model
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
