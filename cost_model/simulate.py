@@ -131,6 +131,12 @@ from meshplan.ir import (
     group_tp_problem,
 )
 from meshplan.ir.parallel import stage_tp_problem
+from meshplan.ir.rules import (
+    batch_split_problem,
+    ep_dp_problem,
+    ep_tp_problem,
+    zero_bubble_problem,
+)
 from meshplan.passes.partition import (
     layer_counts,
     listed_chunks_problem,
@@ -846,18 +852,15 @@ def check_parallel(
             f"schedule {p.schedule.value!r} is not modelled yet; use "
             + " or ".join(repr(s.value) for s in PRICED_SCHEDULES)
         )
-    if p.global_batch % (p.dp * p.micro_batch):
-        raise ValueError(
-            f"global_batch={p.global_batch} is not divisible by dp*micro_batch="
-            f"{p.dp}*{p.micro_batch}={p.dp * p.micro_batch}"
-        )
-    if p.ep > 1 and p.dp % p.ep:
-        raise ValueError(f"ep={p.ep} must divide dp={p.dp} (expert ranks reuse DP ranks)")
-    if p.schedule == Schedule.ZERO_BUBBLE and p.num_microbatches < 2 * p.pp - 1:
-        raise ValueError(
-            f"schedule 'zero_bubble' (ZB-V) needs at least 2*pp - 1 = {2 * p.pp - 1} "
-            f"micro-batches, got {p.num_microbatches}; raise global_batch or lower micro_batch"
-        )
+    rules = (
+        lambda: batch_split_problem(p.global_batch, p.dp, p.micro_batch),
+        lambda: ep_dp_problem(p.ep, p.dp),
+        lambda: ep_tp_problem(p.ep, p.tp, p.sequence_parallel),
+        lambda: zero_bubble_problem(p.schedule, p.pp, p.num_microbatches),
+    )
+    for rule in rules:
+        if why := rule():
+            raise ValueError(why)
     if len(stages) != p.pp:
         raise ValueError(f"pp={p.pp} but {len(stages)} stage placements were given")
     shares = stages[0].microbatches if stages else ()

@@ -68,7 +68,7 @@ from .parallel import (
     StagePlacement,
     group_tp_problem,
 )
-from .rules import microbatch_problem, schedule_problem
+from .rules import batch_split_problem, ep_dp_problem, microbatch_problem, schedule_problem
 
 PLAN_VERSION = "meshplan.plan/v1"
 MESH_AXES = ("pp", "dp", "cp", "tp")
@@ -907,12 +907,8 @@ def batch_problem(parallel: Parallel, stages: tuple[StagePlacement, ...]) -> str
     dp x num_microbatches; every replica's micro-batch count one its schedule runs
     (`microbatch_problem`)."""
     p = parallel
-    per_step = p.dp * p.micro_batch
-    if p.global_batch % per_step:
-        return (
-            f"global_batch {p.global_batch} is not divisible by degrees.dp x micro_batch = "
-            f"{p.dp} x {p.micro_batch} = {per_step} (rows would be dropped)"
-        )
+    if why := batch_split_problem(p.global_batch, p.dp, p.micro_batch):
+        return why
     counts = {p.num_microbatches}
     if any(st.microbatches for st in stages):
         first = stages[0]
@@ -979,8 +975,8 @@ def plan_problem(plan: Plan) -> str | None:
             f"model.fingerprint {plan.model.fingerprint!r} is not a model fingerprint "
             "(16 lowercase hex digits)"
         )
-    if (p.ep or 1) > 1 and p.dp % p.ep:
-        return f"degrees.ep={p.ep} does not divide degrees.dp={p.dp} (expert ranks reuse dp ranks)"
+    if why := ep_dp_problem(p.ep or 1, p.dp):
+        return why
     tps = [t for st in plan.stages for _, t in st.group_tp]  # any stage may set its own
     widest = dataclasses.replace(p, tp=max([p.tp, *tps]))
     checks = (

@@ -4,8 +4,28 @@ priced, each stated once.
 Every rule is one function returning the reason in one line, or None. Callers add their own
 prefix ("no plan: " in the solver, "runtime: " in the runtime) and decide what to do with it
 (reject a candidate, raise a ValueError for `estimate`, refuse a plan file); none rewords a
-reason. `tests/ir/test_rules.py` holds one row per rule and checks that every caller that
-asks it reports its words.
+reason. Who asks which rule (`tests/planner/test_validity_rules.py` holds one row per rule
+and checks each layer named here against the rule's words):
+
+    rule                         solver  estimate  predict  runtime
+    tp_heads_problem               x        x                 (module attributes, at apply)
+    ep_experts_problem             x        x                 x (expert modules, at apply)
+    cp_sequence_problem            x        x                 x
+    pp_layers_problem              x        x
+    batch_split_problem            x        x         x       x
+    ep_dp_problem                  x        x         x       x
+    ep_tp_problem                  x        x         x       x
+    microbatch_problem             x        x                 x
+    zero_bubble_problem            x        x         x          (a pricing rule)
+    zero_bubble_zero3_problem      x                          x  (a runtime rule)
+    schedule_problem               x        x                 x
+    cp_heads_problem                                          (cp attention 'heads', at apply)
+
+Rules that need more than degrees live beside what they read, one function each as well:
+`ir.facts.blocked_dimension` (what the runtime cannot run on a model), `ir.parallel`'s
+`stage_tp_problem` and `group_tp_problem` (stages at their own TP degrees),
+`passes.partition`'s `chunk_layout_problem` and `tp_domain_problem` (layers per chunk, TP
+inside an NVLink domain) and `ir.devices.precision_problem` (a precision the GPUs lack).
 """
 
 from __future__ import annotations
@@ -57,13 +77,137 @@ def schedule_problem(parallel: Parallel) -> str | None:
     pipeline to interleave. With pp = 1 no schedule runs (the runner accumulates
     micro-batches), so 1f1b, gpipe and one-chunk interleaved 1F1B (which the planner writes
     when that schedule is pinned) run alike. How many micro-batches a schedule runs is
-    `microbatch_problem`."""
+    `microbatch_problem`. pp None (not chosen yet) is not checked."""
     p = parallel
     v = p.virtual_stages or 1
-    if p.schedule == Schedule.ZERO_BUBBLE and p.pp < 2:
-        return f"schedule zero_bubble needs a pipeline (degrees.pp >= 2), got pp={p.pp}"
+    no_pipeline = p.pp is not None and p.pp < 2
+    if p.schedule == Schedule.ZERO_BUBBLE and no_pipeline:
+        return f"schedule zero_bubble needs a pipeline (pp >= 2), got pp={p.pp}"
     if v > 1 and p.schedule not in (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE):
         return f"virtual_stages={v} needs schedule interleaved_1f1b, got {p.schedule}"
-    if v > 1 and p.pp < 2:
-        return f"virtual_stages={v} needs a pipeline to interleave (degrees.pp >= 2), got pp=1"
+    if v > 1 and no_pipeline:
+        return f"virtual_stages={v} needs a pipeline to interleave (pp >= 2), got pp={p.pp}"
+    return None
+
+
+# -- degrees against the model -----------------------------------------------------------------
+
+
+def tp_heads_problem(tp: int, heads: int, kv_heads: int) -> str | None:
+    """Tensor parallelism splits attention by whole heads (Megatron-LM, Shoeybi et al. 2019,
+    Sec. 3): tp must divide the query heads and the K/V heads. 0 = not known (a model without
+    attention): no constraint."""
+    for what, n in (("heads", heads), ("kv_heads", kv_heads)):
+        if n and n % tp:
+            return f"tp={tp} does not divide the model's {what} ({n})"
+    return None
+
+
+def ep_experts_problem(ep: int, experts: int) -> str | None:
+    """Expert parallelism gives each ep rank experts / ep whole experts: the model must have
+    experts, and ep must divide their number."""
+    if ep > 1 and not experts:
+        return f"ep={ep} but the model has no experts"
+    if experts and experts % ep:
+        return f"ep={ep} does not divide the model's experts ({experts})"
+    return None
+
+
+def cp_sequence_problem(cp: int, seq_len: int) -> str | None:
+    """Context parallelism gives each cp rank an equal share of every sequence: cp must divide
+    the sequence length (0 = not known). The zig-zag layout that balances a causal mask needs
+    2 cp to divide it; with only cp dividing it the runtime splits contiguously
+    (`runtime.context_parallel.sequence_layout`)."""
+    if seq_len and seq_len % cp:
+        return f"cp={cp} does not divide the sequence length ({seq_len})"
+    return None
+
+
+def pp_layers_problem(pp: int, layers: int) -> str | None:
+    """Each pipeline stage holds at least one repeated layer (a model without repeated layers
+    is one unit: one stage). `layers` 0 = not known."""
+    if pp < 1:
+        return f"pp={pp} must be at least 1"
+    if layers and pp > layers:
+        return f"pp={pp} exceeds the model's {layers} layers (pp <= layers)"
+    return None
+
+
+# -- degrees against each other ----------------------------------------------------------------
+
+
+def batch_split_problem(
+    global_batch: int, dp: int | None = None, micro_batch: int | None = None
+) -> str | None:
+    """Every dp replica runs whole micro-batches of the same size: dp x micro_batch must
+    divide the global batch (in sequences), or rows would be dropped. Either factor may be
+    None (not chosen yet): the one given must divide it."""
+    factors = [(k, v) for k, v in (("dp", dp), ("micro_batch", micro_batch)) if v is not None]
+    if not factors:
+        return None
+    n = 1
+    for _, v in factors:
+        n *= v
+    if global_batch % n == 0:
+        return None
+    if len(factors) == 1:
+        what = f"{factors[0][0]}={n}"
+    else:
+        what = f"dp*micro_batch = {dp}*{micro_batch} = {n}"
+    return f"global_batch={global_batch} is not divisible by {what}"
+
+
+def ep_dp_problem(ep: int, dp: int) -> str | None:
+    """Expert parallelism reuses data-parallel ranks (an ep group is ep consecutive dp
+    replicas, as Megatron-Core's expert data parallelism): ep must divide dp."""
+    if ep > 1 and dp % ep:
+        return f"ep={ep} does not divide dp={dp} (expert ranks reuse dp ranks)"
+    return None
+
+
+def ep_tp_problem(ep: int, tp: int, sequence_parallel: bool) -> str | None:
+    """Expert parallelism with tensor parallelism needs sequence parallelism: each tp rank
+    routes its own sequence shard to the experts (Megatron-Core's rule; meshplan's runtime
+    does the same)."""
+    if ep > 1 and tp > 1 and not sequence_parallel:
+        return "ep > 1 with tp > 1 needs sequence parallelism (each tp rank routes its own tokens)"
+    return None
+
+
+def zero_bubble_problem(
+    schedule: Schedule | str | None, pp: int, n_microbatches: int
+) -> str | None:
+    """ZB-V is priced with its full warm-up of 2 pp - 1 micro-batches in flight (Qi et al.
+    2024, "Pipeline Parallelism with Controllable Memory"): the cost model has no timing for
+    fewer, so the planner and `predict` ask for at least that many. torch runs fewer
+    (`microbatch_problem`); this is a pricing rule, not a runtime one."""
+    if schedule == Schedule.ZERO_BUBBLE and n_microbatches < 2 * pp - 1:
+        return (
+            f"schedule 'zero_bubble' (ZB-V) needs at least 2*pp - 1 = {2 * pp - 1} micro-batches "
+            f"per pipeline, got {n_microbatches}; raise global_batch or lower micro_batch"
+        )
+    return None
+
+
+def zero_bubble_zero3_problem(schedule: Schedule | str | None, pp: int, zero: int) -> str | None:
+    """ZB-V with ZeRO-3 (FSDP2 resharding after forward) does not train correctly in torch
+    2.13: measured on gloo ranks, gradients off by ~1e-2 after one step while ZeRO-2 and
+    DDP match one process. The runtime refuses it, so the planner never emits it."""
+    if pp > 1 and schedule == Schedule.ZERO_BUBBLE and zero == 3:
+        return (
+            "schedule zero_bubble with ZeRO-3 gives wrong gradients in torch's ZB-V + FSDP2 "
+            "(measured); use zero <= 2 or schedule 1f1b / interleaved_1f1b"
+        )
+    return None
+
+
+def cp_heads_problem(heads: int, cp: int) -> str | None:
+    """Head-parallel context attention (DeepSpeed-Ulysses, Jacobs et al. 2023) gives each cp
+    rank heads / cp whole query heads over the whole sequence: cp must divide the query heads
+    a rank holds (`heads`: h / tp under tensor parallelism)."""
+    if heads % cp:
+        return (
+            f"cp attention 'heads' needs the query heads divisible by cp, got heads={heads}, "
+            f"cp={cp}; use cp attention 'allgather' or 'ring'"
+        )
     return None

@@ -44,7 +44,6 @@ from meshplan.ir import (
     Recompute,
     Schedule,
     StagePlacement,
-    microbatch_problem,
 )
 from meshplan.ir.devices import PRECISION_DTYPE, default_precision, precision_problem
 from meshplan.ir.facts import DIMENSIONS, blocked_dimension
@@ -55,6 +54,18 @@ from meshplan.ir.plan import (
     QuantizationPlan,
     SolverInfo,
     assign_ranks,
+)
+from meshplan.ir.rules import (
+    batch_split_problem,
+    cp_sequence_problem,
+    ep_dp_problem,
+    ep_experts_problem,
+    ep_tp_problem,
+    microbatch_problem,
+    pp_layers_problem,
+    schedule_problem,
+    tp_heads_problem,
+    zero_bubble_problem,
 )
 from meshplan.ir.trace import trace as trace_ir
 from meshplan.passes.partition import (
@@ -233,29 +244,24 @@ def check_config(
     chunk layout."""
     info = graph.info
     n_layers = len(graph.layer_units) or info.layers
-    if n_layers and p.pp > n_layers:  # type: ignore[operator]
-        raise ValueError(f"pp={p.pp} exceeds the model's {n_layers} layers (pp <= layers)")
-    if p.virtual_stages and p.virtual_stages > 1:
-        if p.schedule not in (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE):
-            raise ValueError(f"virtual_stages={p.virtual_stages} needs schedule='interleaved_1f1b'")
-    if p.schedule == Schedule.ZERO_BUBBLE and (p.pp or 1) < 2:
-        raise ValueError("schedule 'zero_bubble' (ZB-V, two chunks per rank) needs pp >= 2")
+    rules = (
+        lambda: pp_layers_problem(p.pp, n_layers),
+        lambda: schedule_problem(p),
+        lambda: tp_heads_problem(p.tp, info.heads, info.kv_heads),
+        lambda: ep_experts_problem(p.ep, info.experts),
+        lambda: cp_sequence_problem(p.cp, info.seq_len),
+        lambda: ep_dp_problem(p.ep, p.dp),
+        lambda: ep_tp_problem(p.ep, p.tp, p.sequence_parallel),
+        lambda: blocked_dimension(info, p),  # the runtime cannot run it (`ir.facts`)
+    )
+    for rule in rules:
+        if why := rule():
+            raise ValueError(why)
     if n_layers and ((p.pp or 1) > 1 and p.chunks > 1 or split):
         v_shape = p.schedule == Schedule.ZERO_BUBBLE
         chunks = p.chunks if (p.pp or 1) > 1 else 1
         if why := chunk_layout_problem(n_layers, p.pp or 1, chunks, v_shape, split):
             raise ValueError(why)
-    for what, n in (("heads", info.heads), ("kv_heads", info.kv_heads)):
-        if n and n % p.tp:  # type: ignore[operator]
-            raise ValueError(f"tp={p.tp} does not divide the model's {what} ({n})")
-    if info.experts and info.experts % p.ep:  # type: ignore[operator]
-        raise ValueError(f"ep={p.ep} does not divide the model's experts ({info.experts})")
-    if p.ep > 1 and not info.experts:  # type: ignore[operator]
-        raise ValueError(f"ep={p.ep} but the model has no experts")
-    if info.seq_len and info.seq_len % p.cp:  # type: ignore[operator]
-        raise ValueError(f"cp={p.cp} does not divide the sequence length ({info.seq_len})")
-    if (why := blocked_dimension(info, p)) is not None:  # the runtime cannot run it (`ir.facts`)
-        raise ValueError(why)
 
     used = p.dp * p.tp * p.pp * p.cp  # type: ignore[operator]
     q = pinned
@@ -269,13 +275,15 @@ def check_config(
             f"dp*tp*pp*cp = {p.dp}*{p.tp}*{p.pp}*{p.cp} = {used} GPUs but cluster "
             f"{cluster.name} has {cluster.world_size}"
         )
-    if p.global_batch % (p.dp * p.micro_batch):  # type: ignore[operator]
-        raise ValueError(
-            f"global_batch {p.global_batch} is not divisible by dp*micro_batch = "
-            f"{p.dp}*{p.micro_batch}; pick a global batch that is"
-        )
-    if why := microbatch_problem(p.schedule, p.pp, p.num_microbatches):  # type: ignore[arg-type]
-        raise ValueError(why)
+    m = p.num_microbatches
+    rules = (
+        lambda: batch_split_problem(p.global_batch, p.dp, p.micro_batch),
+        lambda: microbatch_problem(p.schedule, p.pp, m),
+        lambda: zero_bubble_problem(p.schedule, p.pp, m),
+    )
+    for rule in rules:
+        if why := rule():
+            raise ValueError(why)
 
 
 def estimate(

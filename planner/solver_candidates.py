@@ -53,9 +53,21 @@ from meshplan.ir import (
     Parallel,
     Recompute,
     Schedule,
-    microbatch_problem,
 )
 from meshplan.ir.facts import blocked_dimension, without_blocked
+from meshplan.ir.rules import (
+    batch_split_problem,
+    cp_sequence_problem,
+    ep_dp_problem,
+    ep_experts_problem,
+    ep_tp_problem,
+    microbatch_problem,
+    pp_layers_problem,
+    schedule_problem,
+    tp_heads_problem,
+    zero_bubble_problem,
+    zero_bubble_zero3_problem,
+)
 from meshplan.passes.partition import (
     balanced_counts,
     chunk_layout_problem,
@@ -289,7 +301,7 @@ def schedule_options(
     if sched == Schedule.GPIPE:
         return [(sched, 1)]
     zb_ok = pp >= 2 and not chunk_layout_problem(n_layers, pp, 2, v_shape=True)
-    zb_ok = zb_ok and m >= 2 * pp - 1 and pv in (None, 2)
+    zb_ok = zb_ok and not zero_bubble_problem(Schedule.ZERO_BUBBLE, pp, m) and pv in (None, 2)
     zb_ok = zb_ok and zero_bubble
     if sched == Schedule.ZERO_BUBBLE:
         return [(sched, 2)] if zb_ok else []
@@ -352,22 +364,15 @@ def enumerate_candidates(
             + ", ".join(s.value for s in SUPPORTED_SCHEDULES)
             + ")"
         )
-    if (
-        p.virtual_stages
-        and p.virtual_stages > 1
-        and p.schedule not in (None, Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE)
-    ):
-        raise InfeasibleError(
-            f"no plan: virtual_stages={p.virtual_stages} needs schedule 'interleaved_1f1b'"
-        )
+    if p.schedule is not None and (why := schedule_problem(p)):
+        raise InfeasibleError(f"no plan: {why}")
     domain_sizes = sorted({g.domain_gpus for g in cluster.groups})
     n_layers = len(graph.layer_units)
 
     def tp_ok(t: int) -> str | None:
-        for what, n in (("heads", info.heads), ("kv_heads", info.kv_heads)):
-            if n and n % t:
-                return f"tp={t} does not divide the model's {what} ({n})"
-        return tp_domain_problem(cluster.groups, t)
+        return tp_heads_problem(t, info.heads, info.kv_heads) or tp_domain_problem(
+            cluster.groups, t
+        )
 
     if p.tp is not None:
         if (why := tp_ok(p.tp)) is not None:
@@ -376,33 +381,25 @@ def enumerate_candidates(
     else:
         tps = [t for t in _divisors(max(domain_sizes)) if tp_ok(t) is None]
     if p.cp is not None:
-        if info.seq_len and info.seq_len % p.cp:
-            raise InfeasibleError(f"no plan: cp={p.cp} does not divide seq_len={info.seq_len}")
+        if why := cp_sequence_problem(p.cp, info.seq_len):
+            raise InfeasibleError(f"no plan: {why}")
         cps = [p.cp]
     else:
         cps = cp_options(info.seq_len)
     if p.ep is not None:
-        if p.ep > 1 and not info.experts:
-            raise InfeasibleError(f"no plan: ep={p.ep} but the model has no experts")
-        if info.experts and info.experts % p.ep:
-            raise InfeasibleError(f"no plan: ep={p.ep} does not divide experts={info.experts}")
+        if why := ep_experts_problem(p.ep, info.experts):
+            raise InfeasibleError(f"no plan: {why}")
         eps = [p.ep]
     else:
         eps = _divisors(info.experts) if info.experts else [1]
     # A model without repeated layers (a conv net, one block reused at every depth) is one
     # unit: one pipeline stage (`ModelInfo.blocker("pp")` says so when pp is pinned).
-    if p.pp is not None and not 1 <= p.pp <= max(1, n_layers):
-        raise InfeasibleError(f"no plan: pp={p.pp} but the model has {n_layers} layers")
+    if p.pp is not None and (why := pp_layers_problem(p.pp, max(1, n_layers))):
+        raise InfeasibleError(f"no plan: {why}")
     pps = [p.pp] if p.pp is not None else list(range(1, max(1, n_layers) + 1))
-    pinned_rows = [("dp", p.dp), ("micro_batch", p.micro_batch)]
-    if p.dp is not None and p.micro_batch is not None:
-        pinned_rows.append(("dp*micro_batch", p.dp * p.micro_batch))
-    for what, n in pinned_rows:
-        if n is not None and global_batch % n:
-            shown = f"{p.dp}*{p.micro_batch}={n}" if what == "dp*micro_batch" else str(n)
-            raise InfeasibleError(
-                f"no plan: global_batch={global_batch} is not divisible by {what}={shown}"
-            )
+    for dp_, mb_ in ((p.dp, None), (None, p.micro_batch), (p.dp, p.micro_batch)):
+        if why := batch_split_problem(global_batch, dp_, mb_):
+            raise InfeasibleError(f"no plan: {why}")
     rcs = [Recompute(p.recompute)] if p.recompute is not None else list(Recompute)
     # Activation quantization changes numerics: off unless pinned or `quantize` allows it.
     if p.quantize_activations is not None:
@@ -438,26 +435,18 @@ def enumerate_candidates(
             )
             zeros = [p.zero] if p.zero is not None else ([0, 1, 2, 3] if dp * cp > 1 else [0])
             for ep in eps:
-                if dp % ep:
-                    funnel.reject(
-                        "ep divides dp",
-                        f"ep={ep} does not divide dp={dp} (expert ranks reuse DP ranks)",
-                    )
+                if why := ep_dp_problem(ep, dp):
+                    funnel.reject("ep divides dp", why)
                     continue
                 funnel.keep("ep divides dp")
-                if ep > 1 and tp > 1 and not sp:  # Megatron-Core's rule; the runtime's too
-                    funnel.reject(
-                        "ep with tp needs sp", "ep > 1 with tp > 1 needs sequence parallelism"
-                    )
+                if why := ep_tp_problem(ep, tp, sp):
+                    funnel.reject("ep with tp needs sp", why)
                     continue
                 funnel.keep("ep with tp needs sp")
                 for mb in mbs:
-                    if global_batch % (dp * mb):  # a pinned micro-batch against a free dp
-                        funnel.reject(
-                            "batch",
-                            f"global_batch={global_batch} is not divisible by "
-                            f"dp*micro_batch={dp}*{mb}={dp * mb} for any dp that fits",
-                        )
+                    # a pinned micro-batch against a free dp
+                    if why := batch_split_problem(global_batch, dp, mb):
+                        funnel.reject("batch", why)
                         continue
                     funnel.keep("batch")
                     scheds = schedule_options(p, pp, n_layers, global_batch // (dp * mb), zb)
@@ -478,14 +467,8 @@ def enumerate_candidates(
                         continue
                     funnel.keep("schedule")
                     for zero, rc, (sched, v), qa in itertools.product(zeros, rcs, scheds, qas):
-                        if zero == 3 and sched == Schedule.ZERO_BUBBLE:
-                            # torch's ZB-V with FSDP2 resharding gives wrong gradients
-                            # (measured; the runtime refuses it): not a plan to emit
-                            funnel.reject(
-                                "zb without zero3",
-                                "zero_bubble (ZB-V) with ZeRO-3 does not train correctly in "
-                                "torch 2.13 (the runtime refuses it); use zero <= 2",
-                            )
+                        if why := zero_bubble_zero3_problem(sched, pp, zero):
+                            funnel.reject("zb without zero3", why)
                             continue
                         funnel.keep("zb without zero3")
                         out.append(Candidate(tp, pp, dp, cp, ep, mb, zero, rc, sched, sp, v, qa))

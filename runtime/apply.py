@@ -78,6 +78,7 @@ import torch.distributed as dist
 from meshplan.ir.facts import tied_parameters
 from meshplan.ir.parallel import Schedule, group_pure, group_tp_problem
 from meshplan.ir.plan import Plan, plan_problem
+from meshplan.ir.rules import ep_tp_problem
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -223,11 +224,8 @@ def check_plan(plan: Plan) -> None:
     check_stage_widths(plan)
     group_tp = [t for st in plan.stages for _, t in st.group_tp]  # any stage may set its own
     tp = max([p.tp or 1, *group_tp])
-    if (p.ep or 1) > 1 and tp > 1 and not p.sequence_parallel:
-        raise RuntimePlanError(
-            "runtime: expert parallelism with tp > 1 needs sequence parallelism (each tp rank "
-            "routes its own sequence shard)"
-        )
+    if why := ep_tp_problem(p.ep or 1, tp, bool(p.sequence_parallel)):
+        raise RuntimePlanError(f"runtime: {why}")
     if group_tp and (why := group_tp_problem(p, plan.stages)):
         raise RuntimePlanError(f"runtime: {why}")
     if (p.cp or 1) > 1 and plan.model.seq_len:
@@ -417,8 +415,9 @@ def apply(
     Call inside an initialised process group (`meshplan launch`, torchrun or
     `meshplan.runtime.run_local`) with the same model (same seed) on every rank. The model is
     changed in place (sharded, wrapped); use the returned Runner from then on.
-    `cp_attention` ("allgather" or "ring") and `ep_dispatch` ("tokens" or "slots") choose
-    how context and expert parallelism communicate (`context_parallel`, `expert_parallel`).
+    `cp_attention` ("allgather", "ring" or "heads") and `ep_dispatch` ("tokens" or "slots")
+    choose how context and expert parallelism communicate (`context_parallel`,
+    `expert_parallel`).
     `loss_parallel` (tp > 1): compute the loss on vocab-sharded logits under torch's
     `loss_parallel`, as the plan prices it; None (default) does so when `loss_fn` is a cross
     entropy (`tensor_parallel.is_cross_entropy`), otherwise the logits are gathered.

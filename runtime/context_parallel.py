@@ -1,8 +1,8 @@
 """Context parallelism: each rank of the cp group holds a share of every sequence.
 
 torch's own `context_parallel` is CUDA-only (RUNTIME_NOTES.md), so attention over the sharded
-sequence is written here on public collectives. Both variants are exact (they match one
-process within fp32 rounding):
+sequence is written here on public collectives. All three variants are exact (they match
+one process within fp32 rounding):
 
     "allgather"  (default) K and V of the local tokens are all-gathered over the cp group in
                  forward (`all_gather_single`), their gradients reduce-scattered in backward
@@ -16,6 +16,25 @@ process within fp32 rounding):
                  the K/V gradients travel with their chunk and arrive back at its owner. Holds
                  two K/V chunks at a time instead of all of them, and skips chunks that the
                  causal mask hides entirely.
+    "heads"      head-parallel attention (DeepSpeed-Ulysses, Jacobs et al. 2023): one
+                 all-to-all per tensor turns q, k and v from this rank's tokens of every head
+                 into every token of h/cp heads (rank r: query heads [r*h/cp, (r+1)*h/cp));
+                 SDPA runs on the whole sequence for those heads (tokens put in position
+                 order, so `is_causal` holds) and one all-to-all turns the output back
+                 (`_SwapSharding`). Communication: 4 all-to-alls per attention forward (q, k,
+                 v in, the output back), each sending and receiving (cp-1)/cp of the local
+                 tensor (K/V: after the repetition below); backward the same 4 in reverse
+                 (the gradient of an all-to-all is the inverse all-to-all). Memory: the scores
+                 of h/cp heads over the whole sequence, (b, h/cp, S, S), as many as
+                 "allgather"'s (b, h, S/cp, S); K/V of kv'/cp heads over all S tokens, where
+                 "allgather" holds all kv heads over S.
+                 Grouped-query K/V: query head i reads K/V head i // (h/kv), so when cp
+                 divides kv the K/V heads shard the same way (rank r: [r*kv/cp,
+                 (r+1)*kv/cp), exactly the heads its query heads read); otherwise each K/V
+                 head is repeated f = cp/gcd(kv, cp) times first (kv' = kv*f, the fewest
+                 copies that cp divides, rather than all the way to h; f divides h/kv because
+                 cp divides h). Needs cp to divide the query heads a rank holds (h/tp under
+                 tensor parallelism): refused otherwise (`ir.rules.cp_heads_problem`).
 
 Sequence layout. A sequence of S tokens is cut into 2*cp chunks and rank r holds chunks r and
 2*cp-1-r ("zig-zag", Megatron-LM / Llama 3 CP): under a causal mask every rank then does the
@@ -72,6 +91,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from meshplan.ir.plan import Plan
+from meshplan.ir.rules import cp_heads_problem, cp_sequence_problem
 from meshplan.ir.trace import hf_models, sequence_sharding_blocker, sliding_window
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -79,7 +99,7 @@ from torch.overrides import TorchFunctionMode
 from .errors import RuntimePlanError
 from .mesh import RankContext
 
-MODES = ("allgather", "ring")
+MODES = ("allgather", "ring", "heads")
 
 
 # -- sequence layout ---------------------------------------------------------------------------
@@ -89,12 +109,9 @@ def sequence_layout(seq_len: int, cp: int) -> str:
     """How a sequence is split: "zigzag" if it cuts into 2*cp chunks, else "contiguous"."""
     if seq_len % (2 * cp) == 0:
         return "zigzag"
-    if seq_len % cp == 0:
-        return "contiguous"
-    raise RuntimePlanError(
-        f"runtime: sequence length {seq_len} is not divisible by cp={cp}; context parallelism "
-        "needs equal shares"
-    )
+    if why := cp_sequence_problem(cp, seq_len):
+        raise RuntimePlanError(f"runtime: {why}")
+    return "contiguous"
 
 
 def sequence_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -258,6 +275,75 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk, dv, None, None, None
 
 
+# -- head-parallel attention (Ulysses) --------------------------------------------------------
+
+
+def _seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+    """(b, h, n, d) of this rank's n tokens -> (b, h/size, size*n, d): the tokens of every cp
+    rank (in cp-rank order, `ContextParallel.all_positions`) of this rank's slice of heads."""
+    b, h, n, d = x.shape
+    # dim 0 = the destination: cp rank r receives head slice [r*h/size, (r+1)*h/size)
+    send = x.reshape(b, size, h // size, n, d).transpose(0, 1).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    # dim 0 = the source: cp rank r's tokens
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, h // size, size * n, d)
+
+
+def _heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+    """The inverse of `_seq_to_heads`: (b, h/size, size*n, d) -> (b, h, n, d)."""
+    b, hs, s, d = x.shape
+    n = s // size
+    # dim 0 = the destination: the cp rank holding those tokens
+    send = x.reshape(b, hs, size, n, d).permute(2, 0, 1, 3, 4).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    # dim 0 = the source: cp rank r's head slice
+    return recv.transpose(0, 1).reshape(b, size * hs, n, d)
+
+
+class _SwapSharding(torch.autograd.Function):
+    """Sequence-sharded -> head-sharded (`to_heads`) or back, one all-to-all over the cp
+    group; the gradient goes back through the inverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, size: int, to_heads: bool):
+        ctx.group, ctx.size, ctx.to_heads = group, size, to_heads
+        return (_seq_to_heads if to_heads else _heads_to_seq)(x, group, size)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        back = _heads_to_seq if ctx.to_heads else _seq_to_heads
+        return back(grad, ctx.group, ctx.size), None, None, None
+
+
+def _head_parallel_attention(q, k, v, cp: ContextParallel, causal: bool, scale: float):
+    """Exact attention with heads sharded over the cp group; see the module docstring."""
+    heads, kv_heads, local = q.shape[1], k.shape[1], q.shape[2]
+    if why := cp_heads_problem(heads, cp.size):
+        raise RuntimePlanError(f"runtime: {why}")
+    # The fewest copies of each K/V head that make their count a multiple of cp. Expanded
+    # head e is K/V head e // f, so query head i still reads K/V head i // (heads/kv_heads)
+    # through expanded head i // (heads/(kv_heads*f)), and rank r's query heads read exactly
+    # its slice of expanded heads. The gradient sums the copies back (repeat_interleave).
+    k, v = (_expand(t, cp.size // math.gcd(kv_heads, cp.size)) for t in (k, v))
+    q, k, v = (_SwapSharding.apply(t, cp.group, cp.size, True) for t in (q, k, v))
+    # Every rank's tokens, in cp-rank order: the zig-zag shares are not in position order,
+    # so under a causal mask they are put in order (a fused kernel's `is_causal` then holds)
+    # and back afterwards. A contiguous split is in order already.
+    reorder = causal and sequence_layout(local * cp.size, cp.size) == "zigzag"
+    if reorder:
+        slots = cp.all_positions(local, q.device).reshape(-1)  # position of each token
+        natural = torch.argsort(slots)  # the token at each position
+        q, k, v = (t.index_select(2, natural) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(
+        q, k, v, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+    if reorder:
+        out = out.index_select(2, slots)
+    return _SwapSharding.apply(out, cp.group, cp.size, False)
+
+
 def _causal_mask(pos_q: torch.Tensor, pos_k: torch.Tensor) -> torch.Tensor:
     """(local queries, keys) bool: query at position i may attend keys at positions <= i."""
     return pos_q.unsqueeze(1) >= pos_k.unsqueeze(0)
@@ -331,6 +417,8 @@ class ContextParallel:
         scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
         if self.mode == "ring":
             return _RingAttention.apply(query, key, value, self, bool(is_causal), scale)
+        if self.mode == "heads":
+            return _head_parallel_attention(query, key, value, self, bool(is_causal), scale)
         b, hk, local, d = key.shape
         # (seq, b, 2*hk, d): gathering along dim 0 concatenates the ranks' tokens.
         kv = torch.cat([key, value], dim=1).permute(2, 0, 1, 3)

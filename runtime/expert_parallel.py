@@ -109,6 +109,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from meshplan.ir.facts import is_hf_experts, is_zoo_moe
+from meshplan.ir.rules import ep_experts_problem, ep_tp_problem
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
@@ -791,11 +792,8 @@ def apply_expert_parallel(
                     "`stacked_experts` modules) run with tp == 1 only; use the zoo's MoE shape "
                     "with ep_dispatch='tokens', or tp=1"
                 )
-        if ep > 1 and not p.sequence_parallel:
-            raise RuntimePlanError(
-                "runtime: ep > 1 with tp > 1 needs sequence parallelism (as Megatron-Core); "
-                "re-plan with sequence_parallel=True"
-            )
+        if why := ep_tp_problem(ep, tp_size, bool(p.sequence_parallel)):
+            raise RuntimePlanError(f"runtime: {why}; re-plan with sequence_parallel=True")
     tp = _tensor_parallel(ctx) if tp_size > 1 else None
     if ep == 1:  # expert tensor parallelism: each MoE is one TP region
         assert tp is not None
@@ -814,8 +812,8 @@ def apply_expert_parallel(
     for path, experts, moe in found:
         e = _expert_count(experts, path)
         hf = is_hf_experts(experts)  # before its weights are cut to the local experts
-        if e % ep:
-            raise RuntimePlanError(f"runtime: ep={ep} does not divide the {e} experts of {path}")
+        if why := ep_experts_problem(ep, e):
+            raise RuntimePlanError(f"runtime: {path}: {why}")
         if handle is None:
             handle = ExpertParallel(groups, e, p.dp * (p.cp or 1), mode, tp=tp)
         elif e != handle.num_experts:

@@ -61,7 +61,7 @@ import torch
 from meshplan.ir.facts import pipeline_cut, tied_parameters
 from meshplan.ir.parallel import Schedule
 from meshplan.ir.plan import Plan
-from meshplan.ir.rules import microbatch_problem
+from meshplan.ir.rules import microbatch_problem, zero_bubble_zero3_problem
 from meshplan.ir.trace import is_hf_decoder, is_transformers_model
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -106,13 +106,8 @@ def chunks_per_rank(plan: Plan) -> int:
 def check_schedule(plan: Plan) -> None:
     """Refuse, with one line, schedule combinations that do not train correctly here."""
     p = plan.parallel
-    if (p.pp or 1) > 1 and p.schedule == Schedule.ZERO_BUBBLE and (p.zero or 0) == 3:
-        # Measured on torch 2.13 / gloo: ZB-V x FSDP2 reshard_after_forward=True gives
-        # gradients off by ~1e-2 after one step (ZeRO-2 and replicate() match one process).
-        raise RuntimePlanError(
-            "runtime: schedule zero_bubble with ZeRO-3 gives wrong gradients in torch's "
-            "ZB-V + FSDP2 (measured); use zero <= 2 or schedule 1f1b / interleaved_1f1b"
-        )
+    if why := zero_bubble_zero3_problem(p.schedule, p.pp or 1, p.zero or 0):
+        raise RuntimePlanError(f"runtime: {why}")
 
 
 def check_microbatches(plan: Plan, n_microbatches: int) -> None:

@@ -280,7 +280,7 @@ def test_sailor_like_layout_prices_each_stage_and_group_at_its_own_degree():
     "change,message",
     [
         (dict(zero=1), "per-group tp needs zero=0, got zero=1"),
-        (dict(ep=3), "per-group tp needs ep=1, got ep=3"),
+        (dict(ep=3, sequence_parallel=True), "per-group tp needs ep=1, got ep=3"),
         (dict(tp=1), "Parallel.tp=1 must be stage 0's first group's tp (v100: 4)"),
         (
             dict(schedule="interleaved_1f1b", virtual_stages=2, pp=3),

@@ -116,7 +116,7 @@ ROWS = [
         H100,
         Parallel(zero=3, schedule="zero_bubble"),
         8,
-        "zero_bubble (ZB-V) with ZeRO-3 does not train correctly",
+        "schedule zero_bubble with ZeRO-3 gives wrong gradients",
         "ZB-V without ZeRO-3: pp=2 (2*pp = 4 divides the 4 layers; m = 8 >= 3 at dp=1) passes "
         "the schedule, then ZeRO-3 is pinned (the loops' last rejection is a schedule's: pp=1 "
         "at tp=8)",

@@ -95,8 +95,8 @@ EDITS = [
     # (layout, path, value, words the one-line refusal must contain)
     ("dp4-tp2", ("degrees", "tp"), 4, ["mesh.shape", "tp=4"]),
     ("dp4-tp2", ("degrees", "dp"), 2, ["mesh.shape", "dp=2"]),
-    ("dp8", ("micro_batch",), 3, ["global_batch 16", "micro_batch", "not divisible"]),
-    ("dp8", ("global_batch",), 20, ["global_batch 20", "not divisible"]),
+    ("dp8", ("micro_batch",), 3, ["global_batch=16", "micro_batch", "not divisible"]),
+    ("dp8", ("global_batch",), 20, ["global_batch=20", "not divisible"]),
     ("dp8", ("global_batch",), 24, ["num_microbatches", "24"]),
     ("dp8", ("num_microbatches",), 5, ["num_microbatches is 5"]),
     ("dp8", ("cluster", "world_size"), 16, ["cluster.world_size"]),

@@ -465,16 +465,16 @@ def test_infeasible_divisibility_and_pins_are_explained():
     with pytest.raises(InfeasibleError, match="tp=3 does not divide the model's heads"):
         solve(graph, cluster, Parallel(tp=3), global_batch=8)
     with pytest.raises(
-        InfeasibleError, match="global_batch=12 is not divisible by dp\\*micro_batch=2\\*4=8"
+        InfeasibleError, match="global_batch=12 is not divisible by dp\\*micro_batch = 2\\*4 = 8"
     ):
         solve(graph, cluster, Parallel(dp=2, micro_batch=4), global_batch=12)
     with pytest.raises(InfeasibleError, match="global_batch=7 is not divisible by dp=2"):
         solve(graph, cluster, Parallel(dp=2), global_batch=7)
-    with pytest.raises(InfeasibleError, match="pp=9 but the model has 4 layers"):
+    with pytest.raises(InfeasibleError, match="pp=9 exceeds the model's 4 layers"):
         solve(graph, cluster, Parallel(pp=9), global_batch=8)
     with pytest.raises(InfeasibleError, match="zero_bubble \\(ZB-V\\) needs pp >= 2 with 2\\*pp"):
         solve(graph, cluster, Parallel(schedule="zero_bubble", pp=4), global_batch=8)
-    with pytest.raises(InfeasibleError, match="cp=3 does not divide seq_len=1024"):
+    with pytest.raises(InfeasibleError, match=r"cp=3 does not divide the sequence length \(1024\)"):
         solve(graph, cluster, Parallel(cp=3), global_batch=8)
     with pytest.raises(InfeasibleError, match="ep=2 but the model has no experts"):
         solve(graph, cluster, Parallel(ep=2), global_batch=8)

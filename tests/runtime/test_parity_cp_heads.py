@@ -1,0 +1,244 @@
+"""Parity of head-parallel context parallelism (cp attention "heads", DeepSpeed-Ulysses) with
+one process, and its all-to-alls counted.
+
+One local launch per world size (`run_local`: torch imported once, ranks forked) runs several
+plans in turn with `apply(..., cp_attention="heads")`. For each plan: the losses of 3 SGD
+steps equal the single-process run on every rank, and rank 0's gathered parameters after each
+step (so the gradients, recovered from the SGD update) equal the single process's within fp32
+tolerance. The plans cover both ways grouped-query K/V heads are sharded: cp divides the K/V
+heads (cp=2 over the tiny model's 2) or not (cp=4 over 2, cp=2 over 1 under MQA, cp=2 over
+the 1 a rank holds under tp=2), so they are repeated first.
+
+Every rank's cp group runs exactly 4 all-to-alls per attention and forward (q, k, v in, the
+output back) and 4 in backward, of the local tensors' sizes, and no other K/V collective
+(`_check_cp_collectives`); its tp, gradient and world collectives are the cost model's
+(`harness.check_step_collectives`). Each launch also checks `ContextParallel.attention`
+alone against SDPA on the whole sequence, causal or not, zig-zag and contiguous splits,
+with several head counts (`_attention_checks`). The refusal of query heads that cp does not
+divide needs no processes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import meshplan
+import pytest
+import torch
+from meshplan.ir.rules import cp_heads_problem
+from meshplan.runtime import ContextParallel, run_local
+from meshplan.runtime.context_parallel import MODES
+from meshplan.runtime.errors import RuntimePlanError
+
+from tests.runtime.harness import (
+    CFG,
+    SEQ,
+    assert_parity,
+    build_model,
+    check_step_collectives,
+    group_names,
+    loss_fn,
+    reference,
+    sgd,
+    train,
+)
+
+APPLY = {"cp_attention": "heads"}
+
+# name -> (plan fields, model overrides); the tiny model has 4 query and 2 K/V heads
+CONFIGS_2 = {
+    "cp2-heads": (dict(cp=2, micro_batch=2, global_batch=4), {}),
+    # multi-query: 1 K/V head, repeated to 2 before the all-to-all; 2 micro-batches
+    "cp2-heads-mqa": (dict(cp=2, micro_batch=1, global_batch=2), dict(kv_heads=1)),
+}
+CONFIGS_4 = {
+    # 2 K/V heads over 4 ranks: each repeated twice; forward run again in backward
+    "cp4-heads-recompute": (dict(cp=4, micro_batch=2, global_batch=2, recompute="full"), {}),
+    # tp=2 leaves a rank 2 query heads and 1 K/V head, sharded over cp=2
+    "cpxtp-heads": (dict(cp=2, tp=2, micro_batch=2, global_batch=4), {}),
+    "cpxdp-heads": (dict(dp=2, cp=2, micro_batch=1, global_batch=4), {}),
+}
+
+_GRAPHS: dict = {}
+
+
+def _graph(model_kw):
+    """The traced graph of the tiny model with `model_kw` (plans are made from it)."""
+    key = tuple(sorted(model_kw.items()))
+    if key not in _GRAPHS:
+        model, _ = meshplan.models.transformer(
+            dtype="float32", micro_batch=1, **{**CFG, **model_kw}
+        )
+        example = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
+        _GRAPHS[key] = meshplan.trace(model, example, example)
+    return _GRAPHS[key]
+
+
+def _plan(world, fields, model_kw):
+    cluster = meshplan.Cluster.preset("cpu", gpus=world)
+    parallel = meshplan.Parallel(**fields)
+    return meshplan.estimate_plan(_graph(model_kw), cluster=cluster, parallel=parallel)
+
+
+def _run(plan, model_kw):
+    """Inside a rank: apply with "heads" attention, train; losses, snapshots, one step's
+    collectives, the groups."""
+    from meshplan.runtime import apply
+
+    runner = apply(build_model(**model_kw), plan, loss_fn, sgd, **APPLY)
+    losses, states, records = train(runner, plan.parallel.global_batch)
+    return {
+        "losses": losses,
+        "states": states,
+        "records": records,
+        "groups": group_names(runner),
+        "coords": runner.ctx.coords,
+    }
+
+
+def _all(plans, configs):
+    out = {name: _run(plan, configs[name][1]) for name, plan in plans.items()}
+    out["attention"] = _attention_checks()
+    return out
+
+
+def _check_all(world, configs):
+    plans = {name: _plan(world, f, m) for name, (f, m) in configs.items()}
+    # References first, on one intra-op thread (as test_parity_cp_ep.py: two threads of
+    # these tiny ops wait on each other on a shared 2-core machine).
+    refs = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for name, plan in plans.items():
+            p = plan.parallel
+            refs[name] = reference(p.global_batch, p.dp * p.num_microbatches, **configs[name][1])
+    finally:
+        torch.set_num_threads(threads)
+    results = run_local(_all, world, plans, configs, timeout_s=120)
+    for name, plan in plans.items():
+        assert_parity(name, refs[name], [r[name] for r in results])
+        _check_cp_collectives(plan, results, name, configs[name][1])
+        for rank, r in enumerate(results):
+            check_step_collectives(
+                f"{name} rank {rank}",
+                plan,
+                _graph(configs[name][1]),
+                r[name],
+                ignore_kinds=frozenset({"send", "recv", "all_to_all"}),
+            )
+    return results
+
+
+def test_cp_heads_parity_two_ranks():
+    results = _check_all(2, CONFIGS_2)
+    assert len(results[0]["attention"]) == 20
+
+
+def test_cp_heads_parity_four_ranks():
+    results = _check_all(4, CONFIGS_4)
+    assert len(results[0]["attention"]) == 20
+
+
+# -- collectives --------------------------------------------------------------------------------
+
+
+def _check_cp_collectives(plan, results, name, model_kw):
+    """Per attention layer and micro-batch, each rank's cp group runs one all-to-all of its
+    local q, k, v and output in every forward (twice under full recomputation) and one of
+    their gradients in backward: q and the output are (micro_batch, h, S/cp, d) with h the
+    query heads a rank holds (/tp), k and v (micro_batch, kv', S/cp, d) with kv' its K/V heads
+    (/tp) repeated cp/gcd(kv, cp) times. Nothing else moves K/V (no all-gather,
+    reduce-scatter or send/recv on the cp group)."""
+    p = plan.parallel
+    cfg = {**CFG, **model_kw}
+    d = cfg["hidden"] // cfg["heads"]
+    h, kv = cfg["heads"] // p.tp, (cfg.get("kv_heads") or cfg["heads"]) // p.tp
+    kv_sent = kv * (p.cp // math.gcd(kv, p.cp))
+    local = p.micro_batch * SEQ // p.cp * d
+    forwards = 2 if p.recompute == "full" else 1
+    calls = (forwards + 1) * 2 * cfg["layers"] * p.num_microbatches  # 2: q/out, k/v
+    want = Counter()  # q and k/v may be of one size (counted together)
+    for heads in (h, kv_sent):
+        want[("all_to_all", heads * local)] += calls
+    kinds = {"all_to_all", "all_gather", "reduce_scatter", "send", "recv"}
+    for rank, r in enumerate(results):
+        group = r[name]["groups"]["cp"]
+        got = Counter(
+            (c.kind, c.numel) for c in r[name]["records"] if c.group == group and c.kind in kinds
+        )
+        assert got == want, f"{name}: rank {rank} cp collectives {dict(got)}, want {dict(want)}"
+
+
+# -- ContextParallel.attention alone (inside each launch) ----------------------------------------
+
+
+def _attention_checks():
+    """`ContextParallel.attention` in "heads" mode against SDPA on the whole sequence, output
+    and q/k/v gradients, causal and not, zig-zag (2 tokens per chunk) and contiguous (3 per
+    rank) splits, query/K/V heads (4, 4), (4, 2), (4, 1), (8, 2) and (12, 3): cp divides the
+    K/V heads or not, and then they are repeated up to the query heads or fewer times (12, 3
+    over cp=2: 6 K/V heads). Returns the cases checked."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    rank, size, cases = dist.get_rank(), dist.get_world_size(), []
+    cp = ContextParallel(dist.group.WORLD, rank, size, "heads")
+    for causal in (True, False):
+        for seq in (4 * size, 3 * size):
+            for heads, kv_heads in ((4, 4), (4, 2), (4, 1), (8, 2), (12, 3)):
+                g = torch.Generator().manual_seed(seq * 10 + heads + kv_heads)
+                q, k, v = (
+                    torch.randn(2, n, seq, 8, generator=g) for n in (heads, kv_heads, kv_heads)
+                )
+                w = torch.randn(2, heads, seq, 8, generator=g)
+                full = [t.clone().requires_grad_() for t in (q, k, v)]
+                ref = F.scaled_dot_product_attention(
+                    *full, is_causal=causal, scale=0.3, enable_gqa=True
+                )
+                (ref * w).sum().backward()
+                pos = cp.positions(seq // size)
+                mine = [cp.shard(t, dim=2).requires_grad_() for t in (q, k, v)]
+                got = cp.attention(*mine, is_causal=causal, scale=0.3, enable_gqa=True)
+                (got * cp.shard(w, dim=2)).sum().backward()
+                case = f"causal={causal} seq={seq} heads={heads} kv={kv_heads}"
+                torch.testing.assert_close(
+                    got, ref.detach().index_select(2, pos), msg=lambda m, c=case: f"{c}: {m}"
+                )
+                for x, a, b in zip("qkv", mine, full):
+                    torch.testing.assert_close(
+                        a.grad,
+                        b.grad.index_select(2, pos),
+                        msg=lambda m, c=case, x=x: f"{c}: d{x}: {m}",
+                    )
+                cases.append((causal, seq, heads, kv_heads))
+    return cases
+
+
+# -- refusals (no processes) ----------------------------------------------------------------------
+
+
+def test_heads_is_a_mode_and_allgather_the_default():
+    assert "heads" in MODES
+    assert ContextParallel(None, 0, 2).mode == "allgather"
+    assert ContextParallel(None, 0, 2, "heads").mode == "heads"
+    with pytest.raises(RuntimePlanError, match="cp attention must be one of"):
+        ContextParallel(None, 0, 2, "ulysses")
+
+
+@pytest.mark.parametrize("heads, cp", [(4, 3), (2, 4), (6, 4)])
+def test_heads_refused_when_cp_does_not_divide_them(heads, cp):
+    """Refused in one line naming both, before any collective (the group here is None)."""
+    assert cp_heads_problem(heads, cp) is not None
+    handle = ContextParallel(None, 0, cp, "heads")
+    q = torch.randn(1, heads, 2, 8)
+    kv = torch.randn(1, 1, 2, 8)
+    with pytest.raises(RuntimePlanError, match=rf"heads={heads}, cp={cp}\b") as err:
+        handle.attention(q, kv, kv, is_causal=True)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("heads, cp", [(4, 2), (4, 4), (8, 4), (6, 2)])
+def test_heads_accepted_when_cp_divides_them(heads, cp):
+    assert cp_heads_problem(heads, cp) is None
