@@ -162,10 +162,9 @@ def best_split(graph, cluster, parallel, layout, dtype):
         held = in_flight_microbatches(p.schedule, s, pp, p.num_microbatches, 1)
         u, fits = 0.0, True
         for g, _, t in layout[s]:
-            sp = bool(p.sequence_parallel) and t > 1
-            kw = dict(tp=t, cp=1, ep=1, sp=sp, micro_batch=p.micro_batch, recompute=p.recompute)
-            u = max(u, pricer.stage_time(comp, g, **kw).total)
-            mem = pricer.stage_memory(comp, dp=p.dp, zero=0, **kw).peak(held)[0]
+            cfg = p.stage(t)  # the stage's own tp; sequence parallel only where t > 1
+            u = max(u, pricer.stage_time(comp, g, cfg).total)
+            mem = pricer.stage_memory(comp, cfg, dp=p.dp, zero=0).peak(held)[0]
             fits = fits and mem <= groups[g].gpu.memory_bytes
         return u, fits
 

@@ -19,6 +19,7 @@ from meshplan.ir import (
     GpuSpec,
     Graph,
     Recompute,
+    StageConfig,
 )
 
 from .collectives import (
@@ -214,40 +215,19 @@ class Pricer(DataParallelTraffic):
 
     # -- per (stage composition, group) --------------------------------------------------------
     def stage_time(
-        self,
-        comp: Composition,
-        group: str,
-        *,
-        tp: int,
-        cp: int,
-        ep: int,
-        sp: bool,
-        micro_batch: int,
-        recompute: Recompute,
-        quantize: bool = False,
-        span: EpSpan | None = None,
+        self, comp: Composition, group: str, cfg: StageConfig, span: EpSpan | None = None
     ) -> StageTime:
-        """Forward/backward/recompute compute and TP/CP/EP traffic of one micro-batch: the sum
-        over the stage's blocks of `block_time` times their instance counts. `quantize`: saved
-        activations are quantized (AGoQ), which adds quantize/dequantize time. `span`: the
-        rank's ep group spans device groups (`EpSpan`); None: it lies inside `group`."""
-        key = (comp, group, tp, cp, ep, sp, micro_batch, recompute, quantize, span)
+        """Forward/backward/recompute compute and TP/CP/EP traffic of one micro-batch of `cfg`
+        on one rank of `group`: the sum over the stage's blocks of `block_time` times their
+        instance counts. `cfg.quantize_activations`: saved activations are quantized (AGoQ),
+        which adds quantize/dequantize time. `span`: the rank's ep group spans device groups
+        (`EpSpan`); None: it lies inside `group`."""
+        key = (comp, group, cfg, span)
         got = self._time.get(key)
         if got is None:
             parts = [0.0] * 7
             for bkey, count in comp:
-                t = self.block_time(
-                    bkey,
-                    group,
-                    tp=tp,
-                    cp=cp,
-                    ep=ep,
-                    sp=sp,
-                    micro_batch=micro_batch,
-                    recompute=recompute,
-                    quantize=quantize,
-                    span=span,
-                )
+                t = self.block_time(bkey, group, cfg, span)
                 for i, v in enumerate(
                     (t.forward, t.backward, t.recompute, t.tp_comm, t.cp_comm, t.ep_comm, t.wgrad)
                 ):
@@ -256,25 +236,16 @@ class Pricer(DataParallelTraffic):
         return got
 
     def block_time(
-        self,
-        bkey: str,
-        group: str,
-        *,
-        tp: int,
-        cp: int,
-        ep: int,
-        sp: bool,
-        micro_batch: int,
-        recompute: Recompute,
-        quantize: bool = False,
-        span: EpSpan | None = None,
+        self, bkey: str, group: str, cfg: StageConfig, span: EpSpan | None = None
     ) -> StageTime:
-        """One instance of block `bkey`, one micro-batch, on one rank of `group` (`span`: its
-        ep group spans device groups, see `stage_time`)."""
-        key = (bkey, group, tp, cp, ep, sp, micro_batch, recompute, quantize, span)
+        """One instance of block `bkey`, one micro-batch of `cfg`, on one rank of `group`
+        (`span`: its ep group spans device groups, see `stage_time`)."""
+        key = (bkey, group, cfg, span)
         got = self._block_time.get(key)
         if got is not None:
             return got
+        tp, cp, ep, sp = cfg.tp, cfg.cp, cfg.ep, cfg.sequence_parallel
+        micro_batch, recompute, quantize = cfg.micro_batch, cfg.recompute, cfg.quantize_activations
         g = self.groups[group]
         scale = micro_batch / self.costs.traced_micro_batch
         facts = self.costs.facts[bkey]
@@ -484,29 +455,27 @@ class Pricer(DataParallelTraffic):
     def stage_memory(
         self,
         comp: Composition,
+        cfg: StageConfig,
         *,
-        tp: int,
-        cp: int,
-        ep: int,
         dp: int,
         zero: int,
-        recompute: Recompute,
-        sp: bool,
-        micro_batch: int,
-        quantize: bool = False,
         stage: int = 0,
         num_stages: int = 1,
     ) -> StageMemory:
-        """Memory of one rank of a stage, but for the in-flight multiplier (cached).
+        """Memory of one rank of a stage of `cfg` over `dp` replicas at ZeRO stage `zero`, but
+        for the in-flight multiplier (cached).
 
-        `quantize`: saved activations at the AGoQ widths of pipeline stage `stage` of
-        `num_stages` (`compression.quantized_block_memory`); stage 0's widths are the
-        smallest, so the default is a lower bound for any stage."""
+        `cfg.quantize_activations`: saved activations at the AGoQ widths of pipeline stage
+        `stage` of `num_stages` (`compression.quantized_block_memory`); stage 0's widths are
+        the smallest, so the default is a lower bound for any stage. Only whether the stage
+        is in the early half changes the widths, so the cache keys on that, not on `stage`."""
         early = 2 * (num_stages - stage) > num_stages  # attention at 4 bits (compression.py)
-        key = (comp, tp, cp, ep, dp, zero, recompute, sp, micro_batch, quantize and early)
-        key += (quantize,)
+        quantize = cfg.quantize_activations
+        key = (comp, cfg, dp, zero, quantize and early)
         got = self._mem.get(key)
         if got is None:
+            tp, cp, ep, sp = cfg.tp, cfg.cp, cfg.ep, cfg.sequence_parallel
+            micro_batch, recompute = cfg.micro_batch, cfg.recompute
             blocks = [(self.costs.facts[k].memory, n) for k, n in comp]
             if quantize:
                 blocks = [

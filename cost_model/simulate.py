@@ -125,8 +125,8 @@ from meshplan.ir import (
     Parallel,
     Prediction,
     RankMemory,
-    Recompute,
     Schedule,
+    StageConfig,
     StagePlacement,
     group_tp_problem,
 )
@@ -265,8 +265,10 @@ def plan_tables(
     p = parallel
     names = tuple(groups) if groups is not None else tuple(pricer.groups)
     tp, cp, ep, dp, mb = p.tp, p.cp, p.ep, p.dp, p.micro_batch
-    sp, zero, rc = bool(p.sequence_parallel), p.zero, Recompute(p.recompute)
+    sp, zero = bool(p.sequence_parallel), p.zero
     quant = bool(p.quantize_activations)
+    cfg = p.stage()
+    plain = dataclasses.replace(cfg, quantize_activations=False)  # memory: quantized per stage
     m = p.global_batch // (dp * mb)
     pp = len(ranges)
     world = pp * dp * cp * tp
@@ -286,12 +288,7 @@ def plan_tables(
             continue
         traffic = pricer.dp_traffic(comp, tp=tp, ep=ep, dp=dp, zero=zero, cp=cp, first=first)
         edge = pricer.dp_edge(first, tp=tp, ep=ep, dp=dp, cp=cp) if first else None
-        times = {
-            g: pricer.stage_time(
-                comp, g, tp=tp, cp=cp, ep=ep, sp=sp, micro_batch=mb, recompute=rc, quantize=quant
-            )
-            for g in names
-        }
+        times = {g: pricer.stage_time(comp, g, cfg) for g in names}
         if edge is not None:
             times = {
                 g: dataclasses.replace(t, dp_edge=pricer.dp_single(edge, g, tp=tp, cp=cp))
@@ -315,24 +312,21 @@ def plan_tables(
             },
             "single": {g: pricer.dp_single(traffic, g, tp=tp, cp=cp) for g in names},
             "cross": cross,
-            "mem": pricer.stage_memory(
-                comp, tp=tp, cp=cp, ep=ep, dp=dp, zero=zero, recompute=rc, sp=sp, micro_batch=mb
-            ),
+            "mem": pricer.stage_memory(comp, plain, dp=dp, zero=zero),
         }
     capacity = {g: replica_capacity(pricer.groups[g], tp, cp) for g in names}
     ep_span = None
     moe = any(costs.facts[k].a2a_bytes for comp in comps for k, _ in comp)
     if ep > 1 and len(names) > 1 and moe:
-        kw = dict(tp=tp, cp=cp, ep=ep, sp=sp, micro_batch=mb, recompute=rc, quantize=quant)
 
         def ep_span(s: int, g: str, span: EpSpan) -> StageTime:
-            t = pricer.stage_time(comps[s], g, **kw, span=span)
+            t = pricer.stage_time(comps[s], g, cfg, span)
             return dataclasses.replace(t, dp_edge=time[s][g].dp_edge)
 
         for (comp, _), u in uniq.items():
             for g in names:
                 if capacity[g] < ep:  # every ep group with ranks here spans groups
-                    floor = _ep_floor(pricer, comp, g, names, capacity, kw)
+                    floor = _ep_floor(pricer, comp, g, names, capacity, cfg)
                     if floor is not None:
                         floor = dataclasses.replace(floor, dp_edge=u["time"][g].dp_edge)
                         u["time"][g] = floor
@@ -348,20 +342,7 @@ def plan_tables(
         if got is None:
             mem = u["mem"]
             if quant:
-                mem = pricer.stage_memory(
-                    comp,
-                    tp=tp,
-                    cp=cp,
-                    ep=ep,
-                    dp=dp,
-                    zero=zero,
-                    recompute=rc,
-                    sp=sp,
-                    micro_batch=mb,
-                    quantize=True,
-                    stage=s,
-                    num_stages=pp,
-                )
+                mem = pricer.stage_memory(comp, cfg, dp=dp, zero=zero, stage=s, num_stages=pp)
             peak = mem.peak(held)
             fit = {g: peak[0] <= pricer.groups[g].gpu.memory_bytes for g in names}
             got = peaks[(comp, held, early)] = (peak, fit)
@@ -413,21 +394,21 @@ def _ep_floor(
     g: str,
     names: Sequence[str],
     capacity: Mapping[str, int],
-    kw: Mapping,
+    cfg: StageConfig,
 ) -> StageTime | None:
     """A rank of group g whose ep group cannot fit in g (capacity[g] < ep replicas): the
     cheapest `EpSpan` it can be part of, over a partner group h and g's share c of the ep
     ranks (c <= capacity[g], ep - c <= capacity[h]), with the fewest streams (tp * cp: one
     spanning chunk). A lower bound on what `evaluate` charges any placement (exact for two
     groups split at one chunk); None when no partner can hold the rest."""
-    ep, lanes = kw["ep"], kw["tp"] * kw["cp"]
+    ep, lanes = cfg.ep, cfg.tp * cfg.cp
     best: StageTime | None = None
     for h in names:
         if h == g:
             continue
         for c in range(max(1, ep - capacity[h]), min(capacity[g], ep - 1) + 1):
             span = EpSpan(((g, c), (h, ep - c)), streams=lanes)
-            t = pricer.stage_time(comp, g, **kw, span=span)
+            t = pricer.stage_time(comp, g, cfg, span)
             if best is None or t.total < best.total:
                 best = t
     return best

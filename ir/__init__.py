@@ -14,6 +14,7 @@ from .parallel import (
     RankMemory,
     Recompute,
     Schedule,
+    StageConfig,
     StagePlacement,
     group_tp_problem,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "RankMemory",
     "Recompute",
     "Schedule",
+    "StageConfig",
     "StagePlacement",
     "TensorMeta",
     "Unit",

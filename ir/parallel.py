@@ -3,6 +3,8 @@
 - `Parallel`: the knobs of a configuration (degrees, micro-batching, recomputation, ZeRO).
   Any field may be None, meaning "let the planner choose"; `estimate` needs them all (it fills
   the obvious ones, e.g. `dp = world / (tp*pp*cp)`).
+- `StageConfig`: what one rank of a stage runs per micro-batch, derived from a complete
+  `Parallel` (`Parallel.stage`); the cost model prices a stage from it whole.
 - `StagePlacement`: which units a pipeline stage runs and on which device groups its
   data-parallel replicas live (uneven DP shares across GPU types are expressed here).
 - `Prediction`: what the cost model says about a placed configuration, with breakdowns.
@@ -134,6 +136,21 @@ class Parallel:
         assert self.dp and self.micro_batch and self.global_batch
         return self.global_batch // (self.dp * self.micro_batch)
 
+    def stage(self, tp: int | None = None) -> StageConfig:
+        """The configuration one rank of a stage runs, for a complete Parallel. `tp`: the
+        stage's own degree where it differs (per-group or per-stage TP); sequence parallelism
+        then only where that degree is above 1."""
+        own = self.tp if tp is None else tp
+        return StageConfig(
+            tp=own,  # type: ignore[arg-type]
+            cp=self.cp,  # type: ignore[arg-type]
+            ep=self.ep,  # type: ignore[arg-type]
+            sequence_parallel=bool(self.sequence_parallel) and (tp is None or own > 1),
+            micro_batch=self.micro_batch,  # type: ignore[arg-type]
+            recompute=Recompute(self.recompute),
+            quantize_activations=bool(self.quantize_activations),
+        )
+
     def pinned(self) -> dict[str, object]:
         """The fields the user fixed."""
         return {
@@ -145,6 +162,23 @@ class Parallel:
     def __str__(self) -> str:
         parts = [f"{k}={v}" for k, v in self.pinned().items()]
         return "Parallel(" + ", ".join(parts) + ")"
+
+
+@dataclass(frozen=True, slots=True)
+class StageConfig:
+    """What one rank of a pipeline stage runs per micro-batch: the part of a complete
+    configuration a stage's time and activations depend on (dp and ZeRO add the data-parallel
+    part of its memory and traffic). Derived from a complete `Parallel` (`Parallel.stage`),
+    passed whole to the cost model (`Pricer.stage_time`, `block_time`, `stage_memory`), and
+    itself the key of their caches: a knob added here reaches every cache with it."""
+
+    tp: int
+    cp: int
+    ep: int
+    sequence_parallel: bool
+    micro_batch: int
+    recompute: Recompute
+    quantize_activations: bool = False
 
 
 @dataclass(frozen=True, slots=True)

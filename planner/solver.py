@@ -273,7 +273,7 @@ def _decode(
         micro = tuple((g, shares[g]) for g, _ in reps) if shares else ()
         tps = tuple((g, pr.cand.tp_of(g)) for g, _ in reps) if group_tp else ()
         stages.append(StagePlacement(s, a, b, reps, micro, group_tp=tps))
-    parallel = pr.cand.parallel(global_batch)
+    parallel = pr.cand.parallel()
     prediction = predict(
         graph, cluster, parallel, tuple(stages), dtype=dtype, comm=comm, engine=engine
     )

@@ -32,23 +32,12 @@ from meshplan.cost_model.pricer import OVERLAP_EFFICIENCY, Pricer
 from meshplan.cost_model.simulate import PlanTables
 from meshplan.passes.partition import replica_capacity
 
-from .solver_candidates import Candidate
+from .solver_candidates import Candidate, priced
 
 
 def _stage_memory(pricer, comp, c):
     """Memory of one stage made of `comp` under candidate `c` (all of c's memory knobs)."""
-    return pricer.stage_memory(
-        comp,
-        tp=c.tp,
-        cp=c.cp,
-        ep=c.ep,
-        dp=c.dp,
-        zero=c.zero,
-        recompute=c.recompute,
-        sp=c.sequence_parallel,
-        micro_batch=c.micro_batch,
-        quantize=c.quantize_activations,
-    )
+    return pricer.stage_memory(comp, c.stage_of(), dp=c.dp, zero=c.zero)
 
 
 def _prefix_time(times: dict[str, float], capacity: dict[str, int], need: int) -> float:
@@ -127,8 +116,8 @@ def _split_free_bound(
     stage times add over units, so S >= S_min (every unit on its fastest group) and U >= S / pp
     for lock-step placements; with shares a group's pipelines need at least W_g / pp per
     micro-batch (W_g: the whole model on g), so `_share_rate_bound` applies with U_g = W_g / pp."""
-    key = ("free", c.tp, c.cp, c.ep, c.sequence_parallel, c.micro_batch, c.recompute)
-    key += (tuple(groups), c.group_tp)
+    configs = tuple(priced(c, g) for g in groups)
+    key = ("free", tuple(groups), configs)
     got = cache.get(key)
     if got is None:
         costs = pricer.costs
@@ -136,18 +125,9 @@ def _split_free_bound(
         for k in costs.unit_keys:
             counts[k] = counts.get(k, 0) + 1
         per = {
-            (k, g): pricer.stage_time(
-                ((k, 1),),
-                g,
-                tp=c.tp_of(g),
-                cp=c.cp,
-                ep=c.ep,
-                sp=c.sp_of(g),
-                micro_batch=c.micro_batch,
-                recompute=c.recompute,
-            ).total
+            (k, g): pricer.stage_time(((k, 1),), g, cfg).total
             for k in counts
-            for g in groups
+            for g, cfg in zip(groups, configs)
         }
         s_min = sum(n * min(per[(k, g)] for g in groups) for k, n in counts.items())
         whole = {g: sum(n * per[(k, g)] for k, n in counts.items()) for g in groups}
@@ -172,8 +152,7 @@ def _split_free_memory(pricer: Pricer, c: Candidate, n_layers: int, cache: dict)
     """A peak-memory bound of c that holds for every split: some stage holds at least
     ceil(L / pp) consecutive layers and at least one micro-batch in flight, so it needs at least
     the least memory of such a window (over every window of the layer units)."""
-    key = ("mem", c.tp, c.cp, c.ep, c.dp, c.zero, c.recompute, c.sequence_parallel)
-    key += (c.micro_batch, c.pp, c.quantize_activations)
+    key = ("mem", c.stage_of(), c.dp, c.zero, c.pp)
     got = cache.get(key)
     if got is None:
         costs = pricer.costs
@@ -192,8 +171,8 @@ def _split_free_memory(pricer: Pricer, c: Candidate, n_layers: int, cache: dict)
 def _distinct_stage_times(pricer: Pricer, cand: Candidate, ranges, groups, cache: dict):
     """(per distinct stage: {group: u}, how many stages each, {group: (U_g, S_g)}), memoised
     in `cache` (dp and ZeRO do not change stage times)."""
-    key = ("times", cand.tp, cand.cp, cand.ep, cand.sequence_parallel, cand.micro_batch)
-    key += (cand.recompute, tuple(ranges), tuple(groups), cand.group_tp)
+    configs = tuple(priced(cand, g) for g in groups)
+    key = ("times", tuple(ranges), tuple(groups), configs)
     got = cache.get(key)
     if got is not None:
         return got
@@ -203,19 +182,7 @@ def _distinct_stage_times(pricer: Pricer, cand: Candidate, ranges, groups, cache
         comp = costs.composition(first, last)
         distinct[comp] = distinct.get(comp, 0) + 1
     stage_times = [
-        {
-            g: pricer.stage_time(
-                comp,
-                g,
-                tp=cand.tp_of(g),
-                cp=cand.cp,
-                ep=cand.ep,
-                sp=cand.sp_of(g),
-                micro_batch=cand.micro_batch,
-                recompute=cand.recompute,
-            ).total
-            for g in groups
-        }
+        {g: pricer.stage_time(comp, g, cfg).total for g, cfg in zip(groups, configs)}
         for comp in distinct
     ]
     counts = list(distinct.values())

@@ -53,6 +53,7 @@ from meshplan.ir import (
     Parallel,
     Recompute,
     Schedule,
+    StageConfig,
 )
 from meshplan.ir.facts import blocked_dimension, without_blocked
 from meshplan.ir.rules import (
@@ -106,36 +107,39 @@ class InfeasibleError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
-class Candidate:
-    """One global configuration c (everything but the stage split and the placement)."""
+class Candidate(Parallel):
+    """One global configuration c (everything but the stage split and the placement): a
+    complete `Parallel`, the global batch included, with per-group TP on top. Built by
+    `enumerate_candidates` (`candidate`), so every field is set and normalised as `Parallel`
+    writes it (`virtual_stages` None but under a chunked schedule, `quantize_activations`
+    None when off); `parallel()` is the plain Parallel a plan records."""
 
-    tp: int
-    pp: int
-    dp: int
-    cp: int
-    ep: int
-    micro_batch: int
-    zero: int
-    recompute: Recompute
-    schedule: Schedule
-    sequence_parallel: bool
-    virtual_stages: int = 1
-    quantize_activations: bool = False  # AGoQ widths for saved activations (numerics change)
     # Per-group TP (`StagePlacement.group_tp`): ((group a, tp_a), (group b, tp_b)) for
     # group-pure pipelines in two groups at their own degrees; `tp` is then tp_a. Empty: every
     # replica at `tp`.
     group_tp: tuple[tuple[str, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        """Not validated again: `candidate` builds it from validated pins and enumerated
+        degrees, tens of thousands per plan."""
 
     def tp_of(self, group: str) -> int:
         """The TP degree of `group`'s replicas."""
         for g, t in self.group_tp:
             if g == group:
                 return t
-        return self.tp
+        return self.tp  # type: ignore[return-value]
 
     def sp_of(self, group: str) -> bool:
         """Sequence parallelism on `group`'s replicas (off where a per-group tp is 1)."""
-        return self.sequence_parallel and (not self.group_tp or self.tp_of(group) > 1)
+        return bool(self.sequence_parallel) and (not self.group_tp or self.tp_of(group) > 1)
+
+    def stage_of(self, group: str | None = None) -> StageConfig:
+        """What one rank of `group` runs per micro-batch (`Parallel.stage`): at the group's
+        own tp under per-group TP; None: at `tp`."""
+        if group is None or not self.group_tp:
+            return self.stage()
+        return self.stage(self.tp_of(group))
 
     def view(self, group: str) -> Candidate:
         """The homogeneous candidate `group`'s pipelines run (its tp, no per-group TP)."""
@@ -145,32 +149,14 @@ class Candidate:
             self, tp=self.tp_of(group), sequence_parallel=self.sp_of(group), group_tp=()
         )
 
-    def parallel(self, global_batch: int) -> Parallel:
-        """The complete `Parallel` of this candidate."""
-        return Parallel(
-            dp=self.dp,
-            tp=self.tp,
-            pp=self.pp,
-            cp=self.cp,
-            ep=self.ep,
-            micro_batch=self.micro_batch,
-            global_batch=global_batch,
-            recompute=self.recompute,
-            zero=self.zero,
-            schedule=self.schedule,
-            sequence_parallel=self.sequence_parallel,
-            virtual_stages=(
-                self.virtual_stages
-                if self.schedule in (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE)
-                else None
-            ),
-            quantize_activations=self.quantize_activations or None,
-        )
+    def parallel(self) -> Parallel:
+        """The complete `Parallel` of this candidate (per-group TP lives in the stages)."""
+        return Parallel(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Parallel)})
 
     @property
     def fill(self) -> float:
         """Coefficient of (S - U) in the pipeline term: 1 / v, 0 under ZB-V (`PlanTables.fill`)."""
-        return 0.0 if self.schedule is _ZB else 1.0 / self.virtual_stages
+        return 0.0 if self.schedule is _ZB else 1.0 / self.chunks
 
     @property
     def gpus(self) -> int:
@@ -212,11 +198,56 @@ class Candidate:
             self.zero,
             self.recompute.value,
             self.schedule.value,
-            self.virtual_stages,
+            self.virtual_stages or 1,
             self.sequence_parallel,
-            self.quantize_activations,
+            bool(self.quantize_activations),
             self.group_tp,
         )
+
+
+def candidate(
+    tp: int,
+    pp: int,
+    dp: int,
+    cp: int,
+    ep: int,
+    micro_batch: int,
+    zero: int,
+    recompute: Recompute,
+    schedule: Schedule,
+    sequence_parallel: bool,
+    virtual_stages: int,
+    quantize_activations: bool,
+    global_batch: int,
+    group_tp: tuple[tuple[str, int], ...] = (),
+) -> Candidate:
+    """A Candidate with its fields written as `Parallel` writes them: `virtual_stages` only
+    under interleaved 1F1B or ZB-V, `quantize_activations` only when on."""
+    chunked = schedule is _ZB or schedule is Schedule.INTERLEAVED_1F1B
+    # positional, in `Parallel`'s field order (the enumeration builds ~1e5 of them)
+    return Candidate(
+        dp,
+        tp,
+        pp,
+        cp,
+        ep,
+        micro_batch,
+        global_batch,
+        recompute,
+        zero,
+        schedule,
+        sequence_parallel,
+        virtual_stages if chunked else None,
+        quantize_activations or None,
+        group_tp,
+    )
+
+
+def priced(c: Candidate, group: str | None = None) -> StageConfig:
+    """What the search's bounds and unit costs price a rank of c in `group` at (`stage_of`):
+    without AGoQ's quantize and dequantize time, which only adds to a stage's time, so one
+    bound holds with quantization on or off."""
+    return dataclasses.replace(c.stage_of(group), quantize_activations=False)
 
 
 # The constraints of `enumerate_candidates`'s loops, in the order they apply: each sees only the
@@ -471,7 +502,11 @@ def enumerate_candidates(
                             funnel.reject("zb without zero3", why)
                             continue
                         funnel.keep("zb without zero3")
-                        out.append(Candidate(tp, pp, dp, cp, ep, mb, zero, rc, sched, sp, v, qa))
+                        out.append(
+                            candidate(
+                                tp, pp, dp, cp, ep, mb, zero, rc, sched, sp, v, qa, global_batch
+                            )
+                        )
     if per_group_tp and len(cluster.groups) > 1:
         out += _per_group_tp_candidates(
             cluster, p, global_batch, tps, cps, pps, rcs, qas, n_layers, zb
@@ -528,7 +563,22 @@ def _per_group_tp_candidates(
                     for rc, (sched, v), qa in itertools.product(rcs, scheds, qas):
                         group_tp = ((a.name, ta), (b.name, tb))
                         out.append(
-                            Candidate(ta, pp, dp, cp, 1, mb, 0, rc, sched, sp, v, qa, group_tp)
+                            candidate(
+                                ta,
+                                pp,
+                                dp,
+                                cp,
+                                1,
+                                mb,
+                                0,
+                                rc,
+                                sched,
+                                sp,
+                                v,
+                                qa,
+                                global_batch,
+                                group_tp,
+                            )
                         )
     return out
 
@@ -538,7 +588,7 @@ def _unit_costs(
 ) -> tuple[float, float, float]:
     """(mean layer time, time of the units before the first layer, after the last layer) of
     one micro-batch on one rank of `group` under c's degrees (memoised in `cache`)."""
-    key = ("unit", group, c.tp_of(group), c.cp, c.ep, c.sp_of(group), c.micro_batch, c.recompute)
+    key = ("unit", group, priced(c, group))
     got = cache.get(key)
     if got is None:
         got = cache[key] = _unit_costs_uncached(pricer, c, group)
@@ -553,16 +603,7 @@ def _unit_costs_uncached(pricer: Pricer, c: Candidate, group: str) -> tuple[floa
 
     @functools.cache
     def t(key: str) -> float:
-        return pricer.stage_time(
-            ((key, 1),),
-            group,
-            tp=c.tp_of(group),
-            cp=c.cp,
-            ep=c.ep,
-            sp=c.sp_of(group),
-            micro_batch=c.micro_batch,
-            recompute=c.recompute,
-        ).total
+        return pricer.stage_time(((key, 1),), group, priced(c, group)).total
 
     layer = sum(t(costs.unit_keys[i]) for i in layer_pos) / len(layer_pos)
     head = sum(t(costs.unit_keys[i]) for i in range(layer_pos[0]))
@@ -600,11 +641,11 @@ def _splits(
     even = tuple(base + (1 if s < extra else 0) for s in range(pp))
     if pp == 1:
         return [even]
-    if c.schedule in (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE) and c.virtual_stages > 1:
+    if c.schedule in (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE) and c.chunks > 1:
         # the chunk layout fixes each rank's layers (`chunk_layers`: equal chunks, or the
         # embedding and the loss counted as a layer each)
         v_shape = c.schedule == Schedule.ZERO_BUBBLE
-        return [rank_layers(n_layers, pp, c.virtual_stages, v_shape)]
+        return [rank_layers(n_layers, pp, c.chunks, v_shape)]
     if c.schedule in (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE):
         return [even]
     if count_compositions(n_layers, pp) <= EXHAUSTIVE_SPLITS:

@@ -55,7 +55,7 @@ from .solver_bounds import (
     _split_free_memory,
     _stage_memory,
 )
-from .solver_candidates import Candidate, _splits
+from .solver_candidates import Candidate, _splits, priced
 from .solver_objective import Placement, _Scorer, _Work
 
 # Uneven DP shares: every split of dp pipelines over two groups is tried up to this dp, a
@@ -214,7 +214,7 @@ def _largest_stage(pricer: Pricer, c: Candidate, ranges, global_batch: int) -> t
             continue
         seen.add(comp)
         mem = _stage_memory(pricer, comp, c)
-        held = in_flight_microbatches(c.schedule, s, len(ranges), m, c.virtual_stages)
+        held = in_flight_microbatches(c.schedule, s, len(ranges), m, c.chunks)
         peak, _ = mem.peak(held)
         worst = max(worst, (peak, s))
     return worst
@@ -456,8 +456,7 @@ class _ScreenMemo:
     def _split_key(self, c: Candidate) -> tuple:
         """The knobs c's splits depend on: all but ZeRO stage and quantization, and the
         schedule with its v only where it is chunked (its split is its chunk layout's)."""
-        key = (c.tp, c.cp, c.ep, c.sequence_parallel, c.pp, c.dp, c.micro_batch)
-        key += (c.recompute, c.group_tp)
+        key = (priced(c), c.pp, c.dp, c.group_tp)
         chunked = c.schedule in (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE)
         return key + ((c.schedule, c.virtual_stages) if chunked else None,)
 
@@ -503,9 +502,9 @@ def _price(memo: _ScreenMemo, pair: _Pair, best: float) -> _Priced | None:
     groups = memo.groups(c)
     ranges = memo.ranges(split)
     if c.group_tp:
-        t = hetero_tables(pricer, c.parallel(memo.global_batch), ranges, dict(c.group_tp))
+        t = hetero_tables(pricer, c.parallel(), ranges, dict(c.group_tp))
     else:
-        t = plan_tables(pricer, c.parallel(memo.global_batch), ranges, groups)
+        t = plan_tables(pricer, c.parallel(), ranges, groups)
     work.charge("cell", t.pp * len(groups))
     allowed = [[g for g in groups if t.fits[s][g]] for s in range(t.pp)]
     if any(not a for a in allowed):

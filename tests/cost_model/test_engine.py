@@ -15,7 +15,7 @@ from meshplan.cost_model.compute import (
 )
 from meshplan.cost_model.engine import EAGER, Engine, EngineError
 from meshplan.cost_model.pricer import exposed, pricer_for
-from meshplan.ir import Block, Op, OpKind, TensorMeta
+from meshplan.ir import Block, Op, OpKind, StageConfig, TensorMeta
 from meshplan.ir.hardware import gpu_spec
 from meshplan.passes.fusion import fusion_regions
 
@@ -132,8 +132,8 @@ def test_tp_overlap_hides_at_most_eta_of_the_traffic():
     cluster = h100_cluster(1)
     plain = pricer_for(g, cluster, None, None, "keep_linear", EAGER)
     over = pricer_for(g, cluster, None, None, "keep_linear", Engine(tp_overlap=True))
-    kw = dict(tp=8, cp=1, ep=1, sp=True, micro_batch=1, recompute="none")
-    a, b = plain.block_time("layer", "h100", **kw), over.block_time("layer", "h100", **kw)
+    cfg = StageConfig(tp=8, cp=1, ep=1, sequence_parallel=True, micro_batch=1, recompute="none")
+    a, b = plain.block_time("layer", "h100", cfg), over.block_time("layer", "h100", cfg)
     bc = plain.costs.compute("layer", H100, "bfloat16")
     g_fwd, g_bwd = bc.gemm_times(tp=8, cp=1, scale=1.0)
     assert g_fwd > 0 and g_bwd > 0

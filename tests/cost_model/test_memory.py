@@ -44,15 +44,13 @@ def stage_parts(tp=2, recompute="none", policy="keep_linear"):
     """The components of the whole model's stage (pp = 1) before the peak rule picks a
     moment (`StageMemory`)."""
     from meshplan.cost_model.pricer import pricer_for
-    from meshplan.ir import Recompute
+    from meshplan.ir import Recompute, StageConfig
 
     g, c = graph(), h100_cluster(4)
     pricer = pricer_for(g, c, None, None, policy)
     comp = pricer.costs.composition(0, len(g.units))
-    return pricer.stage_memory(
-        comp, tp=tp, cp=1, ep=1, dp=4, zero=0, recompute=Recompute(recompute), sp=True,
-        micro_batch=B,
-    )  # fmt: skip
+    cfg = StageConfig(tp, 1, 1, True, B, Recompute(recompute))
+    return pricer.stage_memory(comp, cfg, dp=4, zero=0)
 
 
 def layer_params_per_rank(tp):

@@ -31,6 +31,7 @@ from meshplan.ir import (
     LinkTier,
     Parallel,
     Recompute,
+    StageConfig,
     StagePlacement,
     group_tp_problem,
 )
@@ -130,7 +131,7 @@ def test_two_stage_pipeline_tp2_to_tp1_is_the_formula_by_hand():
     degree = [("h100", 2), ("a100", 1)]  # (group, tp) of stage 0 and stage 1
     # u_s: each stage at its own degree (SP where tp > 1)
     u = [
-        pricer.stage_time(c, g, tp=t, cp=1, ep=1, sp=t > 1, micro_batch=1, recompute=none)
+        pricer.stage_time(c, g, StageConfig(t, 1, 1, t > 1, 1, none))
         for c, (g, t) in zip(comps, degree, strict=True)
     ]
     big_u = max(x.total for x in u)
@@ -157,9 +158,7 @@ def test_two_stage_pipeline_tp2_to_tp1_is_the_formula_by_hand():
     assert sum(v for _, v in got.breakdown) == pytest.approx(step, rel=1e-12)
     # memory per (stage, group) at the stage's own degree
     for r, c, (g, t) in zip(got.memory, comps, degree, strict=True):
-        mem = pricer.stage_memory(
-            c, tp=t, cp=1, ep=1, dp=2, zero=0, recompute=none, sp=t > 1, micro_batch=1
-        )
+        mem = pricer.stage_memory(c, StageConfig(t, 1, 1, t > 1, 1, none), dp=2, zero=0)
         assert (r.stage, r.group) == (comps.index(c), g)
         assert r.peak_bytes == mem.peak(in_flight_microbatches("1f1b", r.stage, pp, m, 1))[0]
 
@@ -235,23 +234,13 @@ def test_sailor_like_layout_prices_each_stage_and_group_at_its_own_degree():
     for r in got.memory:
         t = degree[(r.stage, r.group)]
         mem = pricer.stage_memory(
-            comps[r.stage],
-            tp=t,
-            cp=1,
-            ep=1,
-            dp=3,
-            zero=0,
-            recompute=Recompute.NONE,
-            sp=False,
-            micro_batch=1,
+            comps[r.stage], StageConfig(t, 1, 1, False, 1, Recompute.NONE), dp=3, zero=0
         )
         assert r.peak_bytes == mem.peak(in_flight_microbatches("1f1b", r.stage, 3, m, 1))[0]
     assert got.memory[2].peak_bytes > got.memory[3].peak_bytes  # A100 TP 1 holds 4x the weights
     # lock-step: the compute part is m times that of the slowest (stage, group)
     times = {
-        k: pricer.stage_time(
-            comps[k[0]], k[1], tp=t, cp=1, ep=1, sp=False, micro_batch=1, recompute=Recompute.NONE
-        )
+        k: pricer.stage_time(comps[k[0]], k[1], StageConfig(t, 1, 1, False, 1, Recompute.NONE))
         for k, t in degree.items()
     }
     slowest = max(times.values(), key=lambda x: x.total)
