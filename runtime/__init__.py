@@ -8,9 +8,10 @@
     state = runner.full_state_dict()            # unsharded, on rank 0
 
 One module per dimension (`data_parallel`, `tensor_parallel`, `pipeline_parallel`,
-`context_parallel`, `expert_parallel`, `recompute`), `mesh` for the DeviceMesh, `apply`
-fixing their order, `launch` for torchrun commands and the local fork launcher. The runtime
-reads a Plan (`meshplan.ir`) and never imports the planner or the solver.
+`context_parallel`, `expert_parallel`, `recompute`), each with one step of the signature
+`steps` describes, `mesh` for the DeviceMesh, `apply` fixing their order, `launch` for
+torchrun commands and the local fork launcher. The runtime reads a Plan (`meshplan.ir`) and
+never imports the planner or the solver.
 """
 
 from .apply import Runner, apply, check_model, check_plan

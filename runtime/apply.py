@@ -1,53 +1,57 @@
 """`apply(model, plan, loss_fn, optimizer_factory) -> Runner`: run a plan on torch.distributed.
 
-The order of the transformations is fixed, and matters (as in torchtitan's parallelize):
+The order of the steps is fixed, and matters (as in torchtitan's parallelize). Each is
+`apply_<dimension>(chunks, ctx, options)` in its dimension's module (`steps`: what a step
+is given), and `apply` lists them one line each:
 
-    0. mesh         the plan's DeviceMesh (pp, dp, cp, tp) and this rank's coordinates
-    1. pipeline     keep only this rank's chunk-stages (one, or v under interleaved 1F1B / 2
-                    under ZB-V; `pipeline_parallel`): every later step runs once per chunk
-                    and sees only that chunk's modules and parameters
-    1b. context p.  attention of the stage works on this rank's sequence share (forward
-                    wrapped; K/V all-gather or ring); before TP/recompute so they wrap the
-                    changed attention, and checkpointed regions re-run its collectives.
-                    Here too, under CP or sequence parallelism, a HuggingFace decoder's
-                    rotary module is given the positions of the tokens its attention holds
-                    (`context_parallel.reposition_hf_decoder`: HF counts them from the
-                    sharded hidden state); models that cannot be given them are refused
-    1c. expert p.   experts cut to this rank's shard (over ep on the expert dim, over tp on
+    mesh            the plan's DeviceMesh (pp, dp, cp, tp) and this rank's coordinates; under
+                    per-group TP this rank's device-group view (`mesh.group_view`), while the
+                    batch split and the gradient average span the groups (the whole plan)
+    precision       the dtype the plan was priced in (`precision`), on the whole model
+    options         what the steps read off the whole model before the cut: whether the loss
+                    runs vocab-parallel, whether HF decoders must be given their sequence's
+                    positions (models that cannot run on a share of their sequences are
+                    refused here), weights tied across pipeline stages
+    pipeline cut    this rank's chunk-stages (one, or v under interleaved 1F1B / 2 under
+                    ZB-V; `pipeline_parallel.model_chunks`): every later step runs on each
+                    chunk and sees only that chunk's modules and parameters
+    context par.    attention of the chunks works on this rank's sequence share (forward
+                    wrapped; K/V all-gather, ring or heads); HF decoders' rotary modules get
+                    the positions of the tokens their attention holds. Before tensor
+                    parallelism and recompute, so they wrap the changed attention and
+                    checkpointed regions re-run its collectives
+    expert par.     experts cut to this rank's shard (over ep on the expert dim, over tp on
                     the ffn dim: DTensors on the tp mesh), tokens all-to-all'd to their
-                    owners / the MoE made one TP region; before TP (which leaves the MoE's
-                    experts to this step) and before the optimizer and DP, which must see
-                    the sharded expert parameters (under EP the experts' DTensors live on
-                    the experts' own mesh, `mesh.expert_groups`)
-    2. tensor par.  DTensor sharding of the stage's projections (+ sequence parallelism);
+                    owners / the MoE made one TP region; before tensor parallelism (which
+                    leaves the MoE's experts to this step) and before the optimizer and data
+                    parallelism, which must see the sharded expert parameters (under EP the
+                    experts' DTensors live on the experts' own mesh, `mesh.expert_groups`)
+    tensor par.     DTensor sharding of the chunks' projections (+ sequence parallelism);
                     before recompute, so checkpointed regions re-run the sharded code
-    3. recompute    checkpoint wrappers around units; before FSDP, so FSDP's per-unit
-                    all-gathers happen inside the recomputed region's own forward
-    4. compile      not applied (torch.compile costs minutes on small CPUs; plans carry no
+    recompute       checkpoint wrappers around units; before data parallelism, so FSDP2's
+                    per-unit all-gathers happen inside the recomputed region's own forward
+    (compile)       not applied (torch.compile costs minutes on small CPUs; plans carry no
                     compile decision yet)
-    4b. activations the plan's AGoQ widths for this stage (`plan.quantization`): each chunk's
+    activations     the plan's AGoQ widths for this stage (`plan.quantization`): each chunk's
                     forward runs under an `ActivationQuantizer` (saved tensors block-quantized;
                     inside checkpointed units recomputation saves nothing to quantize)
-    5a. experts     under EP x ZeRO > 0 every experts module becomes an FSDP2 unit over
-                    the ranks holding the same expert shard (`ExpertParallel.
-                    shard_over_replicas`): after TP and recompute like any FSDP unit, and
-                    before step 5, since FSDP2 wraps bottom-up
-    5. data par.    DDP / FSDP2 on the dp axis, last: it must see the final parameters
-                    (DTensors from step 2) and wraps the checkpointed units from step 3.
-                    With cp > 1 the axis is dp x cp (cp ranks hold different tokens of the
-                    same sequences); expert parameters are left to EP: its FSDP2 units
-                    (5a), or under ZeRO-0 its all-reduce over the ranks holding the same
-                    shard after backward
-    5b. coded DP    the plan's decisions for this stage's DP traffic (`plan.compression`):
-                    DDP comm hook, FSDP2 custom reduce-scatter / all-gather, or a coded
-                    all-reduce after backward where `replicate()` has no hook
-                    (`data_parallel.install_gradient_coding`); EP's expert reduction too
-    5c. tied        a weight tied across pipeline stages (input and output embeddings):
-                    its copies' gradients summed over the stages holding them, after the
-                    dp reduction (`pipeline_parallel.TiedGradients`)
-    6. optimizer    built by the caller's factory over the final (sharded) parameters
-    7. schedule     torch.distributed.pipelining around the wrapped stage; where stages run
-                    at different tp degrees or in different groups, `pipeline_handoff`'s
+    data par.       DDP / FSDP2 on the dp axis, last: it must see the final parameters
+                    (DTensors from tensor parallelism) and wraps the checkpointed units. With
+                    cp > 1 the axis is dp x cp (cp ranks hold different tokens of the same
+                    sequences). Expert parameters are left to expert parallelism's handle:
+                    under ZeRO > 0 every experts module becomes an FSDP2 unit over the ranks
+                    holding the same expert shard first (FSDP2 wraps bottom-up), under ZeRO-0
+                    the handle all-reduces them after backward. The plan's coded DP traffic
+                    for this stage (`plan.compression`) on the same wrappers: DDP comm hook,
+                    FSDP2 custom reduce-scatter / all-gather, or a coded all-reduce after
+                    backward where `replicate()` has no hook; the experts' coded traffic too.
+                    Per-group TP wraps nothing: `HeteroGradients` averages after backward
+    tied weights    a weight tied across pipeline stages (input and output embeddings): its
+                    copies' gradients summed over the stages holding them, after the dp
+                    reduction (`pipeline_parallel.TiedGradients`)
+    optimizer       built by the caller's factory over the final (sharded) parameters
+    schedule        torch.distributed.pipelining around the wrapped chunk-stages; where stages
+                    run at different tp degrees or in different groups, `pipeline_handoff`'s
                     1F1B / GPipe, which hands activations between the stages' TP groups
 
 Semantics of `Runner.step(inputs, targets)`: `inputs`/`targets` hold the *global* batch
@@ -71,12 +75,13 @@ cp ranks' losses are averaged (equal token counts).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from meshplan.ir.facts import tied_parameters
-from meshplan.ir.parallel import Schedule, group_pure, group_tp_problem
+from meshplan.ir.parallel import group_pure, group_tp_problem
 from meshplan.ir.plan import Plan, plan_problem
 from meshplan.ir.rules import ep_tp_problem
 from torch import nn
@@ -87,36 +92,28 @@ from .context_parallel import (
     ContextParallel,
     apply_context_parallel,
     check_sequence_sharding,
-    reposition_hf_decoder,
     sequence_layout,
-    sequence_shards,
 )
-from .data_parallel import (
-    HeteroGradients,
-    apply_data_parallel,
-    dp_coding,
-    gradient_sync,
-    install_gradient_coding,
-)
+from .data_parallel import DataParallel, apply_data_parallel, gradient_sync
 from .errors import RuntimePlanError
 from .expert_parallel import ExpertParallel, apply_expert_parallel
-from .mesh import RankContext, build_mesh, check_stage_widths, data_parallel_context
+from .mesh import RankContext, build_mesh, check_stage_widths
 from .pipeline_handoff import HandoffSchedule
 from .pipeline_parallel import (
+    TiedGradients,
+    apply_tied_gradients,
     build_schedule,
     check_microbatches,
     check_schedule,
-    chunk_unit_paths,
     chunks_per_rank,
+    model_chunks,
     model_output,
-    rank_chunks,
-    stage_module,
-    tie_gradients,
     tied_across_stages,
 )
 from .precision import apply_precision
-from .quantize import plan_activation_bits, quantize_saved_activations
-from .recompute import apply_recompute
+from .quantize import apply_activation_quantization
+from .recompute import apply_checkpointing
+from .steps import Chunks, Options
 from .tensor_parallel import (
     apply_tensor_parallel,
     clean_name,
@@ -235,35 +232,36 @@ def check_plan(plan: Plan) -> None:
 class Runner:
     """A model prepared for one plan on this rank; `step` trains one global batch.
 
-    `modules` holds this rank's model chunks (one, or several pipeline chunk-stages);
-    `module` is the first of them (the whole prepared model when there is no pipeline).
+    `modules` holds this rank's model chunks as data parallelism wrapped them (one, or
+    several pipeline chunk-stages); `module` is the first of them (the whole prepared model
+    when there is no pipeline).
     """
 
     def __init__(
         self,
         ctx: RankContext,
-        modules: list[nn.Module],
+        dp: DataParallel,
         optimizer: torch.optim.Optimizer,
         loss_fn: LossFn,
+        *,
         schedule=None,
         cp: ContextParallel | None = None,
         ep: ExpertParallel | None = None,
-        chunks: list[int] | None = None,
-        num_chunks: int = 1,
+        tied: TiedGradients | None = None,
         vocab_parallel_loss: bool = False,
-        dp_ctx: RankContext | None = None,
-        coded_grads: list | None = None,
         first_names: dict[str, str] | None = None,
     ) -> None:
-        self.ctx, self.modules, self.optimizer, self.loss_fn = ctx, modules, optimizer, loss_fn
+        self.ctx, self.optimizer, self.loss_fn = ctx, optimizer, loss_fn
+        self.modules = [chunk.module for chunk in dp.chunks]
         self.steps = 0  # steps started (`watchdog.progress`)
         # The loss runs on vocab-sharded logits under torch's `loss_parallel` (TP only).
         self.vocab_parallel_loss = vocab_parallel_loss
-        self.module = modules[0]
+        self.module = self.modules[0]
         # Where gradients are reduced: the dp axis, or dp x cp merged (`data_parallel_context`).
-        self.dp_ctx = dp_ctx or ctx
-        # Coded gradient averages run after backward (`data_parallel.CodedGradients`).
-        self.coded_grads = list(coded_grads or ())
+        self.dp_ctx = dp.context
+        # Reductions run after backward: coded averages (`data_parallel.CodedGradients`),
+        # per-group TP's `HeteroGradients`, then the tied weights' sums over stages.
+        self.coded_grads = [*dp.after_backward, *([tied] if tied is not None else [])]
         # later name of a tied weight -> its first name (`full_state_dict`)
         self.first_names = dict(first_names or {})
         self.schedule = schedule
@@ -278,9 +276,11 @@ class Runner:
         self.global_batch = p.global_batch
         # Weight of this replica's mean loss: its share of the samples x dp (1 when even).
         self.weight = self.dp * self.n_microbatches / sum(counts)
-        chunks = chunks if chunks is not None else [ctx.stage_index]
-        self.holds_first = 0 in chunks
-        self.holds_last = num_chunks - 1 in chunks
+        pipelined = ctx.num_stages > 1
+        num_chunks = ctx.num_stages * chunks_per_rank(ctx.plan) if pipelined else 1
+        indices = [chunk.index for chunk in dp.chunks]
+        self.holds_first = 0 in indices
+        self.holds_last = num_chunks - 1 in indices
 
     # -- one step -------------------------------------------------------------------------
     def _local(self, x: torch.Tensor, what: str) -> torch.Tensor:
@@ -343,7 +343,7 @@ class Runner:
         self.schedule.step(*args, target=target, losses=losses)
         if not self.holds_last:
             return 0.0
-        # The schedule's losses are already weighted by dp / M (see `apply`).
+        # The schedule's losses are already weighted by dp / M (see `_schedule`).
         return float(sum(float(_local_value(v)) for v in losses))
 
     def _global_mean(self, local: float) -> float:
@@ -423,110 +423,81 @@ def apply(
     entropy (`tensor_parallel.is_cross_entropy`), otherwise the logits are gathered.
     """
     check_plan(plan)
-    ctx = build_mesh(plan, device)  # 0
+    ctx = build_mesh(plan, device)  # mesh: ctx.plan is this rank's (device-group) view
     check_model(model, plan)
     apply_precision(model, plan, ctx.device)  # the precision the plan was priced in
-    # Under per-group TP every step below works on this rank's device-group view (a
-    # homogeneous plan, `mesh.group_view`); the batch split and the gradient average span
-    # the groups and read the whole plan.
-    whole, plan = plan, ctx.plan
-    hetero = ctx.whole is not None
-    p = plan.parallel
-    vocab_parallel = _vocab_parallel_loss(model, plan, loss_fn, loss_parallel)
-    # Under SP or CP an HF decoder is given the positions of the whole sequence (1b);
-    # models that cannot run on a share of their sequences are refused here.
-    reposition = check_sequence_sharding(model, plan)
-    counts = replica_microbatches(whole)  # refuses unsupported uneven shares early
-    check_schedule(plan)
-    pipelined = ctx.num_stages > 1
-    # what the unsplit model returns, read before the cut: the loss gets it under PP too
-    as_output = model_output(model, plan)
+    options = _options(model, ctx, loss_fn, cp_attention, ep_dispatch, loss_parallel)
+    as_output = model_output(model, ctx.plan)  # read before the cut: the loss gets it under PP
     first_names = {n: names[0] for names in tied_parameters(model) for n in names[1:]}
-    if pipelined:  # 1
-        ties = tied_across_stages(model, plan)  # tied embeddings on two stages: 5c
-        chunks = rank_chunks(plan, ctx.stage_index)
-        modules = [stage_module(model, plan, c, ctx.device) for c in chunks]
-        units = [chunk_unit_paths(plan, c) for c in chunks]
-        num_chunks = ctx.num_stages * chunks_per_rank(plan)
-    else:
-        ties = []
-        chunks, modules, num_chunks = [0], [model], 1
-        units = [[u for u in plan.model.units if not u.startswith("<")]]
-    for m in modules:
-        m.to(ctx.device)
-    cp = None
-    for m, u in zip(modules, units):  # 1b (None when cp == 1)
-        cp = apply_context_parallel(m, ctx, cp_attention, has_layers=bool(u), units=u) or cp
-        if reposition and not reposition_hf_decoder(m, sequence_shards(plan), cp):
-            raise RuntimePlanError(
-                f"runtime: {type(m).__name__} holds a HuggingFace model but no rotary_emb "
-                "beside its layers to give the sequence's positions to"
-            )
-    # 1c (None when ep == 1); one handle for all chunks (it creates the ep groups once)
-    ep = apply_expert_parallel(modules, ctx, ep_dispatch)
-    for m, u in zip(modules, units):
-        if (p.tp or 1) > 1:  # 2
-            apply_tensor_parallel(m, plan, ctx.submesh("tp"), vocab_parallel_loss=vocab_parallel)
-        apply_recompute(m, plan, u)  # 3
-    # per-group TP: no DDP/FSDP (replicas shard differently); `HeteroGradients` below
-    dp_ctx = ctx if hetero else data_parallel_context(ctx)
-    coding = dp_coding(plan, ctx.stage_index)  # the plan's coded DP traffic of this stage
-    if ep is not None:  # 5a: ZeRO > 0: the experts as FSDP2 units over their replicas, first
-        ep.shard_over_replicas(p.zero or 0)
-    wrapped, coded_grads = [], []
-    for m, u in zip(modules, units):
-        bits = plan_activation_bits(plan, m, ctx.stage_index)  # 4b
-        if bits:
-            quantize_saved_activations(m, bits)
-        if ep is not None:  # 5
-            ep.ignore_in_ddp(m)  # names as DDP will see them (after recompute wrappers)
-        ignored = {q for q in m.parameters() if ep is not None and ep.owns(q)}
-        if hetero:
-            wrapped.append(m)
-            continue
-        split = pipelined and p.schedule == Schedule.ZERO_BUBBLE
-        coded = coding.gradients[0] != "raw"
-        w = apply_data_parallel(m, dp_ctx, u, ignored=ignored, split_backward=split, coded=coded)
-        wrapped.append(w)
-        handle = install_gradient_coding(w, dp_ctx, coding, ignored=ignored)  # 5b
-        if handle is not None:
-            coded_grads.append(handle)
-    if hetero:  # 5: the average over replicas of every group, after backward
-        coded_grads.append(HeteroGradients(ctx, wrapped))
-    if ep is not None:  # 5b: the experts' coded traffic
-        ep.install_coding(coding.experts, coding.expert_weights)
-    tied = tie_gradients(ties, ctx, wrapped, clean_name)  # 5c: after the dp reduction
-    if tied is not None:
-        coded_grads.append(tied)
-    params = [q for m in wrapped for q in m.parameters()]
-    optimizer = optimizer_factory(params)  # 6
-    schedule = None
-    if pipelined:  # 7
-        # Each micro-batch's loss x dp / M (M = micro-batches of all replicas): the replica's
-        # share of the samples and the mean over its micro-batches in one factor, applied
-        # before DP reduces (the schedule's own 1/m scaling runs after DDP/FSDP have reduced,
-        # which is wrong when replicas run different m).
-        weight = whole.parallel.dp / sum(counts)
-        loss = _weighted(loss_fn, weight, as_output)
-        if hetero and not group_pure(whole.stages):  # stages at different tp degrees
-            schedule = HandoffSchedule(wrapped[0], ctx, loss, counts[ctx.replica])
-        else:
-            schedule = build_schedule(wrapped, chunks, ctx, loss, counts[ctx.replica])
+
+    chunks = model_chunks(model, ctx)  # pipeline cut: this rank's chunk-stages, on its device
+    cp = apply_context_parallel(chunks, ctx, options)  # attention on this rank's sequence share
+    ep = apply_expert_parallel(chunks, ctx, options)  # experts cut to this rank's shard
+    apply_tensor_parallel(chunks, ctx, options)  # projections sharded over tp (+ SP)
+    apply_checkpointing(chunks, ctx, options)  # units recomputed in backward
+    apply_activation_quantization(chunks, ctx, options)  # saved activations at AGoQ widths
+    options = dataclasses.replace(options, experts=ep)  # data parallelism leaves them to ep
+    dp = apply_data_parallel(chunks, ctx, options)  # DDP / FSDP2 over dp (x cp), coded traffic
+    tied = apply_tied_gradients(dp.chunks, ctx, options)  # tied weights summed over stages
+
+    params = [q for chunk in dp.chunks for q in chunk.module.parameters()]
+    optimizer = optimizer_factory(params)  # over the final (sharded) parameters
+    schedule = _schedule(dp.chunks, ctx, loss_fn, as_output)  # None without a pipeline
     return Runner(
         ctx,
-        wrapped,
+        dp,
         optimizer,
         loss_fn,
-        schedule,
+        schedule=schedule,
         cp=cp,
         ep=ep,
-        chunks=chunks,
-        num_chunks=num_chunks,
-        vocab_parallel_loss=vocab_parallel,
-        dp_ctx=dp_ctx,
-        coded_grads=coded_grads,
+        tied=tied,
+        vocab_parallel_loss=options.vocab_parallel_loss,
         first_names=first_names,
     )
+
+
+def _options(
+    model: nn.Module,
+    ctx: RankContext,
+    loss_fn: LossFn,
+    cp_attention: str,
+    ep_dispatch: str,
+    loss_parallel: bool | None,
+) -> Options:
+    """The steps' `Options`: the caller's choices, and what is read off the whole model
+    before the pipeline cut (on this rank's plan view)."""
+    plan = ctx.plan
+    return Options(
+        cp_attention=cp_attention,
+        ep_dispatch=ep_dispatch,
+        vocab_parallel_loss=_vocab_parallel_loss(model, plan, loss_fn, loss_parallel),
+        # Under SP or CP an HF decoder is given the positions of the whole sequence; models
+        # that cannot run on a share of their sequences are refused here.
+        reposition=check_sequence_sharding(model, plan),
+        ties=tied_across_stages(model, plan) if ctx.num_stages > 1 else (),
+    )
+
+
+def _schedule(chunks: Chunks, ctx: RankContext, loss_fn: LossFn, as_output):
+    """The pipeline schedule around this rank's wrapped chunk-stages (None without a
+    pipeline): torch's pipelining, or `pipeline_handoff` where stages run at different tp
+    degrees (per-stage TP).
+
+    Each micro-batch's loss is weighted by dp / M (M = micro-batches of all replicas): the
+    replica's share of the samples and the mean over its micro-batches in one factor, applied
+    before DP reduces (the schedule's own 1/m scaling runs after DDP/FSDP have reduced, which
+    is wrong when replicas run different m)."""
+    if ctx.num_stages == 1:
+        return None
+    whole = ctx.whole_plan
+    counts = replica_microbatches(whole)
+    loss = _weighted(loss_fn, whole.parallel.dp / sum(counts), as_output)
+    modules = [chunk.module for chunk in chunks]
+    if ctx.whole is not None and not group_pure(whole.stages):  # stages at different tp degrees
+        return HandoffSchedule(modules[0], ctx, loss, counts[ctx.replica])
+    indices = [chunk.index for chunk in chunks]
+    return build_schedule(modules, indices, ctx, loss, counts[ctx.replica])
 
 
 def _vocab_parallel_loss(model: nn.Module, plan: Plan, loss_fn: LossFn, wanted: bool | None):

@@ -98,6 +98,7 @@ from torch.overrides import TorchFunctionMode
 
 from .errors import RuntimePlanError
 from .mesh import RankContext
+from .steps import Chunks, Options
 
 MODES = ("allgather", "ring", "heads")
 
@@ -524,16 +525,44 @@ def _wrap_unit(unit: nn.Module, cp: ContextParallel) -> None:
 
 
 def apply_context_parallel(
+    chunks: Chunks, ctx: RankContext, options: Options
+) -> ContextParallel | None:
+    """Make every chunk's attention work on this rank's sequence share, as
+    `options.cp_attention` says (see module docstring); under CP or sequence parallelism, give
+    HF decoders the positions of the tokens their attention holds (`options.reposition`,
+    `reposition_hf_decoder`).
+
+    Returns the handle the runner uses to shard inputs and targets (None when cp == 1)."""
+    cp = None
+    for chunk in chunks:
+        mine = _shard_attention(
+            chunk.module,
+            ctx,
+            options.cp_attention,
+            has_layers=bool(chunk.units),
+            units=chunk.units,
+        )
+        cp = mine or cp
+        if options.reposition and not reposition_hf_decoder(
+            chunk.module, sequence_shards(ctx.plan), cp
+        ):
+            raise RuntimePlanError(
+                f"runtime: {type(chunk.module).__name__} holds a HuggingFace model but no "
+                "rotary_emb beside its layers to give the sequence's positions to"
+            )
+    return cp
+
+
+def _shard_attention(
     module: nn.Module,
     ctx: RankContext,
-    mode: str = "allgather",
+    mode: str,
     *,
-    has_layers: bool = True,
-    units: tuple[str, ...] | list[str] = (),
+    has_layers: bool,
+    units: tuple[str, ...],
 ) -> ContextParallel | None:
     """Make `module`'s attention work on this rank's sequence share (see module docstring).
 
-    Returns the handle the runner uses to shard inputs and targets (None when cp == 1).
     Raises `RuntimePlanError` when cp > 1 and no attention module is found although
     `module` runs repeated units (`has_layers`; a pipeline chunk of only the prologue or
     epilogue has no attention).

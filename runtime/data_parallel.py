@@ -5,7 +5,7 @@ How the plan's ZeRO stage maps onto torch (honestly: torch has no separate ZeRO-
     zero=0  DistributedDataParallel (gradients all-reduced in buckets). With tensor
             parallelism the parameters are DTensors, which DDP does not take; the FSDP2-based
             `replicate()` does the same all-reduce on the dp axis instead (also under the
-            zero-bubble schedule, see `apply_data_parallel`).
+            zero-bubble schedule, see `_wrap_module`).
     zero=1  FSDP2 `fully_shard(reshard_after_forward=False)`: parameters, gradients and
     zero=2  optimizer states are sharded between steps; the parameters stay gathered from
             forward to the end of backward, so per micro-batch there is one all-gather and
@@ -31,12 +31,14 @@ all-reduce (`CodedGradients`), which is what `replicate` would have done, coded.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from meshplan.ir.parallel import Schedule
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
@@ -44,7 +46,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import compressed as cc
 from . import quantize as Q
-from .mesh import RankContext
+from .mesh import RankContext, data_parallel_context
+from .steps import AfterBackward, Chunk, Chunks, Options
 from .tensor_parallel import clean_name, placement_of
 
 # torch 2.13 renamed `broadcast_buffers`; the new flag still syncs once at construction.
@@ -59,7 +62,61 @@ def has_dtensor_params(module: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in module.parameters())
 
 
-def apply_data_parallel(
+@dataclass(frozen=True, slots=True)
+class DataParallel:
+    """What `apply_data_parallel` leaves the runner: the chunks as wrapped, the context their
+    gradients are averaged on, and the reductions to run after backward."""
+
+    chunks: Chunks  # DDP, FSDP2 or unwrapped modules, in the order of the chunks given
+    context: RankContext  # dp, or dp x cp merged (`mesh.data_parallel_context`)
+    after_backward: tuple[AfterBackward, ...] = ()  # `CodedGradients`, `HeteroGradients`
+
+
+def apply_data_parallel(chunks: Chunks, ctx: RankContext, options: Options) -> DataParallel:
+    """Average the gradients over the plan's replicas: each chunk wrapped for the plan's dp
+    degree and ZeRO stage (module docstring; with cp > 1 over dp x cp), with the plan's
+    coded traffic for this stage (`dp_coding`). Last, so it sees the final parameters
+    (tensor parallelism's DTensors) and wraps the checkpointed units.
+
+    Expert parameters (`options.experts`) are left to expert parallelism: under ZeRO > 0
+    every experts module first becomes an FSDP2 unit over its own replicas (FSDP2 wraps
+    bottom-up), under ZeRO-0 the handle reduces them after backward; their coded traffic is
+    installed last. Per-group TP wraps nothing (replicas shard differently): after backward
+    `HeteroGradients` averages over every group's replicas.
+    """
+    hetero = ctx.whole is not None
+    dp_ctx = ctx if hetero else data_parallel_context(ctx)
+    coding = dp_coding(ctx.plan, ctx.stage_index)  # the plan's coded DP traffic of this stage
+    experts = options.experts
+    if experts is not None:
+        experts.shard_over_replicas(ctx.plan.parallel.zero or 0)
+    split = ctx.num_stages > 1 and ctx.plan.parallel.schedule == Schedule.ZERO_BUBBLE
+    wrapped: list[Chunk] = []
+    after: list[AfterBackward] = []
+    for chunk in chunks:
+        m = chunk.module
+        if experts is not None:
+            experts.ignore_in_ddp(m)  # names as DDP will see them (after recompute wrappers)
+        ignored = {q for q in m.parameters() if experts is not None and experts.owns(q)}
+        if hetero:
+            wrapped.append(chunk)
+            continue
+        coded = coding.gradients[0] != "raw"
+        w = _wrap_module(
+            m, dp_ctx, list(chunk.units), ignored=ignored, split_backward=split, coded=coded
+        )
+        wrapped.append(dataclasses.replace(chunk, module=w))
+        handle = install_gradient_coding(w, dp_ctx, coding, ignored=ignored)
+        if handle is not None:
+            after.append(handle)
+    if hetero:
+        after.append(HeteroGradients(ctx, [c.module for c in wrapped]))
+    if experts is not None:
+        experts.install_coding(coding.experts, coding.expert_weights)
+    return DataParallel(tuple(wrapped), dp_ctx, tuple(after))
+
+
+def _wrap_module(
     module: nn.Module,
     ctx: RankContext,
     unit_paths: list[str],
@@ -220,7 +277,7 @@ def reduce_flat(flat: torch.Tensor, group, method: Method, op: str = "sum") -> t
 def install_gradient_coding(
     module: nn.Module, ctx: RankContext, coding: DpCoding, *, ignored=()
 ) -> CodedGradients | None:
-    """Run the plan's coded data-parallel traffic for one wrapped module (`apply_data_parallel`'s
+    """Run the plan's coded data-parallel traffic for one wrapped module (`_wrap_module`'s
     result on the dp or dp x cp context `ctx`): a comm hook on DDP; custom reduce-scatter /
     all-gather on every FSDP2 module; for a module left unwrapped (`coded=True` where
     `replicate()` would be), the `CodedGradients` the runner calls after backward. Returns that

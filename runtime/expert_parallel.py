@@ -119,6 +119,7 @@ from torch.func import functional_call
 from .data_parallel import Method, code_fsdp_module, reduce_flat
 from .errors import RuntimePlanError
 from .mesh import ExpertGroups, RankContext, expert_groups
+from .steps import Chunks, Options
 from .tensor_parallel import placement_of
 
 MODES = ("tokens", "slots")
@@ -762,17 +763,19 @@ def _find_moes(modules: Sequence[nn.Module]):
 
 
 def apply_expert_parallel(
-    modules: nn.Module | Sequence[nn.Module], ctx: RankContext, mode: str = "tokens"
+    chunks: Chunks, ctx: RankContext, options: Options
 ) -> ExpertParallel | None:
-    """Lay out the experts of every MoE module of `modules` (this rank's model chunks) for
-    the plan's ep and tp degrees (module docstring) and route tokens to them.
+    """Lay out the experts of every MoE module of this rank's chunks for the plan's ep and
+    tp degrees (module docstring) and route tokens to them (`options.ep_dispatch`).
 
-    Returns the handle the runner uses for expert gradients and the full state dict (None
-    when ep == 1: expert TP shards are ordinary TP parameters). Every rank must call it (it
-    creates the ep groups)."""
+    Returns the handle the runner uses for expert gradients and the full state dict, and
+    data parallelism for the experts' replicas (None when ep == 1: expert TP shards are
+    ordinary TP parameters). Every rank must call it, once for all its chunks (it creates
+    the ep groups)."""
     p = ctx.plan.parallel
     ep, tp_size = p.ep or 1, p.tp or 1
-    roots = [modules] if isinstance(modules, nn.Module) else list(modules)
+    mode = options.ep_dispatch
+    roots = [chunk.module for chunk in chunks]
     if ep == 1 and tp_size == 1:
         return None
     if mode not in MODES:

@@ -78,6 +78,8 @@ from torch.nn.parallel import DistributedDataParallel
 from .errors import RuntimePlanError
 from .graph_stages import GraphCut, graph_cut, on_device
 from .mesh import RankContext
+from .steps import Chunk, Chunks, Options, TiedWeight, whole_model
+from .tensor_parallel import clean_name
 
 # ZB-V runs exactly two chunks per rank (the V); the planner records virtual_stages=2 with it.
 ZBV_CHUNKS = 2
@@ -320,6 +322,25 @@ def stage_module(
     return TransformerStage(model, first, last, units)
 
 
+def model_chunks(model: nn.Module, ctx: RankContext) -> Chunks:
+    """This rank's chunks of `model`, moved to its device: under a pipeline its chunk-stages
+    (`rank_chunks`, `stage_module`), each with the units it runs; else the whole model, one
+    chunk holding every unit. Every later step runs on each of them and sees only their
+    modules and parameters."""
+    plan = ctx.plan
+    check_schedule(plan)
+    if ctx.num_stages > 1:
+        chunks = tuple(
+            Chunk(c, stage_module(model, plan, c, ctx.device), tuple(chunk_unit_paths(plan, c)))
+            for c in rank_chunks(plan, ctx.stage_index)
+        )
+    else:
+        chunks = whole_model(model, tuple(u for u in plan.model.units if not u.startswith("<")))
+    for chunk in chunks:
+        chunk.module.to(ctx.device)
+    return chunks
+
+
 def _graph_cut(model: nn.Module, plan: Plan) -> GraphCut:
     """The plan's chunk-stages of a model cut from its exported graph (`graph_stages`), with
     a zero micro-batch of the input the plan records (its sequence cut to the cp share)."""
@@ -469,7 +490,7 @@ def build_schedule(
 # -- weights tied across stages ---------------------------------------------------------------
 
 
-def tied_across_stages(model: nn.Module, plan: Plan) -> list[tuple[tuple[str, ...], list[int]]]:
+def tied_across_stages(model: nn.Module, plan: Plan) -> tuple[TiedWeight, ...]:
     """(names, pipeline ranks holding a copy) of every weight the model ties (one tensor under
     several names: input and output embeddings) whose names fall on two or more pipeline
     ranks. Read from the unsplit model, cutting it as `stage_module` does. A rank holding the
@@ -477,7 +498,7 @@ def tied_across_stages(model: nn.Module, plan: Plan) -> list[tuple[tuple[str, ..
     its chunks' data-parallel wrappers would each reduce the same tensor."""
     ties = tied_parameters(model)
     if not ties or (plan.parallel.pp or 1) == 1:
-        return []
+        return ()
     held: dict[int, set[str]] = {}  # chunk -> tied names it holds
     wanted = {n for names in ties for n in names}
     pp = plan.parallel.pp or 1
@@ -499,8 +520,8 @@ def tied_across_stages(model: nn.Module, plan: Plan) -> list[tuple[tuple[str, ..
             if chunks:
                 ranks.append(r)
         if len(ranks) > 1:
-            out.append((names, ranks))
-    return out
+            out.append((tuple(names), tuple(ranks)))
+    return tuple(out)
 
 
 class TiedGradients:
@@ -527,17 +548,17 @@ class TiedGradients:
             dist.all_reduce(local, group=self.group)
 
 
-def tie_gradients(
-    ties: list[tuple[tuple[str, ...], list[int]]],
-    ctx: RankContext,
-    modules: list[nn.Module],
-    clean: Callable[[str], str],
+def apply_tied_gradients(
+    chunks: Chunks, ctx: RankContext, options: Options
 ) -> TiedGradients | None:
-    """The `TiedGradients` of this rank for `ties` (`tied_across_stages`), over `modules` (its
-    wrapped chunks; `clean` strips wrapper prefixes from names). Every rank calls it: one
+    """The `TiedGradients` of this rank for the weights tied across pipeline stages
+    (`options.ties`, `tied_across_stages`) over its chunks as data parallelism wrapped them:
+    their gradients summed over the stages after the dp reduction. Every rank calls it: one
     process group per tie and (dp, cp, tp) coordinate, created in the same order everywhere."""
     import torch.distributed as dist
 
+    ties = options.ties
+    modules = [chunk.module for chunk in chunks]
     if not ties:
         return None
     if ctx.whole is not None:
@@ -560,6 +581,6 @@ def tie_gradients(
         if ctx.stage_index in pp_ranks:
             for m in modules:
                 for n, p in m.named_parameters(remove_duplicate=False):
-                    if clean(n) in names and all(p is not q for q in params):
+                    if clean_name(n) in names and all(p is not q for q in params):
                         params.append(p)
     return TiedGradients(params, mine) if params else None

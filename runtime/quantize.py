@@ -45,6 +45,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .compressed import _ddp_hook
+from .mesh import RankContext
+from .steps import Chunks, Options
 
 __all__ = [
     "DEFAULT_BLOCK",
@@ -616,7 +618,19 @@ def plan_activation_bits(plan, model: nn.Module, stage: int = 0) -> dict[str, in
     return bits
 
 
+def apply_activation_quantization(chunks: Chunks, ctx: RankContext, options: Options) -> None:
+    """Run each chunk's forward under an `ActivationQuantizer` with the plan's widths for this
+    rank's stage (`plan_activation_bits`; nothing when the plan keeps activations exact).
+    Inside checkpointed units recomputation saves nothing to quantize."""
+    for chunk in chunks:
+        bits = plan_activation_bits(ctx.plan, chunk.module, ctx.stage_index)
+        if bits:
+            quantize_saved_activations(chunk.module, bits)
+    return None
+
+
 __all__ += [
+    "apply_activation_quantization",
     "plan_activation_bits",
     "quantize_saved_activations",
 ]

@@ -35,6 +35,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from .mesh import RankContext
+from .steps import Chunks, Options
+
 _aten = torch.ops.aten
 # 2-D matmuls: in a transformer these are the linear layers (F.linear lowers to mm / addmm);
 # attention's score and context matmuls are batched (bmm) or fused.
@@ -91,8 +94,19 @@ def _wrap(parent: nn.Module, name: str, selective: bool = False) -> None:
     )
 
 
+def apply_checkpointing(chunks: Chunks, ctx: RankContext, options: Options) -> None:
+    """Wrap every chunk's units for recomputation in backward as the plan asks (nothing
+    without recomputation). After tensor parallelism, so checkpointed regions re-run the
+    sharded code; before data parallelism, so FSDP2's per-unit all-gathers happen inside the
+    recomputed region's own forward."""
+    for chunk in chunks:
+        apply_recompute(chunk.module, ctx.plan, list(chunk.units))
+    return None
+
+
 def apply_recompute(model: nn.Module, plan: Plan, unit_paths: list[str]) -> int:
-    """Wrap the units at `unit_paths` (paths inside `model`) per the plan; returns how many."""
+    """Wrap the units at `unit_paths` (paths inside `model`, one module) per the plan; returns
+    how many. The runtime's step over a rank's chunks is `apply_checkpointing`."""
     mode = plan.parallel.recompute
     if mode in (None, Recompute.NONE):
         return 0

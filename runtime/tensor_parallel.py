@@ -73,6 +73,8 @@ from torch.distributed.tensor.parallel import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import RuntimePlanError
+from .mesh import RankContext
+from .steps import Chunks, Options
 
 # Attribute names models use for head counts (ours, HF, torchtitan, nanoGPT, Megatron).
 HEAD_COUNT_ATTRS = (
@@ -299,7 +301,23 @@ def localise_head_counts(model: nn.Module, modules: dict[str, int]) -> None:
                 setattr(mod, attr, v // tp)
 
 
-def apply_tensor_parallel(
+def apply_tensor_parallel(chunks: Chunks, ctx: RankContext, options: Options) -> None:
+    """Shard every chunk in place over the tp mesh following the plan's placements, the LM
+    head for a vocab-parallel loss where `options.vocab_parallel_loss` (see `tp_styles`);
+    nothing when tp == 1. Expert layers are left to expert parallelism, which runs first."""
+    if (ctx.plan.parallel.tp or 1) == 1:
+        return None
+    for chunk in chunks:
+        shard_module(
+            chunk.module,
+            ctx.plan,
+            ctx.submesh("tp"),
+            vocab_parallel_loss=options.vocab_parallel_loss,
+        )
+    return None
+
+
+def shard_module(
     model: nn.Module, plan: Plan, tp_mesh: DeviceMesh, *, vocab_parallel_loss: bool = False
 ) -> nn.Module:
     """Shard `model` in place over `tp_mesh` following the plan's placements

@@ -415,6 +415,7 @@ def _refusals_and_zero_splits():
     import torch.distributed as dist
     from meshplan.runtime import CollectiveCounter, build_mesh
     from meshplan.runtime.expert_parallel import apply_expert_parallel
+    from meshplan.runtime.steps import Options, whole_model
 
     zoo = importlib.import_module("meshplan.models.transformer")  # the zoo's module
 
@@ -429,7 +430,7 @@ def _refusals_and_zero_splits():
     rank = dist.get_rank()
     x = torch.randn(2, 4, SEQ, cfg.hidden)  # one (4, SEQ) batch per rank
     plan = _plan(2, dict(dp=2, ep=2, micro_batch=2, global_batch=8), MOE)
-    handle = apply_expert_parallel(moe, build_mesh(plan), "tokens")
+    handle = apply_expert_parallel(whole_model(moe), build_mesh(plan), Options())
     with CollectiveCounter() as counter:
         y = moe(x[rank])
     y.square().mean().backward()
@@ -464,6 +465,7 @@ def _one_expert_over_two_replicas():
     import torch.distributed as dist
     from meshplan.runtime import build_mesh
     from meshplan.runtime.expert_parallel import apply_expert_parallel
+    from meshplan.runtime.steps import Options, whole_model
 
     zoo = importlib.import_module("meshplan.models.transformer")
     moe_kw = dict(experts=2, top_k=1, capacity_factor=2.0)  # never drops
@@ -474,7 +476,7 @@ def _one_expert_over_two_replicas():
     rank = dist.get_rank()
     x = torch.randn(4, 2, SEQ, cfg.hidden)  # one (2, SEQ) batch per rank
     plan = _plan(4, dict(dp=4, ep=2, zero=3, micro_batch=2, global_batch=8), moe_kw)
-    handle = apply_expert_parallel(moe, build_mesh(plan), "tokens")
+    handle = apply_expert_parallel(whole_model(moe), build_mesh(plan), Options())
     handle.shard_over_replicas(3)
     y = moe(x[rank])
     y.square().mean().backward()

@@ -146,6 +146,7 @@ def _gpt_experts_checks():
     import torch.distributed as dist
     from meshplan.runtime import build_mesh
     from meshplan.runtime.expert_parallel import apply_expert_parallel
+    from meshplan.runtime.steps import Options, whole_model
     from torch.distributed.tensor import DTensor
 
     rank, done = dist.get_rank(), []
@@ -161,7 +162,7 @@ def _gpt_experts_checks():
             for p in model.layers[0].mlp.parameters():
                 p.normal_(std=0.2)
         ref = copy.deepcopy(model.layers[0].mlp)
-        apply_expert_parallel(model, build_mesh(plan))
+        apply_expert_parallel(whole_model(model), build_mesh(plan), Options())
         moe = model.layers[0].mlp
         g = torch.Generator().manual_seed(7)
         x = torch.randn(2, SEQ, CFG["hidden"], generator=g)
@@ -194,18 +195,21 @@ def _ctx(world, fields, model_kw=MOE_NO_DROP, **parallel):
 
 def test_ep_with_tp_without_sequence_parallelism_is_refused():
     from meshplan.runtime.expert_parallel import apply_expert_parallel
+    from meshplan.runtime.steps import Options, whole_model
 
     ctx = _ctx(4, dict(tp=2, dp=2, ep=2), sequence_parallel=False)
     with pytest.raises(RuntimePlanError, match="ep > 1 with tp > 1 needs sequence parallelism"):
-        apply_expert_parallel(build_model(**MOE_NO_DROP), ctx)
+        apply_expert_parallel(whole_model(build_model(**MOE_NO_DROP)), ctx, Options())
 
 
 def test_slots_dispatch_and_stacked_experts_run_with_tp_1_only():
     from meshplan.runtime.expert_parallel import apply_expert_parallel
+    from meshplan.runtime.steps import Options, whole_model
 
     ctx = _ctx(4, dict(tp=2, dp=2, ep=2))
+    slots = Options(ep_dispatch="slots")
     with pytest.raises(RuntimePlanError, match="slots dispatch .* run with tp == 1 only"):
-        apply_expert_parallel(build_model(**MOE_NO_DROP), ctx, "slots")
+        apply_expert_parallel(whole_model(build_model(**MOE_NO_DROP)), ctx, slots)
 
     class Stacked(torch.nn.Module):
         stacked_experts = True
@@ -215,4 +219,4 @@ def test_slots_dispatch_and_stacked_experts_run_with_tp_1_only():
             self.w = torch.nn.Parameter(torch.zeros(4, 8, 8))
 
     with pytest.raises(RuntimePlanError, match="slots dispatch .* run with tp == 1 only"):
-        apply_expert_parallel(Stacked(), _ctx(2, dict(tp=2)))
+        apply_expert_parallel(whole_model(Stacked()), _ctx(2, dict(tp=2)), Options())
