@@ -707,9 +707,10 @@ def plan_decisions(pricer, parallel, stages) -> tuple:
                     out.append(_decision(f"tp in {name}", kind, "activations", ch, why))
             if cp > 1 and facts.kv_bytes and ("cp", key) not in seen:
                 seen.add(("cp", key))
-                size = facts.kv_bytes * scale / tp
                 path = group_path(cluster, g, cp, max(1, g.domain_gpus // tp))
-                for kind in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER):
+                moved = pricer.cp_collectives(facts, p.stage(tp), scale)
+                listed = dict.fromkeys((kind, size) for _, kind, size in moved)  # each once
+                for kind, size in listed:
                     ch = pricer.comm_choice(kind, size, cp, path, g.gpu, "activations", "cp")
                     why = _axis_reason(pricer, "cp")
                     out.append(_decision(f"cp in {name}", kind, "activations", ch, why))

@@ -76,6 +76,9 @@ class BlockFacts:
     # capacity as a multiple of the balanced load (inf: dropless / not read off the trace).
     assignments: int = 0
     capacity_factor: float = math.inf
+    # Queries of every attention op, all heads (head-parallel CP moves them, and the output
+    # of the same size, by all-to-all: `Pricer.cp_collectives`).
+    q_bytes: int = 0
 
 
 def _hidden(graph: Graph) -> int:
@@ -186,6 +189,7 @@ def _kv_bytes(op: Op) -> int:
 
 def _block_facts(graph: Graph, block: Block, hidden: int) -> BlockFacts:
     kv = sum(_kv_bytes(op) for op in block.ops_of(OpKind.ATTENTION))
+    q = sum(op.inputs[0].nbytes for op in block.ops_of(OpKind.ATTENTION) if op.inputs)
     a2a = assignments = 0
     capacity = math.inf
     experts = block.ops_of(OpKind.EXPERTS)
@@ -219,6 +223,7 @@ def _block_facts(graph: Graph, block: Block, hidden: int) -> BlockFacts:
         router_params=_router_params(block),
         assignments=assignments,
         capacity_factor=capacity,
+        q_bytes=q,
     )
 
 

@@ -9,6 +9,7 @@ the step time.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -257,7 +258,7 @@ class Pricer(DataParallelTraffic):
         if self.engine.tp_overlap and tp > 1:  # decomposed GEMMs hide part of the TP traffic
             g_fwd, g_bwd = bc.gemm_times(tp=tp, cp=cp, scale=scale)
             t_fwd, t_bwd = exposed(t_fwd, g_fwd), exposed(t_bwd, g_bwd)
-        c_fwd, c_bwd = self._cp_traffic(facts, g, tp, cp, scale)
+        c_fwd, c_bwd = self._cp_traffic(facts, g, cfg, scale)
         e_fwd, e_bwd = self._ep_traffic(facts, g, tp, cp, ep, sp, scale, span)
         rc = 0.0
         policy = self.selective_policy
@@ -356,22 +357,49 @@ class Pricer(DataParallelTraffic):
                 ).time_s
         return out["fwd"], out["bwd"]
 
-    def _cp_traffic(self, facts, g: DeviceGroup, tp, cp, scale) -> tuple[float, float]:
-        """Context parallelism: all-gather K and V in forward, reduce-scatter their gradients in
-        backward, over cp ranks strided by tp (heads are TP-sharded, so /tp). Not overlapped
-        with attention (ring attention would hide part: assumption, calibrated in issue 3)."""
+    def cp_collectives(
+        self, facts: BlockFacts, cfg: StageConfig, scale: float
+    ) -> tuple[tuple[str, Collective, float], ...]:
+        """(phase, kind, bytes) of one block's context-parallel collectives for one micro-batch
+        of `cfg`, over the cp ranks of a tp rank (heads are TP-sharded, so / tp):
+
+        - "allgather" (and "ring", priced alike: its overlap with attention is not modelled,
+          an assumption): K and V all-gathered in forward, their gradients reduce-scattered
+          in backward; `kv_bytes` at the model's K/V heads.
+        - "heads" (DeepSpeed-Ulysses, Jacobs et al. 2023): in forward one all-to-all
+          each for q, k and v to head-sharded tensors and one for the output back; in
+          backward the same four reversed. Each moves a rank's local tensor (its sequence
+          share, / cp). K/V heads are repeated f = cp / gcd(kv heads per tp rank, cp) times
+          when cp does not divide them (the runtime's fewest copies). So head-parallel moves
+          (h/kv + f) / cp times what the all-gather does: less for full multi-head attention
+          and large cp, more for a few K/V heads at small cp."""
+        cp, tp = cfg.cp, cfg.tp
         if cp <= 1 or not facts.kv_bytes:
+            return ()
+        if cfg.cp_mode != "heads":
+            size = facts.kv_bytes * scale / tp
+            return (("fwd", Collective.ALL_GATHER, size), ("bwd", Collective.REDUCE_SCATTER, size))
+        kv_heads = self.costs.graph.info.kv_heads // tp  # per tp rank; 0: not known
+        repeat = cp // math.gcd(kv_heads, cp) if kv_heads else 1
+        q = facts.q_bytes * scale / (tp * cp)
+        kv = facts.kv_bytes * scale / (tp * cp) * repeat / 2  # K, and V alike
+        sizes = (q, kv, kv, q)  # q, k, v in; the output (q's size) back
+        a2a = Collective.ALL_TO_ALL
+        return tuple((phase, a2a, s) for phase in ("fwd", "bwd") for s in sizes)
+
+    def _cp_traffic(self, facts, g: DeviceGroup, cfg: StageConfig, scale) -> tuple[float, float]:
+        """Context parallelism (`cp_collectives`) on the cp ranks' path: cp ranks strided by
+        tp inside g. Not overlapped with attention (ring attention would hide part:
+        assumption, calibrated in issue 3)."""
+        out = {"fwd": 0.0, "bwd": 0.0}
+        collectives = self.cp_collectives(facts, cfg, scale)
+        if not collectives:
             return 0.0, 0.0
-        size = facts.kv_bytes * scale / tp
-        path = group_path(self.cluster, g, cp, max(1, g.domain_gpus // tp))
-        return (
-            self.comm_choice(
-                Collective.ALL_GATHER, size, cp, path, g.gpu, "activations", "cp"
-            ).time_s,
-            self.comm_choice(
-                Collective.REDUCE_SCATTER, size, cp, path, g.gpu, "activations", "cp"
-            ).time_s,
-        )
+        path = group_path(self.cluster, g, cfg.cp, max(1, g.domain_gpus // cfg.tp))
+        for phase, kind, size in collectives:
+            ch = self.comm_choice(kind, size, cfg.cp, path, g.gpu, "activations", "cp")
+            out[phase] += ch.time_s
+        return out["fwd"], out["bwd"]
 
     def moe_load_factor(
         self, facts: BlockFacts, *, tp: int, cp: int, ep: int, sp: bool, scale: float

@@ -40,8 +40,14 @@ class Schedule(enum.StrEnum):
     ZERO_BUBBLE = "zero_bubble"
 
 
+# How context-parallel attention exchanges the sequence (`runtime.context_parallel`):
+# "allgather" (K/V all-gathered over cp, the default), "ring" (K/V passed around the cp ring;
+# priced as "allgather") and "heads" (DeepSpeed-Ulysses head-parallel attention: all-to-alls
+# to heads / cp whole heads over the whole sequence and back).
+CP_MODES = ("allgather", "ring", "heads")
+
 # Fields `Parallel.is_complete` does not require.
-_OPTIONAL_FIELDS = frozenset({"virtual_stages", "quantize_activations"})
+_OPTIONAL_FIELDS = frozenset({"virtual_stages", "quantize_activations", "cp_mode"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +67,8 @@ class Parallel:
     and stage, `meshplan.cost_model.compression.activation_bits`). It changes numerics, so
     None reads as False and the planner only turns it on when asked (`plan(quantize=...)`);
     not needed for `is_complete`.
+    `cp_mode`: how context-parallel attention exchanges the sequence (`CP_MODES`); None reads
+    as "allgather"; not needed for `is_complete`.
     """
 
     dp: int | None = None
@@ -76,6 +84,7 @@ class Parallel:
     sequence_parallel: bool | None = None
     virtual_stages: int | None = None
     quantize_activations: bool | None = None
+    cp_mode: str | None = None
 
     def __post_init__(self) -> None:
         for f in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "global_batch", "virtual_stages"):
@@ -100,6 +109,10 @@ class Parallel:
                 raise ValueError(
                     f"Parallel.schedule must be one of {choices}, got {self.schedule!r}"
                 ) from None
+        if self.cp_mode is not None and self.cp_mode not in CP_MODES:
+            raise ValueError(
+                f"Parallel.cp_mode must be one of {', '.join(CP_MODES)}, got {self.cp_mode!r}"
+            )
         if self.schedule == Schedule.ZERO_BUBBLE and self.virtual_stages not in (None, 2):
             raise ValueError(
                 "Parallel.virtual_stages must be 2 (or unset) with schedule 'zero_bubble' "
@@ -149,6 +162,7 @@ class Parallel:
             micro_batch=self.micro_batch,  # type: ignore[arg-type]
             recompute=Recompute(self.recompute),
             quantize_activations=bool(self.quantize_activations),
+            cp_mode=(self.cp_mode or "allgather") if (self.cp or 1) > 1 else "allgather",
         )
 
     def pinned(self) -> dict[str, object]:
@@ -179,6 +193,7 @@ class StageConfig:
     micro_batch: int
     recompute: Recompute
     quantize_activations: bool = False
+    cp_mode: str = "allgather"  # `CP_MODES`; "allgather" whenever cp == 1
 
 
 @dataclass(frozen=True, slots=True)

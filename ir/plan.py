@@ -20,6 +20,7 @@ bytes, so the solver's wall time is deliberately not recorded):
                   "microbatches", "chunks", "tp" (per-group tp degrees, [] = degrees.tp)}],
       "schedule", "micro_batch", "global_batch", "num_microbatches", "recompute", "zero",
       "sequence_parallel", "virtual_stages" (interleaved 1F1B chunks per rank, or null),
+      "cp_mode" (with cp > 1: allgather, ring or heads; absent reads as allgather),
       "placements", "quantization", "compression", "precision" (fp32, tf32, bf16, fp16, fp8),
       "predicted": {"step_time_s", "tokens_per_s", "mfu", "peak_memory_bytes", "fits",
                     "breakdown": {...}, "memory": [...]},
@@ -60,6 +61,7 @@ from .cluster import Cluster
 from .devices import PRECISIONS, precision_problem
 from .files import PlanError, write_text_file
 from .parallel import (
+    CP_MODES,
     Parallel,
     Prediction,
     RankMemory,
@@ -272,6 +274,8 @@ class Plan:
             "zero": p.zero,
             "sequence_parallel": p.sequence_parallel,
             "virtual_stages": p.virtual_stages,
+            # how CP attention exchanges the sequence; only with cp > 1 (absent: allgather)
+            **({"cp_mode": p.cp_mode} if (p.cp or 1) > 1 and p.cp_mode else {}),
             "placements": {k: v for k, v in self.placements},
             # v1 records the decisions explicitly even while they are always off.
             # "none" when off: the v1 form, so plans without these decisions read as before.
@@ -345,10 +349,11 @@ class Plan:
         """A readable account: mesh, stages, per-rank memory, step time and its breakdown."""
         p, pr = self.parallel, self.predicted
         gib = 1024**3
+        cp_mode = f" ({p.cp_mode or 'allgather'} attention)" if (p.cp or 1) > 1 else ""
         lines = [
             f"Plan for {self.model.name} ({self.model.num_params / 1e9:.2f}B params) on "
             f"{self.cluster.name} ({self.world_size} of {self.cluster.world_size} GPUs)",
-            f"  degrees: dp={p.dp} tp={_tp_text(p.tp, self.stages)} pp={p.pp} cp={p.cp} "
+            f"  degrees: dp={p.dp} tp={_tp_text(p.tp, self.stages)} pp={p.pp} cp={p.cp}{cp_mode} "
             f"ep={p.ep}; mesh {dict(zip(MESH_AXES, self.mesh_shape))}"
             + (" (the first group's; each group has its own)" if self.stages[0].group_tp else ""),
             f"  batch: global {p.global_batch} = dp {p.dp} x micro-batch {p.micro_batch} x "
@@ -612,6 +617,7 @@ PLAN_SCHEMA: dict = {
         "zero": {"type": "integer", "enum": [0, 1, 2, 3]},
         "sequence_parallel": {"type": "boolean"},
         "virtual_stages": {"type": ["integer", "null"], "minimum": 1},
+        "cp_mode": {"enum": list(CP_MODES)},
         "predicted": {
             "type": "object",
             "required": [
@@ -1155,6 +1161,7 @@ def _plan_of(data: dict, plan_cluster: Cluster) -> Plan:
             schedule=Schedule(data["schedule"]),
             sequence_parallel=data["sequence_parallel"],
             virtual_stages=data.get("virtual_stages"),
+            cp_mode=data.get("cp_mode"),
             quantize_activations=(
                 True
                 if isinstance((data.get("quantization") or {}).get("activations"), dict)

@@ -19,7 +19,7 @@ and checks each layer named here against the rule's words):
     zero_bubble_problem            x        x         x          (a pricing rule)
     zero_bubble_zero3_problem      x                          x  (a runtime rule)
     schedule_problem               x        x                 x
-    cp_heads_problem                                          (cp attention 'heads', at apply)
+    cp_heads_problem               x        x                 (at apply: the first forward)
 
 Rules that need more than degrees live beside what they read, one function each as well:
 `ir.facts.blocked_dimension` (what the runtime cannot run on a model), `ir.parallel`'s

@@ -57,6 +57,7 @@ from meshplan.ir.plan import (
 )
 from meshplan.ir.rules import (
     batch_split_problem,
+    cp_heads_problem,
     cp_sequence_problem,
     ep_dp_problem,
     ep_experts_problem,
@@ -137,7 +138,14 @@ def as_graph(
     name: str | None = None,
     progress: Progress = None,
 ) -> Graph:
-    """Trace `model` unless it already is a Graph."""
+    """Trace `model` unless it already is a Graph. A Cluster given as the second argument
+    (where the example inputs go) is refused: it would be ignored for a Graph and planned on
+    the default cluster."""
+    if isinstance(example_inputs, Cluster):
+        raise ValueError(
+            "the second argument is the model's example inputs; pass the cluster as "
+            "cluster=... (e.g. meshplan.plan(graph, cluster=cluster))"
+        )
     if isinstance(model, Graph):
         return model
     if isinstance(example_inputs, torch.Tensor):
@@ -226,7 +234,15 @@ def complete_parallel(graph: Graph, cluster: Cluster, parallel: Parallel) -> Par
         ),
         virtual_stages=p.virtual_stages,
         quantize_activations=p.quantize_activations,
+        cp_mode=p.cp_mode,
     )
+
+
+def _cp_mode_problem(p: Parallel, heads: int) -> str | None:
+    """Head-parallel CP (`cp_mode` "heads") needs cp to divide each tp rank's query heads."""
+    if p.cp_mode != "heads" or (p.cp or 1) == 1 or not heads:
+        return None
+    return cp_heads_problem(heads // (p.tp or 1), p.cp)  # type: ignore[arg-type]
 
 
 def check_config(
@@ -250,6 +266,7 @@ def check_config(
         lambda: tp_heads_problem(p.tp, info.heads, info.kv_heads),
         lambda: ep_experts_problem(p.ep, info.experts),
         lambda: cp_sequence_problem(p.cp, info.seq_len),
+        lambda: _cp_mode_problem(p, info.heads),
         lambda: ep_dp_problem(p.ep, p.dp),
         lambda: ep_tp_problem(p.ep, p.tp, p.sequence_parallel),
         lambda: blocked_dimension(info, p),  # the runtime cannot run it (`ir.facts`)

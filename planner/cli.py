@@ -347,7 +347,18 @@ def _trace(name: str, model, inputs):
 
 
 def _pins(
-    dp, tp, pp, cp, ep, micro_batch, global_batch, recompute, zero, schedule=None, virtual=None
+    dp,
+    tp,
+    pp,
+    cp,
+    ep,
+    micro_batch,
+    global_batch,
+    recompute,
+    zero,
+    schedule=None,
+    virtual=None,
+    cp_mode=None,
 ):
     """The pinned choices as a `Parallel`, which checks them (call it before tracing); its
     one-line error names the flag (`--micro-batch`, not `Parallel.micro_batch`)."""
@@ -366,6 +377,7 @@ def _pins(
             zero=zero,
             schedule=schedule,
             virtual_stages=virtual,
+            cp_mode=cp_mode,
         )
     except ValueError as e:
         flag = re.sub(r"Parallel\.(\w+)", lambda m: "--" + m[1].replace("_", "-"), str(e))
@@ -375,6 +387,15 @@ def _pins(
 ScheduleOpt = Annotated[
     str | None,
     typer.Option(help=f"Pipeline schedule: {', '.join(s.value for s in Schedule)}."),
+]
+CpModeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--cp-mode",
+        help="How context-parallel attention exchanges the sequence: allgather (K/V "
+        "all-gathered), ring, or heads (DeepSpeed-Ulysses all-to-all); default: the planner "
+        "chooses allgather or heads.",
+    ),
 ]
 VirtualOpt = Annotated[
     int | None,
@@ -449,6 +470,10 @@ def _print_plan(plan, as_json: bool) -> None:
         )
     )
     out.print(t)
+    if p.cp > 1:
+        how = {"allgather": "K/V all-gathered", "ring": "ring", "heads": "head-parallel, Ulysses"}
+        mode = p.cp_mode or "allgather"
+        out.print(f"context-parallel attention: {mode} ({how[mode]})")
     s = Table(title="pipeline stages and memory per rank")
     cols = ["stage", "units", "replicas", "group"]
     shares = bool(plan.stages[0].microbatches)
@@ -519,6 +544,7 @@ def plan(
     zero: ZeroOpt = None,
     schedule: ScheduleOpt = None,
     virtual_stages: VirtualOpt = None,
+    cp_mode: CpModeOpt = None,
     time_limit: Annotated[
         float,
         typer.Option(
@@ -618,8 +644,9 @@ def plan(
     Objective(objective, target_tokens_per_s)
     comm_options(compress, quantize)
     pins = _pins(
-        dp, tp, pp, cp, ep, micro_batch, global_batch, recompute, zero, schedule, virtual_stages
-    )
+        dp, tp, pp, cp, ep, micro_batch, global_batch, recompute, zero, schedule, virtual_stages,
+        cp_mode,
+    )  # fmt: skip
     prices = dict(parse_price(x) for x in price or [])
     if export_fmt is not None:
         from .configs import EXPORT_FORMATS
@@ -734,6 +761,7 @@ def estimate(
     zero: ZeroOpt = None,
     schedule: ScheduleOpt = None,
     virtual_stages: VirtualOpt = None,
+    cp_mode: CpModeOpt = None,
     output: Annotated[
         Path | None, typer.Option("--output", "-o", help="Write plan JSON here.")
     ] = None,
@@ -793,8 +821,9 @@ def estimate(
     _check_output(output)
     _check_precision(precision)
     pins = _pins(
-        dp, tp, pp, cp, ep, micro_batch, global_batch, recompute, zero, schedule, virtual_stages
-    )
+        dp, tp, pp, cp, ep, micro_batch, global_batch, recompute, zero, schedule, virtual_stages,
+        cp_mode,
+    )  # fmt: skip
     if from_config is not None and layout is not None:
         raise ValueError("--from and --layout both set the configuration; give one of them")
     if from_config is not None:

@@ -831,7 +831,15 @@ def _load_megatron(
         dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, micro_batch=micro, global_batch=global_batch,
         recompute=recompute, zero=zero, schedule=schedule or Schedule.ONE_F_ONE_B,
         sequence_parallel=sp, virtual_stages=virtual,
+        cp_mode=_MEGATRON_CP_MODES.get(str(opts.get("cp-comm-type", "p2p"))) if cp > 1 else None,
     )  # fmt: skip
+
+
+# Megatron-LM's --cp-comm-type (default p2p) as meshplan's CP attention modes
+# (`ir.parallel.CP_MODES`): p2p is ring attention, a2a DeepSpeed-Ulysses head-parallel
+# attention; a2a+p2p (hierarchical) is priced as a2a and reported (configs_options).
+_MEGATRON_CP_MODES = {"p2p": "ring", "all_gather": "allgather", "a2a": "heads", "a2a+p2p": "heads"}
+_CP_MODE_TO_MEGATRON = {"ring": "p2p", "allgather": "all_gather", "heads": "a2a"}
 
 
 def megatron_chunk_layers(
@@ -1700,6 +1708,8 @@ def _write_megatron(plan: Plan, engine: Engine) -> str:
     if p.sequence_parallel and (p.tp or 1) > 1:
         args.append("--sequence-parallel")
     args += [f"--context-parallel-size {p.cp}", f"--expert-model-parallel-size {p.ep}"]
+    if (p.cp or 1) > 1:
+        args.append(f"--cp-comm-type {_CP_MODE_TO_MEGATRON[p.cp_mode or 'allgather']}")
     if p.zero == 1:
         args.append("--use-distributed-optimizer")
     elif p.zero in (2, 3):

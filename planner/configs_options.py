@@ -380,7 +380,10 @@ _MEGATRON_NOT_PRICED: dict[str, NotPriced] = {
         "microbatch group size of the interleaved schedule: priced with Megatron's default", ()
     ),
     "use-tp-pp-dp-mapping": NotPriced("TP-PP-DP rank order: priced with meshplan's placement"),
-    "cp-comm-type": NotPriced("context-parallel exchange type: priced as KV all-gather", ()),
+    "cp-comm-type": NotPriced(
+        "context-parallel exchange: p2p (ring) priced as K/V all-gather, a2a+p2p as a2a",
+        ("all_gather", "a2a"),
+    ),
     "hierarchical-context-parallel-sizes": NotPriced(
         "hierarchical context parallelism: priced flat", ()
     ),

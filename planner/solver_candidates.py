@@ -58,6 +58,7 @@ from meshplan.ir import (
 from meshplan.ir.facts import blocked_dimension, without_blocked
 from meshplan.ir.rules import (
     batch_split_problem,
+    cp_heads_problem,
     cp_sequence_problem,
     ep_dp_problem,
     ep_experts_problem,
@@ -172,7 +173,8 @@ class Candidate(Parallel):
         if self.group_tp:
             tp = "tp " + "/".join(f"{g}={t}" for g, t in self.group_tp)
         parts = [tp, f"pp={self.pp}", f"dp={self.dp}"]
-        parts += [f"cp={self.cp}"] if self.cp > 1 else []
+        if self.cp > 1:
+            parts.append(f"cp={self.cp}" + (f" ({self.cp_mode})" if self.cp_mode else ""))
         parts += [f"ep={self.ep}"] if self.ep > 1 else []
         parts += [f"micro_batch={self.micro_batch}", rc, f"ZeRO-{self.zero}"]
         if self.schedule == Schedule.INTERLEAVED_1F1B:
@@ -220,6 +222,7 @@ def candidate(
     quantize_activations: bool,
     global_batch: int,
     group_tp: tuple[tuple[str, int], ...] = (),
+    cp_mode: str | None = None,
 ) -> Candidate:
     """A Candidate with its fields written as `Parallel` writes them: `virtual_stages` only
     under interleaved 1F1B or ZB-V, `quantize_activations` only when on."""
@@ -239,6 +242,7 @@ def candidate(
         sequence_parallel,
         virtual_stages if chunked else None,
         quantize_activations or None,
+        cp_mode,
         group_tp,
     )
 
@@ -253,6 +257,7 @@ def priced(c: Candidate, group: str | None = None) -> StageConfig:
 # The constraints of `enumerate_candidates`'s loops, in the order they apply: each sees only the
 # partial configurations that passed the ones before it.
 CONSTRAINTS = (
+    "cp attention",  # a pinned head-parallel CP needs cp to divide each tp rank's heads
     "world size",  # the pp x dp replicas of tp x cp GPUs fit the cluster in whole TP groups
     "ep divides dp",  # expert ranks reuse data-parallel ranks
     "ep with tp needs sp",  # Megatron-Core's rule; the runtime's too
@@ -311,6 +316,21 @@ def cp_options(seq_len: int) -> list[int]:
     return [1] + [
         c for c in range(2, MAX_CP + 1) if seq_len % (2 * c) == 0 and seq_len // c >= MIN_CP_TOKENS
     ]
+
+
+def cp_mode_options(pinned: str | None, heads: int, tp: int, cp: int) -> list[str | None]:
+    """How context-parallel attention may exchange the sequence for tp and cp
+    (`ir.parallel.CP_MODES`): None without CP; the pinned mode, if it can run; else
+    "allgather" and, where cp divides each tp rank's query heads (`cp_heads_problem`),
+    "heads" (DeepSpeed-Ulysses: the cheaper one where the K/V heads are few against cp x the
+    heads they serve, `Pricer.cp_collectives`). "ring" only when pinned: it is priced as
+    "allgather"."""
+    if cp == 1:
+        return [None]
+    heads_ok = bool(heads) and heads % tp == 0 and cp_heads_problem(heads // tp, cp) is None
+    if pinned is not None:
+        return [pinned] if pinned != "heads" or heads_ok else []
+    return ["allgather", "heads"] if heads_ok else ["allgather"]
 
 
 def schedule_options(
@@ -440,6 +460,11 @@ def enumerate_candidates(
     out: list[Candidate] = []
     funnel = _Funnel()
     for tp, cp, pp in itertools.product(tps, cps, pps):
+        modes = cp_mode_options(p.cp_mode, info.heads, tp, cp)
+        if not modes:
+            funnel.reject("cp attention", cp_heads_problem(info.heads // tp, cp) or "")
+            continue
+        funnel.keep("cp attention")
         sp = p.sequence_parallel if p.sequence_parallel is not None else tp > 1
         replicas = sum(replica_capacity(g, tp, cp) for g in cluster.groups)
         max_dp = replicas // pp
@@ -497,16 +522,19 @@ def enumerate_candidates(
                         )
                         continue
                     funnel.keep("schedule")
-                    for zero, rc, (sched, v), qa in itertools.product(zeros, rcs, scheds, qas):
+                    for zero, rc, (sched, v), qa, cpm in itertools.product(
+                        zeros, rcs, scheds, qas, modes
+                    ):
                         if why := zero_bubble_zero3_problem(sched, pp, zero):
                             funnel.reject("zb without zero3", why)
                             continue
                         funnel.keep("zb without zero3")
                         out.append(
                             candidate(
-                                tp, pp, dp, cp, ep, mb, zero, rc, sched, sp, v, qa, global_batch
+                                tp, pp, dp, cp, ep, mb, zero, rc, sched, sp, v, qa, global_batch,
+                                cp_mode=cpm,
                             )
-                        )
+                        )  # fmt: skip
     if per_group_tp and len(cluster.groups) > 1:
         out += _per_group_tp_candidates(
             cluster, p, global_batch, tps, cps, pps, rcs, qas, n_layers, zb

@@ -332,8 +332,8 @@ def _families(cands: list[Candidate]) -> list[_Family]:
     """The candidates grouped by every knob but ZeRO stage and schedule, in enumeration order."""
     families: dict[tuple, list[tuple[int, Candidate]]] = {}
     for i, c in enumerate(cands):
-        fam = (c.tp, c.cp, c.pp, c.dp, c.ep, c.micro_batch, c.recompute, c.sequence_parallel)
-        families.setdefault(fam + (c.quantize_activations, c.group_tp), []).append((i, c))
+        fam = (c.stage_of(), c.pp, c.dp, c.group_tp)  # the stage config: every other knob
+        families.setdefault(fam, []).append((i, c))
     return [_Family(tuple(members)) for members in families.values()]
 
 

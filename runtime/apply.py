@@ -406,7 +406,7 @@ def apply(
     optimizer_factory: OptimizerFactory,
     *,
     device: torch.device | None = None,
-    cp_attention: str = "allgather",
+    cp_attention: str | None = None,
     ep_dispatch: str = "tokens",
     loss_parallel: bool | None = None,
 ) -> Runner:
@@ -417,7 +417,7 @@ def apply(
     changed in place (sharded, wrapped); use the returned Runner from then on.
     `cp_attention` ("allgather", "ring" or "heads") and `ep_dispatch` ("tokens" or "slots")
     choose how context and expert parallelism communicate (`context_parallel`,
-    `expert_parallel`).
+    `expert_parallel`); `cp_attention` None: the plan's `cp_mode`, "allgather" when unset.
     `loss_parallel` (tp > 1): compute the loss on vocab-sharded logits under torch's
     `loss_parallel`, as the plan prices it; None (default) does so when `loss_fn` is a cross
     entropy (`tensor_parallel.is_cross_entropy`), otherwise the logits are gathered.
@@ -461,7 +461,7 @@ def _options(
     model: nn.Module,
     ctx: RankContext,
     loss_fn: LossFn,
-    cp_attention: str,
+    cp_attention: str | None,
     ep_dispatch: str,
     loss_parallel: bool | None,
 ) -> Options:
@@ -469,7 +469,7 @@ def _options(
     before the pipeline cut (on this rank's plan view)."""
     plan = ctx.plan
     return Options(
-        cp_attention=cp_attention,
+        cp_attention=cp_attention or ctx.plan.parallel.cp_mode or "allgather",
         ep_dispatch=ep_dispatch,
         vocab_parallel_loss=_vocab_parallel_loss(model, plan, loss_fn, loss_parallel),
         # Under SP or CP an HF decoder is given the positions of the whole sequence; models

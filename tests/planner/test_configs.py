@@ -445,3 +445,21 @@ def test_megatron_fsdp_flags_read_as_zero_stages(tmp_path):
         path = tmp_path / "args.txt"
         path.write_text(f"--tensor-model-parallel-size 2 {flags}\n")
         assert configs.load(f"megatron:{path}", world_size=16).parallel.zero == zero, flags
+
+
+def test_megatron_cp_comm_type_read_as_the_cp_attention_mode_and_written_back(tmp_path, llama8b):
+    """Megatron-LM's --cp-comm-type (default p2p: ring attention) is meshplan's cp_mode, and
+    export writes it back: import(export(plan)) keeps the mode."""
+    cases = {"": "ring", "--cp-comm-type p2p": "ring", "--cp-comm-type all_gather": "allgather"}
+    cases |= {"--cp-comm-type a2a": "heads"}
+    path = tmp_path / "args.txt"
+    for flags, mode in cases.items():
+        path.write_text(f"--context-parallel-size 2 {flags}\n")
+        assert configs.load(f"megatron:{path}", world_size=16).parallel.cp_mode == mode, flags
+    path.write_text("--context-parallel-size 1 --cp-comm-type a2a\n")
+    assert configs.load(f"megatron:{path}", world_size=16).parallel.cp_mode is None
+    cluster = meshplan.Cluster.preset("dgx-h100", gpus=16)
+    for mode in ("heads", "allgather"):
+        pins = Parallel(tp=4, cp=2, global_batch=32, cp_mode=mode)
+        plan = meshplan.plan(llama8b, cluster=cluster, parallel=pins)
+        assert round_trip(tmp_path, plan, "megatron").parallel.cp_mode == mode

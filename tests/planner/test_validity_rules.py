@@ -28,6 +28,7 @@ from tests.synthetic import h100_cluster, transformer_graph
 
 # 4 layers, 8 heads, 4 K/V heads, sequence 1024; the MoE has 8 experts.
 DENSE = transformer_graph(4, 512, 8, 4, 2048, 8000, 1024, 1, name="dense")
+SIX = transformer_graph(4, 384, 6, 6, 1536, 8000, 1024, 1, name="six")  # 6 heads
 MOE = transformer_graph(4, 512, 8, 4, 2048, 8000, 1024, 1, experts=8, top_k=2, name="moe")
 CLUSTER = h100_cluster(1)  # 8 GPUs in one node
 GLOBAL_BATCH = 16
@@ -37,7 +38,7 @@ GLOBAL_BATCH = 16
 def _plan(pins: Parallel, moe: bool = False):
     """A real plan on 8 H100s (its runtime check passes), to edit one field of."""
     graph = MOE if moe else DENSE
-    plan = meshplan.plan(graph, CLUSTER, global_batch=GLOBAL_BATCH, parallel=pins)
+    plan = meshplan.plan(graph, cluster=CLUSTER, global_batch=GLOBAL_BATCH, parallel=pins)
     check_plan(plan)
     return plan
 
@@ -109,8 +110,13 @@ ROWS = [
         runtime=(Parallel(cp=4, dp=2, tp=1), False, dict(seq_len=1022)),
     ),
     dict(
-        rule=lambda: rules.cp_heads_problem(4, 3),
-        reason="cp attention 'heads' needs the query heads divisible by cp, got heads=4, cp=3",
+        rule=lambda: rules.cp_heads_problem(6, 4),
+        reason="cp attention 'heads' needs the query heads divisible by cp, got heads=6, cp=4",
+        plan=(SIX, Parallel(cp=4, cp_mode="heads")),
+        estimate=(
+            SIX,
+            Parallel(global_batch=GLOBAL_BATCH, cp=4, dp=2, tp=1, pp=1, cp_mode="heads"),
+        ),
     ),
     dict(
         rule=lambda: rules.pp_layers_problem(8, 4),
@@ -240,7 +246,7 @@ def test_every_layer_that_asks_the_rule_reports_its_words(row, layer):
     if layer == "plan":
         graph, pins = row[layer]
         with pytest.raises(InfeasibleError) as e:
-            meshplan.plan(graph, CLUSTER, global_batch=GLOBAL_BATCH, parallel=pins)
+            meshplan.plan(graph, cluster=CLUSTER, global_batch=GLOBAL_BATCH, parallel=pins)
         assert str(e.value) == f"no plan: {reason}"
     elif layer == "estimate":
         graph, p = row[layer]
@@ -267,3 +273,10 @@ def test_every_rule_of_the_module_has_a_row():
     # the rule each row's lambda calls
     covered = {n for row in ROWS for n in row["rule"].__code__.co_names if n.endswith("_problem")}
     assert named == covered, named ^ covered
+
+
+def test_a_cluster_given_where_the_inputs_go_is_refused():
+    """`plan(graph, cluster)` would plan on the default cluster (a Graph ignores its inputs)."""
+    for call in (meshplan.plan, meshplan.estimate):
+        with pytest.raises(ValueError, match="pass the cluster as cluster="):
+            call(DENSE, CLUSTER)

@@ -2,12 +2,13 @@
 one process, and its all-to-alls counted.
 
 One local launch per world size (`run_local`: torch imported once, ranks forked) runs several
-plans in turn with `apply(..., cp_attention="heads")`. For each plan: the losses of 3 SGD
-steps equal the single-process run on every rank, and rank 0's gathered parameters after each
-step (so the gradients, recovered from the SGD update) equal the single process's within fp32
-tolerance. The plans cover both ways grouped-query K/V heads are sharded: cp divides the K/V
-heads (cp=2 over the tiny model's 2) or not (cp=4 over 2, cp=2 over 1 under MQA, cp=2 over
-the 1 a rank holds under tp=2), so they are repeated first.
+plans in turn, each made with `cp_mode="heads"`, which `apply` reads off the plan (and the
+plan JSON keeps). For each plan: the losses of 3 SGD steps equal the single-process run on
+every rank, and rank 0's gathered parameters after each step (so the gradients, recovered from
+the SGD update) equal the single process's within fp32 tolerance. The plans cover both ways
+grouped-query K/V heads are sharded: cp divides the K/V heads (cp=2 over the tiny model's 2)
+or not (cp=4 over 2, cp=2 over 1 under MQA, cp=2 over the 1 a rank holds under tp=2), so they
+are repeated first.
 
 Every rank's cp group runs exactly 4 all-to-alls per attention and forward (q, k, v in, the
 output back) and 4 in backward, of the local tensors' sizes, and no other K/V collective
@@ -26,6 +27,7 @@ from collections import Counter
 import meshplan
 import pytest
 import torch
+from meshplan.cost_model.pricer import pricer_for
 from meshplan.ir.rules import cp_heads_problem
 from meshplan.runtime import ContextParallel, run_local
 from meshplan.runtime.context_parallel import MODES
@@ -43,8 +45,6 @@ from tests.runtime.harness import (
     sgd,
     train,
 )
-
-APPLY = {"cp_attention": "heads"}
 
 # name -> (plan fields, model overrides); the tiny model has 4 query and 2 K/V heads
 CONFIGS_2 = {
@@ -77,16 +77,19 @@ def _graph(model_kw):
 
 def _plan(world, fields, model_kw):
     cluster = meshplan.Cluster.preset("cpu", gpus=world)
-    parallel = meshplan.Parallel(**fields)
-    return meshplan.estimate_plan(_graph(model_kw), cluster=cluster, parallel=parallel)
+    parallel = meshplan.Parallel(**fields, cp_mode="heads")
+    plan = meshplan.estimate_plan(_graph(model_kw), cluster=cluster, parallel=parallel)
+    assert plan.parallel.cp_mode == "heads"
+    assert meshplan.Plan.from_json(plan.to_json()).parallel.cp_mode == "heads"  # kept in JSON
+    return plan
 
 
 def _run(plan, model_kw):
-    """Inside a rank: apply with "heads" attention, train; losses, snapshots, one step's
-    collectives, the groups."""
+    """Inside a rank: apply (the plan's "heads" attention), train; losses, snapshots, one
+    step's collectives, the groups."""
     from meshplan.runtime import apply
 
-    runner = apply(build_model(**model_kw), plan, loss_fn, sgd, **APPLY)
+    runner = apply(build_model(**model_kw), plan, loss_fn, sgd)
     losses, states, records = train(runner, plan.parallel.global_batch)
     return {
         "losses": losses,
@@ -169,6 +172,17 @@ def _check_cp_collectives(plan, results, name, model_kw):
             (c.kind, c.numel) for c in r[name]["records"] if c.group == group and c.kind in kinds
         )
         assert got == want, f"{name}: rank {rank} cp collectives {dict(got)}, want {dict(want)}"
+    # The cost model prices the same four all-to-alls per direction and layer, of the same
+    # bytes (fp32 here), per micro-batch.
+    pricer = pricer_for(_graph(model_kw), plan.cluster, "float32")
+    layer = next(k for k in pricer.costs.unit_keys if pricer.costs.facts[k].kind == "layer")
+    scale = p.micro_batch / pricer.costs.traced_micro_batch
+    moved = pricer.cp_collectives(pricer.costs.facts[layer], p.stage(), scale)
+    priced = Counter((phase, kind.value, size) for phase, kind, size in moved)
+    sizes = (h * local * 4, kv_sent * local * 4, kv_sent * local * 4, h * local * 4)
+    assert priced == Counter(
+        (phase, "all_to_all", float(s)) for phase in ("fwd", "bwd") for s in sizes
+    ), f"{name}: priced {dict(priced)}"
 
 
 # -- ContextParallel.attention alone (inside each launch) ----------------------------------------
