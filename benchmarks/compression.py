@@ -1,4 +1,4 @@
-"""Compression and quantization figures for docs/compression.md (issue 6, runtime side).
+"""Compression and quantization figures for docs/compression.md (runtime side).
 
 Sections (all on CPU unless a GPU is present; select with --only):
 

@@ -1,10 +1,12 @@
-"""Fidelity of `meshplan.estimate` against published training runs (issue 3, item 6).
+"""Fidelity of `meshplan.estimate` against published training runs (docs/fidelity.md).
 
-For every row of `shared/reference/published_runs_calibration.csv` this script builds the
-row's model with the zoo, a cluster matching the row's hardware and the row's parallel
-configuration, runs `meshplan.estimate`, converts the row's measured metric to a step time
-with the row's own FLOP convention, and prints predicted vs measured step time (and peak
-memory where the row gives it), then the median and p90 absolute errors.
+For every row of the table of published runs (a CSV, one run per row: source, model shape,
+GPU type and count, parallel configuration, batch, recompute, measured metric; `--csv`,
+default `DEFAULT_CSV`) this script builds the row's model with the zoo, a cluster matching
+the row's hardware and the row's parallel configuration, runs `meshplan.estimate`, converts
+the row's measured metric to a step time with the row's own FLOP convention, and prints
+predicted vs measured step time (and peak memory where the row gives it), then the median and
+p90 absolute errors.
 
     python benchmarks/fidelity.py                 # table + summary
     python benchmarks/fidelity.py --json out.json # also write every row as JSON
@@ -79,7 +81,8 @@ Validation (docs/fidelity.md): besides the error with the shipped constants
   error, the fit's own criterion);
 
 and the median and p90 absolute error, the signed median (bias) and the count are reported
-per source, per GPU type and overall, with the issue's targets checked on the LOSO column.
+per source, per GPU type and overall, with the targets (`TARGET_MEDIAN`, `TARGET_P90`,
+`TARGET_BASELINE_RATIO`) checked on the LOSO column.
 """
 
 from __future__ import annotations
@@ -861,7 +864,7 @@ def _row_ranges(rows) -> str:
 # The constant-MFU baseline
 # ---------------------------------------------------------------------------------------------
 
-# The issue's fixed baseline: 6 N tokens / (0.5 x peak).
+# The fixed baseline: 6 N tokens / (0.5 x peak).
 BASELINE_MFU = 0.5
 
 
@@ -990,7 +993,7 @@ def grouped_stats(
     }
 
 
-# The issue's targets, on the leave-one-source-out errors over all counted rows.
+# The targets, on the leave-one-source-out errors over all counted rows.
 TARGET_MEDIAN, TARGET_P90, TARGET_BASELINE_RATIO = 0.10, 0.25, 0.5
 
 

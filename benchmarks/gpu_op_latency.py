@@ -1,7 +1,7 @@
-"""Per-op pricing checked on real GPU kernels (issue 14, point 3).
+"""Per-op pricing checked on real GPU kernels (docs/op_latency.md).
 
-Reads public measured kernel latencies laid out as `shared/data/gpu_op_latency/` (NeuSight's
-`neusight/<op>/<device>.csv.gz`, Vidur's `vidur/<gpu>__<org>__<model>__mlp.csv.gz`; see
+Reads public measured kernel latencies (`--data`, default `DEFAULT_DATA`) laid out as NeuSight's
+`neusight/<op>/<device>.csv.gz` and Vidur's `vidur/<gpu>__<org>__<model>__mlp.csv.gz` (see
 `meshplan.cost_model.kernel_data`), maps each device to the GPU table (an unknown device
 stops the run with its name), prices every row with the planner's own function
 (`compute.block_compute` of a one-op block: roofline, the kernel constants, wave
@@ -62,7 +62,7 @@ from meshplan.ir import Block, GpuSpec, OpKind
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gpu_op_latency"
 
 # NeuSight's reported per-op errors (Lee et al., "Forecasting GPU Performance for Deep
-# Learning Training and Inference", ASPLOS'25, per-operator table): the bar issue 14 sets.
+# Learning Training and Inference", ASPLOS'25, per-operator table): the bar per op class.
 NEUSIGHT_ERROR = {
     "bmm": 13.8,
     "linear": 13.9,
@@ -70,8 +70,8 @@ NEUSIGHT_ERROR = {
     "softmax": 13.9,
     "layernorm": 56.7,
 }
-TARGET_FP16_GEMM = 10.0  # % MAPE, issue 14
-TARGET_LAYER = 5.0  # % MAPE of one layer's summed ops, issue 14
+TARGET_FP16_GEMM = 10.0  # % MAPE
+TARGET_LAYER = 5.0  # % MAPE of one layer's summed ops
 
 # Kinds whose memory efficiency is fitted here (`compute.MEMORY_EFFICIENCY_BY_KIND`) and the
 # rows that fit each: PyTorch's own kernels (NeuSight) for the kinds a training step runs
@@ -425,7 +425,7 @@ def leave_one_gpu_out(p: Priced) -> tuple[np.ndarray, dict[str, Constants]]:
 
 
 def verdicts(rep: dict) -> list[str]:
-    """The issue's targets against the leave-one-GPU-out figures."""
+    """The targets (`NEUSIGHT_ERROR`, `TARGET_*`) against the leave-one-GPU-out figures."""
 
     def line(what: str, mape: float, bar: str, target: float) -> str:
         return f"{what}: MAPE {mape}% ({bar} {target}%) {'met' if mape <= target else 'NOT met'}"
@@ -443,7 +443,7 @@ def verdicts(rep: dict) -> list[str]:
 
 
 def target(src: str, cls: str) -> tuple[str, float] | None:
-    """(what the bar is, % MAPE) the issue sets for a class of a source, else None."""
+    """(what the bar is, % MAPE) set for a class of a source, else None."""
     if src == "vidur" and cls == "gemm":
         return "target <=", TARGET_FP16_GEMM
     if src == "vidur" and cls == "layer":
@@ -455,7 +455,7 @@ def target(src: str, cls: str) -> tuple[str, float] | None:
 
 def side_by_side(reps: dict[str, dict], choice: dict[str, str]) -> str:
     """One line per source/GPU/class: MAPE, median and p90 of each path in `reps` (analytic,
-    learned, best of), the best-of choice, and the issue's bar where it sets one."""
+    learned, best of), the best-of choice, and the bar where one is set."""
     names = list(reps)
     keys = sorted(reps[names[0]]["by_class"])
     layers = [f"vidur/{g}/layer" for g in sorted(reps[names[0]]["layer"])]
@@ -483,7 +483,7 @@ def side_by_side(reps: dict[str, dict], choice: dict[str, str]) -> str:
 
 
 def verdict_rows(reps: dict[str, dict]) -> list[dict]:
-    """Every class the issue sets a bar for, with each path's MAPE and whether it is met."""
+    """Every class with a bar, with each path's MAPE and whether it is met."""
     names = list(reps)
     first = reps[names[0]]
     keys = list(first["by_class"]) + [f"vidur/{g}/layer" for g in first["layer"]]

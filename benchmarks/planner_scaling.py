@@ -1,4 +1,4 @@
-"""How planning time and memory grow (issue 17, item 5): the solve against the number of GPUs
+"""How planning time and memory grow (docs/planner.md): the solve against the number of GPUs
 (64 to 16,384) and against the number of layers, on homogeneous and mixed clusters.
 
     python benchmarks/planner_scaling.py                  # both sweeps, table + fitted growth

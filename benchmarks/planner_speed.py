@@ -1,4 +1,4 @@
-"""Planner speed (issue 4, item 5): trace time and solve time on the reference scenarios.
+"""Planner speed (docs/planner.md): trace time and solve time on the reference scenarios.
 
     python benchmarks/planner_speed.py             # all scenarios
     python benchmarks/planner_speed.py --only 8b   # scenarios whose name contains "8b"

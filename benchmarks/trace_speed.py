@@ -1,7 +1,7 @@
 """Wall time and peak memory of `meshplan.ir.trace` on big zoo models (meta device).
 
 Each model runs in its own subprocess so that peak RSS (getrusage ru_maxrss) belongs to that
-model alone. Targets from the tracer's issue: Llama-3-70B in < 60 s and < 4 GiB RSS, 405B in
+model alone. Targets: Llama-3-70B in < 60 s and < 4 GiB RSS, 405B in
 < 3 min, on a 2-core CPU.
 
     python benchmarks/trace_speed.py                       # llama3-8b, -70b, -405b at 8k

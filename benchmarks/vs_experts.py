@@ -1,12 +1,12 @@
-"""meshplan's plan against the experts' published configurations (issue 4, item 6).
+"""meshplan's plan against the experts' published configurations (docs/planner.md).
 
-For every row of `shared/reference/published_runs_calibration.csv` that gives a full parallel
-configuration (the rows `benchmarks/fidelity.py` prices, counted or shown apart), plan the
-same model on the same cluster and GPU count with the same global batch and sequence length,
-and compare the two *under meshplan's own cost model*, both priced as the row's training stack
-runs (`fidelity.interpret`'s engine: fused kernels, Float8, flash-attn kernel and fused loss):
-ratio = predicted step of the published configuration / predicted step of meshplan's plan
-(>= 1: meshplan's plan is at least as fast).
+For every row of the table of published runs (`--csv`, the CSV `benchmarks/fidelity.py` reads)
+that gives a full parallel configuration (the rows `benchmarks/fidelity.py` prices, counted or
+shown apart), plan the same model on the same cluster and GPU count with the same global
+batch and sequence length, and compare the two *under meshplan's own cost model*, both priced
+as the row's training stack runs (`fidelity.interpret`'s engine: fused kernels, Float8,
+flash-attn kernel and fused loss): ratio = predicted step of the published configuration /
+predicted step of meshplan's plan (>= 1: meshplan's plan is at least as fast).
 
     python benchmarks/vs_experts.py --cache /tmp/fid          # traced graphs shared with fidelity
     python benchmarks/vs_experts.py --rows 3,4 --time-limit 10

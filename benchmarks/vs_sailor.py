@@ -1,4 +1,4 @@
-"""Sailor's published plan against meshplan's, on Sailor's own scenario (issue 17).
+"""Sailor's published plan against meshplan's, on Sailor's own scenario (docs/planner.md).
 
 Sailor (Strati et al., SOSP'25) plans GPT-Neo-2.7B (global batch 2048 sequences of 2048
 tokens) on 32 A100-40GB + 96 V100-16GB, 4 GPUs per node, as one pipeline of 6 stages x DP 9:
@@ -11,7 +11,7 @@ prints both side by side: predicted step time, tokens/s, peak memory per rank, t
     python benchmarks/vs_sailor.py                    # meshplan's runtime (mixed precision)
     python benchmarks/vs_sailor.py --sailor-runtime   # Sailor's: fp32, ZeRO-0, no SP/recompute
 
-What is assumed, since the plan as published (in the issue) leaves it open:
+What is assumed, since the plan as published leaves it open:
 - the layer split: the one that minimises the slowest stage of Sailor's layout under
   meshplan's model among the splits that fit (`best_split`), the most favourable reading;
 - the micro-batch (`--micro-batch`, default 1); 2048 sequences over DP 9 is not whole, so
@@ -19,7 +19,7 @@ What is assumed, since the plan as published (in the issue) leaves it open:
   busiest one): the plan is priced at that batch, 2052 sequences at mb 1, and its tokens/s
   counts the 2048 it trains;
 - the network: one NIC per node at `--gbps` (default 50 Gb/s, about the 6 GB/s Ethernet
-  of the issue's measurement), Ethernet latency and efficiency defaults
+  of that scenario), Ethernet latency and efficiency defaults
   (`ir.hardware.DEFAULT_LATENCY` / `DEFAULT_EFFICIENCY`), NVLink inside nodes;
 - V100-16GB: the GPU table's `V100-16GB` (NVIDIA Tesla V100 datasheet, SXM2 16 GB: the
   same 125 / 15.7 TFLOP/s, 900 GB/s HBM2 and NVLink2 300 GB/s as the 32 GB part; its kernel
@@ -42,7 +42,7 @@ import argparse
 import math
 import time
 
-# Sailor's plan for 32 A100 + 96 V100 (issue 17): per stage, (group, replicas, tp).
+# Sailor's plan for 32 A100 + 96 V100: per stage, (group, replicas, tp).
 SAILOR_32_96: tuple[tuple[tuple[str, int, int], ...], ...] = (
     (("v100", 9, 4),),
     (("v100", 9, 4),),

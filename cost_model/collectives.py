@@ -6,8 +6,8 @@ Default (datasheet) tiers use the alpha-beta model with NCCL's ring latency:
 
 with `S` the full buffer size in bytes (the all-reduced tensor, the gathered output), `n` the
 ranks, and the bus factor f = 2(n-1)/n for all-reduce, (n-1)/n for all-gather,
-reduce-scatter and all-to-all, 1 for point-to-point (shared/reference/hardware.md, from
-NCCL's "Performance reported by NCCL tests" notes). alpha_0 = `BASE_LATENCY_S` is NCCL's
+reduce-scatter and all-to-all, 1 for point-to-point (NCCL's "Performance reported by NCCL
+tests" notes, NVIDIA/nccl-tests doc/PERFORMANCE.md). alpha_0 = `BASE_LATENCY_S` is NCCL's
 per-collective base latency and alpha_hop the tier's `latency`, paid once per ring step:
 2(n-1) steps for an all-reduce, n-1 for all-gather and reduce-scatter, one for send/recv and
 all-to-all (its n-1 transfers run concurrently). That is NCCL's own tuning model

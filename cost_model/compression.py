@@ -1,7 +1,10 @@
-"""The cost of lossless compression and quantization, and where they pay (issue 6).
+"""The cost of lossless compression and quantization, and where they pay.
 
-Design inputs: the ZipCCL and AGoQ summaries in shared/reference/PAPERS.md and the runtime
-measurements in docs/compression.md (`meshplan.runtime.codec`, `.compressed`, `.quantize`).
+Design inputs: ZipCCL (Lin et al., "ZipCCL: Efficient Lossless Data Compression of
+Communication Collectives for Accelerating LLM Training", arXiv 2604.27844, 2026), AGoQ (Lin
+et al., "AGoQ: Activation and Gradient Quantization for Memory-Efficient Distributed Training
+of LLMs", arXiv 2605.00539, 2026), and the runtime measurements in docs/compression.md
+(`meshplan.runtime.codec`, `.compressed`, `.quantize`).
 
 Codec speed (`CodecSpeed`): a codec call on `nbytes` raw bytes takes
 

@@ -1,7 +1,8 @@
 """Public measured GPU kernel latencies, read as IR ops the cost model can price.
 
-Two layouts are read (the same as `shared/data/gpu_op_latency/`, whose README describes
-them); nothing else about the projects that published them is used:
+Two layouts are read, one per project that published the measurements (NeuSight,
+sitar-lab/NeuSight; Vidur, microsoft/vidur), each described below; nothing else about those
+projects is used:
 
 - NeuSight (`neusight/<op>/<device>.csv.gz`): single float32 kernels with TF32 off (CUDA
   cores), `Latency` in milliseconds from CUDA events around one call (the launch included),

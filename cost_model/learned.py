@@ -5,9 +5,10 @@
 `physics_time` (features.py) is the roofline without efficiency factors or kernel floor, so
 a prediction is never faster than physics, and `z` comes from a small MLP over
 `features.op_features` (op kind, shapes, dtype, FLOPs, bytes, intensity, waves, device
-features). This is CDMPP's lesson at operator level (see shared/reference/PAPERS.md):
-regress from op + device features, bound by the roofline as NeuSight does, evaluate holding
-out whole model families (benchmarks/op_latency.py).
+features). This is, at operator level, the lesson of CDMPP (Hu et al., "CDMPP: A Device-Model
+Agnostic Framework for Latency Prediction of Tensor Programs", EuroSys'24): regress from op +
+device features, bound by the roofline as NeuSight does, evaluate holding out whole model
+families (benchmarks/op_latency.py).
 
 Model: an ensemble of `ENSEMBLE` MLPs (features -> HIDDEN -> HIDDEN -> 2, SiLU), trained
 full-batch with AdamW on the Huber loss of the log-time error (scale-free, close to
@@ -18,7 +19,7 @@ log-efficiency. Training rows are described by what their replay ran
 of seconds for a few thousand rows); prediction is numpy only. The weights and the device
 descriptors the model was trained on are saved to one `.npz` (`DEFAULT_MODEL`, ~200 KB).
 
-Interface (the same one the analytic model offers, STYLE.md item 9):
+Interface (the same one the analytic model offers, so either can price an op):
 
 - `load_for_device(name) -> LatencyModel | None`: the shipped model when it was trained on
   device type `name` (a `GpuSpec.name`, "CPU" included), else None (use the analytic model).

@@ -1,7 +1,7 @@
 """Peak memory of one rank: model states by ZeRO stage, activations by schedule and recompute.
 
 Model states (bytes per parameter held by the rank, mixed-precision Adam; d = data-parallel
-shards; shared/reference/hardware.md and Rajbhandari et al., "ZeRO", SC'20, section 5.1):
+shards; Rajbhandari et al., "ZeRO", SC'20, section 5.1):
 
     ZeRO-0 (DDP)          2 weights + 2 grads + 12 optimizer    = 16
     ZeRO-1 (optimizer)    2 + 2 + 12/d                          = 4 + 12/d
@@ -10,11 +10,10 @@ shards; shared/reference/hardware.md and Rajbhandari et al., "ZeRO", SC'20, sect
 
 Convention chosen for bf16/fp16 models (`MIXED`): bf16 weights and bf16 gradients
 (`GRAD_BYTES = 2`) with an fp32 master copy, momentum and variance (`OPTIMIZER_BYTES = 12`),
-which is the ZeRO paper's and gives hardware.md's ZeRO-0, ZeRO-2 and ZeRO-3 rows exactly.
-hardware.md's ZeRO-1 row "6 + 12/DP" is Megatron-LM's distributed optimizer with *fp32*
-main gradients (its "bf16 param, fp32 grads: 18 bytes non-distributed, 6 + 12/d
-distributed"); set `GRAD_BYTES = 4` to model that
-convention for every stage. A float32 model trains in plain fp32 (`FP32`: 4 + 4 + 8, no
+which is the ZeRO paper's (the table above). The ZeRO-1 figure often quoted instead,
+"6 + 12/DP", is Megatron-LM's distributed optimizer with *fp32* main gradients (its "bf16
+param, fp32 grads: 18 bytes non-distributed, 6 + 12/d distributed"); set `GRAD_BYTES = 4` to
+model that convention for every stage. A float32 model trains in plain fp32 (`FP32`: 4 + 4 + 8, no
 master copy); `precision_for` picks by the traced parameters' dtype. Parameters a rank holds:
 the stage's parameters / tp (norm weights are replicated), expert parameters / (tp * ep);
 expert states are sharded over the dp / ep ranks that hold the same experts.
@@ -95,10 +94,10 @@ def precision_for(dtype: str) -> Precision:
 
 
 # CUDA context, cuBLAS workspace and NCCL buffers per rank. Assumption (commonly 0.5-1.5 GiB
-# on H100 with NCCL), calibrated in issue 3.
+# on H100 with NCCL), not fitted; checked against published peak memory (docs/fidelity.md).
 CONTEXT_BYTES = 2**30
 # Caching-allocator fragmentation and short-lived tensors not modelled above, as a fraction of
-# everything else. Assumption, calibrated in issue 3.
+# everything else. Assumption, not fitted; checked as CONTEXT_BYTES above.
 ALLOCATOR_MARGIN = 0.10
 # Temporary buffer: the largest op output twice (the output and its gradient coexist).
 TEMP_OUTPUTS = 2

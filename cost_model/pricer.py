@@ -54,8 +54,9 @@ from .memory import (
 from .recompute import SelectivePolicy, recompute_forward_time
 
 # Fraction of overlapped communication that is actually hidden behind compute (the rest slows
-# the compute down or waits). Assumption (Echo / dPRO, PAPERS.md: overlapped communication
-# slows the compute it overlaps with), calibrated in issue 3.
+# the compute down or waits). Assumption (Echo, Feng et al. 2024, and dPRO, Hu et al. MLSys'22:
+# overlapped communication slows the compute it overlaps with; cited in full in simulate.py),
+# set by hand against the published runs (docs/fidelity.md).
 OVERLAP_EFFICIENCY = 0.8
 
 
@@ -390,7 +391,7 @@ class Pricer(DataParallelTraffic):
     def _cp_traffic(self, facts, g: DeviceGroup, cfg: StageConfig, scale) -> tuple[float, float]:
         """Context parallelism (`cp_collectives`) on the cp ranks' path: cp ranks strided by
         tp inside g. Not overlapped with attention (ring attention would hide part:
-        assumption, calibrated in issue 3)."""
+        an assumption, see the context-parallel rows in docs/fidelity.md)."""
         out = {"fwd": 0.0, "bwd": 0.0}
         collectives = self.cp_collectives(facts, cfg, scale)
         if not collectives:

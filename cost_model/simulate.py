@@ -93,10 +93,12 @@ pipeline depth pp, m = global_batch / (dp * micro_batch) micro-batches per pipel
   backward and reduce-scatters gradients for every micro-batch, overlapped with that
   micro-batch's forward + backward (rep = m). eta = `OVERLAP_EFFICIENCY`: overlap hides at
   most that fraction of the traffic, and only as much as fits in the window; the rest is
-  exposed, i.e. C - eta * min(C, W) = max(C - eta * W, (1 - eta) * C). Echo and dPRO
-  (shared/reference/PAPERS.md) find that the hard part of simulating training is precisely
-  that overlap is neither free nor fully exposed (communication slows the compute it overlaps
-  with), so even fully overlapped traffic costs (1 - eta) of itself here.
+  exposed, i.e. C - eta * min(C, W) = max(C - eta * W, (1 - eta) * C). Echo (Feng et al.,
+  "Echo: Simulating Distributed Training At Scale", arXiv 2412.12487, 2024) and dPRO (Hu et
+  al., "dPRO: A Generic Performance Diagnosis and Optimization Toolkit for Expediting
+  Distributed DNN Training", MLSys'22) find that the hard part of simulating training is
+  precisely that overlap is neither free nor fully exposed (communication slows the compute it
+  overlaps with), so even fully overlapped traffic costs (1 - eta) of itself here.
 - O: the Adam update, memory-bound (`OPTIMIZER_BYTES_PER_PARAM`), slowest rank, plus the
   once-per-step synchronisations that run exposed around it (`Pricer.step_sync_time`): under
   sequence parallelism the all-reduce over tp of each norm weight's gradient, and the scalar

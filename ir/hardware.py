@@ -1,9 +1,11 @@
 """The hardware tables: accelerator specs (`GpuSpec`) and link tiers (`LinkTier`).
 
-Every number below cites where it comes from. `shared/reference/hardware.md` collects the vendor
-datasheet rows the project relies on; figures that are not in it cite the vendor document
-directly. Link latencies and efficiencies are *default assumptions* (typical values, cited where
-a public source exists) that `meshplan calibrate` is meant to replace with measurements.
+Every number below cites where it comes from: the vendor datasheet named in each spec's
+`source`. "hardware.md" in a comment or a `source` marks a figure from the project's table of
+those datasheet rows (kept outside this repository, so the datasheet is the one to check);
+figures that are not in that table cite the vendor document directly. Link latencies and
+efficiencies are *default assumptions* (typical values, cited where a public source exists)
+that `meshplan calibrate` is meant to replace with measurements.
 
 Conventions (the same as `meshplan.ir.cluster`):
 

@@ -1,6 +1,6 @@
 """`meshplan calibrate`: measure the machines meshplan plans for and write a cluster profile.
 
-What is measured (issue 3, item 5):
+What is measured (docs/fidelity.md, "Calibration on your machines"):
 
 - **Collective curves per link tier.** For every tier present among the ranks: the *intra-node*
   tier with all ranks of the first node, and, when the ranks span several hosts, the
@@ -82,7 +82,7 @@ class CalibrateConfig:
     gemm_shapes: tuple[tuple[int, int, int], ...] | None = None
     gemm_dtypes: tuple[str, ...] | None = None
     gemm_iters: int = 3
-    codec: bool = True  # time the lossless codec (issue 6: its speed decides where it pays)
+    codec: bool = True  # time the lossless codec (its speed decides where it pays)
     codec_numel: int = 1 << 22  # values of the large tensor that sets the codec throughput
 
     def sizes(self) -> list[int]:

@@ -1,10 +1,12 @@
 """Lossless codec for bf16/fp16/fp32 tensors: exponent coding from the block's scale.
 
-Design (ZipCCL summary in shared/reference/PAPERS.md): LLM tensors are near-Gaussian, so the
-exponents of a block concentrate in a few values just below the block's largest exponent,
-while sign and mantissa bits are close to uniformly random. We therefore store sign+mantissa
-raw (bit-packed) and code only the exponents, with a code derived from the block's scale
-instead of from a histogram (no online statistics; the same torch ops on CPU and GPU):
+Design, after ZipCCL (Lin et al., "ZipCCL: Efficient Lossless Data Compression of
+Communication Collectives for Accelerating LLM Training", arXiv 2604.27844, 2026): LLM tensors
+are near-Gaussian, so the exponents of a block concentrate in a few values just below the
+block's largest exponent, while sign and mantissa bits are close to uniformly random. We
+therefore store sign+mantissa raw (bit-packed) and code only the exponents, with a code
+derived from the block's scale instead of from a histogram (no online statistics; the same
+torch ops on CPU and GPU):
 
 - Values are cut into blocks of `block` (default 4096) values. Each block stores `top`, its
   largest finite exponent (infinities and NaN excluded), and a code width `k` in 1..5 bits
@@ -22,8 +24,8 @@ instead of from a histogram (no online statistics; the same torch ops on CPU and
   of each of the few candidate widths on every 8th value of the block (a loop over widths,
   not over values; the choice affects only the size, never correctness).
 - The sign bit is dropped when no stored value is negative (Adam's second moment, softmax
-  outputs and other always-positive tensors), which the summary notes is needed to keep the
-  ratio on such tensors.
+  outputs and other always-positive tensors), which is needed to keep the ratio on such
+  tensors.
 - If coding would not shrink the tensor (random bit patterns), the raw bytes are stored.
 
 Measured on a small transformer's bf16 tensors (docs/compression.md): 1.44-1.49x on weights,
@@ -465,7 +467,7 @@ def decompress(c: Compressed | torch.Tensor) -> torch.Tensor:
 def entropy_ideal_ratio(tensor: torch.Tensor) -> float:
     """The ratio an ideal exponent coder reaches on `tensor`: bits / (bits - exp_bits + H),
     with H the empirical entropy (bits) of the tensor's exponent field and sign + mantissa
-    stored raw. The yardstick of the ZipCCL summary (16 / (8 + H) for bf16); it ignores the
+    stored raw. The yardstick for exponent coding (16 / (8 + H) for bf16); it ignores the
     zero code, so tensors with many exact zeros can beat it."""
     fmt = _FORMATS.get(tensor.dtype)
     if fmt is None:

@@ -1,6 +1,7 @@
 """Losslessly compressed collectives on torch.distributed (any backend; tested on gloo).
 
-The ZipCCL summary (shared/reference/PAPERS.md) gives the design:
+The design follows ZipCCL (Lin et al., "ZipCCL: Efficient Lossless Data Compression of
+Communication Collectives for Accelerating LLM Training", arXiv 2604.27844, 2026):
 
 - Traffic is coded with `meshplan.runtime.codec` (exponent coding, ~1.45x on bf16), so every
   result is bit-identical to the same collective run on the raw tensors.
@@ -10,8 +11,9 @@ The ZipCCL summary (shared/reference/PAPERS.md) gives the design:
 - Coding is pipelined with the transfer: tensors are cut along dim 0 into chunks of about
   `chunk_numel` values; chunk i+1 is coded while chunk i is in flight (async collectives,
   at most `depth` rounds in flight) and chunk i is decoded while later ones travel. The
-  summary's break-even: coding in sequence with the transfer pays only if
-  B/C + B/D < 1 - 1/r, pipelined it pays whenever the codec outruns the link.
+  break-even: coding in sequence with the transfer pays only if B/C + B/D < 1 - 1/r (link
+  bandwidth B, compression and decompression rates C and D, ratio r); pipelined it pays
+  whenever the codec outruns the link.
 
 Every exchange is built on `all_to_all_single` with uneven splits, because compressed sizes
 differ per rank and per chunk: gloo's list-form `all_gather`/`all_to_all` reject tensors of
@@ -432,7 +434,7 @@ def lossless_allreduce_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: average the bucket with the losslessly coded `all_reduce` (bit-exact
     with `reduce_reference`), in the plan's number of pipelined chunks. Synchronous, the
-    Future returned completed (gloo, see RUNTIME_NOTES)."""
+    Future returned completed (gloo, see docs/torch_notes.md)."""
     state = state or LosslessHookState()
     buf = bucket.buffer()
     chunk = max(1, -(-buf.numel() // max(1, state.chunks)))

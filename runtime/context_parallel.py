@@ -1,6 +1,6 @@
 """Context parallelism: each rank of the cp group holds a share of every sequence.
 
-torch's own `context_parallel` is CUDA-only (RUNTIME_NOTES.md), so attention over the sharded
+torch's own `context_parallel` is CUDA-only (docs/torch_notes.md), so attention over the sharded
 sequence is written here on public collectives. All three variants are exact (they match
 one process within fp32 rounding):
 

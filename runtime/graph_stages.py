@@ -22,7 +22,7 @@ of repeated layers (the plan's units) is cut here, from its own code:
    encoder's output read by every decoder layer, a residual skipping a stage) is passed
    through the stages between, as an extra output and input of each. torch's own tracer
    frontend (`pipeline()`) sends it directly and then fails in backward ("Backward of skip
-   connections not supported yet", RUNTIME_NOTES). Non-tensor values never cross a stage.
+   connections not supported yet", docs/torch_notes.md). Non-tensor values never cross a stage.
 5. **Side effects stay**: in-place writes (BART's shifted decoder inputs) and calls whose
    result nobody reads run on their stage; what an in-place write touches is not recomputed.
 

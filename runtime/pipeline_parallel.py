@@ -24,7 +24,7 @@ out in the schedule's order, so every rank runs as many units as the plan gave i
 Every stage keeps the user's modules and their parameter names, so state dicts and plan
 placements match the unsplit model. torch's tracer frontend (`pipeline()`) is not used: it
 sends a value made on stage i straight to stage j > i + 1 and then fails in backward on such
-skip connections (RoPE tables built in stage 0; see RUNTIME_NOTES).
+skip connections (RoPE tables built in stage 0; see docs/torch_notes.md).
 
 How a model is cut (`stage_module`, the rule `ir.facts.pipeline_cut`):
 - a model may define `pipeline_stage(first_unit, last_unit, units) -> nn.Module` itself;

@@ -1,9 +1,10 @@
 """AGoQ-style quantization: saved activations at per-layer bit widths, 8-bit gradient sync.
 
-Design inputs (AGoQ summary in shared/reference/PAPERS.md): (1) layer-aware activation
-quantization, a bit width per layer chosen by layer type and pipeline stage, about 4 bits on
-average, more bits for sensitive tensors (softmax/norm inputs), fewer on early 1F1B stages
-because they hold the most micro-batches in flight; (2) 8-bit gradients with a
+Design inputs, from AGoQ (Lin et al., "AGoQ: Activation and Gradient Quantization for
+Memory-Efficient Distributed Training of LLMs", arXiv 2605.00539, 2026): (1) layer-aware
+activation quantization, a bit width per layer chosen by layer type and pipeline stage, about
+4 bits on average, more bits for sensitive tensors (softmax/norm inputs), fewer on early 1F1B
+stages because they hold the most micro-batches in flight; (2) 8-bit gradients with a
 precision-preserving all-reduce (block-scaled int8, reduced in higher precision). AGoQ
 reports up to 52% less memory and unchanged convergence.
 
@@ -21,9 +22,9 @@ Pieces:
   `SavedTensorStats` measures the bytes held for backward with and without it.
 - `quantized_all_reduce` / `quantized_reduce_scatter`: int8 block-scaled gradient sync with
   fp32 accumulation; `quantized_allreduce_hook` (DDP comm hook) and
-  `QuantizedReduceScatter` (FSDP2 `set_custom_reduce_scatter`) wrap them. On gloo, per
-  shared/reference/RUNTIME_NOTES.md, hooks run their collectives synchronously and return a
-  completed Future.
+  `QuantizedReduceScatter` (FSDP2 `set_custom_reduce_scatter`) wrap them. On gloo (see
+  docs/torch_notes.md), hooks run their collectives synchronously and return a completed
+  Future.
 
 The precision-preserving all-reduce: every rank quantizes its gradient per destination
 shard; an all-to-all delivers rank j's shard from every rank; rank j dequantizes them and
@@ -181,7 +182,7 @@ def agoq_bits(kind: str, stage: int = 0, num_stages: int = 1) -> int | None:
     """Saved-activation bit width of a layer of `kind` on pipeline `stage` of `num_stages`
     (None: keep full precision).
 
-    From the AGoQ summary: ~4 bits on average; sensitive tensors keep more; early 1F1B
+    From AGoQ: ~4 bits on average; sensitive tensors keep more; early 1F1B
     stages, which hold the most micro-batches, gain most from fewer bits. Concretely:
 
     - "norm" (norm inputs) and "head" (the logits feeding softmax/cross-entropy): 8 bits.
@@ -553,7 +554,7 @@ def quantized_allreduce_hook(
 
     Register with `ddp.register_comm_hook(QuantHookState(), quantized_allreduce_hook)`.
     The collectives run synchronously and the Future is returned completed (gloo, see
-    RUNTIME_NOTES: async hook futures are where the built-in hooks break)."""
+    docs/torch_notes.md: async hook futures are where the built-in hooks break)."""
     state = state or QuantHookState()
     buf = bucket.buffer()
     buf.copy_(quantized_all_reduce(buf, state.group, bits=state.bits, block=state.block, op="avg"))

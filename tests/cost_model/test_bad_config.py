@@ -1,6 +1,5 @@
-"""Configurations that cannot work get a one-line error naming the broken constraint
-(issue 3, item 8): TP not dividing heads, PP beyond the layers, dp*tp*pp*cp != GPUs, EP not
-dividing experts."""
+"""Configurations that cannot work get a one-line error naming the broken constraint:
+TP not dividing heads, PP beyond the layers, dp*tp*pp*cp != GPUs, EP not dividing experts."""
 
 from __future__ import annotations
 

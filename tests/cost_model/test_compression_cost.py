@@ -226,4 +226,4 @@ def test_quantized_activation_memory_matches_the_runtime():
         exact += bm.saved_tp + bm.saved_sp
         quant += qm.saved_tp + qm.saved_sp
     assert quant / exact == pytest.approx(measured, rel=0.25)
-    assert quant / exact < 0.5  # the bar: at least 45% less than fp32 and bf16
+    assert quant / exact < 0.5  # docs/compression.md's bar: at least 45% less than fp32 and bf16

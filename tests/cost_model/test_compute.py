@@ -149,7 +149,7 @@ def test_selective_recompute_repeats_everything_but_linears_and_attention():
     assert sel == pytest.approx(sum(op_time(op, H100) for op in redo), rel=1e-12)
 
 
-# -- learned op latency (issue 7) ---------------------------------------------------------------
+# -- learned op latency (docs/op_latency.md) -----------------------------------------------------
 
 
 def _tiny_traced_graph():

@@ -1,4 +1,4 @@
-"""The largest published runs (issue 14, point 6): Llama 3 405B pre-training on 8,192 and
+"""The largest published runs (docs/fidelity.md): Llama 3 405B pre-training on 8,192 and
 16,384 H100 (Llama 3 paper, Table 4: TP 8, CP 1, PP 16, DP 64 / 128, sequence 8192, 16M
 tokens per step; 430 and 400 TFLOP/s per GPU, BF16 MFU 43% and 41%).
 

@@ -1,4 +1,4 @@
-"""Predicted peak memory against what torch actually allocates (issue 3, item 7).
+"""Predicted peak memory against what torch actually allocates.
 
 Oracle: torch's own memory profiler (`torch.profiler` with `profile_memory=True` and its
 `_memory_profiler` categories) over one real CPU training step of small zoo models (fp32,

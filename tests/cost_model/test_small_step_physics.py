@@ -1,5 +1,5 @@
-"""The per-step and per-unit terms that small models and small micro-batches expose (issue 14
-point 2), each checked against a figure derived by hand from its definition:
+"""The per-step and per-unit terms that small models and small micro-batches expose
+(docs/fidelity.md), each checked against a figure derived by hand from its definition:
 
 - ZeRO-3 runs one all-gather per FSDP unit for forward, one for backward and one
   reduce-scatter per unit, each paying its own latency (not one collective per stage);

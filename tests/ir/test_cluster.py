@@ -1,7 +1,8 @@
 """Cluster files, presets, units, errors, topology queries and the hardware tables.
 
-Expected numbers are computed by hand from shared/reference/hardware.md (one direction = the
-bidirectional figure / 2; 1 Gb/s = 1e9 / 8 bytes/s; memory in GiB, see meshplan.ir.hardware).
+Expected numbers are computed by hand from the vendor datasheets that `meshplan.ir.hardware`
+cites (one direction = the bidirectional figure / 2; 1 Gb/s = 1e9 / 8 bytes/s; memory in GiB,
+see meshplan.ir.hardware).
 """
 
 from __future__ import annotations

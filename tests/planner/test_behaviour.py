@@ -1,7 +1,7 @@
-"""What the planner chooses, in situations whose right answer an expert knows (issue 4, item 7).
+"""What the planner chooses, in situations whose right answer an expert knows.
 
-Golden behaviours compare kinds of plans, not exact assignments (STYLE.md 14): a solver may
-return another plan of the same quality. Synthetic graphs (tests/synthetic.py), all fast."""
+Golden behaviours compare kinds of plans, not exact assignments: a solver may return another
+plan of the same quality. Synthetic graphs (tests/synthetic.py), all fast."""
 
 from __future__ import annotations
 

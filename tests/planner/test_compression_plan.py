@@ -1,5 +1,5 @@
-"""The planner's compression and quantization decisions (issue 6): where coding pays, that
-allowing it never slows a plan, plan JSON round trips and old plans still load."""
+"""The planner's compression and quantization decisions (docs/compression.md): where coding
+pays, that allowing it never slows a plan, plan JSON round trips and old plans still load."""
 
 from __future__ import annotations
 

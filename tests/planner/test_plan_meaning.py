@@ -89,7 +89,7 @@ def test_layouts_load_back_unchanged(plans):
         assert Plan.from_json(plan.to_json()).to_json() == plan.to_json()
 
 
-# -- the edits, each refused naming its field ----------------------------------------
+# -- hand edits of a plan file, each refused naming its field --------------------------------
 
 EDITS = [
     # (layout, path, value, words the one-line refusal must contain)
