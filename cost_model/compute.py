@@ -22,7 +22,7 @@ planner's inner loop free of per-op Python.
 Efficiencies are per GPU type (`KERNEL_EFFICIENCY`), each with the source or the published
 runs that set it; docs/fidelity.md has the results against those runs.
 
-Learned op times (issue 7, docs/op_latency.md): when the shipped learned latency model
+Learned op times (docs/op_latency.md): when the shipped learned latency model
 (`learned.load_for_device`) was trained on measurements of the GPU type (device descriptor
 name, e.g. "CPU" for the `cpu` cluster preset), `block_compute` prices every op with it
 instead: the learned time splits into work (physics roofline / learned efficiency, never
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 from meshplan.ir import DTYPE_BYTES, Block, GpuSpec, Op, OpKind, TensorMeta
 from meshplan.passes.fusion import fusion_regions
-from meshplan.passes.sharding import row_parallel_ops
+from meshplan.passes.sharding import TpRole, tp_sharding
 
 from .engine import EAGER, Engine
 from .features import essential_bytes
@@ -675,7 +675,8 @@ def block_compute(block: Block, gpu: GpuSpec, dtype: str, engine: Engine = EAGER
     n_fwd = n_bwd = n_sel = 0
     rows = set()  # row-parallel projections (prologue / epilogue matmuls are column-parallel)
     if block.kind == "layer":
-        rows = {id(op) for op in row_parallel_ops(block, _block_hidden(block))}
+        sharding = tp_sharding(block, _block_hidden(block))  # the roles the runtime shards by
+        rows = {id(op) for op in sharding.ops(block, TpRole.ROW)}
     regions = {r.ops[0]: r for r in fusion_regions(block)} if engine.fused else {}
     fused = {i for r in regions.values() for i in r.ops}
     gemms: list[GemmTerm] = []

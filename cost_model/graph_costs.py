@@ -23,7 +23,7 @@ from meshplan.ir import (
 from meshplan.passes.partition import (
     rank_chunks,
 )
-from meshplan.passes.sharding import row_parallel_ops
+from meshplan.passes.sharding import TpRole, tp_sharding
 
 from .collectives import (
     Collective,
@@ -116,8 +116,9 @@ def loss_collectives(head: Op, *, vocab_parallel: bool = True) -> tuple[TpCollec
 
 
 def _tp_collectives(block: Block, hidden: int) -> tuple[TpCollective, ...]:
-    """Megatron-LM tensor parallelism (Shoeybi et al. 2019): every row-parallel projection
-    (`meshplan.passes.sharding.row_parallel_ops`) all-reduces its output in forward and its
+    """Megatron-LM tensor parallelism (Shoeybi et al. 2019), priced by the role the sharding
+    pass gave each op (`passes.sharding.tp_sharding`): every row-parallel projection
+    (ROW) all-reduces its output in forward and its
     column-parallel partner's input gradient in backward; MoE experts count their down
     projection once per block (the MoE is one region: its tokens enter and its combined
     output leaves, the size of the block output; under EP x TP see `Pricer.tp_collectives`).
@@ -125,14 +126,16 @@ def _tp_collectives(block: Block, hidden: int) -> tuple[TpCollective, ...]:
     plus a reduce-scatter of the same volume (Korthikanti et al. 2022). In the prologue the
     vocab-parallel embedding reduces its output (under SP: reduce-scatters it to the sequence
     shards in forward and all-gathers its gradient in backward, Megatron's
-    `reduce_scatter_to_sequence_parallel_region`); in the epilogue the column-parallel LM head
+    `reduce_scatter_to_sequence_parallel_region`; VOCAB; a replicated table of learned
+    positions moves nothing); in the epilogue the column-parallel LM head (LM_HEAD)
     reduces its input gradient (and gathers its sequence-sharded input under SP), and the loss
     runs vocab-parallel on its sharded logits (`loss_collectives`)."""
     AR, AG, RS = Collective.ALL_REDUCE, Collective.ALL_GATHER, Collective.REDUCE_SCATTER
     out: list[TpCollective] = []
+    sharding = tp_sharding(block, hidden)
     if block.kind == "layer":
         experts_counted = False
-        for op in row_parallel_ops(block, hidden):
+        for op in sharding.ops(block, TpRole.ROW):
             if op.kind == OpKind.EXPERTS:
                 if experts_counted:
                     continue
@@ -147,29 +150,15 @@ def _tp_collectives(block: Block, hidden: int) -> tuple[TpCollective, ...]:
     for op in block.ops:
         if not op.params or not op.outputs or not op.outputs[0].shape:
             continue
-        if op.kind == OpKind.EMBEDDING:
+        role = sharding.roles.get(op.name)
+        if role is TpRole.VOCAB:
             out.append(TpCollective("fwd", op.outputs[0].nbytes, (RS,), (AR,)))
             out.append(TpCollective("bwd", op.outputs[0].nbytes, (AG,), ()))
-        elif is_lm_head(op, hidden):
+        elif role is TpRole.LM_HEAD:
             out.append(TpCollective("fwd", op.inputs[0].nbytes, (AG,), ()))
             out.append(TpCollective("bwd", op.inputs[0].nbytes, (RS,), (AR,)))
             out += loss_collectives(op)
     return tuple(out)
-
-
-def is_lm_head(op: Op, hidden: int) -> bool:
-    """True for a column-parallel projection outside the layers that maps the hidden state to
-    another width (the LM head, vocab-parallel under TP)."""
-    return bool(
-        op.params
-        and op.kind == OpKind.MATMUL
-        and op.outputs
-        and op.outputs[0].shape
-        and op.outputs[0].shape[-1] != hidden
-        and op.inputs
-        and op.inputs[0].shape
-        and op.inputs[0].shape[-1] == hidden
-    )
 
 
 def _kv_bytes(op: Op) -> int:

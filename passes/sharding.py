@@ -1,24 +1,36 @@
-"""Tensor-parallel parameter placements (Megatron-LM rules) read off the operator IR.
+"""Tensor-parallel sharding read off the operator IR: one rule per op kind, one role per op.
 
-Pass: `tp_param_placements(graph) -> tuple[(key, placement), ...]`
+Pass: `tp_sharding(block, hidden) -> BlockSharding`; `tp_param_placements(graph) -> tuple[(key,
+  placement), ...]` for every block.
 Requires: a traced Graph whose MATMUL/EXPERTS/EMBEDDING ops list the parameters they read and
   whose `info.hidden` is known.
-Ensures: one placement on the tp mesh axis for every parameter of every block, keyed
-  `"<block>:<param name relative to the unit>"`, rendered compactly (`S(0)`, `R`).
+Ensures: every parameterised op of a block gets a `TpRole` and every parameter one placement
+  on the tp mesh axis, keyed `"<block>:<param name relative to the unit>"` and rendered
+  compactly (`S(0)`, `R`). The cost model prices each role's collectives
+  (`cost_model.graph_costs`, `compute`) and the runtime shards by the placements the plan
+  records (`runtime.tensor_parallel`): one decision, three readers.
 
-The rules (Shoeybi et al. 2019, "Megatron-LM", Sec. 3): inside a layer, the projections that
-close a parallel region (attention output, MLP down; see `row_parallel_ops`) are
-*row-parallel*: the weight is
-split along its input features and its output is a partial sum (one all-reduce, or a
-reduce-scatter under sequence parallelism). Every other projection (q/k/v, MLP up/gate) is
-*column-parallel*: its weight is split along its output features and needs no communication.
-The embedding and the LM head are split along the vocabulary (a table of learned positions,
-an embedding indexed by positions, is replicated, as are convolutions). Norm weights and MoE router
-gates are replicated; stacked expert weights `(experts, in, out)` follow the same column/row
-rule on their last two dims (expert parallelism, when used, splits dim 0 on the ep axis).
-An expert bias added by its own op right after a column-parallel expert GEMM (GPT-style
-`b_up`, `(experts, 1, ffn)`) is split with that GEMM's output (its last dim); one after a
-row-parallel expert GEMM (`b_down`) is replicated (added once, after the reduction).
+The rules (Shoeybi et al. 2019, "Megatron-LM", Sec. 3), registered per op kind with
+`sharding_rule` (in the spirit of DTensor's per-op sharding strategies):
+
+- projections (MATMUL, EXPERTS): inside a layer, those that close a parallel region (attention
+  output, MLP down; `row_parallel_ops`) are *row-parallel* (ROW): the weight is split along
+  its input features and the output is a partial sum (one all-reduce, or a reduce-scatter
+  under sequence parallelism); a bias is added once, after the reduction (replicated). Every
+  other projection (q/k/v, MLP up/gate) is *column-parallel* (COLUMN): the weight is split
+  along its output features, a bias with it, and no communication is needed. Outside the
+  layers a projection from the model width to another width is the LM head (LM_HEAD:
+  column-parallel, vocab-sharded logits). A convolution (a patch embedding) is replicated.
+  Stacked expert weights `(experts, in, out)` follow the same column/row rule on their last
+  two dims (expert parallelism, when used, splits dim 0 on the ep axis).
+- embeddings: a vocabulary is split along its rows (VOCAB: the output is a partial sum); a
+  table of learned positions, looked up with an arange (`ir.facts`), is replicated
+  (POSITIONS).
+- an expert bias added by its own ELEMENTWISE op right after a column-parallel expert GEMM
+  (GPT-style `b_up`, `(experts, 1, ffn)`) is split with that GEMM's output (its last dim); one
+  after a row-parallel expert GEMM (`b_down`) is replicated.
+- everything else (norm weights, MoE router gates, biases added by a separate op) is
+  replicated.
 
 Which weight dim holds the output features is read from shapes: `nn.Linear` stores
 `(out, in)`, GPT-2's `Conv1D` stores `(in, out)`.
@@ -26,8 +38,23 @@ Which weight dim holds the output features is read from shapes: `nn.Linear` stor
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
 from meshplan.ir.graph import Block, Graph, Op, OpKind, Param
 from meshplan.ir.placement import Placement, Replicate, Shard
+
+
+class TpRole(enum.StrEnum):
+    """What tensor parallelism makes of one parameterised op (module docstring)."""
+
+    COLUMN = "column"  # weight split on its output features; output sharded, no communication
+    ROW = "row"  # weight split on its input features; output a partial sum
+    LM_HEAD = "lm_head"  # column-parallel outside the layers: vocab-sharded logits
+    VOCAB = "vocab"  # embedding split on its vocabulary; output a partial sum
+    POSITIONS = "positions"  # a table of learned positions: replicated
+    REPLICATED = "replicated"  # convolutions and the rest: replicated, no communication
 
 
 def row_parallel_ops(block: Block, hidden: int) -> tuple[Op, ...]:
@@ -73,48 +100,155 @@ def _linear_placement(weight: Param, op: Op, row_parallel: bool) -> Placement:
     return Shard(in_dim) if row_parallel else Shard(out_dim)
 
 
+@dataclass(frozen=True, slots=True)
+class OpSharding:
+    """One op's role and the placements of the parameters it decides (others: replicated)."""
+
+    role: TpRole | None  # None: the op decides parameters but has no role of its own
+    params: tuple[tuple[str, Placement], ...] = ()
+
+
+@dataclass(slots=True)
+class _Walk:
+    """What a rule may read while the ops of one block are walked in order."""
+
+    block: Block
+    hidden: int
+    rows: frozenset[str]  # names of the row-parallel projections (`row_parallel_ops`)
+    params: dict[str, Param]
+    decided: dict[str, Placement] = field(default_factory=dict)
+    column_experts: Op | None = None  # the op before was a column-parallel expert GEMM
+
+
+Rule = Callable[[Op, _Walk], OpSharding | None]
+RULES: dict[OpKind, Rule] = {}
+
+
+def sharding_rule(*kinds: OpKind) -> Callable[[Rule], Rule]:
+    """Register the rule that shards ops of `kinds` (one rule per kind)."""
+
+    def register(rule: Rule) -> Rule:
+        for kind in kinds:
+            assert kind not in RULES, f"two sharding rules for {kind}"
+            RULES[kind] = rule
+        return rule
+
+    return register
+
+
+def _new_params(op: Op, walk: _Walk) -> list[Param]:
+    """The parameters `op` reads that no earlier op of the block decided."""
+    return [walk.params[n] for n in op.params if n in walk.params and n not in walk.decided]
+
+
+@sharding_rule(OpKind.EMBEDDING)
+def _embedding(op: Op, walk: _Walk) -> OpSharding:
+    """A vocabulary is split on its rows; a table of learned positions is replicated."""
+    if op.attr("positions"):
+        return OpSharding(
+            TpRole.POSITIONS, tuple((p.name, Replicate()) for p in _new_params(op, walk))
+        )
+    return OpSharding(TpRole.VOCAB, tuple((p.name, Shard(0)) for p in _new_params(op, walk)))
+
+
+@sharding_rule(OpKind.MATMUL, OpKind.EXPERTS)
+def _projection(op: Op, walk: _Walk) -> OpSharding:
+    """Row- or column-parallel by `row_parallel_ops`; the LM head; convolutions replicated."""
+    new = _new_params(op, walk)
+    if op.target.startswith("aten.convolution"):
+        return OpSharding(TpRole.REPLICATED, tuple((p.name, Replicate()) for p in new))
+    row = op.name in walk.rows
+    if row:
+        role = TpRole.ROW
+    elif walk.block.kind != "layer" and is_lm_head(op, walk.hidden):
+        role = TpRole.LM_HEAD
+    else:
+        role = TpRole.COLUMN
+    out = []
+    for p in new:
+        if len(p.shape) >= 2:
+            out.append((p.name, _linear_placement(p, op, row)))
+        elif len(p.shape) == 1:  # a bias: split with a column output, added once after a row
+            out.append((p.name, Replicate() if row else Shard(0)))
+    return OpSharding(role, tuple(out))
+
+
+@sharding_rule(OpKind.ELEMENTWISE)
+def _bias_after_experts(op: Op, walk: _Walk) -> OpSharding | None:
+    """An expert bias added right after a column-parallel expert GEMM: split with its output."""
+    if walk.column_experts is None:
+        return None
+    width = walk.column_experts.outputs[0].shape[-1]
+    return OpSharding(
+        None,
+        tuple(
+            (p.name, Shard(len(p.shape) - 1))
+            for p in _new_params(op, walk)
+            if p.shape and p.shape[-1] == width
+        ),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class BlockSharding:
+    """`tp_sharding` of one block: each parameterised op's role, each parameter's placement."""
+
+    roles: dict[str, TpRole]  # op name -> role
+    placements: dict[str, Placement]  # parameter name -> placement
+
+    def ops(self, block: Block, role: TpRole) -> list[Op]:
+        """The ops of `block` with `role`, in block order."""
+        return [op for op in block.ops if self.roles.get(op.name) is role]
+
+
+def tp_sharding(block: Block, hidden: int) -> BlockSharding:
+    """Walk `block`'s ops in order, each through the rule registered for its kind (`RULES`)."""
+    walk = _Walk(
+        block,
+        hidden,
+        frozenset(op.name for op in row_parallel_ops(block, hidden)),
+        {p.name: p for p in block.params},
+    )
+    roles: dict[str, TpRole] = {}
+    for op in block.ops:
+        rule = RULES.get(op.kind)
+        got = rule(op, walk) if rule is not None and op.params else None
+        if got is not None:
+            if got.role is not None:
+                roles[op.name] = got.role
+            walk.decided.update(got.params)
+        walk.column_experts = (
+            op
+            if op.kind is OpKind.EXPERTS
+            and op.name not in walk.rows
+            and op.outputs
+            and op.outputs[0].shape
+            else None
+        )
+    placements = {n: walk.decided.get(n, Replicate()) for n in walk.params}
+    return BlockSharding(roles, placements)
+
+
+def is_lm_head(op: Op, hidden: int) -> bool:
+    """A projection that maps the hidden state to another width (outside the layers: the LM
+    head, vocab-parallel under TP)."""
+    return bool(
+        op.params
+        and op.kind == OpKind.MATMUL
+        and op.outputs
+        and op.outputs[0].shape
+        and op.outputs[0].shape[-1] != hidden
+        and op.inputs
+        and op.inputs[0].shape
+        and op.inputs[0].shape[-1] == hidden
+    )
+
+
 def tp_param_placements(graph: Graph) -> tuple[tuple[str, str], ...]:
     """Placement of every block parameter on the tensor-parallel axis (see module doc)."""
     hidden = graph.info.hidden
     result: dict[str, str] = {}
     for key, block in graph.blocks:
-        params = {p.name: p for p in block.params}
-        rows = {op.name for op in row_parallel_ops(block, hidden)}
-        decided: dict[str, Placement] = {}
-        column_experts: Op | None = None  # the last op was a column-parallel expert GEMM
-        for op in block.ops:
-            for name in op.params:
-                p = params.get(name)
-                if p is None or name in decided:
-                    continue
-                if column_experts is not None and op.kind is OpKind.ELEMENTWISE:
-                    width = column_experts.outputs[0].shape[-1]
-                    if p.shape and p.shape[-1] == width:  # its bias: split with its output
-                        decided[name] = Shard(len(p.shape) - 1)
-                    continue
-                if op.kind is OpKind.EMBEDDING:
-                    # A vocabulary is split (vocab-parallel embedding); a table of learned
-                    # positions (indexed by an arange, `ir.facts`) is replicated.
-                    decided[name] = Replicate() if op.attr("positions") else Shard(0)
-                elif op.target.startswith("aten.convolution"):
-                    decided[name] = Replicate()  # a convolution (patch embedding): replicated
-                elif op.kind in (OpKind.MATMUL, OpKind.EXPERTS) and len(p.shape) >= 2:
-                    decided[name] = _linear_placement(p, op, op.name in rows)
-                elif op.kind in (OpKind.MATMUL, OpKind.EXPERTS) and len(p.shape) == 1:
-                    # A bias: split with the output of a column-parallel projection; added
-                    # once after the reduction of a row-parallel one.
-                    decided[name] = Replicate() if op.name in rows else Shard(0)
-            column_experts = (
-                op
-                if op.kind is OpKind.EXPERTS
-                and op.name not in rows
-                and op.outputs
-                and op.outputs[0].shape
-                else None
-            )
-        # Biases consumed by a separate add op, norms, router gates: replicated.
-        for name in params:
-            decided.setdefault(name, Replicate())
-        for name in sorted(decided):
-            result[f"{key}:{name}"] = str(decided[name])
+        for name, placement in tp_sharding(block, hidden).placements.items():
+            result[f"{key}:{name}"] = str(placement)
     return tuple(sorted(result.items()))

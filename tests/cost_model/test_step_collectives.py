@@ -11,18 +11,16 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import meshplan
 import pytest
+import torch
 from meshplan import Cluster
 from meshplan.cost_model.collectives import Collective
 from meshplan.cost_model.compression import RUNTIME_CODED_AXES, CommOptions, choose
-from meshplan.cost_model.graph_costs import (
-    LOSS_BYTES_PER_TOKEN,
-    is_lm_head,
-    loss_collectives,
-    model_costs,
-)
+from meshplan.cost_model.graph_costs import LOSS_BYTES_PER_TOKEN, loss_collectives, model_costs
 from meshplan.cost_model.memory import GRAD_BYTES  # bf16 gradients: the graph is bf16
 from meshplan.cost_model.pricer import pricer_for
+from meshplan.passes.sharding import is_lm_head
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from synthetic import transformer_graph  # noqa: E402
@@ -126,3 +124,18 @@ def test_moe_router_gradients_are_reduced_over_tp_with_or_without_sp():
     assert pricer.sp_grad_sync(comp, tp=1, sp=True) == ()
     layer = next(k for k in costs.unit_keys if costs.facts[k].kind == "layer")
     assert costs.facts[layer].memory.params_rep == 2 * HIDDEN + experts * HIDDEN
+
+
+def test_a_position_table_moves_nothing_under_tp():
+    """Only the vocabulary-parallel token embedding reduces its output over tp (Megatron's
+    prologue: one all-reduce, or a reduce-scatter under SP, and its backward all-gather); the
+    replicated table of learned positions is added after it and moves nothing."""
+    cfg = dict(layers=2, hidden=32, heads=4, ffn=64, vocab=64, seq_len=8)
+    model, _ = meshplan.models.transformer(style="gpt", dtype="float32", micro_batch=1, **cfg)
+    example = torch.zeros(1, 8, dtype=torch.long, device="meta")
+    graph = meshplan.trace(model, example, example)
+    costs = model_costs(graph)
+    prologue = next(k for k, b in graph.blocks if b.kind == "prologue")
+    output = 1 * 8 * 32 * 4  # the token embedding's output: batch x seq x hidden, fp32
+    got = [(c.phase, c.size_bytes) for c in costs.facts[prologue].tp_collectives]
+    assert got == [("fwd", output), ("bwd", output)]

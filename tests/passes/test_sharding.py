@@ -4,6 +4,7 @@ import meshplan
 import pytest
 import torch
 import torch.nn.functional as F
+from meshplan.ir.graph import OpKind
 from meshplan.ir.placement import Partial, Replicate, Shard, parse_placement
 from meshplan.passes.sharding import tp_param_placements
 
@@ -119,3 +120,29 @@ def test_stacked_experts_follow_the_column_row_rule_biases_too():
         act = F.gelu(torch.bmm(x, shard["w_up"]) + shard["b_up"], approximate="tanh")
         out += torch.bmm(act, shard["w_down"]) + (shard["b_down"] if r == 0 else 0)
     torch.testing.assert_close(out, full, rtol=1e-4, atol=1e-4)
+
+
+def test_each_op_gets_one_role_from_the_rule_of_its_kind():
+    """The registry: one rule per op kind. On a GPT-style model (learned positions, tied
+    embeddings, biases) the roles are Megatron's, by hand: q/k/v and up column-parallel, the
+    attention output and down row-parallel, the token table split on the vocabulary, the
+    position table replicated, the tied head vocab-parallel."""
+    from meshplan.passes.sharding import RULES, TpRole, tp_sharding
+
+    assert set(RULES) == {OpKind.EMBEDDING, OpKind.MATMUL, OpKind.EXPERTS, OpKind.ELEMENTWISE}
+    cfg = dict(layers=2, hidden=32, heads=4, ffn=64, vocab=64, seq_len=8)
+    model, _ = meshplan.models.transformer(style="gpt", dtype="float32", micro_batch=1, **cfg)
+    example = torch.zeros(1, 8, dtype=torch.long, device="meta")
+    graph = meshplan.trace(model, example, example)
+    blocks = dict(graph.blocks)
+    by_kind = {b.kind: (k, b) for k, b in graph.blocks}
+
+    def roles(kind):
+        key, block = by_kind[kind]
+        sharding = tp_sharding(blocks[key], graph.info.hidden)
+        return [sharding.roles[op.name] for op in block.ops if op.name in sharding.roles]
+
+    C, R = TpRole.COLUMN, TpRole.ROW
+    assert roles("layer") == [C, C, C, R, C, R]  # q, k, v, o; up, down
+    assert sorted(roles("prologue")) == sorted([TpRole.VOCAB, TpRole.POSITIONS])
+    assert roles("epilogue") == [TpRole.LM_HEAD]

@@ -245,8 +245,9 @@ def expected_tp(plan, graph_, pp_rank: int, m: int, *, vocab_parallel: bool = Tr
     the routing (uneven all-to-alls on the tp group, checked by volume in
     test_parity_moe_tp.py); left out here, replaced by what stays exact: per MoE layer and
     forward, one all-gather of the E per-expert row counts (tp x E values)."""
-    from meshplan.cost_model.graph_costs import is_lm_head, loss_collectives, model_costs
+    from meshplan.cost_model.graph_costs import loss_collectives, model_costs
     from meshplan.cost_model.pricer import pricer_for
+    from meshplan.passes.sharding import is_lm_head
 
     p = plan.parallel
     if p.tp == 1:
