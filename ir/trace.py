@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fnmatch
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -1123,6 +1124,7 @@ def _trace(
     )
     report("lowering", advance=1)
     graph = lower(record, _pointwise_packets(cap))
+    graph = with_declared_tp_roles(graph, model)
     blocker = sequence_sharding_blocker(model, graph.info.seq_len)
     blockers = model_blockers(model, graph, cap.flow, layer_names, not blocker)
     reads = cap.flow.position_reads
@@ -1139,6 +1141,49 @@ def _trace(
         graph = dataclasses.replace(graph, info=info)
     report(graph.summary())
     return graph
+
+
+# Roles a model may declare for its projections (`meshplan_tp_roles`), as `passes.sharding`
+# names them.
+DECLARABLE_TP_ROLES = ("column", "row", "replicated")
+
+
+def with_declared_tp_roles(graph: Graph, model: nn.Module) -> Graph:
+    """`graph` with the tensor-parallel roles `model` declares for its parameters: a dict
+    `model.meshplan_tp_roles` of parameter-name patterns (fnmatch, on names relative to a
+    repeated layer, e.g. "mlp.down_proj.weight", or to the model outside the layers) to
+    "column", "row" or "replicated", as torchtitan declares a plan per model. Each op reading a
+    matching parameter gets the attr `tp_role`, which `passes.sharding` applies in place of its
+    own rule (for models whose projections its op-order rule misreads: an MLP whose inner
+    width equals the model width). A bad role is a `TraceError` naming the pattern."""
+    declared = getattr(model, "meshplan_tp_roles", None)
+    if not declared:
+        return graph
+    if not isinstance(declared, dict):
+        raise TraceError(
+            f"{type(model).__name__}.meshplan_tp_roles must be a dict of parameter-name "
+            f"patterns to roles, got {type(declared).__name__}"
+        )
+    for pattern, role in declared.items():
+        if role not in DECLARABLE_TP_ROLES:
+            raise TraceError(
+                f"{type(model).__name__}.meshplan_tp_roles[{pattern!r}] = {role!r}: roles are "
+                + ", ".join(DECLARABLE_TP_ROLES)
+            )
+    blocks = []
+    for key, block in graph.blocks:
+        ops = []
+        for op in block.ops:
+            role = next(
+                (r for pat, r in declared.items() for n in op.params if fnmatch.fnmatch(n, pat)),
+                None,
+            )
+            if role is not None:
+                attrs = tuple(sorted({**dict(op.attrs), "tp_role": role}.items()))
+                op = dataclasses.replace(op, attrs=attrs)
+            ops.append(op)
+        blocks.append((key, dataclasses.replace(block, ops=tuple(ops))))
+    return dataclasses.replace(graph, blocks=tuple(blocks))
 
 
 def model_blockers(

@@ -31,6 +31,9 @@ The rules (Shoeybi et al. 2019, "Megatron-LM", Sec. 3), registered per op kind w
   after a row-parallel expert GEMM (`b_down`) is replicated.
 - everything else (norm weights, MoE router gates, biases added by a separate op) is
   replicated.
+- a model may declare a projection's role itself (`meshplan_tp_roles`, recorded on its ops as
+  `tp_role` by the tracer, `ir.trace.with_declared_tp_roles`): "row", "column" or
+  "replicated" then replaces the op-order rule, as torchtitan's per-model plans do.
 
 Which weight dim holds the output features is read from shapes: `nn.Linear` stores
 `(out, in)`, GPT-2's `Conv1D` stores `(in, out)`.
@@ -153,11 +156,13 @@ def _embedding(op: Op, walk: _Walk) -> OpSharding:
 
 @sharding_rule(OpKind.MATMUL, OpKind.EXPERTS)
 def _projection(op: Op, walk: _Walk) -> OpSharding:
-    """Row- or column-parallel by `row_parallel_ops`; the LM head; convolutions replicated."""
+    """Row- or column-parallel by `row_parallel_ops`, or as the model declares it (the op's
+    `tp_role`, `ir.trace.with_declared_tp_roles`); the LM head; convolutions replicated."""
     new = _new_params(op, walk)
-    if op.target.startswith("aten.convolution"):
+    declared = op.attr("tp_role")
+    if declared == "replicated" or op.target.startswith("aten.convolution"):
         return OpSharding(TpRole.REPLICATED, tuple((p.name, Replicate()) for p in new))
-    row = op.name in walk.rows
+    row = declared == "row" if declared else op.name in walk.rows
     if row:
         role = TpRole.ROW
     elif walk.block.kind != "layer" and is_lm_head(op, walk.hidden):
@@ -203,12 +208,13 @@ class BlockSharding:
 
 def tp_sharding(block: Block, hidden: int) -> BlockSharding:
     """Walk `block`'s ops in order, each through the rule registered for its kind (`RULES`)."""
-    walk = _Walk(
-        block,
-        hidden,
-        frozenset(op.name for op in row_parallel_ops(block, hidden)),
-        {p.name: p for p in block.params},
-    )
+    rows = {op.name for op in row_parallel_ops(block, hidden)}
+    for op in block.ops:  # a role the model declares wins over the op-order rule
+        if op.attr("tp_role") == "row":
+            rows.add(op.name)
+        elif op.attr("tp_role") is not None:
+            rows.discard(op.name)
+    walk = _Walk(block, hidden, frozenset(rows), {p.name: p for p in block.params})
     roles: dict[str, TpRole] = {}
     for op in block.ops:
         rule = RULES.get(op.kind)

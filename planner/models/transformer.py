@@ -312,6 +312,11 @@ class Transformer(nn.Module):
             else nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
         )
         self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        if cfg.ffn == cfg.hidden:
+            # The MLP's inner width is the model width, so the sharding pass's op-order rule
+            # (a projection fed by another width closes a region) cannot see that down_proj is
+            # row-parallel: the model says so (`ir.trace.with_declared_tp_roles`).
+            self.meshplan_tp_roles = {"*down_proj.weight": "row"}
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         if cfg.style == "llama":

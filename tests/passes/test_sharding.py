@@ -146,3 +146,28 @@ def test_each_op_gets_one_role_from_the_rule_of_its_kind():
     assert roles("layer") == [C, C, C, R, C, R]  # q, k, v, o; up, down
     assert sorted(roles("prologue")) == sorted([TpRole.VOCAB, TpRole.POSITIONS])
     assert roles("epilogue") == [TpRole.LM_HEAD]
+
+
+def _traced(model, seq=8):
+    example = torch.zeros(1, seq, dtype=torch.long, device="meta")
+    return meshplan.trace(model, example, example)
+
+
+def test_a_model_declares_the_roles_the_op_order_rule_cannot_read():
+    """An MLP whose inner width is the model width: by op order its down projection looks like
+    an input projection (column), which a tp rank cannot run. The zoo declares it row-parallel
+    (`meshplan_tp_roles`), and a user model can declare any projection's role the same way."""
+    cfg = dict(layers=2, hidden=32, heads=4, kv_heads=2, ffn=32, vocab=64, seq_len=8)
+    model, _ = meshplan.models.transformer(dtype="float32", micro_batch=1, device="meta", **cfg)
+    placements = dict(tp_param_placements(_traced(model)))
+    assert placements["layer:mlp.down_proj.weight"] == "S(1)"  # row: input features split
+    assert placements["layer:mlp.up_proj.weight"] == "S(0)"  # column
+    model.meshplan_tp_roles = {"mlp.down_proj.weight": "replicated", "attn.o_proj.*": "row"}
+    placements = dict(tp_param_placements(_traced(model)))
+    assert placements["layer:mlp.down_proj.weight"] == "R"
+    assert placements["layer:attn.o_proj.weight"] == "S(1)"
+    model.meshplan_tp_roles = {"mlp.down_proj.weight": "rowwise"}
+    with pytest.raises(
+        meshplan.ir.TraceError, match=r"meshplan_tp_roles\['mlp.down_proj.weight'\]"
+    ):
+        _traced(model)
