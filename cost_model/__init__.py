@@ -2,8 +2,9 @@
 
 `predict` is the public entry; the modules hold the pieces (compute.py: roofline per op and
 block; collectives.py: alpha-beta per link tier; memory.py: model states and activations;
-graph_costs.py: per-graph facts; pricer.py and dp_traffic.py: per-stage times, memory and
-traffic on a cluster; simulate.py: the step-time formula over a placement).
+graph_costs.py: per-graph facts; pricer.py: per-stage times and memory on a cluster, with
+each dimension's traffic in tp_traffic.py, cp_traffic.py, ep_traffic.py, pp_traffic.py and
+dp_traffic.py; simulate.py: the step-time formula over a placement).
 """
 
 from .graph_costs import ModelCosts, model_costs

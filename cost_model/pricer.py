@@ -1,15 +1,16 @@
 """`Pricer`: the pricing pieces of one graph on one cluster for one compute dtype, cached.
 
 A stage's time per micro-batch on one device group (`StageTime`: compute, recomputation and
-its tensor-, context- and expert-parallel traffic), its memory, pipeline point-to-point
-sends, the optimizer update and the per-step synchronisations. Data-parallel traffic is in
-dp_traffic.py (`DataParallelTraffic`, a base of `Pricer`). simulate.py composes these into
-the step time.
+its tensor-, context- and expert-parallel traffic), its memory, the optimizer update and the
+per-step synchronisations. Each parallel dimension's traffic is a base of `Pricer`, one
+module each: tp_traffic.py (`TensorParallelTraffic`), cp_traffic.py
+(`ContextParallelTraffic`), ep_traffic.py (`ExpertParallelTraffic`, `EpSpan`), pp_traffic.py
+(`PipelineTraffic`: pipeline point-to-point sends) and dp_traffic.py (`DataParallelTraffic`).
+simulate.py composes these into the step time.
 """
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,14 +25,11 @@ from meshplan.ir import (
 )
 
 from .collectives import (
-    BASE_LATENCY_S,
     Collective,
     CrossPath,
     Path,
     collective_time,
     group_collective_time,
-    group_path,
-    inter_node_path,
     intra_node_path,
 )
 from .compression import (
@@ -43,15 +41,19 @@ from .compression import (
     quantized_share,
 )
 from .compute import kernel_efficiency
-from .dp_traffic import DataParallelTraffic, slower_gpu
+from .cp_traffic import ContextParallelTraffic
+from .dp_traffic import DataParallelTraffic
 from .engine import EAGER, Engine
-from .graph_costs import CACHE_SIZE, BlockFacts, Composition, ModelCosts, model_costs, moe_imbalance
+from .ep_traffic import EpSpan, ExpertParallelTraffic
+from .graph_costs import CACHE_SIZE, Composition, ModelCosts, model_costs
 from .memory import (
     StageMemory,
     precision_for,
     stage_memory,
 )
+from .pp_traffic import PipelineTraffic
 from .recompute import SelectivePolicy, recompute_forward_time
+from .tp_traffic import TensorParallelTraffic
 
 # Fraction of overlapped communication that is actually hidden behind compute (the rest slows
 # the compute down or waits). Assumption (Echo, Feng et al. 2024, and dPRO, Hu et al. MLSys'22:
@@ -85,57 +87,6 @@ GRAD_CLIP_BYTES_PER_PARAM = 12
 # ---------------------------------------------------------------------------------------------
 # Pricing pieces (per graph x cluster x dtype, cached)
 # ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class EpSpan:
-    """An expert-parallel group whose ranks sit in several device groups.
-
-    `members`: (group, ranks of the ep group in it) in rank order, at least two groups.
-    `streams`: how many such ep groups cross a shared GroupLink at once (tp * cp per spanning
-    chunk of dp ranks, summed over the pipeline stages, which run concurrently).
-    """
-
-    members: tuple[tuple[str, int], ...]
-    streams: int = 1
-
-    def __post_init__(self) -> None:
-        if len({g for g, _ in self.members}) < 2 or any(n < 1 for _, n in self.members):
-            raise ValueError(f"EpSpan needs ranks in at least two groups, got {self.members}")
-        if self.streams < 1:
-            raise ValueError(f"EpSpan streams must be >= 1, got {self.streams}")
-
-    @property
-    def ranks(self) -> int:
-        """The ep group's size."""
-        return sum(n for _, n in self.members)
-
-
-def ep_spans(replicas: Sequence[tuple[str, int]], ep: int) -> tuple[list[tuple], set[str]]:
-    """The ep groups of one stage's replicas (group, count) in placement (dp index) order:
-    ([members of each ep group that spans groups], {groups holding a whole ep group}).
-
-    An ep group is ep consecutive dp indices (`meshplan.runtime.mesh`), and dp indices are
-    numbered across the groups in placement order (`meshplan.ir.plan.assign_ranks`)."""
-    spanning: list[tuple] = []
-    whole: set[str] = set()
-    chunk: list[list] = []
-    left = ep
-    for group, count in replicas:
-        while count > 0:
-            take = min(count, left)
-            if chunk and chunk[-1][0] == group:
-                chunk[-1][1] += take
-            else:
-                chunk.append([group, take])
-            count, left = count - take, left - take
-            if left == 0:
-                if len(chunk) > 1:
-                    spanning.append(tuple((g, n) for g, n in chunk))
-                else:
-                    whole.add(chunk[0][0])
-                chunk, left = [], ep
-    return spanning, whole
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,8 +133,15 @@ class StageTime:
         )
 
 
-class Pricer(DataParallelTraffic):
-    """Caches the pricing pieces of one graph on one cluster for one compute dtype."""
+class Pricer(
+    TensorParallelTraffic,
+    ContextParallelTraffic,
+    ExpertParallelTraffic,
+    PipelineTraffic,
+    DataParallelTraffic,
+):
+    """Caches the pricing pieces of one graph on one cluster for one compute dtype; each
+    dimension's traffic is one of its bases (the module docstring)."""
 
     def __init__(
         self,
@@ -317,169 +275,6 @@ class Pricer(DataParallelTraffic):
             axis,
         )
 
-    def tp_collectives(
-        self, facts: BlockFacts, *, tp: int, cp: int, ep: int, sp: bool, scale: float
-    ) -> tuple[tuple[str, Collective, float], ...]:
-        """(phase, kind, bytes) of every TP collective of one instance of a block and one
-        micro-batch: `facts.tp_collectives` at the micro-batch's size over cp, with or without
-        SP. Under EP x TP (ep > 1, tp > 1; Megatron-Core requires SP there) the MoE experts'
-        region moves the routed rows instead of the block output: each rank all-gathers over
-        tp the rows its tp peers received from the ep all-to-all and reduce-scatters their
-        partial outputs back, in forward and again (swapped) in backward. The rows a rank
-        receives are its sequence shard's top_k x tokens / (cp x tp), at the busiest rank's
-        load (`moe_load_factor`, as `_ep_traffic`); gathered over tp that is
-        top_k x tokens / cp x hidden, i.e. `a2a_bytes` x scale / cp x the load factor."""
-        if tp <= 1:
-            return ()
-        out = []
-        for c in facts.tp_collectives:
-            if c.experts and ep > 1 and facts.a2a_bytes:
-                load = self.moe_load_factor(facts, tp=tp, cp=cp, ep=ep, sp=True, scale=scale)
-                size = facts.a2a_bytes * scale / cp * load
-                kinds = c.with_sp
-            else:
-                size = c.size_bytes * scale / cp
-                kinds = c.with_sp if sp else c.without_sp
-            out += [(c.phase, kind, size) for kind in kinds]
-        return tuple(out)
-
-    def _tp_traffic(
-        self, facts, tp, cp, sp, scale, intra: Path, gpu: GpuSpec | None = None, ep: int = 1
-    ) -> tuple[float, float]:
-        out = {"fwd": 0.0, "bwd": 0.0}
-        for phase, kind, size in self.tp_collectives(
-            facts, tp=tp, cp=cp, ep=ep, sp=sp, scale=scale
-        ):
-            if self.comm is None or gpu is None:
-                out[phase] += collective_time(kind, size, tp, intra)
-            else:
-                out[phase] += self.comm_choice(
-                    kind, size, tp, intra, gpu, "activations", "tp"
-                ).time_s
-        return out["fwd"], out["bwd"]
-
-    def cp_collectives(
-        self, facts: BlockFacts, cfg: StageConfig, scale: float
-    ) -> tuple[tuple[str, Collective, float], ...]:
-        """(phase, kind, bytes) of one block's context-parallel collectives for one micro-batch
-        of `cfg`, over the cp ranks of a tp rank (heads are TP-sharded, so / tp):
-
-        - "allgather" (and "ring", priced alike: its overlap with attention is not modelled,
-          an assumption): K and V all-gathered in forward, their gradients reduce-scattered
-          in backward; `kv_bytes` at the model's K/V heads.
-        - "heads" (DeepSpeed-Ulysses, Jacobs et al. 2023): in forward one all-to-all
-          each for q, k and v to head-sharded tensors and one for the output back; in
-          backward the same four reversed. Each moves a rank's local tensor (its sequence
-          share, / cp). K/V heads are repeated f = cp / gcd(kv heads per tp rank, cp) times
-          when cp does not divide them (the runtime's fewest copies). So head-parallel moves
-          (h/kv + f) / cp times what the all-gather does: less for full multi-head attention
-          and large cp, more for a few K/V heads at small cp."""
-        cp, tp = cfg.cp, cfg.tp
-        if cp <= 1 or not facts.kv_bytes:
-            return ()
-        if cfg.cp_mode != "heads":
-            size = facts.kv_bytes * scale / tp
-            return (("fwd", Collective.ALL_GATHER, size), ("bwd", Collective.REDUCE_SCATTER, size))
-        kv_heads = self.costs.graph.info.kv_heads // tp  # per tp rank; 0: not known
-        repeat = cp // math.gcd(kv_heads, cp) if kv_heads else 1
-        q = facts.q_bytes * scale / (tp * cp)
-        kv = facts.kv_bytes * scale / (tp * cp) * repeat / 2  # K, and V alike
-        sizes = (q, kv, kv, q)  # q, k, v in; the output (q's size) back
-        a2a = Collective.ALL_TO_ALL
-        return tuple((phase, a2a, s) for phase in ("fwd", "bwd") for s in sizes)
-
-    def _cp_traffic(self, facts, g: DeviceGroup, cfg: StageConfig, scale) -> tuple[float, float]:
-        """Context parallelism (`cp_collectives`) on the cp ranks' path: cp ranks strided by
-        tp inside g. Not overlapped with attention (ring attention would hide part:
-        an assumption, see the context-parallel rows in docs/fidelity.md)."""
-        out = {"fwd": 0.0, "bwd": 0.0}
-        collectives = self.cp_collectives(facts, cfg, scale)
-        if not collectives:
-            return 0.0, 0.0
-        path = group_path(self.cluster, g, cfg.cp, max(1, g.domain_gpus // cfg.tp))
-        for phase, kind, size in collectives:
-            ch = self.comm_choice(kind, size, cfg.cp, path, g.gpu, "activations", "cp")
-            out[phase] += ch.time_s
-        return out["fwd"], out["bwd"]
-
-    def moe_load_factor(
-        self, facts: BlockFacts, *, tp: int, cp: int, ep: int, sp: bool, scale: float
-    ) -> float:
-        """The busiest expert-parallel rank's routed rows over the mean: `Engine.moe_imbalance`
-        (capped by the capacity factor), else the balanced router's bound `moe_imbalance` for
-        the assignments of one rank's tokens (its sequence shard under SP)."""
-        share = scale / (cp * (tp if sp else 1))
-        factor = self.engine.moe_imbalance
-        if factor is None:
-            return moe_imbalance(facts.assignments * share, ep, facts.capacity_factor)
-        return min(factor, max(1.0, facts.capacity_factor))
-
-    def _ep_traffic(
-        self, facts, g: DeviceGroup, tp, cp, ep, sp, scale, span: EpSpan | None = None
-    ) -> tuple[float, float]:
-        """Expert parallelism: dispatch + combine all-to-alls of top_k * tokens * hidden in
-        forward and again in backward, over ep ranks strided by tp * cp, at the busiest rank's
-        load: the mean times the routing imbalance (`Engine.moe_imbalance`, else the balanced
-        router's bound `moe_imbalance`, capped by the capacity factor). Inside group g, or,
-        with `span`, over the groups the ep group spans (`ep_span_all_to_all`, raw)."""
-        if ep <= 1 or not facts.a2a_bytes:
-            return 0.0, 0.0
-        share = scale / (cp * (tp if sp else 1))
-        factor = self.moe_load_factor(facts, tp=tp, cp=cp, ep=ep, sp=sp, scale=scale)
-        size = facts.a2a_bytes * share * factor
-        if span is not None:
-            t = self.ep_span_all_to_all(size, span, tp=tp, cp=cp)
-            return 2 * t, 2 * t
-        path = group_path(self.cluster, g, ep, max(1, g.domain_gpus // (tp * cp)))
-        t = self.comm_choice(
-            Collective.ALL_TO_ALL, size, ep, path, g.gpu, "activations", "ep"
-        ).time_s
-        return 2 * t, 2 * t
-
-    def ep_span_all_to_all(self, size: float, span: EpSpan, *, tp: int, cp: int) -> float:
-        """One all-to-all of `size` bytes per rank (`size / n` to each of the n ranks, itself
-        included) over an ep group that spans device groups (seconds).
-
-        Derivation. Let the n = sum_g c_g ranks sit c_g in group g. A rank of g sends
-        (c_g - 1) size / n to the other ranks of g and c_h size / n to each group h != g: in
-        all (n - 1) size / n, NCCL's all-to-all bus factor. Between groups g and h the link
-        carries, in each direction, c_g c_h size / n bytes per ep group (c_g ranks sending
-        c_h size / n each); with `span.streams` ep groups crossing at once, streams times that.
-        For two groups split a | b, 2 a b size / n bytes cross (a b size / n each way) of the
-        (n - 1) size the all-to-all moves in all: a fraction 2 a b / (n (n - 1)), e.g. 16/31
-        for 16 | 16. The transfers run concurrently (one latency step, as inside a group), so
-        the time is the base latency plus one step at the slowest path's latency plus the
-        largest of
-
-        - c_g's own part: (c_g - 1) size / n over the group's path for c_g ranks (`group_path`,
-          as the all-to-all inside a group);
-        - a rank's part leaving its group: sum_h c_h size / n over its NIC share towards h
-          (`cross_group_path` with one rank per node: every rank drives its own share);
-        - a shared GroupLink between g and h (a WAN): streams c_g c_h size / n over the whole
-          link's bandwidth.
-
-        Raw traffic only (lossless coding of a spanning all-to-all is not priced)."""
-        n = span.ranks
-        per_byte, latency = 0.0, 0.0
-        for i, (a, ca) in enumerate(span.members):
-            ga = self.groups[a]
-            if ca > 1:
-                inside = group_path(self.cluster, ga, ca, max(1, ga.domain_gpus // (tp * cp)))
-                per_byte = max(per_byte, (ca - 1) / n / inside.bandwidth)
-                latency = max(latency, inside.latency)
-            out = 0.0
-            for j, (b, cb) in enumerate(span.members):
-                if b == a:
-                    continue
-                cross = self.cross_path(a, b, 1, 1)
-                out += cb / n / cross.bandwidth
-                latency = max(latency, cross.latency)
-                if j > i and cross.shared_bandwidth is not None:
-                    shared = span.streams * ca * cb / n / cross.shared_bandwidth
-                    per_byte = max(per_byte, shared)
-            per_byte = max(per_byte, out)
-        return BASE_LATENCY_S + latency + size * per_byte
-
     # -- per stage composition (group-independent) ---------------------------------------------
     def stage_memory(
         self,
@@ -527,58 +322,6 @@ class Pricer(DataParallelTraffic):
             )
         return got
 
-    def p2p(self, size: float, a: str, b: str, streams: int) -> float:
-        """Forward send + backward send of one boundary activation of `size` bytes per rank
-        between a stage on group a and the next on group b; `streams` ranks send at once."""
-        return 2 * self.p2p_choice(size, a, b, streams).time_s
-
-    def handoff(
-        self,
-        activation: float,
-        a: str,
-        tp_a: int,
-        b: str,
-        tp_b: int,
-        *,
-        pipelines: int,
-        cp: int,
-    ) -> float:
-        """Forward send + backward send of one micro-batch's boundary activation between a
-        stage whose replica sits in group a at degree tp_a and the next stage's in group b at
-        degree tp_b (seconds); `activation`: the tensor's bytes for one replica (all its cp
-        ranks), `pipelines`: how many pipelines make this hand-off at once.
-
-        Rule (Megatron's scatter/gather, Narayanan et al. SC'21 sec. 4.1, across degrees).
-        Each of the tp_a sending ranks holds the activation whole (or, under sequence
-        parallelism, its 1/tp_a sequence shard); each of the tp_b receiving ranks needs it
-        whole (or its 1/tp_b shard). It crosses once, cut into pieces: every sender sends
-        its 1/tp_a and every receiver receives its 1/tp_b, so a rank on the side with fewer
-        ranks moves activation / (cp min(tp_a, tp_b)) and sets the time, on the path
-        between the groups (`p2p`: the group's own link when a == b, else `cross_path` with
-        one rank per node, each driving its NIC share). Streams crossing a shared GroupLink
-        at once: pipelines * cp * min(tp_a, tp_b), which together carry pipelines x the
-        activation. The all-gather that re-replicates the pieces inside a receiving TP
-        group without sequence parallelism runs on that node's own link and is not priced,
-        as for equal degrees, where this is the 1/tp per rank of `simulate.plan_tables`. The
-        gradient goes back the same way with the same bytes."""
-        lanes = min(tp_a, tp_b)
-        return self.p2p(activation / (cp * lanes), a, b, pipelines * cp * lanes)
-
-    def p2p_choice(self, size: float, a: str, b: str, streams: int) -> CommChoice:
-        """One boundary send of `p2p` at its fastest allowed method."""
-        if a == b:
-            g = self.groups[a]
-            if g.domains == 1:
-                path = intra_node_path(self.cluster, g)
-            else:
-                # Consecutive stages sit in different NVLink domains (nodes): stages fill
-                # domains in order.
-                path = inter_node_path(self.cluster, g)
-        else:
-            path = self.cross_path(a, b, 1, 1).path(streams)
-        gpu = slower_gpu(self.groups[a].gpu, self.groups[b].gpu)
-        return self.comm_choice(Collective.P2P, size, 2, path, gpu, "activations", "pp")
-
     def optimizer_time(
         self, comp: Composition, group: str, *, tp: int, ep: int, dp: int, zero: int
     ) -> float:
@@ -597,35 +340,6 @@ class Pricer(DataParallelTraffic):
         return (dense + experts) * streamed / hbm
 
     # -- once per step, outside the pipeline and the DP overlap window -------------------------
-    def sp_grad_sync(
-        self, comp: Composition, *, tp: int, sp: bool, reductions: int = 1
-    ) -> tuple[tuple[Collective, float, int], ...]:
-        """The gradient all-reduces over tp of replicated parameters whose gradients are
-        partial sums over tp, at each of the step's `reductions` gradient reductions (1; m
-        under ZeRO-3, which reduce-scatters every micro-batch's gradients), as (kind, bytes,
-        ranks): one all-reduce per parameter of
-        - under sequence parallelism, each TP-replicated parameter
-          (`BlockFacts.replicated_params`: norm weights, whose gradients are partial sums of
-          each rank's tokens);
-        - with or without SP, each MoE router parameter (`BlockFacts.router_params`: under
-          expert TP the routing weights scale the experts' partial outputs, under EP x TP each
-          tp rank routes its own sequence shard).
-        torch's FSDP2 and `replicate` reduce each such `Partial` DTensor gradient before their
-        own reduction, and meshplan's runtime does the same when there is no data parallelism
-        (`runtime.tensor_parallel.reduce_partial_gradients`); Megatron-LM coalesces them into
-        one all-reduce per step (`_allreduce_layernorm_grads`, the same volume)."""
-        if tp <= 1:
-            return ()
-        out = []
-        for key, count in comp:
-            facts = self.costs.facts[key]
-            numels = (facts.replicated_params if sp else ()) + facts.router_params
-            for numel in numels:
-                out += [(Collective.ALL_REDUCE, numel * self.reduce_bytes, tp)] * (
-                    count * reductions
-                )
-        return tuple(out)
-
     def loss_sync_time(self, group: str, world: int, groups: Sequence[str] = ()) -> float:
         """The step's scalar loss all-reduce over all `world` ranks (`LOSS_SYNC_BYTES`; the
         runner returns the global mean loss on every rank, Megatron-LM averages it over the

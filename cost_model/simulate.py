@@ -153,11 +153,12 @@ from .compression import (
 )
 from .dp_traffic import CrossTraffic
 from .engine import EAGER, Engine
+from .ep_traffic import EpSpan, ep_spans
 from .graph_costs import Composition
 from .memory import (
     in_flight_microbatches,
 )
-from .pricer import OVERLAP_EFFICIENCY, EpSpan, Pricer, StageTime, ep_spans, pricer_for
+from .pricer import OVERLAP_EFFICIENCY, Pricer, StageTime, pricer_for
 
 # Schedules the planner searches (the CP-SAT model encodes their step formula) and `predict`
 # prices.

@@ -14,7 +14,7 @@ import math
 import meshplan
 import pytest
 from meshplan.cost_model import predict
-from meshplan.cost_model.pricer import ep_spans
+from meshplan.cost_model.ep_traffic import ep_spans
 from meshplan.ir import Parallel
 from meshplan.ir.cluster import GroupLink
 from meshplan.ir.hardware import link_tier
