@@ -2,8 +2,9 @@
 
 The model is written down with the step that uses it, one module per step:
 
-    solver_candidates   step 1: the sets C (configurations, `Candidate`) and L(c) (layer splits),
-                        the divisibility rules, per-group TP
+    solver_candidates   step 1: the set C (configurations, `Candidate`), the validity rules
+                        it asks (`ir.rules`), per-group TP
+    solver_splits       step 1: the layer splits L(c) of a configuration
     solver_bounds       the lower bounds of step 2, before and after a pair's tables
     solver_screen       step 2: the screen (bound, price, greedy and uneven-share placements)
     solver_model        step 3: the CP-SAT placement model of one (c, l): sets, data, variables,
@@ -75,7 +76,6 @@ from meshplan.ir import (
 from ortools.sat.python import cp_model
 
 from .solver_candidates import (
-    EXHAUSTIVE_SPLITS,
     MAX_CP,
     MAX_MICRO_BATCH,
     MAX_MICRO_BATCH_NO_PIPELINE,
@@ -104,6 +104,7 @@ from .solver_objective import (
     _Work,
 )
 from .solver_screen import SHARE_EXHAUSTIVE_DP, SHARE_WINDOW, _pair_shares, _Priced, _screen
+from .solver_splits import EXHAUSTIVE_SPLITS
 
 # What callers import from here: the entry points and the step modules' names they use
 # (`_pair_shares`: the unit test of the share search).

@@ -55,8 +55,9 @@ from .solver_bounds import (
     _split_free_memory,
     _stage_memory,
 )
-from .solver_candidates import Candidate, _splits, priced
+from .solver_candidates import Candidate, priced
 from .solver_objective import Placement, _Scorer, _Work
+from .solver_splits import _splits
 
 # Uneven DP shares: every split of dp pipelines over two groups is tried up to this dp, a
 # window of SHARE_WINDOW splits around the fastest-first one beyond it.
