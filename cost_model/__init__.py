@@ -9,14 +9,8 @@ dp_traffic.py; simulate.py: the step-time formula over a placement).
 
 from .graph_costs import ModelCosts, model_costs
 from .pricer import Pricer, pricer_for
-from .simulate import (
-    BREAKDOWN_PARTS,
-    PlanTables,
-    evaluate,
-    hetero_tables,
-    plan_tables,
-    predict,
-)
+from .simulate import BREAKDOWN_PARTS, evaluate, predict
+from .tables import PlanTables, hetero_tables, plan_tables
 
 __all__ = [
     "BREAKDOWN_PARTS",

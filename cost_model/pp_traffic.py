@@ -47,7 +47,7 @@ class PipelineTraffic:
         at once: pipelines * cp * min(tp_a, tp_b), which together carry pipelines x the
         activation. The all-gather that re-replicates the pieces inside a receiving TP
         group without sequence parallelism runs on that node's own link and is not priced,
-        as for equal degrees, where this is the 1/tp per rank of `simulate.plan_tables`. The
+        as for equal degrees, where this is the 1/tp per rank of `tables.plan_tables`. The
         gradient goes back the same way with the same bytes."""
         lanes = min(tp_a, tp_b)
         return self.p2p(activation / (cp * lanes), a, b, pipelines * cp * lanes)

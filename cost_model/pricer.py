@@ -102,7 +102,7 @@ class StageTime:
     wgrad: float = 0.0  # the weight-gradient part of `backward` (ZB-V's W)
     # ZeRO-3: the micro-batch's data-parallel collectives that nothing overlaps (the first
     # unit's all-gather and reduce-scatter, `DataParallelTraffic.dp_edge`). Set by
-    # `simulate.plan_tables`, 0 otherwise.
+    # `tables.plan_tables`, 0 otherwise.
     dp_edge: float = 0.0
 
     @property

@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 
 from meshplan.cost_model.memory import in_flight_microbatches
 from meshplan.cost_model.pricer import OVERLAP_EFFICIENCY, Pricer
-from meshplan.cost_model.simulate import PlanTables
+from meshplan.cost_model.tables import PlanTables
 from meshplan.passes.partition import replica_capacity
 
 from .solver_candidates import Candidate, priced

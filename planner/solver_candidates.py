@@ -23,7 +23,7 @@ Per-group TP (`_per_group_tp_candidates`, `Candidate.group_tp`): a configuration
 group-pure pipelines in two groups a and b at different TP degrees tp_a != tp_b (each must
 divide its own group's GPUs per node or NVLink domain: a wide TP on 8-GPU NVLink nodes next to
 2-GPU nodes, or memory-tight GPUs that need a wider TP than the others). Its tables are each
-group's own at its tp (`cost_model.simulate.hetero_tables`) with the cross-group gradient average of
+group's own at its tp (`cost_model.tables.hetero_tables`) with the cross-group gradient average of
 `Pricer.dp_cross_hetero`; it has only group-pure placements (n_a, n_b >= 1 pipelines, shares
 as in `solver_screen`, equal shares allowed even where the warm-up depth is not saturated), so
 its bounds are the share bounds. ZeRO-0 and no EP (what the runtime executes: replicas whose TP

@@ -34,12 +34,8 @@ from dataclasses import dataclass, field
 
 from meshplan.cost_model.memory import in_flight_microbatches
 from meshplan.cost_model.pricer import Pricer
-from meshplan.cost_model.simulate import (
-    PlanTables,
-    evaluate,
-    hetero_tables,
-    plan_tables,
-)
+from meshplan.cost_model.simulate import evaluate
+from meshplan.cost_model.tables import PlanTables, hetero_tables, plan_tables
 from meshplan.ir import Graph, Recompute, Schedule, microbatch_problem
 from meshplan.passes.partition import replica_capacity, stages_of
 

@@ -1,5 +1,5 @@
 """Per-stage TP layouts (`StagePlacement.group_tp` differing between stages, stages mixing
-groups: Sailor's plan shape), priced by `predict` through `simulate.layout_tables`.
+groups: Sailor's plan shape), priced by `predict` through `tables.layout_tables`.
 
 Oracles:
 - group-pure per-group TP priced the new way equals the old code path (`hetero_tables` +
@@ -22,7 +22,7 @@ from meshplan.cost_model import evaluate, hetero_tables, predict, pricer_for
 from meshplan.cost_model.collectives import BASE_LATENCY_S
 from meshplan.cost_model.memory import in_flight_microbatches
 from meshplan.cost_model.pricer import OVERLAP_EFFICIENCY
-from meshplan.cost_model.simulate import handoff_pairs, layout_tables
+from meshplan.cost_model.tables import handoff_pairs, layout_tables
 from meshplan.ir import (
     Cluster,
     DeviceGroup,
