@@ -187,6 +187,12 @@ class Case:
         return self.predicted_mem_gib / self.measured_mem_gib - 1
 
 
+def _selective(policy: str) -> dict:
+    """The engine field for a row's selective-recomputation policy: none for meshplan's own
+    keep-every-linear (the eager engine), else `Engine.selective`."""
+    return {} if policy == "keep_linear" else {"selective": policy}
+
+
 def _int(x: str) -> int | None:
     x = (x or "").strip()
     return int(float(x)) if x else None
@@ -515,8 +521,9 @@ def run_case(case: Case, cache_dir: Path | None) -> None:
         p,
         stages,
         dtype=case.dtype,
-        selective_policy=case.selective_policy,
-        engine=Engine(**case.engine),
+        # the row's selective policy is the stack's, set on the engine (a policy the row's
+        # own engine names wins); meshplan's keep-every-linear is the eager default
+        engine=Engine(**{**_selective(case.selective_policy), **case.engine}),
     )
     case.predicted_step_s = pred.step_time_s
     case.predicted_fits = pred.fits

@@ -149,7 +149,6 @@ class Pricer(
         cluster: Cluster,
         dtype: str = "bfloat16",
         comm: CommOptions | None = None,
-        selective_policy: str = "keep_linear",
         engine: Engine = EAGER,
     ) -> None:
         self.costs = costs
@@ -157,10 +156,10 @@ class Pricer(
         self.engine = engine
         self.cluster = cluster
         self.dtype = dtype
-        # How Recompute.SELECTIVE keeps outputs (recompute.SelectivePolicy): meshplan's and
-        # Megatron's keep-every-linear by default; torchtitan's op or layer policies on request.
-        # The engine's own policy, when it names one, is the stack's (`Engine.selective`).
-        self.selective_policy = SelectivePolicy(engine.selective or selective_policy).value
+        # How Recompute.SELECTIVE keeps outputs (recompute.SelectivePolicy), set only by the
+        # engine (`Engine.selective`, the stack's policy): meshplan's and Megatron's
+        # keep-every-linear unless it names torchtitan's op or layer policy.
+        self.selective_policy = SelectivePolicy(engine.selective or "keep_linear").value
         # What the planner may do to traffic (compression.py): every collective is priced at
         # its fastest allowed method (raw, lossless, int8 gradients). None: raw only.
         self.comm = comm
@@ -394,18 +393,17 @@ def pricer_for(
     cluster: Cluster,
     dtype: str | None = None,
     comm: CommOptions | None = None,
-    selective_policy: str = "keep_linear",
     engine: Engine = EAGER,
 ) -> Pricer:
-    """A cached `Pricer` for (graph, cluster, dtype, comm, selective policy, engine), by
+    """A cached `Pricer` for (graph, cluster, dtype, comm, engine), by
     identity (entries hold both objects). `dtype` None: the graph's own (`compute_dtype`)."""
     dtype = dtype or compute_dtype(graph)
-    key = (id(graph), id(cluster), dtype, comm, selective_policy, engine)
+    key = (id(graph), id(cluster), dtype, comm, engine)
     hit = _PRICER_CACHE.get(key)
     if hit is not None and hit[0] is graph and hit[1] is cluster:
         _PRICER_CACHE.move_to_end(key)
         return hit[2]
-    pricer = Pricer(model_costs(graph), cluster, dtype, comm, selective_policy, engine)
+    pricer = Pricer(model_costs(graph), cluster, dtype, comm, engine)
     _PRICER_CACHE[key] = (graph, cluster, pricer)
     while len(_PRICER_CACHE) > CACHE_SIZE:
         _PRICER_CACHE.popitem(last=False)

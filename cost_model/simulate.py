@@ -430,7 +430,6 @@ def predict(
     *,
     dtype: str | None = None,
     comm: CommOptions | None = None,
-    selective_policy: str = "keep_linear",
     engine: Engine = EAGER,
 ) -> Prediction:
     """Predict step time, throughput, MFU and per-(stage, group) peak memory of a placed config.
@@ -445,14 +444,13 @@ def predict(
     `comm` (compression.CommOptions): what
     may be done to traffic (lossless coding, int8 gradients), each collective at its fastest
     allowed method; None prices raw collectives (what published runs did).
-    `selective_policy` (`meshplan.cost_model.recompute.SelectivePolicy`): how selective
-    recomputation keeps outputs; the default is meshplan's (keep every linear). `engine`
-    (`cost_model.engine.Engine`): fused kernels, Float8 and TP overlap as other stacks run
-    them; the default is meshplan's eager runtime.
+    `engine` (`cost_model.engine.Engine`): fused kernels, Float8, TP overlap and the
+    selective-recomputation policy as other stacks run them; the default is meshplan's eager
+    runtime (selective recomputation keeps every linear).
     """
     check_parallel(graph, cluster, parallel, stages)
     p = parallel
-    pricer = pricer_for(graph, cluster, dtype, comm, selective_policy, engine)
+    pricer = pricer_for(graph, cluster, dtype, comm, engine)
     dtype = pricer.dtype
     ranges = [(st.first_unit, st.last_unit) for st in stages]
     names = tuple(

@@ -130,8 +130,8 @@ def test_tp_overlap_hides_at_most_eta_of_the_traffic():
     assert exposed(0.0, 1.0) == 0.0
     g = transformer_graph(2, 2048, 16, 16, 8192, 32000, 2048, 1)
     cluster = h100_cluster(1)
-    plain = pricer_for(g, cluster, None, None, "keep_linear", EAGER)
-    over = pricer_for(g, cluster, None, None, "keep_linear", Engine(tp_overlap=True))
+    plain = pricer_for(g, cluster, engine=EAGER)
+    over = pricer_for(g, cluster, engine=Engine(tp_overlap=True))
     cfg = StageConfig(tp=8, cp=1, ep=1, sequence_parallel=True, micro_batch=1, recompute="none")
     a, b = plain.block_time("layer", "h100", cfg), over.block_time("layer", "h100", cfg)
     bc = plain.costs.compute("layer", H100, "bfloat16")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from meshplan.cost_model import predict
+from meshplan.cost_model.engine import Engine
 from meshplan.cost_model.memory import (
     ALLOCATOR_MARGIN,
     CONTEXT_BYTES,
@@ -47,7 +48,7 @@ def stage_parts(tp=2, recompute="none", policy="keep_linear"):
     from meshplan.ir import Recompute, StageConfig
 
     g, c = graph(), h100_cluster(4)
-    pricer = pricer_for(g, c, None, None, policy)
+    pricer = pricer_for(g, c, engine=Engine(selective=policy))
     comp = pricer.costs.composition(0, len(g.units))
     cfg = StageConfig(tp, 1, 1, True, B, Recompute(recompute))
     return pricer.stage_memory(comp, cfg, dp=4, zero=0)
@@ -177,7 +178,7 @@ def _run_policy(policy: str, tp: int = 2):
         dp=4, tp=tp, pp=1, cp=1, ep=1, micro_batch=B, global_batch=4 * B, recompute="selective",
         zero=0, schedule="1f1b", sequence_parallel=True,
     )  # fmt: skip
-    pred = predict(g, c, p, place_stages(c, p, even_stages(g, 1)), selective_policy=policy)
+    pred = predict(g, c, p, place_stages(c, p, even_stages(g, 1)), engine=Engine(selective=policy))
     return dict(pred.memory[0].breakdown), pred.breakdown_dict()
 
 
