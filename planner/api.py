@@ -234,7 +234,7 @@ def complete_parallel(graph: Graph, cluster: Cluster, parallel: Parallel) -> Par
         ),
         virtual_stages=p.virtual_stages,
         quantize_activations=p.quantize_activations,
-        cp_mode=p.cp_mode,
+        cp_mode=p.cp_mode or ("allgather" if cp > 1 else None),  # complete: the mode stated
     )
 
 

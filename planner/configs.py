@@ -480,6 +480,10 @@ def _assembled(
 ) -> FrameworkConfig:
     """The `FrameworkConfig` of a read file: `Engine(**engine)` (None: eager) and
     `Parallel(**parallel)`; a value either refuses is one error naming `field` of the file."""
+    if (parallel.get("cp") or 1) > 1 and parallel.get("cp_mode") is None:
+        # torchtitan's CP all-gathers K/V (context_parallel_rotate_method's default,
+        # "allgather"); DeepSpeed has none of its own: the mode meshplan prices by default
+        parallel["cp_mode"] = "allgather"
     try:
         built = Engine(**engine) if engine is not None else EAGER
         par = Parallel(**parallel)
