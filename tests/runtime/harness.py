@@ -14,8 +14,11 @@ from collections import Counter
 import meshplan
 import torch
 import torch.nn.functional as F
+from meshplan.api import _model_ref
+from meshplan.cost_model import predict
 from meshplan.ir.parallel import StagePlacement
-from meshplan.ir.plan import assign_ranks
+from meshplan.ir.plan import SolverInfo, assign_ranks
+from meshplan.passes.sharding import tp_param_placements
 
 LR = 0.5
 STEPS = 3
@@ -49,15 +52,18 @@ def sgd(params):
     return torch.optim.SGD(params, lr=LR)
 
 
-_GRAPH = None
+_GRAPHS: dict = {}
 
 
-def graph():
-    global _GRAPH
-    if _GRAPH is None:
-        model, _ = meshplan.models.transformer(dtype="float32", micro_batch=1, **CFG)
-        _GRAPH = meshplan.trace(model, *_example(model))
-    return _GRAPH
+def graph(**model_kw):
+    """The traced graph of the tiny model, with `model_kw` overriding CFG (cached)."""
+    key = tuple(sorted(model_kw.items()))
+    if key not in _GRAPHS:
+        model, _ = meshplan.models.transformer(
+            dtype="float32", micro_batch=1, **{**CFG, **model_kw}
+        )
+        _GRAPHS[key] = meshplan.trace(model, *_example(model))
+    return _GRAPHS[key]
 
 
 def _example(model):
@@ -83,6 +89,21 @@ def make_plan(world: int, stages: tuple[int, ...] | None = None, **parallel) -> 
             plan, stages=cuts, ranks=assign_ranks(cluster, plan.parallel, cuts)
         )
     return plan
+
+
+def fixed_plan(g, cluster, p, stages) -> meshplan.Plan:
+    """The plan of a hand-made configuration `p` and `stages` of graph `g` (no solver): its
+    ranks, prediction and TP placements as the planner would write them."""
+    return meshplan.Plan(
+        model=_model_ref(g),
+        cluster=cluster,
+        parallel=p,
+        stages=stages,
+        ranks=assign_ranks(cluster, p, stages),
+        predicted=predict(g, cluster, p, stages),
+        solver=SolverInfo("fixed", 0.0, 1),
+        placements=tp_param_placements(g),
+    )
 
 
 def reference(

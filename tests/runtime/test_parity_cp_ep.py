@@ -92,21 +92,10 @@ CONFIGS_4 = {
     ),
 }
 
-_MOE_GRAPHS: dict = {}
-
 
 def _graph(model_kw):
-    """The traced graph the plan is made from (the dense one is the harness's)."""
-    if not model_kw:
-        return graph()
-    key = tuple(sorted(model_kw.items()))
-    if key not in _MOE_GRAPHS:
-        model, _ = meshplan.models.transformer(
-            dtype="float32", micro_batch=1, **{**CFG, **model_kw}
-        )
-        example = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
-        _MOE_GRAPHS[key] = meshplan.trace(model, example, example)
-    return _MOE_GRAPHS[key]
+    """The traced graph the plan is made from (`harness.graph`)."""
+    return graph(**model_kw)
 
 
 def _plan(world, fields, model_kw):

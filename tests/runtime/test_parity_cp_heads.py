@@ -39,6 +39,7 @@ from tests.runtime.harness import (
     assert_parity,
     build_model,
     check_step_collectives,
+    graph,
     group_names,
     loss_fn,
     reference,
@@ -60,19 +61,10 @@ CONFIGS_4 = {
     "cpxdp-heads": (dict(dp=2, cp=2, micro_batch=1, global_batch=4), {}),
 }
 
-_GRAPHS: dict = {}
-
 
 def _graph(model_kw):
     """The traced graph of the tiny model with `model_kw` (plans are made from it)."""
-    key = tuple(sorted(model_kw.items()))
-    if key not in _GRAPHS:
-        model, _ = meshplan.models.transformer(
-            dtype="float32", micro_batch=1, **{**CFG, **model_kw}
-        )
-        example = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
-        _GRAPHS[key] = meshplan.trace(model, example, example)
-    return _GRAPHS[key]
+    return graph(**model_kw)
 
 
 def _plan(world, fields, model_kw):

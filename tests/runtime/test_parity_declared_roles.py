@@ -10,23 +10,17 @@ parameters after every step (the harness's SGD run) on 2 gloo ranks.
 from __future__ import annotations
 
 import meshplan
-import torch
 from meshplan.runtime import run_local
 
-from tests.runtime.harness import CFG, SEQ, assert_parity, distributed_run, reference
+from tests.runtime.harness import CFG, assert_parity, distributed_run, graph, reference
 
 WIDE = dict(ffn=CFG["hidden"])  # the MLP's inner width = the model width
 
 
 def _plan():
-    model, _ = meshplan.models.transformer(
-        dtype="float32", micro_batch=1, device="meta", **{**CFG, **WIDE}
-    )
-    example = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
-    graph = meshplan.trace(model, example, example)
     cluster = meshplan.Cluster.preset("cpu", gpus=2)
     parallel = meshplan.Parallel(tp=2, micro_batch=2, global_batch=2)
-    return meshplan.estimate_plan(graph, cluster=cluster, parallel=parallel)
+    return meshplan.estimate_plan(graph(**WIDE), cluster=cluster, parallel=parallel)
 
 
 def _rank(plan):

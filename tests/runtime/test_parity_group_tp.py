@@ -19,13 +19,12 @@ from collections import Counter
 
 import meshplan
 import pytest
-from meshplan.api import _model_ref, with_chunks
+from meshplan.api import with_chunks
 from meshplan.cost_model import predict, pricer_for
 from meshplan.ir import Parallel, StagePlacement
 from meshplan.ir.cluster_io import cluster_from_dict
-from meshplan.ir.plan import Plan, SolverInfo, assign_ranks
+from meshplan.ir.plan import Plan
 from meshplan.passes.partition import even_stages
-from meshplan.passes.sharding import tp_param_placements
 from meshplan.runtime import run_local
 from meshplan.runtime.mesh import group_view
 
@@ -34,6 +33,7 @@ from tests.runtime.harness import (
     assert_parity,
     expected_loss_sync,
     expected_tp,
+    fixed_plan,
     graph,
     rank_ranges,
     reference,
@@ -83,16 +83,7 @@ def group_tp_plan(
         for i, (a, b) in enumerate(even_stages(g, p.pp))
     )
     stages = with_chunks(g, p, stages)
-    return Plan(
-        model=_model_ref(g),
-        cluster=cluster,
-        parallel=p,
-        stages=stages,
-        ranks=assign_ranks(cluster, p, stages),
-        predicted=predict(g, cluster, p, stages),
-        solver=SolverInfo("fixed", 0.0, 1),
-        placements=tp_param_placements(g),
-    )
+    return fixed_plan(g, cluster, p, stages)
 
 
 def _plans_3():

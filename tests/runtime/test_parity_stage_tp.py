@@ -22,12 +22,10 @@ import math
 from collections import Counter
 
 import pytest
-from meshplan.api import _model_ref
-from meshplan.cost_model import predict, pricer_for
+from meshplan.cost_model import pricer_for
 from meshplan.ir import Parallel, StagePlacement, group_tp_problem
-from meshplan.ir.plan import Plan, SolverInfo, assign_ranks
+from meshplan.ir.plan import Plan
 from meshplan.passes.partition import even_stages
-from meshplan.passes.sharding import tp_param_placements
 from meshplan.runtime import check_plan, run_local
 from meshplan.runtime.errors import RuntimePlanError
 from meshplan.runtime.mesh import stage_group_view
@@ -39,6 +37,7 @@ from tests.runtime.harness import (
     assert_parity,
     expected_loss_sync,
     expected_tp,
+    fixed_plan,
     graph,
     rank_ranges,
     reference,
@@ -72,16 +71,7 @@ def stage_tp_plan(layout: list[dict[str, int]], tps: list[dict[str, int]], **par
         )
         for i, (a, b) in enumerate(even_stages(g, p.pp))
     )
-    return Plan(
-        model=_model_ref(g),
-        cluster=cluster,
-        parallel=p,
-        stages=stages,
-        ranks=assign_ranks(cluster, p, stages),
-        predicted=predict(g, cluster, p, stages),
-        solver=SolverInfo("fixed", 0.0, 1),
-        placements=tp_param_placements(g),
-    )
+    return fixed_plan(g, cluster, p, stages)
 
 
 def _plans_3():
