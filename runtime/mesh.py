@@ -328,6 +328,12 @@ def group_view(plan: Plan, group: str) -> Plan:
         )
         for r in plan.ranks
     )
+    return _view(plan, p, stages, ranks)
+
+
+def _view(plan: Plan, p, stages, ranks) -> Plan:
+    """`plan` narrowed to one homogeneous part (`group_view`, `stage_group_view`): its
+    degrees, stages and ranks, and no coded traffic (the whole plan's decisions span parts)."""
     return dataclasses.replace(
         plan,
         parallel=p,
@@ -395,13 +401,7 @@ def stage_group_view(plan: Plan, stage: int, group: str) -> Plan:
         )
         for r in plan.ranks
     )
-    return dataclasses.replace(
-        plan,
-        parallel=p,
-        stages=stages,
-        ranks=ranks,
-        compression=dataclasses.replace(plan.compression, mode="off", decisions=()),
-    )
+    return _view(plan, p, stages, ranks)
 
 
 def _build_stage_meshes(plan: Plan, ranks: list[RankAssignment], device) -> RankContext:
