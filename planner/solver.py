@@ -7,6 +7,7 @@ The model is written down with the step that uses it, one module per step:
     solver_splits       step 1: the layer splits L(c) of a configuration
     solver_bounds       the lower bounds of step 2, before and after a pair's tables
     solver_screen       step 2: the screen (bound, price, greedy and uneven-share placements)
+    solver_queue        step 2: the screen's queue, the typed entries of its heap and their order
     solver_model        step 3: the CP-SAT placement model of one (c, l): sets, data, variables,
                         constraints (one method per family), objective
     solver_objective    what is optimised (`Objective`), the work budget (`_Work`), the result

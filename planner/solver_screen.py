@@ -8,9 +8,9 @@ so tables are built per distinct stage), drops those that fit in no group's memo
 with memory (`_lower_bound`, `_share_bound`) and places greedily (`_greedy_placements`, the
 warm start, and `_share_placements`) until the bound passes the best plan: nothing left can
 win. Megatron-style configurations (`_megatron_seeds`) are priced first, for an early
-incumbent. The heap holds typed entries (`_Queued`: a `_Family`, an `_Unsplit` candidate or a
-`_Pair`, ordered by bound, then enumeration index, then split); what the screen computes once
-per key lives in `_ScreenMemo`, and `_price` prices one pair.
+incumbent. The heap holds typed entries (`solver_queue`: `_Queued`, holding a `_Family`, an
+`_Unsplit` candidate or a `_Pair`, ordered by bound, then enumeration index, then split); what
+the screen computes once per key lives in `_ScreenMemo`, and `_price` prices one pair.
 
 Uneven data-parallel batch shares (`_share_placements`): besides lock-step placements (every
 replica runs m micro-batches, the model of `solver_model`), a configuration with ZeRO <= 2 may
@@ -30,7 +30,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from meshplan.cost_model.memory import in_flight_microbatches
 from meshplan.cost_model.pricer import Pricer
@@ -53,6 +53,7 @@ from .solver_bounds import (
 )
 from .solver_candidates import Candidate, priced
 from .solver_objective import Placement, _Scorer, _Work
+from .solver_queue import _families, _Family, _Pair, _Queued, _Unsplit
 from .solver_splits import _splits
 
 # Uneven DP shares: every split of dp pipelines over two groups is tried up to this dp, a
@@ -274,64 +275,6 @@ class _Priced:
     greedy_score: float
     best: tuple[float, Placement, dict | None] | None = None  # (score, placement, shares)
     factor: float = 1.0
-
-
-# The screen's queue: best-first over candidates, then over their splits. Candidates that
-# differ only in ZeRO stage and schedule form a family (`_Family`), queued under its loosest
-# member's bound and expanded into its members (`_Unsplit`) at the front; a candidate is queued
-# under a bound that holds for every split and expanded into (candidate, split) pairs (`_Pair`)
-# with their own bounds at the front; a pair is priced in full at the front (`_price`).
-
-
-@dataclass(frozen=True, slots=True)
-class _Family:
-    """Candidates that differ only in ZeRO stage and schedule, bounded once by the loosest
-    member: the least fill, ZeRO <= 2 when there is one (`_split_free_bound` is increasing in
-    the fill and only ZeRO <= 2 gets the share bound)."""
-
-    members: tuple[tuple[int, Candidate], ...]  # (enumeration index, candidate)
-
-
-@dataclass(frozen=True, slots=True)
-class _Unsplit:
-    """A candidate under its split-free bound (`_split_free_bound`), not yet expanded into its
-    splits."""
-
-    cand: Candidate
-    factor: float  # score per second of step time at best (`_Scorer.factor`)
-
-
-@dataclass(frozen=True, slots=True)
-class _Pair:
-    """A (candidate, split) pair under its own bound (`_ScreenMemo.pair_bound`; a Megatron-style
-    warm start under -1), not yet priced."""
-
-    cand: Candidate
-    split: tuple[int, ...]
-    factor: float
-
-
-@dataclass(frozen=True, slots=True, order=True)
-class _Queued:
-    """One entry of the screen's heap, ordered by (bound, index, split): the smallest score
-    bound first (warm starts at -1), ties in enumeration order (`index`: the candidate's, a
-    family's first member's), then by split (() for a family or an unsplit candidate: a
-    candidate before its pairs; a family and its members are never queued together). The
-    entry itself (`item`) is not compared."""
-
-    bound: float
-    index: int
-    split: tuple[int, ...]
-    item: _Family | _Unsplit | _Pair = field(compare=False)
-
-
-def _families(cands: list[Candidate]) -> list[_Family]:
-    """The candidates grouped by every knob but ZeRO stage and schedule, in enumeration order."""
-    families: dict[tuple, list[tuple[int, Candidate]]] = {}
-    for i, c in enumerate(cands):
-        fam = (c.stage_of(), c.pp, c.dp, c.group_tp)  # the stage config: every other knob
-        families.setdefault(fam, []).append((i, c))
-    return [_Family(tuple(members)) for members in families.values()]
 
 
 def _even_split(n_layers: int, pp: int) -> tuple[int, ...]:

@@ -638,6 +638,7 @@ _PLANNING_MODULES = (
     "meshplan.solver_objective",
     "meshplan.solver_bounds",
     "meshplan.solver_screen",
+    "meshplan.solver_queue",
     "meshplan.solver_model",
     "meshplan.cost_model.simulate",
     "meshplan.cost_model.pricer",

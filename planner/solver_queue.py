@@ -1,0 +1,71 @@
+"""Step 2 of the search (`meshplan.solver`): the screen's queue (`solver_screen._screen`), the
+typed entries of its heap and their order.
+
+The screen's queue: best-first over candidates, then over their splits. Candidates that
+differ only in ZeRO stage and schedule form a family (`_Family`), queued under its loosest
+member's bound and expanded into its members (`_Unsplit`) at the front; a candidate is queued
+under a bound that holds for every split and expanded into (candidate, split) pairs (`_Pair`)
+with their own bounds at the front; a pair is priced in full at the front (`_price`).
+
+Each entry names what it holds (`_Queued.item`: a `_Family`, an `_Unsplit` candidate or a
+`_Pair`), so no slot of a tuple changes meaning with the kind of entry. The bounds they are
+queued under, `_ScreenMemo.free_bound` (`solver_bounds._split_free_bound`) and
+`_ScreenMemo.pair_bound`, and `_price` are `solver_screen`'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .solver_candidates import Candidate
+
+
+@dataclass(frozen=True, slots=True)
+class _Family:
+    """Candidates that differ only in ZeRO stage and schedule, bounded once by the loosest
+    member: the least fill, ZeRO <= 2 when there is one (`_split_free_bound` is increasing in
+    the fill and only ZeRO <= 2 gets the share bound)."""
+
+    members: tuple[tuple[int, Candidate], ...]  # (enumeration index, candidate)
+
+
+@dataclass(frozen=True, slots=True)
+class _Unsplit:
+    """A candidate under its split-free bound (`_split_free_bound`), not yet expanded into its
+    splits."""
+
+    cand: Candidate
+    factor: float  # score per second of step time at best (`_Scorer.factor`)
+
+
+@dataclass(frozen=True, slots=True)
+class _Pair:
+    """A (candidate, split) pair under its own bound (`_ScreenMemo.pair_bound`; a Megatron-style
+    warm start under -1), not yet priced."""
+
+    cand: Candidate
+    split: tuple[int, ...]
+    factor: float
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class _Queued:
+    """One entry of the screen's heap, ordered by (bound, index, split): the smallest score
+    bound first (warm starts at -1), ties in enumeration order (`index`: the candidate's, a
+    family's first member's), then by split (() for a family or an unsplit candidate: a
+    candidate before its pairs; a family and its members are never queued together). The
+    entry itself (`item`) is not compared."""
+
+    bound: float
+    index: int
+    split: tuple[int, ...]
+    item: _Family | _Unsplit | _Pair = field(compare=False)
+
+
+def _families(cands: list[Candidate]) -> list[_Family]:
+    """The candidates grouped by every knob but ZeRO stage and schedule, in enumeration order."""
+    families: dict[tuple, list[tuple[int, Candidate]]] = {}
+    for i, c in enumerate(cands):
+        fam = (c.stage_of(), c.pp, c.dp, c.group_tp)  # the stage config: every other knob
+        families.setdefault(fam, []).append((i, c))
+    return [_Family(tuple(members)) for members in families.values()]
