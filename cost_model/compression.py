@@ -726,16 +726,16 @@ def plan_decisions(pricer, parallel, stages) -> tuple:
                 why = _axis_reason(pricer, "ep")
                 out.append(_decision(f"ep in {name}", kind, "activations", ch, why))
     crossing = sum(1 for st in stages if len(st.replicas) > 1)
-    tp = p.tp
+    tp, cfg = p.tp, p.stage()
     for st in stages:
         comp = costs.composition(st.first_unit, st.last_unit)
         groups = [g for g in order if g in dict(st.replicas)]
         if hetero:
             out += _hetero_decisions(pricer, comp, st, groups, p)
             continue
-        traffic = pricer.dp_traffic(comp, tp=tp, ep=ep, dp=dp, zero=p.zero, cp=cp)
+        traffic = pricer.dp_traffic(comp, cfg, dp=dp, zero=p.zero)
         if len(groups) == 1:
-            chosen = pricer.dp_single_choices(traffic, groups[0], tp=tp, cp=cp)
+            chosen = pricer.dp_single_choices(traffic, groups[0], cfg)
             for (kind, _, _), ch in zip(traffic.collectives, chosen):
                 out.append(
                     _decision(f"dp stage {st.index} in {groups[0]}", kind, tensor_of(kind), ch)
@@ -743,7 +743,7 @@ def plan_decisions(pricer, parallel, stages) -> tuple:
             continue
         for i, a in enumerate(groups):
             for b in groups[i + 1 :]:
-                out += _cross_decisions(pricer, traffic, st.index, a, b, tp, cp, crossing)
+                out += _cross_decisions(pricer, traffic, st.index, a, b, cfg, crossing)
     streams = tp * cp * dp
     for s in range(len(stages) - 1):
         bkey = costs.boundary_key(stages[s].last_unit)
@@ -765,8 +765,8 @@ def _hetero_decisions(pricer, comp, st, groups, p) -> list:
     (`dp_traffic.DataParallelTraffic.hetero_dp_traffic`), raw (the runtime does not code
     them); one record per group, since each group's ranks run their own number of pieces."""
     tps = {g: st.tp_of(g, p.tp) for g in groups}
-    traffic = pricer.hetero_dp_traffic(comp, tps, dp=p.dp, cp=p.cp)
-    ct = pricer.dp_cross_hetero(comp, groups[0], groups[-1], tps, dp=p.dp, cp=p.cp)
+    traffic = pricer.hetero_dp_traffic(comp, p, tps)
+    ct = pricer.dp_cross_hetero(comp, groups[0], groups[-1], p, tps)
     ch = CommChoice("raw", ct.unshared, math.inf, math.inf, 1.0, 1)
     out = []
     for g in groups:
@@ -780,10 +780,11 @@ def _hetero_decisions(pricer, comp, st, groups, p) -> list:
     return out
 
 
-def _cross_decisions(pricer, traffic, stage, a, b, tp, cp, crossing) -> list:
+def _cross_decisions(pricer, traffic, stage, a, b, cfg, crossing) -> list:
     """Cross-group DP traffic is raw or coded as a whole (`dp_traffic.CrossTraffic`); each
     collective's record shows its own methods priced on the unshared path."""
-    ct = pricer.dp_cross(traffic, a, b, tp=tp, cp=cp)
+    tp = cfg.tp
+    ct = pricer.dp_cross(traffic, a, b, cfg)
     raw = ct.raw_time(crossing)
     coded = ct.coded.raw_time(crossing) if ct.coded is not None else math.inf
     use = coded < raw

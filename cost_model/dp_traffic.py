@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 from meshplan.ir import (
     GpuSpec,
+    Parallel,
+    StageConfig,
 )
 
 from .collectives import (
@@ -88,11 +90,11 @@ class CrossTraffic:
         return raw if self.coded is None else min(raw, self.coded.raw_time(crossing_stages))
 
 
-def _dp_ranks(dp: int, cp: int, ep: int) -> tuple[int, int]:
+def _dp_ranks(cfg: StageConfig, dp: int) -> tuple[int, int]:
     """(ranks that reduce a dense parameter's gradient: dp * cp, ranks that hold the same
     experts: dp * cp / ep), as `DataParallelTraffic.dp_traffic` states."""
-    dcp = dp * cp
-    return dcp, dcp // ep if dcp >= ep else 1
+    dcp = dp * cfg.cp
+    return dcp, dcp // cfg.ep if dcp >= cfg.ep else 1
 
 
 class DataParallelTraffic:
@@ -104,8 +106,9 @@ class DataParallelTraffic:
         the training precision's (`memory.Precision.grad_bytes`)."""
         return 4 if self.engine.reduce_fp32 else self.precision.grad_bytes
 
-    def _dp_params(self, comp: Composition, *, tp: int, ep: int) -> tuple[float, float]:
-        """(dense, expert) parameters one rank holds of the blocks in `comp`."""
+    def _dp_params(self, comp: Composition, cfg: StageConfig) -> tuple[float, float]:
+        """(dense, expert) parameters one rank of `cfg` holds of the blocks in `comp`."""
+        tp, ep = cfg.tp, cfg.ep
         facts = [(self.costs.facts[k].memory, n) for k, n in comp]
         dense = sum(n * (b.params_tp / tp + b.params_rep) for b, n in facts)
         experts = sum(n * b.params_expert / (tp * ep) for b, n in facts)
@@ -114,15 +117,14 @@ class DataParallelTraffic:
     def dp_traffic(
         self,
         comp: Composition,
+        cfg: StageConfig,
         *,
-        tp: int,
-        ep: int,
         dp: int,
         zero: int,
-        cp: int = 1,
         first: str | None = None,
     ) -> DpTraffic:
-        """Per-occurrence DP collectives of a stage that overlap with its compute (gradients at
+        """Per-occurrence DP collectives of a stage of `cfg` (its tp, cp and ep) over `dp`
+        replicas at ZeRO stage `zero` that overlap with its compute (gradients at
         `reduce_bytes` per parameter, weights at the training precision's,
         `memory.Precision`): ZeRO-0 all-reduces gradients; ZeRO-1/2 reduce-scatter gradients
         and all-gather updated weights (one bucketed collective each); ZeRO-3 (per
@@ -137,9 +139,9 @@ class DataParallelTraffic:
         Expert parameters use the dp * cp / ep ranks that hold the same experts."""
         AR, AG, RS = Collective.ALL_REDUCE, Collective.ALL_GATHER, Collective.REDUCE_SCATTER
         g_bytes, w_bytes = self.reduce_bytes, self._gather_bytes()
-        ranks = _dp_ranks(dp, cp, ep)
+        ranks = _dp_ranks(cfg, dp)
         if zero in (0, 1, 2):
-            dense, experts = self._dp_params(comp, tp=tp, ep=ep)
+            dense, experts = self._dp_params(comp, cfg)
             out: list[tuple[Collective, float, int]] = []
             for params, n in zip((dense, experts), ranks, strict=True):
                 if params <= 0 or n <= 1:
@@ -152,7 +154,7 @@ class DataParallelTraffic:
         colls: list[tuple[Collective, float, int]] = []
         reps: list[int] = []
         for key, count in comp:
-            unit = self._dp_params(((key, 1),), tp=tp, ep=ep)
+            unit = self._dp_params(((key, 1),), cfg)
             edge = 1 if key == first else 0
             for params, n in zip(unit, ranks, strict=True):
                 if params <= 0 or n <= 1:
@@ -162,16 +164,17 @@ class DataParallelTraffic:
         kept = [(c, r) for c, r in zip(colls, reps, strict=True) if r > 0]
         return DpTraffic(tuple(c for c, _ in kept), tuple(r for _, r in kept))
 
-    def dp_edge(self, first: str, *, tp: int, ep: int, dp: int, cp: int = 1) -> DpTraffic:
-        """ZeRO-3's collectives of a micro-batch that no compute overlaps: the all-gather of
-        the stage's first unit (block `first`) before its forward (FSDP prefetches each next
-        unit's gather behind the current unit's compute, but the first has nothing before
-        it) and that unit's reduce-scatter after the backward's last compute (the optimizer
-        waits for it). Run on the critical path of every micro-batch (`simulate`)."""
+    def dp_edge(self, first: str, cfg: StageConfig, *, dp: int) -> DpTraffic:
+        """ZeRO-3's collectives of a micro-batch of `cfg` over `dp` replicas that no compute
+        overlaps: the all-gather of the stage's first unit (block `first`) before its forward
+        (FSDP prefetches each next unit's gather behind the current unit's compute, but the
+        first has nothing before it) and that unit's reduce-scatter after the backward's last
+        compute (the optimizer waits for it). Run on the critical path of every micro-batch
+        (`simulate`)."""
         AG, RS = Collective.ALL_GATHER, Collective.REDUCE_SCATTER
         out: list[tuple[Collective, float, int]] = []
-        unit = self._dp_params(((first, 1),), tp=tp, ep=ep)
-        for params, n in zip(unit, _dp_ranks(dp, cp, ep), strict=True):
+        unit = self._dp_params(((first, 1),), cfg)
+        for params, n in zip(unit, _dp_ranks(cfg, dp), strict=True):
             if params > 0 and n > 1:
                 out += [(AG, params * self._gather_bytes(), n), (RS, params * self.reduce_bytes, n)]
         return DpTraffic(tuple(out))
@@ -181,21 +184,21 @@ class DataParallelTraffic:
         gathers the FP8 weights (`Engine.float8_all_gather`)."""
         return 1 if self.engine.float8_all_gather else self.precision.weight_bytes
 
-    def dp_single(self, traffic: DpTraffic, group: str, *, tp: int, cp: int) -> float:
-        """DP traffic time when all replicas of the stage sit in one group, packed into NVLink
-        domains (nodes)."""
-        choices = self.dp_single_choices(traffic, group, tp=tp, cp=cp)
+    def dp_single(self, traffic: DpTraffic, group: str, cfg: StageConfig) -> float:
+        """DP traffic time when all replicas of the stage (of `cfg`: its tp) sit in one group,
+        packed into NVLink domains (nodes)."""
+        choices = self.dp_single_choices(traffic, group, cfg)
         return sum(c.time_s * r for c, r in zip(choices, traffic.times, strict=True))
 
     def dp_single_choices(
-        self, traffic: DpTraffic, group: str, *, tp: int, cp: int
+        self, traffic: DpTraffic, group: str, cfg: StageConfig
     ) -> list[CommChoice]:
         """The priced methods of each collective of `dp_single` (gradients reduced, weights
         gathered), once per entry of `traffic.collectives` (each runs `traffic.times` times)."""
         g = self.groups[group]
         # The DP x CP group's ranks in one NVLink domain (node): every rank of the domain
         # outside TP (cp sits inside dp in the mesh order pp, dp, cp, ep, tp).
-        per_node = max(1, g.domain_gpus // tp)
+        per_node = max(1, g.domain_gpus // cfg.tp)
         return [
             choose(
                 k,
@@ -220,10 +223,11 @@ class DataParallelTraffic:
             got = self._cross[key] = cross_group_path(self.cluster, a, b, ranks_a, ranks_b)
         return got
 
-    def dp_cross(self, traffic: DpTraffic, a: str, b: str, *, tp: int, cp: int) -> CrossTraffic:
+    def dp_cross(self, traffic: DpTraffic, a: str, b: str, cfg: StageConfig) -> CrossTraffic:
         """DP traffic time of a flat ring spanning groups a and b (replicas packed in nodes).
-        Each crossing stage has tp rings (one per TP rank, each over the dp * cp ranks that
-        hold the same weights) on a shared GroupLink."""
+        Each crossing stage has tp rings (one per TP rank of `cfg`, each over the dp * cp ranks
+        that hold the same weights) on a shared GroupLink."""
+        tp = cfg.tp
         # Ranks of one DP ring per NVLink domain (node): the replicas a domain holds, at most
         # dp. Placement-independent on purpose (the planner prices it before placing):
         # optimistic when one side holds fewer replicas than fit in a domain.
@@ -257,10 +261,11 @@ class DataParallelTraffic:
         )
 
     def hetero_dp_traffic(
-        self, comp: Composition, tp_by_group: Mapping[str, int], *, dp: int, cp: int = 1
+        self, comp: Composition, parallel: Parallel, tp_by_group: Mapping[str, int]
     ) -> dict[str, DpTraffic]:
-        """Per-group TP (`StagePlacement.group_tp`): the gradient reduction of a stage whose
-        replicas use different TP degrees, per rank of each group, as the runtime runs it
+        """Per-group TP (`StagePlacement.group_tp`): the gradient reduction of a stage of the
+        complete configuration `parallel` (its dp and cp) whose replicas use different TP
+        degrees (`tp_by_group`), per rank of each group, as the runtime runs it
         (`meshplan.runtime.data_parallel.HeteroGradients`).
 
         Every TP-sharded parameter (and stacked expert weight) is cut into L = lcm(tp_g)
@@ -275,7 +280,7 @@ class DataParallelTraffic:
         replicated = sum(n * b.params_rep for b, n in facts)
         pieces = math.lcm(*tp_by_group.values())
         piece = (sharded / pieces + replicated) * self.reduce_bytes
-        ranks = dp * cp
+        ranks = parallel.dp * parallel.cp
         if ranks <= 1:
             return {g: DpTraffic(()) for g in tp_by_group}
         return {
@@ -288,18 +293,17 @@ class DataParallelTraffic:
         comp: Composition,
         a: str,
         b: str,
+        parallel: Parallel,
         tp_by_group: Mapping[str, int],
-        *,
-        dp: int,
-        cp: int = 1,
     ) -> CrossTraffic:
-        """`hetero_dp_traffic` of a stage with replicas in groups a and b (`tp_by_group`: the
-        degree of each group holding replicas of the stage, L = their lcm), priced like
-        `dp_cross`: the piece rings cross the groups' link; the slower side (the group with
-        the smaller tp moves more pieces) sets the unshared time, and the link carries
-        L pieces per stage when a shared GroupLink bounds it. Raw: the runtime does not code
-        these reductions."""
-        traffic = self.hetero_dp_traffic(comp, tp_by_group, dp=dp, cp=cp)
+        """`hetero_dp_traffic` of a stage of `parallel` with replicas in groups a and b
+        (`tp_by_group`: the degree of each group holding replicas of the stage, L = their
+        lcm), priced like `dp_cross`: the piece rings cross the groups' link; the slower side
+        (the group with the smaller tp moves more pieces) sets the unshared time, and the link
+        carries L pieces per stage when a shared GroupLink bounds it. Raw: the runtime does
+        not code these reductions."""
+        traffic = self.hetero_dp_traffic(comp, parallel, tp_by_group)
+        dp = parallel.dp
         ga, gb = self.groups[a], self.groups[b]
         ta, tb = tp_by_group[a], tp_by_group[b]
         path = self.cross_path(

@@ -140,18 +140,18 @@ def plan_tables(
     for comp, first in zip(comps, firsts, strict=True):
         if (comp, first) in uniq:
             continue
-        traffic = pricer.dp_traffic(comp, tp=tp, ep=ep, dp=dp, zero=zero, cp=cp, first=first)
-        edge = pricer.dp_edge(first, tp=tp, ep=ep, dp=dp, cp=cp) if first else None
+        traffic = pricer.dp_traffic(comp, cfg, dp=dp, zero=zero, first=first)
+        edge = pricer.dp_edge(first, cfg, dp=dp) if first else None
         times = {g: pricer.stage_time(comp, g, cfg) for g in names}
         if edge is not None:
             times = {
-                g: dataclasses.replace(t, dp_edge=pricer.dp_single(edge, g, tp=tp, cp=cp))
+                g: dataclasses.replace(t, dp_edge=pricer.dp_single(edge, g, cfg))
                 for g, t in times.items()
             }
         cross = {}
         for i, a in enumerate(names):
             for b in names[i + 1 :]:
-                cross[(a, b)] = pricer.dp_cross(traffic, a, b, tp=tp, cp=cp)
+                cross[(a, b)] = pricer.dp_cross(traffic, a, b, cfg)
         uniq[(comp, first)] = {
             "time": times,
             "window": {g: _dp_window(t, zero) for g, t in times.items()},
@@ -164,7 +164,7 @@ def plan_tables(
                 )
                 for g in names
             },
-            "single": {g: pricer.dp_single(traffic, g, tp=tp, cp=cp) for g in names},
+            "single": {g: pricer.dp_single(traffic, g, cfg) for g in names},
             "cross": cross,
             "mem": pricer.stage_memory(comp, plain, dp=dp, zero=zero),
         }
@@ -298,9 +298,7 @@ def hetero_tables(
         row = made.get(comp)
         if row is None:
             row = made[comp] = {
-                (a, b): pricer.dp_cross_hetero(
-                    comp, a, b, group_tp, dp=parallel.dp, cp=parallel.cp or 1
-                )
+                (a, b): pricer.dp_cross_hetero(comp, a, b, parallel, group_tp)
                 for i, a in enumerate(names)
                 for b in names[i + 1 :]
             }
@@ -484,7 +482,7 @@ def layout_tables(
             single.append({})
         cross.append(
             {
-                (a, b): pricer.dp_cross_hetero(comp, a, b, degrees[s], dp=p.dp, cp=p.cp)
+                (a, b): pricer.dp_cross_hetero(comp, a, b, p, degrees[s])
                 for i, a in enumerate(groups)
                 for b in groups[i + 1 :]
             }

@@ -98,8 +98,25 @@ class Candidate(Parallel):
     """One global configuration c (everything but the stage split and the placement): a
     complete `Parallel`, the global batch included, with per-group TP on top. Built by
     `enumerate_candidates` (`candidate`), so every field is set and normalised as `Parallel`
-    writes it (`virtual_stages` None but under a chunked schedule, `quantize_activations`
-    None when off); `parallel()` is the plain Parallel a plan records."""
+    writes it; `parallel()` is the plain Parallel a plan records.
+
+    The fields every candidate sets are redeclared here without None and without a default
+    (a redeclared dataclass field keeps its place, so the order is `Parallel`'s). The three
+    where None means off keep `Parallel`'s None default: `virtual_stages` (None but under a
+    chunked schedule), `quantize_activations` (None when off) and `cp_mode` (None without
+    CP)."""
+
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    micro_batch: int
+    global_batch: int
+    recompute: Recompute
+    zero: int
+    schedule: Schedule
+    sequence_parallel: bool
 
     # Per-group TP (`StagePlacement.group_tp`): ((group a, tp_a), (group b, tp_b)) for
     # group-pure pipelines in two groups at their own degrees; `tp` is then tp_a. Empty: every
@@ -115,7 +132,7 @@ class Candidate(Parallel):
         for g, t in self.group_tp:
             if g == group:
                 return t
-        return self.tp  # type: ignore[return-value]
+        return self.tp
 
     def sp_of(self, group: str) -> bool:
         """Sequence parallelism on `group`'s replicas (off where a per-group tp is 1)."""

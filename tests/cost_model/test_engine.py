@@ -148,11 +148,11 @@ def test_fp8_all_gather_halves_the_weight_gathers():
     g = transformer_graph(2, 1024, 8, 8, 4096, 32000, 1024, 1)
     cluster = h100_cluster(1)
     comp = pricer_for(g, cluster).costs.composition(0, len(g.units))
-    kw = dict(tp=1, ep=1, dp=8, zero=3)
-    plain = pricer_for(g, cluster).dp_traffic(comp, **kw)
+    cfg = StageConfig(tp=1, cp=1, ep=1, sequence_parallel=False, micro_batch=1, recompute="none")
+    plain = pricer_for(g, cluster).dp_traffic(comp, cfg, dp=8, zero=3)
     fp8 = pricer_for(
         g, cluster, engine=Engine(float8="tensorwise", float8_all_gather=True)
-    ).dp_traffic(comp, **kw)
+    ).dp_traffic(comp, cfg, dp=8, zero=3)
     gathers = [s for (k, s, _), (k8, s8, _) in zip(plain.collectives, fp8.collectives) if k == k8]
     for (kind, size, _), (_, size8, _) in zip(plain.collectives, fp8.collectives):
         assert size8 == (size / 2 if str(kind) == "all_gather" else size)

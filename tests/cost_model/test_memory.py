@@ -235,5 +235,5 @@ def test_context_parallel_ranks_share_zero_shards_and_gradient_reduction():
     assert states == pytest.approx(16 * params / (dp * cp), abs=4)
     pricer = pricer_for(g, c)
     comp = pricer.costs.composition(0, len(g.units))
-    z0 = pricer.dp_traffic(comp, tp=1, ep=1, dp=dp, zero=0, cp=cp).collectives
+    z0 = pricer.dp_traffic(comp, p.stage(), dp=dp, zero=0).collectives
     assert z0 == ((Collective.ALL_REDUCE, pytest.approx(2 * params, abs=4), dp * cp),)

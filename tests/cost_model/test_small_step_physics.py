@@ -26,12 +26,14 @@ from meshplan.cost_model.pricer import (
     OPTIMIZER_BYTES_PER_PARAM,
     pricer_for,
 )
-from meshplan.ir import Parallel
+from meshplan.ir import Parallel, Recompute, StageConfig
 from meshplan.passes.partition import even_stages, place_stages
 
 from tests.synthetic import h100_cluster, transformer_graph
 
 LAYERS = 6
+# A stage of tp = cp = ep = 1 (what the data-parallel traffic reads of it).
+DP_ONLY = StageConfig(1, 1, 1, False, 1, Recompute.NONE)
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +52,8 @@ def test_zero3_runs_three_collectives_per_unit_and_leaves_the_first_units_edge_o
     costs = pricer.costs
     comp = costs.composition(0, len(graph.units))
     first = costs.unit_keys[0]
-    traffic = pricer.dp_traffic(comp, tp=1, ep=1, dp=16, zero=3, first=first)
-    edge = pricer.dp_edge(first, tp=1, ep=1, dp=16)
+    traffic = pricer.dp_traffic(comp, DP_ONLY, dp=16, zero=3, first=first)
+    edge = pricer.dp_edge(first, DP_ONLY, dp=16)
     units = len(graph.units)
     # 3 collectives per unit, minus the first unit's forward gather and reduce-scatter
     assert traffic.count == 3 * units - 2
@@ -72,7 +74,7 @@ def test_zero3_runs_three_collectives_per_unit_and_leaves_the_first_units_edge_o
         group_collective_time(k, p0 * 2, cluster, group, 16, 8)
         for k in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER)
     )
-    assert pricer.dp_single(edge, group.name, tp=1, cp=1) == pytest.approx(hand)
+    assert pricer.dp_single(edge, group.name, DP_ONLY) == pytest.approx(hand)
 
 
 def test_per_unit_collectives_pay_one_latency_each(graph):
@@ -83,9 +85,9 @@ def test_per_unit_collectives_pay_one_latency_each(graph):
     costs = pricer.costs
     layer = costs.unit_keys[1]
     comp = ((layer, LAYERS),)
-    per_unit = pricer.dp_traffic(comp, tp=1, ep=1, dp=8, zero=3)
+    per_unit = pricer.dp_traffic(comp, DP_ONLY, dp=8, zero=3)
     g = cluster.groups[0].name
-    t_units = pricer.dp_single(per_unit, g, tp=1, cp=1)
+    t_units = pricer.dp_single(per_unit, g, DP_ONLY)
     p = _unit_params(pricer, layer)
     link = cluster.link(cluster.groups[0].intra_link)
     alpha = BASE_LATENCY_S + ring_steps(Collective.ALL_GATHER, 8) * link.latency
@@ -98,9 +100,9 @@ def test_per_unit_collectives_pay_one_latency_each(graph):
 def test_fp32_reduction_doubles_the_gradient_bytes_only(graph):
     cluster = h100_cluster(2)
     comp = pricer_for(graph, cluster).costs.composition(0, len(graph.units))
-    plain = pricer_for(graph, cluster).dp_traffic(comp, tp=1, ep=1, dp=16, zero=1)
+    plain = pricer_for(graph, cluster).dp_traffic(comp, DP_ONLY, dp=16, zero=1)
     fp32 = pricer_for(graph, cluster, engine=Engine(reduce_fp32=True)).dp_traffic(
-        comp, tp=1, ep=1, dp=16, zero=1
+        comp, DP_ONLY, dp=16, zero=1
     )
     for (kind, size, _), (_, size32, _) in zip(plain.collectives, fp32.collectives, strict=True):
         want = 2 * size if kind == Collective.REDUCE_SCATTER else size
@@ -148,7 +150,7 @@ def test_zero3_edge_is_in_every_microbatch_and_reported_as_exposed_dp(graph):
     pricer = pricer_for(graph, cluster)
     first = pricer.costs.unit_keys[0]
     edge = pricer.dp_single(
-        pricer.dp_edge(first, tp=1, ep=1, dp=16), cluster.groups[0].name, tp=1, cp=1
+        pricer.dp_edge(first, p.stage(), dp=16), cluster.groups[0].name, p.stage()
     )
     m = 64 // 16
     assert edge > 0

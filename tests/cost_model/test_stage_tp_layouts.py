@@ -144,7 +144,8 @@ def test_two_stage_pipeline_tp2_to_tp1_is_the_formula_by_hand():
     # degree, overlapped with the last backward (ZeRO-0)
     exposed = []
     for c, (g, t), x in zip(comps, degree, u, strict=True):
-        comm = pricer.dp_single(pricer.dp_traffic(c, tp=t, ep=1, dp=2, zero=0, cp=1), g, tp=t, cp=1)
+        cfg = StageConfig(t, 1, 1, t > 1, 1, none)
+        comm = pricer.dp_single(pricer.dp_traffic(c, cfg, dp=2, zero=0), g, cfg)
         exposed.append(comm - eta * min(comm, x.backward + x.recompute))
     # O: the slowest rank's update and per-step syncs at its degree; the loss all-reduce
     # over all 4 + 2 ranks, across both groups
@@ -255,10 +256,10 @@ def test_sailor_like_layout_prices_each_stage_and_group_at_its_own_degree():
     assert set(tables.p2p[1]) == {("a100", "a100"), ("a100", "v100")}
     # the mixed stage reduces its gradients in L = lcm(1, 4) = 4 pieces: 4 all-reduces on an
     # A100 rank, 1 on a V100-TP4 rank
-    pieces = pricer.hetero_dp_traffic(comps[2], {"a100": 1, "v100": 4}, dp=3)
+    pieces = pricer.hetero_dp_traffic(comps[2], p, {"a100": 1, "v100": 4})
     assert (len(pieces["a100"].collectives), len(pieces["v100"].collectives)) == (4, 1)
     assert tables.dp_cross[2][("a100", "v100")] == pricer.dp_cross_hetero(
-        comps[2], "a100", "v100", {"a100": 1, "v100": 4}, dp=3
+        comps[2], "a100", "v100", p, {"a100": 1, "v100": 4}
     )
     # both the cost model's rule and the runtime's accept it
     assert stage_tp_problem(p, stages) is None

@@ -323,7 +323,7 @@ def expected_dp_volume(plan, graph_, pp_rank: int, *, experts: bool = False) -> 
     costs = model_costs(graph_)
     pricer = pricer_for(graph_, plan.cluster, dtype="float32")
     comp = _composition(costs, rank_ranges(plan, pp_rank))
-    traffic = pricer.dp_traffic(comp, tp=p.tp, ep=p.ep, dp=p.dp, zero=p.zero, cp=p.cp)
+    traffic = pricer.dp_traffic(comp, p.stage(), dp=p.dp, zero=p.zero)
     rep = p.num_microbatches if p.zero == 3 else 1
     group = p.dp * p.cp // p.ep if experts else p.dp * p.cp
     want: Counter = Counter()

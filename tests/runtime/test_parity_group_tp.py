@@ -180,7 +180,7 @@ def _check_collectives(name, plan, r):
     pricer = pricer_for(graph(), plan.cluster, dtype="float32")
     comp = _composition(pricer.costs, rank_ranges(view, pp_rank))
     tps = {g: first.tp_of(g, plan.parallel.tp) for g, _ in first.replicas}
-    traffic = pricer.hetero_dp_traffic(comp, tps, dp=plan.parallel.dp, cp=plan.parallel.cp)
+    traffic = pricer.hetero_dp_traffic(comp, plan.parallel, tps)
     pieces = Counter(
         ("all_reduce", round(size / 4)) for _, size, _ in traffic[me.group].collectives
     )
