@@ -322,11 +322,13 @@ class Pricer(
         return got
 
     def optimizer_time(
-        self, comp: Composition, group: str, *, tp: int, ep: int, dp: int, zero: int
+        self, comp: Composition, group: str, cfg: StageConfig, *, dp: int, zero: int
     ) -> float:
-        """Gradient clipping and the Adam update of the parameters this rank owns (all it holds
-        under ZeRO-0, 1/dp of them under ZeRO >= 1), streaming GRAD_CLIP_BYTES_PER_PARAM +
-        OPTIMIZER_BYTES_PER_PARAM bytes per parameter at the GPU's achieved bandwidth."""
+        """Gradient clipping and the Adam update of the parameters a rank of `cfg` owns (all it
+        holds under ZeRO-0, 1/dp of them under ZeRO >= 1; `dp`: the ranks the optimizer state
+        is sharded over), streaming GRAD_CLIP_BYTES_PER_PARAM + OPTIMIZER_BYTES_PER_PARAM bytes
+        per parameter at the GPU's achieved bandwidth."""
+        tp, ep = cfg.tp, cfg.ep
         facts = [(self.costs.facts[k].memory, n) for k, n in comp]
         dense = sum(n * (b.params_tp / tp + b.params_rep) for b, n in facts)
         experts = sum(n * b.params_expert / (tp * ep) for b, n in facts)
@@ -358,20 +360,22 @@ class Pricer(
         self,
         comp: Composition,
         group: str,
+        cfg: StageConfig,
         *,
-        tp: int,
-        sp: bool,
         world: int,
         groups: Sequence[str] = (),
         reductions: int = 1,
     ) -> float:
         """Seconds of the per-step synchronisations that run exposed around the optimizer
-        update: `sp_grad_sync` on the intra-node tp path and `loss_sync_time`."""
-        key = (comp, group, tp, sp, reductions)
+        update of a rank of `cfg`: `sp_grad_sync` on the intra-node tp path (cached) and
+        `loss_sync_time`."""
+        key = (comp, group, cfg, reductions)
         t = self._sync.get(key)
         if t is None:
             path = intra_node_path(self.cluster, self.groups[group])
-            sync = self.sp_grad_sync(comp, tp=tp, sp=sp, reductions=reductions)
+            sync = self.sp_grad_sync(
+                comp, tp=cfg.tp, sp=cfg.sequence_parallel, reductions=reductions
+            )
             t = self._sync[key] = sum(collective_time(k, size, n, path) for k, size, n in sync)
         return t + self.loss_sync_time(group, world, groups)
 

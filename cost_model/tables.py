@@ -119,7 +119,7 @@ def plan_tables(
     p = parallel
     names = tuple(groups) if groups is not None else tuple(pricer.groups)
     tp, cp, ep, dp, mb = p.tp, p.cp, p.ep, p.dp, p.micro_batch
-    sp, zero = bool(p.sequence_parallel), p.zero
+    zero = p.zero
     quant = bool(p.quantize_activations)
     cfg = p.stage()
     plain = dataclasses.replace(cfg, quantize_activations=False)  # memory: quantized per stage
@@ -158,9 +158,9 @@ def plan_tables(
             # The optimizer update, and the step's exposed syncs around it (SP gradients of
             # the replicated parameters, the loss all-reduce).
             "opt": {
-                g: pricer.optimizer_time(comp, g, tp=tp, ep=ep, dp=dp * cp, zero=zero)
+                g: pricer.optimizer_time(comp, g, cfg, dp=dp * cp, zero=zero)
                 + pricer.step_sync_time(
-                    comp, g, tp=tp, sp=sp, world=world, groups=names, reductions=reductions
+                    comp, g, cfg, world=world, groups=names, reductions=reductions
                 )
                 for g in names
             },

@@ -119,8 +119,8 @@ def test_optimizer_streams_adamw_and_clipping_bytes_of_the_owned_shard(graph):
     hbm = gpu.hbm_bandwidth * kernel_efficiency(gpu).memory
     streamed = OPTIMIZER_BYTES_PER_PARAM + GRAD_CLIP_BYTES_PER_PARAM
     g = cluster.groups[0].name
-    z0 = pricer.optimizer_time(comp, g, tp=1, ep=1, dp=16, zero=0)
-    z1 = pricer.optimizer_time(comp, g, tp=1, ep=1, dp=16, zero=1)
+    z0 = pricer.optimizer_time(comp, g, DP_ONLY, dp=16, zero=0)
+    z1 = pricer.optimizer_time(comp, g, DP_ONLY, dp=16, zero=1)
     assert z0 == pytest.approx(total * streamed / hbm)
     assert z1 == pytest.approx(total / 16 * streamed / hbm)
     # fused AdamW: read weight, gradient, momentum, variance (fp32) and write three back

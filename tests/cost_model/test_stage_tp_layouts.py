@@ -150,8 +150,10 @@ def test_two_stage_pipeline_tp2_to_tp1_is_the_formula_by_hand():
     # O: the slowest rank's update and per-step syncs at its degree; the loss all-reduce
     # over all 4 + 2 ranks, across both groups
     opt = max(
-        pricer.optimizer_time(c, g, tp=t, ep=1, dp=2, zero=0)
-        + pricer.step_sync_time(c, g, tp=t, sp=t > 1, world=6, groups=("h100", "a100"))
+        pricer.optimizer_time(c, g, StageConfig(t, 1, 1, t > 1, 1, none), dp=2, zero=0)
+        + pricer.step_sync_time(
+            c, g, StageConfig(t, 1, 1, t > 1, 1, none), world=6, groups=("h100", "a100")
+        )
         for c, (g, t) in zip(comps, degree, strict=True)
     )
     step = pipeline + max(exposed) + opt
