@@ -1604,8 +1604,9 @@ def _titan_values(plan: Plan, engine: Engine) -> dict[str, dict[str, object]]:
         "local_batch_size": local,
         "global_batch_size": p.global_batch,
         "seq_len": plan.model.seq_len,
-        # the gradient reduction dtype the plan was priced with (`Engine.reduce_fp32`)
-        "mixed_precision_reduce": "float32" if engine.reduce_fp32 else "bfloat16",
+        # FSDP2's gradient reduction dtype: torchtitan 0.3.0 accepts only float32
+        # (`TrainingConfig.mixed_precision_reduce: Literal["float32"]`, config/configs.py)
+        "mixed_precision_reduce": "float32",
     }
     ac = {"mode": str(p.recompute)}
     if p.recompute == Recompute.SELECTIVE:
