@@ -981,6 +981,14 @@ def _megatron_model(r: _Reader, opts: dict, num, model: str | None) -> ModelSpec
 # the others does to the price is in `configs_options.DEEPSPEED`.
 
 
+# ZeRO keys deepspeed 0.19.8 refuses (runtime/config.py `_REMOVED_ZERO_CONFIG_KEYS`).
+DEEPSPEED_REMOVED = {
+    "mics_shard_size": "MiCS ZeRO-3 sharding",
+    "mics_hierarchical_params_gather": "MiCS ZeRO-3 sharding",
+    "zeropp_loco_param": "LoCo-ZeRO++",
+}
+
+
 def _load_deepspeed(
     path: str, text: str, world_size: int | None, model: str | None
 ) -> FrameworkConfig:
@@ -1050,6 +1058,12 @@ def _load_deepspeed(
     elif micro is None:
         raise r.error("train_micro_batch_size_per_gpu", "not set; set it (or give the GPU count)")
     zero_cfg = data.get("zero_optimization", {}) or {}
+    for key, what in DEEPSPEED_REMOVED.items():
+        if key in zero_cfg:
+            raise r.error(
+                f"zero_optimization.{key}",
+                f"{what} was removed in DeepSpeed 0.19, which refuses this key; remove it",
+            )
     zero = zero_cfg.get("stage", 0)
     if zero not in (0, 1, 2, 3):
         raise r.error("zero_optimization.stage", f"must be 0, 1, 2 or 3, got {zero!r}")
@@ -1633,7 +1647,13 @@ def _write_titan_toml(plan: Plan, engine: Engine) -> str:
     name, flavor = _PRESET_TO_TITAN[plan.model.name.lower()]
     values = _titan_values(plan, engine)
     lines = _header(plan, "torchtitan job TOML", "#")
-    lines += ["# run: CONFIG_FILE=this.toml NGPU=<gpus per node> ./run_train.sh", ""]
+    lines += ["# run: CONFIG_FILE=this.toml NGPU=<gpus per node> ./run_train.sh"]
+    if not engine.reduce_fp32:
+        lines.append(
+            "# gradients are reduced in float32, torchtitan's only choice; the plan was priced "
+            "reducing them in bf16"
+        )
+    lines.append("")
     lines += ["[model]", f'name = "{name}"', f'flavor = "{flavor}"']
     if engine.float8:
         lines.append('converters = ["float8"]')

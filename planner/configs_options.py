@@ -884,14 +884,12 @@ _DS_NOT_PRICED: dict[str, NotPriced] = {
         "ZeRO optimizer offload (cpu_offload): priced with the states on the GPU",
         _in("zero_optimization", "cpu_offload cpu_offload_param round_robin_gradients zenflow"),
     ),
-    **_each(
-        "MiCS (sharding within sub-groups): priced as ZeRO over every DP rank",
-        _in("zero_optimization", "mics_shard_size mics_hierarchical_params_gather"),
-        (False, -1),
-    ),
+    # MiCS (mics_shard_size, mics_hierarchical_params_gather) and LoCo-ZeRO++
+    # (zeropp_loco_param) were removed in deepspeed 0.19, which refuses those keys: the reader
+    # refuses them too (`configs.DEEPSPEED_REMOVED`).
     **_each(
         "ZeRO++ quantization: priced without it",
-        _in("zero_optimization", "zero_quantized_nontrainable_weights zeropp_loco_param"),
+        _in("zero_optimization", "zero_quantized_nontrainable_weights"),
     ),
     "zero_optimization.memory_efficient_linear": NotPriced(
         "ZeRO-3 linear without memory-efficient autograd: not modelled", (True,)

@@ -5,6 +5,7 @@ plan's `Parallel` back for every dimension, and one-line errors for bad files.""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import meshplan
 import pytest
@@ -136,7 +137,9 @@ def test_engine_options_round_trip(tmp_path, llama8b):
         path = tmp_path / f"e{SUFFIX[fmt]}"
         configs.export(plan, fmt, engine=engine).write(path)
         cfg = configs.load(f"{fmt}:{path}", world_size=16)
-        assert cfg.engine == engine and cfg.unpriced == cfg.unknown == ()
+        # torchtitan reduces gradients in float32 only (0.3.0: Literal["float32"])
+        want = engine if fmt == "megatron" else dataclasses.replace(engine, reduce_fp32=True)
+        assert cfg.engine == want and cfg.unpriced == cfg.unknown == ()
 
 
 def test_refuses_or_writes_closest(llama8b):
@@ -463,3 +466,14 @@ def test_megatron_cp_comm_type_read_as_the_cp_attention_mode_and_written_back(tm
         pins = Parallel(tp=4, cp=2, global_batch=32, cp_mode=mode)
         plan = meshplan.plan(llama8b, cluster=cluster, parallel=pins)
         assert round_trip(tmp_path, plan, "megatron").parallel.cp_mode == mode
+
+
+@pytest.mark.parametrize(
+    "key", ["mics_shard_size", "mics_hierarchical_params_gather", "zeropp_loco_param"]
+)
+def test_deepspeed_keys_deepspeed_removed_are_refused_naming_the_field(tmp_path, key):
+    # deepspeed 0.19.8 raises DeepSpeedConfigError for these (runtime/config.py)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 64, "zero_optimization": {"stage": 3, key: 8}}))
+    with pytest.raises(configs.ConfigError, match=f"field zero_optimization.{key}: .*remove it"):
+        configs.load(f"deepspeed:{path}", world_size=16, model="llama3-8b")
