@@ -10,6 +10,12 @@ prints both side by side: predicted step time, tokens/s, peak memory per rank, t
 
     python benchmarks/vs_sailor.py                    # meshplan's runtime (mixed precision)
     python benchmarks/vs_sailor.py --sailor-runtime   # Sailor's: fp32, ZeRO-0, no SP/recompute
+    python benchmarks/vs_sailor.py --scenario 128+384 # Sailor's other two: 128+384, 256+256
+
+Every scenario also prints the best pipeline of Sailor's shape without a mixed stage (first
+stages on one GPU type at one TP degree, the rest on the other at another) under meshplan's
+model: the family `meshplan.solver_layouts` searches (`sailor_shaped`), searched to the end.
+Sailor's own plans for 128+384 and 256+256 are not encoded (their layouts are not published).
 
 What is assumed, since the plan as published leaves it open:
 - the layer split: the one that minimises the slowest stage of Sailor's layout under
@@ -51,6 +57,11 @@ SAILOR_32_96: tuple[tuple[tuple[str, int, int], ...], ...] = (
     (("a100", 9, 1),),
     (("a100", 3, 1), ("v100", 6, 4)),
 )
+
+# Sailor's scenarios: A100-40GB + V100-16GB GPUs -> (A100 nodes, V100 nodes), 4 GPUs each.
+# Only 32+96's plan is encoded (SAILOR_32_96); for the other two the script prices the best
+# pipeline of Sailor's shape that meshplan's own search of that family finds.
+SCENARIOS = {"32+96": (8, 24), "128+384": (32, 96), "256+256": (64, 64)}
 
 GLOBAL_BATCH = 2048
 SEQ_LEN = 2048
@@ -190,6 +201,28 @@ def best_split(graph, cluster, parallel, layout, dtype):
     raise ValueError("no split of the layers over Sailor's stages")
 
 
+def sailor_shaped(graph, cluster, pinned, dtype):
+    """The best pipeline of Sailor's shape without a mixed stage (first stages on one GPU type
+    at one TP degree, the rest on the other at another; equal replicas per stage) under
+    meshplan's model: `meshplan.solver_layouts`' family searched to the end, re-priced by
+    `predict`. None when no such pipeline fits."""
+    import math
+
+    from meshplan.cost_model import predict, pricer_for
+    from meshplan.ir import Recompute
+    from meshplan.solver_layouts import layout_search
+    from meshplan.solver_objective import _Work
+
+    pricer = pricer_for(graph, cluster, dtype)
+    rcs = [Recompute(pinned.recompute)] if pinned.recompute is not None else list(Recompute)
+    work = _Work.starting_now(1e6, None)
+    found = layout_search(graph, pricer, pinned, GLOBAL_BATCH, work, math.inf, rcs)
+    if found.best is None:
+        return None
+    _, parallel, stages = found.best
+    return parallel, stages, predict(graph, cluster, parallel, stages, dtype=dtype)
+
+
 def describe(parallel, stages) -> str:
     """One line per stage: layers, and replicas x tp per group."""
     out = []
@@ -213,6 +246,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro-batch", type=int, default=1, help="Sailor's plan's micro-batch")
     ap.add_argument("--gbps", type=float, default=50.0, help="Ethernet per node (Gb/s)")
     ap.add_argument("--time-limit", type=float, default=10.0, help="meshplan's work budget (s)")
+    ap.add_argument(
+        "--scenario",
+        choices=sorted(SCENARIOS),
+        default="32+96",
+        help="A100-40GB + V100-16GB GPUs (Sailor's three scenarios; the published plan is 32+96's)",
+    )
     args = ap.parse_args(argv)
     import meshplan
     from meshplan.api import resolve_precision
@@ -223,21 +262,27 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     model_dtype = "float32" if args.sailor_runtime else "bfloat16"
     graph = meshplan.trace(*_flat(gpt_neo_27b(model_dtype)))
-    cluster = sailor_cluster(args.gbps)
+    cluster = sailor_cluster(args.gbps, *SCENARIOS[args.scenario])
     precision = "fp32" if args.sailor_runtime else None
     precision, dtype, _, note = resolve_precision(graph, cluster, precision, EAGER)
     t_trace = time.perf_counter() - t0
 
+    published = args.scenario == "32+96"
     t0 = time.perf_counter()
-    layout = SAILOR_32_96
-    sailor_p = sailor_parallel(layout, args.micro_batch)
-    counts, fits = best_split(graph, cluster, sailor_p, layout, dtype)
-    stages = sailor_stages(graph, layout, counts)
-    sailor = predict(graph, cluster, sailor_p, stages, dtype=dtype)
+    if published:
+        layout = SAILOR_32_96
+        sailor_p = sailor_parallel(layout, args.micro_batch)
+        counts, fits = best_split(graph, cluster, sailor_p, layout, dtype)
+        stages = sailor_stages(graph, layout, counts)
+        sailor = predict(graph, cluster, sailor_p, stages, dtype=dtype)
     t_price = time.perf_counter() - t0
 
-    t0 = time.perf_counter()
     pinned = Parallel(zero=0, sequence_parallel=False, recompute="none")
+    t0 = time.perf_counter()
+    shaped = sailor_shaped(graph, cluster, pinned if args.sailor_runtime else Parallel(), dtype)
+    t_shaped = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
     plan = meshplan.plan(
         graph,
         cluster=cluster,
@@ -261,37 +306,54 @@ def main(argv: list[str] | None = None) -> int:
         + (f" ({note})" if note else "")
     )
     tokens = GLOBAL_BATCH * SEQ_LEN
-    print(f"\n{'plan':34s} {'step s':>8} {'tokens/s':>10} {'GPUs':>5}  peak memory per rank")
-    gpus_sailor = sum(n * st.tp_of(g, sailor_p.tp) for st in stages for g, n in st.replicas)
+    print(f"\n{'plan':40s} {'step s':>8} {'tokens/s':>10} {'GPUs':>5}  peak memory per rank")
     gpus_ours = plan.world_size
-    sailor_tps = tokens / sailor.step_time_s
+    if published:
+        gpus_sailor = sum(n * st.tp_of(g, sailor_p.tp) for st in stages for g, n in st.replicas)
+        print(
+            f"{'Sailor (published layout)':40s} {sailor.step_time_s:8.2f} "
+            f"{tokens / sailor.step_time_s:10.0f} {gpus_sailor:5d}  {memory_line(sailor)}"
+            + ("" if sailor.fits else "  (does NOT fit)")
+        )
+    if shaped is not None:
+        sp_par, sp_stages, sp_pred = shaped
+        gpus_shaped = sum(n * st.tp_of(g, sp_par.tp) for st in sp_stages for g, n in st.replicas)
+        print(
+            f"{'best pipeline of Sailor shape':40s} {sp_pred.step_time_s:8.2f} "
+            f"{tokens / sp_pred.step_time_s:10.0f} {gpus_shaped:5d}  {memory_line(sp_pred)}"
+        )
     print(
-        f"{'Sailor (published layout)':34s} {sailor.step_time_s:8.2f} {sailor_tps:10.0f} "
-        f"{gpus_sailor:5d}  {memory_line(sailor)}" + ("" if sailor.fits else "  (does NOT fit)")
-    )
-    print(
-        f"{'meshplan.plan (' + plan.solver.status + ')':34s} {ours.step_time_s:8.2f} "
+        f"{'meshplan.plan (' + plan.solver.status + ')':40s} {ours.step_time_s:8.2f} "
         f"{tokens / ours.step_time_s:10.0f} {gpus_ours:5d}  {memory_line(ours)}"
     )
-    ratio = sailor.step_time_s / ours.step_time_s
-    print(f"ratio Sailor / meshplan step: {ratio:.3f} (> 1: meshplan's plan is faster)")
+    if published:
+        ratio = sailor.step_time_s / ours.step_time_s
+        print(f"ratio Sailor / meshplan step: {ratio:.3f} (> 1: meshplan's plan is faster)")
+    if shaped is not None:
+        ratio = shaped[2].step_time_s / ours.step_time_s
+        print(f"ratio Sailor-shaped / meshplan step: {ratio:.3f} (never < 1: in meshplan's search)")
 
-    print(
-        f"\nSailor's layout: {sailor_p}, {sailor_p.num_microbatches} micro-batches per "
-        f"pipeline ({sailor_p.global_batch} sequences priced), layer split {counts} "
-        + ("(minimax stage time among the splits that fit)" if fits else "(nothing fits)")
-    )
-    print(describe(sailor_p, stages))
-    print("  breakdown: " + ", ".join(f"{k} {v:.2f}" for k, v in sailor.breakdown if v))
-    for n in sailor.notes:
-        if n.startswith(("bottleneck", "stages at")):
-            print(f"  note: {n}")
+    if published:
+        print(
+            f"\nSailor's layout: {sailor_p}, {sailor_p.num_microbatches} micro-batches per "
+            f"pipeline ({sailor_p.global_batch} sequences priced), layer split {counts} "
+            + ("(minimax stage time among the splits that fit)" if fits else "(nothing fits)")
+        )
+        print(describe(sailor_p, stages))
+        print("  breakdown: " + ", ".join(f"{k} {v:.2f}" for k, v in sailor.breakdown if v))
+        for n in sailor.notes:
+            if n.startswith(("bottleneck", "stages at")):
+                print(f"  note: {n}")
+    if shaped is not None:
+        print(f"\nbest pipeline of Sailor's shape: {shaped[0]}")
+        print(describe(shaped[0], shaped[1]))
+        print("  breakdown: " + ", ".join(f"{k} {v:.2f}" for k, v in shaped[2].breakdown if v))
     print(f"\nmeshplan's plan: {plan.parallel}")
     print(describe(plan.parallel, plan.stages))
     print("  breakdown: " + ", ".join(f"{k} {v:.2f}" for k, v in ours.breakdown if v))
     print(
-        f"\nwall: trace {t_trace:.1f} s, Sailor's layout priced {t_price:.1f} s, "
-        f"meshplan.plan {t_plan:.1f} s"
+        f"\nwall: trace {t_trace:.1f} s, Sailor's layout priced {t_price:.1f} s, Sailor-shaped "
+        f"search {t_shaped:.1f} s, meshplan.plan {t_plan:.1f} s"
     )
     return 0
 

@@ -480,8 +480,10 @@ def plan(
     `codec`: the codec speed to assume (`meshplan.cost_model.compression.measure_codec_speed`
     or `CPU_CODEC`); default the per-GPU estimate. The decisions and why are in
     `plan.compression` / `plan.quantization`, the plan JSON and `plan.explain()`.
-    `per_group_tp`: on clusters of several device groups, also consider group-pure pipelines
-    that run each group at its own TP degree (`StagePlacement.group_tp`; ZeRO-0, no EP).
+    `per_group_tp`: on clusters of several device groups, also consider pipelines that run
+    each group at its own TP degree (`StagePlacement.group_tp`; ZeRO-0, no EP): group-pure, and
+    (throughput objective) one pipeline whose stages change group and degree once
+    (`meshplan.solver_layouts`).
     `equal_shares`: every replica runs the same number of micro-batches (no uneven DP shares
     across GPU types), as planners without them assume (Sailor); throughput and cost only.
     `precision`: fp32, tf32, bf16, fp16 or fp8 mixed precision (`resolve_precision`; default

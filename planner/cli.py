@@ -589,7 +589,7 @@ def plan(
         bool,
         typer.Option(
             help="On mixed clusters, also try pipelines that run each device group at its own "
-            "TP degree (ZeRO-0)."
+            "TP degree, group-pure or changing group and degree between stages (ZeRO-0)."
         ),
     ] = True,
     equal_shares: Annotated[

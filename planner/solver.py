@@ -8,6 +8,8 @@ The model is written down with the step that uses it, one module per step:
     solver_bounds       the lower bounds of step 2, before and after a pair's tables
     solver_screen       step 2: the screen (bound, price, greedy and uneven-share placements)
     solver_queue        step 2: the screen's queue, the typed entries of its heap and their order
+    solver_layouts      step 2b: pipelines that change device group and TP degree between
+                        stages (Sailor's plan shape), bounded and priced in bound order
     solver_model        step 3: the CP-SAT placement model of one (c, l): sets, data, variables,
                         constraints (one method per family), objective
     solver_objective    what is optimised (`Objective`), the work budget (`_Work`), the result
@@ -28,6 +30,11 @@ order instead of building one model over all of them:
 3. for each surviving (c, l) whose lock-step greedy placement does not already meet its bound,
    build the placement model (`_PlacementModel`: variables -> constraints -> objective), hint
    the greedy placement (`AddHint`), cut off at the incumbent, solve;
+2b. on a cluster of several device groups (throughput objective), bound every pipeline of
+   `solver_layouts`' family (first stages on one group at one TP degree, the rest on another
+   at another) and price them in bound order until the bound passes the best plan so far;
+   one that beats it is the plan (`_layouts`), and the family's unpriced bounds count in the
+   gap like the placement models' open ones;
 4. decode the best placement into `Parallel` + `StagePlacement`s and re-price it with
    `predict`. The plan is "optimal" when every (c, l) was either bounded out or solved to
    optimality, else "feasible" with the relative gap to the smallest open bound.
@@ -89,6 +96,7 @@ from .solver_candidates import (
     micro_batch_options,
     schedule_options,
 )
+from .solver_layouts import layout_search
 from .solver_model import UNITS_PER_STEP, _PlacementModel, _Scale
 from .solver_objective import (
     CPSAT_DETERMINISTIC_PER_WORK,
@@ -363,6 +371,11 @@ def solve(
             say,
             incumbent=seed.prediction.step_time_s if seed else math.inf,
         )
+    if objective.kind == "throughput" and per_group_tp and len(cluster.groups) > 1:
+        found = _layouts(graph, pricer, pinned, global_batch, work, out, seed, say)
+        if found is not None:
+            return dataclasses.replace(found, wall_s=time.perf_counter() - start,
+                                       candidates=len(cands))  # fmt: skip
     if out.best is None and seed is not None:
         optimal = out.lowest_open >= seed.prediction.step_time_s * (1 - 1e-9)
         gap = 0.0 if optimal else 1 - out.lowest_open / seed.prediction.step_time_s
@@ -418,6 +431,58 @@ def solve(
         placement_models=out.models,
         objective=objective.kind,
         objective_value=value,
+        splits=out.pairs,
+        work=work.spent,
+        wall_clock_hit=work.wall_hit,
+    )
+
+
+def _layouts(
+    graph: Graph,
+    pricer: Pricer,
+    pinned: Parallel,
+    global_batch: int,
+    work: _Work,
+    out: _Outcome,
+    seed: SolveResult | None,
+    say,
+) -> SolveResult | None:
+    """Step 2b (`solver_layouts`): the best pipeline changing device group and TP degree
+    between stages, when it beats the plan of steps 2-3 (and the single-group seed); None
+    otherwise, after lowering `out.lowest_open` to the family's smallest unpriced bound."""
+    incumbent = min(
+        out.best[0] if out.best is not None else math.inf,
+        seed.prediction.step_time_s if seed is not None else math.inf,
+    )
+    work.at_least(0.5)  # the family is bounded whatever steps 2-3 took
+    recomputes = [Recompute(pinned.recompute)] if pinned.recompute is not None else list(Recompute)
+    found = layout_search(graph, pricer, pinned, global_batch, work, incumbent, recomputes, say)
+    out.lowest_open = min(out.lowest_open, found.lowest_open)
+    if found.best is None:
+        return None
+    step, parallel, stages = found.best
+    prediction = predict(
+        graph, pricer.cluster, parallel, stages, dtype=pricer.dtype, comm=pricer.comm,
+        engine=pricer.engine,
+    )  # fmt: skip
+    optimal = out.lowest_open >= step * (1 - 1e-9)
+    gap = 0.0 if optimal else (step - min(out.lowest_open, step)) / step
+    say(
+        f"{'optimal' if optimal else 'feasible'} plan: a pipeline changing group and tp, "
+        f"{prediction.step_time_s:.3f} s/step"
+    )
+    return SolveResult(
+        parallel=parallel,
+        stages=stages,
+        prediction=_with_wall_note(prediction, work, work.limit, say),
+        status="optimal" if optimal else "feasible",
+        gap=gap,
+        wall_s=0.0,
+        candidates=0,
+        explored=out.priced + found.priced,
+        placement_models=out.models,
+        objective="throughput",
+        objective_value=prediction.step_time_s,
         splits=out.pairs,
         work=work.spent,
         wall_clock_hit=work.wall_hit,

@@ -28,8 +28,8 @@ group's own at its tp (`cost_model.tables.hetero_tables`) with the cross-group g
 as in `solver_screen`, equal shares allowed even where the warm-up depth is not saturated), so
 its bounds are the share bounds. ZeRO-0 and no EP (what the runtime executes: replicas whose TP
 shards differ cannot share ZeRO shards). Pipelines with per-stage TP degrees (one pipeline
-crossing groups of different tp) are not searched: torch.distributed.pipelining pairs exactly
-one rank per stage in each pipeline, so stages of different tp cannot hand activations over.
+crossing groups of different tp, handed over by `runtime.pipeline_handoff`) are a family of
+their own, searched by step 2b (`solver_layouts`).
 """
 
 from __future__ import annotations

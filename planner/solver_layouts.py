@@ -1,0 +1,363 @@
+"""Step 2b of the search (`meshplan.solver`): pipelines that change device group and TP degree
+between stages, the plan shape of Sailor (SOSP'25) and Metis (ATC'24).
+
+The placement models of steps 2-3 run every replica of a configuration at one TP degree (or,
+per group, in group-pure pipelines: `Candidate.group_tp`). This step searches the family
+those cannot express: one pipeline whose first stages run on device group a at degree t_a and
+whose last stages run on group b at degree t_b, activations handed over between the two TP
+groups at the boundary (`Pricer.handoff`, run by `runtime.pipeline_handoff`).
+
+Sets
+    (a, b)          an ordered pair of distinct device groups; the pipeline's first k_a stages
+                    run on a, the next k_b on b
+    t_a != t_b      each group's TP degree: divides its NVLink domain's GPUs and the heads
+                    (`tp_domain_problem`, `tp_heads_problem`); equal degrees are steps 2-3's
+    k_a, k_b >= 1   stages per group, pp = k_a + k_b <= layers
+    dp              replicas of every stage (one per pipeline), dp t_a k_a <= N_a and
+                    dp t_b k_b <= N_b (`replica_capacity`)
+    mb, m           micro-batch and micro-batches per pipeline, dp mb m = B: every replica runs
+                    the same m (a pipeline crossing groups has no one group's share)
+    r               recomputation (the options of step 1)
+
+Fixed by what the runtime runs (`ir.parallel.group_tp_problem`): ZeRO-0, no EP, no CP, 1F1B
+(GPipe where torch's 1F1B refuses m < pp, as in step 1), sequence parallelism on the stages
+whose degree is > 1 unless pinned off (`Parallel.stage`).
+
+Split. Each group's layers spread evenly over its stages, the surplus on the stages furthest
+from the embedding and the head; the count n_a on group a is searched over every
+k_a <= n_a <= L - k_b. A split is kept when every stage fits in its group's memory (1F1B's
+in-flight micro-batches, `in_flight_microbatches`), the one with the smallest slowest stage
+(then the smallest sum) is priced.
+
+Bound, valid for every split: with tau_g the marginal time of one layer on a rank of g at t_g
+(`Pricer.stage_time` of two layers less one), the slowest stage U >= u* = L / (k_a / tau_a +
+k_b / tau_b) (the continuous minimax) and the stages' sum S >= L min(tau_a, tau_b), so the
+step `simulate.evaluate` prices (m U + (S - U) + non-negative hand-off, gradient and optimizer
+terms) is at least (m - 1) u* + L min(tau_a, tau_b).
+
+Search (`layout_search`): bound every layout, then price them in bound order with the pricing
+`predict` uses (`tables.layout_tables`, `simulate.evaluate`) until the bound reaches the best
+plan so far (the incumbent from steps 2-3 included): nothing left can win. Work is charged as
+in steps 2-3 (a bound per layout, a cell per priced stage, a placement per evaluation); what
+the budget leaves unpriced counts as an open bound in the plan's gap.
+
+Not searched: pipelines over three or more groups, stages mixing replicas of several groups
+(Sailor's last stage; priced and run when given, `meshplan estimate --layout`), uneven splits
+within one group's run of stages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from meshplan.cost_model.memory import in_flight_microbatches
+from meshplan.cost_model.pricer import Pricer
+from meshplan.cost_model.simulate import evaluate
+from meshplan.cost_model.tables import layout_tables
+from meshplan.ir import (
+    DeviceGroup,
+    Graph,
+    Parallel,
+    Recompute,
+    Schedule,
+    StageConfig,
+    StagePlacement,
+)
+from meshplan.ir.rules import microbatch_problem, tp_heads_problem
+from meshplan.passes.partition import replica_capacity, stages_of, tp_domain_problem
+
+from .solver_candidates import _divisors_upto, micro_batch_options
+from .solver_objective import _Work
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One layout of the family: `parallel` (tp = t_a, pp = k_a + k_b) with the first `k_a`
+    stages on group `a` at `t_a` and the rest on `b` at `t_b`."""
+
+    parallel: Parallel
+    a: str
+    t_a: int
+    k_a: int
+    b: str
+    t_b: int
+    k_b: int
+
+    @property
+    def sort_key(self) -> tuple:
+        p = self.parallel
+        return (self.a, self.t_a, self.k_a, self.b, self.t_b, self.k_b, p.dp,
+                p.micro_batch, p.recompute.value)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LayoutResult:
+    """What `layout_search` found: the best layout's (step, parallel, stages), or None, and the
+    smallest bound it left unpriced (inf: the family was searched to the end)."""
+
+    best: tuple[float, Parallel, tuple[StagePlacement, ...]] | None
+    lowest_open: float
+    bounded: int
+    priced: int
+
+
+def _even(n: int, k: int) -> list[int]:
+    """n layers over k stages, the surplus on the middle stages (away from both ends)."""
+    base, extra = divmod(n, k)
+    counts = [base] * k
+    order = sorted(range(k), key=lambda s: (min(s, k - 1 - s) == 0, abs(2 * s - (k - 1)), s))
+    for s in order[:extra]:
+        counts[s] += 1
+    return counts
+
+
+def layouts(
+    costs: _Layouts,
+    pinned: Parallel,
+    global_batch: int,
+    recomputes: Sequence[Recompute],
+    sp: bool,
+    below: float = math.inf,
+) -> list[tuple[float, tuple, Layout]]:
+    """(bound, sort key, layout) for every layout of the module docstring's sets that step 1's
+    pins allow and whose bound is below `below`, in bound order ([] when a pin rules the family
+    out: tp, ZeRO > 0, ep or cp > 1, a schedule other than 1F1B / GPipe)."""
+    return list(_bounded(costs, pinned, global_batch, recomputes, sp, below))
+
+
+def _bounded(
+    costs: _Layouts,
+    pinned: Parallel,
+    global_batch: int,
+    recomputes: Sequence[Recompute],
+    sp: bool,
+    below: float,
+) -> Iterator[tuple[float, tuple, Layout]]:
+    """`layouts`, built as they are consumed: the bounds of each (groups, degrees, dp,
+    micro-batch, recompute) over its whole (k_a, k_b) grid at once (numpy), the layouts
+    themselves only when reached in bound order."""
+    p = pinned
+    if (
+        p.tp is not None
+        or p.zero not in (None, 0)
+        or p.ep not in (None, 1)
+        or p.cp not in (None, 1)
+        or p.schedule not in (None, Schedule.ONE_F_ONE_B, Schedule.GPIPE)
+        or p.virtual_stages not in (None, 1)
+    ):
+        return iter(())
+    graph, n = costs.graph, costs.n_layers
+    groups = costs.pricer.cluster.groups
+    heads: list[tuple] = []  # per (groups, degrees, dp, mb, r): what its layouts share
+    bounds, owner, kas, kbs = [], [], [], []
+    for ga, gb in ((x, y) for x in groups for y in groups if x is not y):
+        for ta, tb in ((x, y) for x in _degrees(ga, graph) for y in _degrees(gb, graph) if x != y):
+            cap_a, cap_b = replica_capacity(ga, ta), replica_capacity(gb, tb)
+            most = min(cap_a, cap_b)
+            dps = [p.dp] if p.dp is not None else _divisors_upto(global_batch, most)
+            for dp in dps:
+                if dp > most or global_batch % dp:
+                    continue
+                ka_max, kb_max = min(cap_a // dp, n - 1), min(cap_b // dp, n - 1)
+                mbs = (
+                    [p.micro_batch]
+                    if p.micro_batch is not None
+                    else micro_batch_options(global_batch // dp, 2)
+                )
+                for mb, rc in itertools.product(mbs, recomputes):
+                    if global_batch % (dp * mb):
+                        continue
+                    m = global_batch // (dp * mb)
+                    base = Parallel(
+                        dp=dp, tp=ta, pp=2, cp=1, ep=1, micro_batch=mb,
+                        global_batch=global_batch, recompute=rc, zero=0,
+                        schedule=Schedule.ONE_F_ONE_B, sequence_parallel=sp,
+                    )  # fmt: skip
+                    tau_a = costs.per_layer(ga.name, base.stage(ta))
+                    tau_b = costs.per_layer(gb.name, base.stage(tb))
+                    cross = costs.handoff(ga.name, ta, gb.name, tb, dp, mb)
+                    ka = np.arange(1, ka_max + 1, dtype=np.float64)[:, None]
+                    kb = np.arange(1, kb_max + 1, dtype=np.float64)[None, :]
+                    pp = ka + kb
+                    with np.errstate(divide="ignore"):
+                        rate = ka / tau_a + kb / tau_b
+                    bound = (m - 1) * n / rate + n * min(tau_a, tau_b) + (m + pp - 1) * cross
+                    ok = pp <= n if p.pp is None else pp == p.pp
+                    costs.bounded += int(ok.sum())
+                    ia, ib = np.nonzero(ok & (bound < below))
+                    if len(ia):
+                        bounds.append(bound[ia, ib])
+                        owner.append(np.full(len(ia), len(heads)))
+                        kas.append(ia + 1)
+                        kbs.append(ib + 1)
+                        heads.append((base, ga.name, ta, gb.name, tb, m))
+    if not heads:
+        return iter(())
+    bound_all = np.concatenate(bounds)
+    own, ka_all, kb_all = np.concatenate(owner), np.concatenate(kas), np.concatenate(kbs)
+    order = np.lexsort((kb_all, ka_all, own, bound_all))  # ties in enumeration order
+
+    def made() -> Iterator[tuple[float, tuple, Layout]]:
+        for i in order:
+            base, a, ta, b, tb, m = heads[own[i]]
+            ka, kb = int(ka_all[i]), int(kb_all[i])
+            sched = _schedule(p.schedule, ka + kb, m)
+            if sched is None:
+                continue
+            par = dataclasses.replace(base, pp=ka + kb, schedule=sched)
+            lay = Layout(par, a, ta, ka, b, tb, kb)
+            yield float(bound_all[i]), lay.sort_key, lay
+
+    return made()
+
+
+def _degrees(group: DeviceGroup, graph: Graph) -> list[int]:
+    """TP degrees a group's stages may run at: dividing its NVLink domain and the heads."""
+    info = graph.info
+    return [
+        t
+        for t in range(1, group.domain_gpus + 1)
+        if tp_domain_problem((group,), t) is None
+        and tp_heads_problem(t, info.heads, info.kv_heads) is None
+    ]
+
+
+def _schedule(pinned: Schedule | None, pp: int, m: int) -> Schedule | None:
+    """1F1B, GPipe where 1F1B cannot run m micro-batches (unless pinned), None: neither."""
+    for s in (pinned,) if pinned is not None else (Schedule.ONE_F_ONE_B, Schedule.GPIPE):
+        if microbatch_problem(s, pp, m) is None:
+            return s
+    return None
+
+
+class _Layouts:
+    """Per-layer times, hand-offs and per-stage cost and memory of the family, cached."""
+
+    def __init__(self, graph: Graph, pricer: Pricer):
+        self.graph, self.pricer = graph, pricer
+        self.n_layers = len(graph.layer_units)
+        self.ranges: dict[tuple[int, ...], tuple[tuple[int, int], ...]] = {}
+        self.tau: dict[tuple, float] = {}
+        self.bounded = 0  # layouts bounded (work charged as "bound")
+        self.capacity = {g.name: g.gpu.memory_bytes for g in pricer.cluster.groups}
+        kinds = dict(graph.blocks)
+        costs = pricer.costs
+        self.layer_blocks = sorted({u.block for u in graph.layer_units})
+        # The smallest activation a layer hands on (the a -> b boundary follows some layer).
+        self.activation = min(
+            costs.facts[costs.boundary_key(i + 1)].output_bytes
+            for i, u in enumerate(graph.units)
+            if kinds[u.block].kind == "layer"
+        )
+
+    def per_layer(self, group: str, cfg: StageConfig) -> float:
+        """tau: the least time of one layer (any layer block) on a rank of `group` under
+        `cfg`; a stage's time is the sum of its blocks' (`Pricer.stage_time`), so k layers
+        take at least k tau."""
+        key = (group, cfg)
+        got = self.tau.get(key)
+        if got is None:
+            got = self.tau[key] = min(
+                self.pricer.block_time(b, group, cfg).total for b in self.layer_blocks
+            )
+        return got
+
+    def handoff(self, a: str, ta: int, b: str, tb: int, dp: int, mb: int) -> float:
+        """The a -> b hand-off of one micro-batch (`Pricer.handoff`), every pipeline at once."""
+        scale = mb / self.pricer.costs.traced_micro_batch
+        return self.pricer.handoff(self.activation * scale, a, ta, b, tb, pipelines=dp, cp=1)
+
+    def _ranges(self, counts: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+        got = self.ranges.get(counts)
+        if got is None:
+            got = self.ranges[counts] = stages_of(self.graph, counts)
+        return got
+
+    def split(self, lay: Layout) -> tuple[int, ...] | None:
+        """The layer counts of the module docstring's split, or None when no split fits."""
+        p = lay.parallel
+        best: tuple[float, float, tuple[int, ...]] | None = None
+        for n_a in range(lay.k_a, self.n_layers - lay.k_b + 1):
+            counts = tuple(_even(n_a, lay.k_a) + _even(self.n_layers - n_a, lay.k_b))
+            if min(counts) < 1:
+                continue
+            ranges = self._ranges(counts)
+            worst, total, fits = 0.0, 0.0, True
+            for s, (first, last) in enumerate(ranges):
+                g, t = (lay.a, lay.t_a) if s < lay.k_a else (lay.b, lay.t_b)
+                cfg = p.stage(t)
+                comp = self.pricer.costs.composition(first, last)
+                u = self.pricer.stage_time(comp, g, cfg).total
+                held = in_flight_microbatches(p.schedule, s, p.pp, p.num_microbatches)
+                mem = self.pricer.stage_memory(comp, cfg, dp=p.dp, zero=0).peak(held)[0]
+                if mem > self.capacity[g]:
+                    fits = False
+                    break
+                worst, total = max(worst, u), total + u
+            if fits and (best is None or (worst, total) < best[:2]):
+                best = (worst, total, counts)
+        return None if best is None else best[2]
+
+    def stages(self, lay: Layout, counts: tuple[int, ...]) -> tuple[StagePlacement, ...]:
+        out = []
+        for s, (first, last) in enumerate(self._ranges(counts)):
+            g, t = (lay.a, lay.t_a) if s < lay.k_a else (lay.b, lay.t_b)
+            out.append(StagePlacement(s, first, last, ((g, lay.parallel.dp),), group_tp=((g, t),)))
+        return tuple(out)
+
+
+def layout_search(
+    graph: Graph,
+    pricer: Pricer,
+    pinned: Parallel,
+    global_batch: int,
+    work: _Work,
+    incumbent: float,
+    recomputes=(Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL),
+    say=lambda _msg: None,
+) -> LayoutResult:
+    """The best layout of the module docstring's family faster than `incumbent`, in bound
+    order, within `work`."""
+    if len(pricer.cluster.groups) < 2:
+        return LayoutResult(None, math.inf, 0, 0)
+    sp = pinned.sequence_parallel if pinned.sequence_parallel is not None else True
+    cache = _Layouts(graph, pricer)
+    bounded = _bounded(cache, pinned, global_batch, recomputes, sp, below=incumbent)
+    work.charge("layout", cache.bounded)
+    best: tuple[float, Parallel, tuple[StagePlacement, ...]] | None = None
+    lowest_open, priced = math.inf, 0
+    for bound, _, lay in bounded:
+        cut = min(incumbent, best[0] if best else math.inf)
+        if bound >= cut * (1 - 1e-9):
+            break
+        if work.exhausted():
+            lowest_open = bound
+            break
+        counts = cache.split(lay)
+        work.charge("memory", lay.parallel.pp)
+        if counts is None:
+            continue
+        stages = cache.stages(lay, counts)
+        tables = layout_tables(pricer, lay.parallel, stages)
+        work.charge("cell", lay.parallel.pp)
+        work.charge("placement")
+        priced += 1
+        if not all(tables.fits[s][g] for s, st in enumerate(stages) for g, _ in st.replicas):
+            continue
+        step = evaluate(tables, [st.replicas for st in stages]).step_time_s
+        if step < cut * (1 - 1e-9):
+            best = (step, lay.parallel, stages)
+    if best is not None:
+        say(
+            f"pipelines changing group and tp: {cache.bounded} layouts bounded, {priced} priced, "
+            f"best {best[0]:.3f} s/step"
+        )
+    return LayoutResult(best, lowest_open, cache.bounded, priced)
+
+
+__all__ = ["Layout", "LayoutResult", "layout_search", "layouts"]
