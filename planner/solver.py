@@ -96,7 +96,7 @@ from .solver_candidates import (
     micro_batch_options,
     schedule_options,
 )
-from .solver_layouts import layout_search
+from .solver_layouts import layout_plan
 from .solver_model import UNITS_PER_STEP, _PlacementModel, _Scale
 from .solver_objective import (
     CPSAT_DETERMINISTIC_PER_WORK,
@@ -372,10 +372,23 @@ def solve(
             incumbent=seed.prediction.step_time_s if seed else math.inf,
         )
     if objective.kind == "throughput" and per_group_tp and len(cluster.groups) > 1:
-        found = _layouts(graph, pricer, pinned, global_batch, work, out, seed, say)
+        incumbent = min(
+            out.best[0] if out.best is not None else math.inf,
+            seed.prediction.step_time_s if seed is not None else math.inf,
+        )
+        out.lowest_open, found = layout_plan(
+            graph, pricer, pinned, global_batch, work, incumbent, out.lowest_open, say
+        )
         if found is not None:
-            return dataclasses.replace(found, wall_s=time.perf_counter() - start,
-                                       candidates=len(cands))  # fmt: skip
+            return dataclasses.replace(
+                found,
+                prediction=_with_wall_note(found.prediction, work, time_limit_s, say),
+                wall_s=time.perf_counter() - start,
+                candidates=len(cands),
+                explored=out.priced + found.explored,
+                placement_models=out.models,
+                splits=out.pairs,
+            )
     if out.best is None and seed is not None:
         optimal = out.lowest_open >= seed.prediction.step_time_s * (1 - 1e-9)
         gap = 0.0 if optimal else 1 - out.lowest_open / seed.prediction.step_time_s
@@ -431,58 +444,6 @@ def solve(
         placement_models=out.models,
         objective=objective.kind,
         objective_value=value,
-        splits=out.pairs,
-        work=work.spent,
-        wall_clock_hit=work.wall_hit,
-    )
-
-
-def _layouts(
-    graph: Graph,
-    pricer: Pricer,
-    pinned: Parallel,
-    global_batch: int,
-    work: _Work,
-    out: _Outcome,
-    seed: SolveResult | None,
-    say,
-) -> SolveResult | None:
-    """Step 2b (`solver_layouts`): the best pipeline changing device group and TP degree
-    between stages, when it beats the plan of steps 2-3 (and the single-group seed); None
-    otherwise, after lowering `out.lowest_open` to the family's smallest unpriced bound."""
-    incumbent = min(
-        out.best[0] if out.best is not None else math.inf,
-        seed.prediction.step_time_s if seed is not None else math.inf,
-    )
-    work.at_least(0.5)  # the family is bounded whatever steps 2-3 took
-    recomputes = [Recompute(pinned.recompute)] if pinned.recompute is not None else list(Recompute)
-    found = layout_search(graph, pricer, pinned, global_batch, work, incumbent, recomputes, say)
-    out.lowest_open = min(out.lowest_open, found.lowest_open)
-    if found.best is None:
-        return None
-    step, parallel, stages = found.best
-    prediction = predict(
-        graph, pricer.cluster, parallel, stages, dtype=pricer.dtype, comm=pricer.comm,
-        engine=pricer.engine,
-    )  # fmt: skip
-    optimal = out.lowest_open >= step * (1 - 1e-9)
-    gap = 0.0 if optimal else (step - min(out.lowest_open, step)) / step
-    say(
-        f"{'optimal' if optimal else 'feasible'} plan: a pipeline changing group and tp, "
-        f"{prediction.step_time_s:.3f} s/step"
-    )
-    return SolveResult(
-        parallel=parallel,
-        stages=stages,
-        prediction=_with_wall_note(prediction, work, work.limit, say),
-        status="optimal" if optimal else "feasible",
-        gap=gap,
-        wall_s=0.0,
-        candidates=0,
-        explored=out.priced + found.priced,
-        placement_models=out.models,
-        objective="throughput",
-        objective_value=prediction.step_time_s,
         splits=out.pairs,
         work=work.spent,
         wall_clock_hit=work.wall_hit,

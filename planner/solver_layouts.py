@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import numpy as np
 from meshplan.cost_model.memory import in_flight_microbatches
 from meshplan.cost_model.pricer import Pricer
-from meshplan.cost_model.simulate import evaluate
+from meshplan.cost_model.simulate import evaluate, predict
 from meshplan.cost_model.tables import layout_tables
 from meshplan.ir import (
     DeviceGroup,
@@ -72,7 +72,7 @@ from meshplan.ir.rules import microbatch_problem, tp_heads_problem
 from meshplan.passes.partition import replica_capacity, stages_of, tp_domain_problem
 
 from .solver_candidates import _divisors_upto, micro_batch_options
-from .solver_objective import _Work
+from .solver_objective import SolveResult, _Work
 
 
 @dataclass(frozen=True)
@@ -360,4 +360,52 @@ def layout_search(
     return LayoutResult(best, lowest_open, cache.bounded, priced)
 
 
-__all__ = ["Layout", "LayoutResult", "layout_search", "layouts"]
+def layout_plan(
+    graph: Graph,
+    pricer: Pricer,
+    pinned: Parallel,
+    global_batch: int,
+    work: _Work,
+    incumbent: float,
+    lowest_open: float,
+    say=lambda _msg: None,
+) -> tuple[float, SolveResult | None]:
+    """Step 2b as the solver runs it: (the smallest open bound, steps 2-3's `lowest_open` and
+    the family's unpriced ones; the plan when the family's best beats `incumbent`, re-priced
+    by `predict`, else None). The plan's search counts are the family's own."""
+    work.at_least(0.5)  # the family is bounded whatever steps 2-3 took
+    recomputes = [Recompute(pinned.recompute)] if pinned.recompute is not None else list(Recompute)
+    found = layout_search(graph, pricer, pinned, global_batch, work, incumbent, recomputes, say)
+    lowest_open = min(lowest_open, found.lowest_open)
+    if found.best is None:
+        return lowest_open, None
+    step, parallel, stages = found.best
+    prediction = predict(
+        graph, pricer.cluster, parallel, stages, dtype=pricer.dtype, comm=pricer.comm,
+        engine=pricer.engine,
+    )  # fmt: skip
+    optimal = lowest_open >= step * (1 - 1e-9)
+    gap = 0.0 if optimal else (step - min(lowest_open, step)) / step
+    say(
+        f"{'optimal' if optimal else 'feasible'} plan: a pipeline changing group and tp, "
+        f"{prediction.step_time_s:.3f} s/step"
+    )
+    return lowest_open, SolveResult(
+        parallel=parallel,
+        stages=stages,
+        prediction=prediction,
+        status="optimal" if optimal else "feasible",
+        gap=gap,
+        wall_s=0.0,
+        candidates=0,
+        explored=found.priced,
+        placement_models=0,
+        objective="throughput",
+        objective_value=prediction.step_time_s,
+        splits=0,
+        work=work.spent,
+        wall_clock_hit=work.wall_hit,
+    )
+
+
+__all__ = ["Layout", "LayoutResult", "layout_plan", "layout_search", "layouts"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-import meshplan.solver as solver_mod
+import meshplan.solver_layouts as layouts_mod
 import pytest
 from meshplan.cost_model import predict, pricer_for
 from meshplan.cost_model.simulate import evaluate
@@ -97,7 +97,7 @@ def test_the_search_finds_the_exhaustive_best(family):
     assert got.priced < len(every)  # the bound pruned some
 
 
-def test_solve_returns_a_pipeline_changing_group_and_degree_where_it_wins():
+def test_solve_returns_a_pipeline_changing_group_and_degree_where_it_wins(monkeypatch):
     graph, cluster = _scenario()
     got = solve(graph, cluster, PINS, global_batch=GLOBAL_BATCH, dtype="float32")
     degrees = [dict(st.group_tp) for st in got.stages]
@@ -108,12 +108,9 @@ def test_solve_returns_a_pipeline_changing_group_and_degree_where_it_wins():
     assert got.prediction.step_time_s == pytest.approx(again.step_time_s, rel=1e-12)
     assert got.status == "optimal"
 
-    off = solver_mod.layout_search
-    solver_mod.layout_search = lambda *a, **k: LayoutResult(None, math.inf, 0, 0)
-    try:
-        without = solve(graph, cluster, PINS, global_batch=GLOBAL_BATCH, dtype="float32")
-    finally:
-        solver_mod.layout_search = off
+    nothing = LayoutResult(None, math.inf, 0, 0)
+    monkeypatch.setattr(layouts_mod, "layout_search", lambda *a, **k: nothing)
+    without = solve(graph, cluster, PINS, global_batch=GLOBAL_BATCH, dtype="float32")
     assert got.prediction.step_time_s < without.prediction.step_time_s * 0.97
 
 
