@@ -702,12 +702,17 @@ def block_compute(block: Block, gpu: GpuSpec, dtype: str, engine: Engine = EAGER
         if i in fused:
             continue
         f8 = engine.float8 is not None and is_float8_linear(op, block)
+        low = engine.forward_precision if not f8 and is_float8_linear(op, block) else None
         terms = gemm_terms(
-            op, gpu, dtype, cls, row_parallel=id(op) in rows, float8=f8, attention=engine.attention
-        )
+            op, gpu, dtype, cls, row_parallel=id(op) in rows, float8=f8, attention=engine.attention,
+            forward=low,
+        )  # fmt: skip
         if op.fwd_flops or op.fwd_bytes:
             if f8:
                 t = float8_linear_time(op, gpu, fused=engine.fused)
+                n_fwd += FLOAT8_CAST_KERNELS
+            elif low:
+                t = low_forward_linear_time(op, gpu, dtype, low, fused=engine.fused)
                 n_fwd += FLOAT8_CAST_KERNELS
             else:
                 t = roofline_time(op, gpu, dtype, attention=engine.attention)
@@ -801,6 +806,40 @@ def float8_linear_time(op: Op, gpu: GpuSpec, *, fused: bool, backward: bool = Fa
     return max(gemm_s, io_bytes / bw) + conv / bw
 
 
+# Low-precision forward linears (`Engine.forward_precision`, QSync-style): before the forward
+# GEMM the activation is quantized per token (int8) or per tensor (fp8) and the weight per
+# output channel (int8) or per tensor (fp8), each an amax pass and a cast like Float8's
+# (FLOAT8_CAST_BYTES per element, one byte written); the result is scaled back in the GEMM's
+# epilogue. An INT8 GEMM reaches the same fraction of its peak as the GPU's 16-bit GEMMs
+# (`gemm_efficiency`), an FP8 one `KernelEfficiency.fp8`: assumptions, no INT8 kernel latencies
+# are in the measured data (docs/op_latency.md). The backward GEMMs stay in the training dtype.
+INT8_DTYPE = "int8"
+FORWARD_PEAK = {"int8": INT8_DTYPE, "fp8": FLOAT8_DTYPE}
+
+
+def low_forward_linear_time(op: Op, gpu: GpuSpec, dtype: str, mode: str, *, fused: bool) -> float:
+    """Roofline seconds of one linear's forward in `mode` ("int8" or "fp8") at its traced
+    size: the GEMM at that peak times its efficiency, plus the quantizing passes (above)."""
+    from .features import gemm_dims
+
+    peak_dtype = FORWARD_PEAK[mode]
+    if peak_dtype not in dict(gpu.peak_flops):
+        from .engine import EngineError
+
+        raise EngineError(
+            f"{gpu.name} has no {mode.upper()} tensor cores (no {peak_dtype} peak); price it "
+            f"without {mode}"
+        )
+    k = kernel_efficiency(gpu)
+    _, m, n, kk = gemm_dims(op)
+    bw = gpu.hbm_bandwidth * k.memory
+    eff = k.fp8 if mode == "fp8" else gemm_efficiency(gpu, dtype)
+    gemm_s = op.fwd_flops / (gpu.peak(peak_dtype) * eff)
+    io_bytes = op.fwd_bytes * 0.5  # one-byte operands (the output is written either way)
+    conv = FLOAT8_CAST_BYTES[fused] * (m * kk + kk * n)
+    return max(gemm_s, io_bytes / bw) + conv / bw
+
+
 def _block_hidden(block: Block) -> int:
     """The model width: the last dimension of the activation entering the block."""
     for t in block.inputs:
@@ -818,6 +857,7 @@ def gemm_terms(
     row_parallel: bool = False,
     float8: bool = False,
     attention: str = "flash2",
+    forward: str | None = None,
 ) -> tuple[GemmTerm, ...]:
     """The wave-quantization terms of one tensor-core op (empty for any other kind).
 
@@ -849,12 +889,16 @@ def gemm_terms(
         nbytes = essential_bytes(op, backward)
         if not flops:
             continue
+        fwd_low = forward if not backward else None  # low-precision forward linears
+        low = float8 or fwd_low is not None
         if op.kind == OpKind.ATTENTION:
             eff = attention_efficiency(op, gpu, backward=backward, kernel=attention)
+        elif fwd_low is not None:
+            eff = keff.fp8 if fwd_low == "fp8" else gemm_efficiency(gpu, dtype)
         else:
             eff = keff.fp8 if float8 else gemm_efficiency(gpu, dtype)
-        flop_s = flops / (peak * eff)
-        mem_s = nbytes * (0.5 if float8 else 1.0) / (gpu.hbm_bandwidth * memory_efficiency(op, gpu))
+        flop_s = flops / ((gpu.peak(FORWARD_PEAK[fwd_low]) if fwd_low else peak) * eff)
+        mem_s = nbytes * (0.5 if low else 1.0) / (gpu.hbm_bandwidth * memory_efficiency(op, gpu))
         phase = "bwd" if backward else "fwd"
         tokens = ("mb", "cp")
         if op.kind == OpKind.ATTENTION:

@@ -33,6 +33,16 @@ price a step as another stack would run it:
   Megatron-LM's keep-every-linear; torchtitan's per-op policy ("torchtitan_op", its
   `selective_ac_option = "op"`) or every second layer checkpointed ("every_other_layer",
   `selective_ac_option = "2"`).
+- `forward_precision`: "int8" or "fp8" forward linears (QSync, Zhao et al., "QSync:
+  Quantization-Minimized Synchronous Distributed Training Across Hybrid Devices", IPDPS'24):
+  the forward GEMM of every linear layer inside the transformer blocks runs on INT8 tensor
+  cores (activations quantized per token, weights per output channel, int32 accumulation) or
+  FP8 ones (tensorwise scaling), plus the quantizing passes; the backward GEMMs stay in the
+  training dtype (straight-through gradients, `runtime.hybrid_precision`).
+- `hybrid`: per-group precision: ((device group, "int8" | "fp8"), ...): the replicas of those
+  groups run their transformer-block linears with that `forward_precision`, the other groups
+  as the rest of the engine says (`Pricer.engine_of`). The plan records it
+  (`Plan.hybrid_precision`) and the runtime applies it to those ranks only.
 - `reduce_fp32`: gradients are reduced across data-parallel (and the SP norm gradients across
   tensor-parallel) ranks in fp32, 4 bytes a parameter, although the model computes in
   bf16/fp16. torchtitan's default (`training.mixed_precision_reduce = "float32"`, FSDP2's
@@ -58,6 +68,9 @@ class SelectivePolicy(enum.StrEnum):
 
 
 FLOAT8_RECIPES = ("tensorwise",)
+# Per-group precision modes (`Engine.hybrid`, `runtime.hybrid_precision.HYBRID_MODES`).
+HYBRID_MODES = ("int8", "fp8")
+
 # Fused-attention kernels with published throughput (`compute.ATTENTION_TFLOPS`).
 ATTENTION_KERNELS = ("flash2", "flash1")
 
@@ -82,6 +95,8 @@ class Engine:
     fused_loss: bool = False
     reduce_fp32: bool = False
     selective: str | None = None
+    forward_precision: str | None = None
+    hybrid: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.selective is not None and self.selective not in set(SelectivePolicy):
@@ -106,6 +121,19 @@ class Engine:
             )
         if self.float8_all_gather and self.float8 is None:
             raise EngineError("float8_all_gather needs float8='tensorwise'")
+        if self.forward_precision not in (None, *HYBRID_MODES):
+            raise EngineError(
+                f"forward precision {self.forward_precision!r} is not modelled; use one of "
+                f"{', '.join(HYBRID_MODES)}"
+            )
+        for group, mode in self.hybrid:
+            if mode not in HYBRID_MODES:
+                raise EngineError(
+                    f"hybrid precision {mode!r} for group {group!r} is not modelled; use one of "
+                    f"{', '.join(HYBRID_MODES)}"
+                )
+        if len({g for g, _ in self.hybrid}) != len(self.hybrid):
+            raise EngineError("hybrid precision names a device group twice")
 
     @property
     def is_eager(self) -> bool:
@@ -132,6 +160,10 @@ class Engine:
             parts.append("fp32-reduce")
         if self.selective is not None:
             parts.append(f"selective {self.selective}")
+        if self.forward_precision:
+            parts.append(f"{self.forward_precision}-forward-linears")
+        if self.hybrid:
+            parts.append("hybrid " + ",".join(f"{g}={m}" for g, m in self.hybrid))
         return "+".join(parts) or "eager"
 
 
@@ -141,6 +173,7 @@ __all__ = [
     "ATTENTION_KERNELS",
     "EAGER",
     "FLOAT8_RECIPES",
+    "HYBRID_MODES",
     "Engine",
     "EngineError",
     "SelectivePolicy",

@@ -11,6 +11,7 @@ simulate.py composes these into the step time.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -171,6 +172,20 @@ class Pricer(
         self._mem: dict[tuple, StageMemory] = {}
         self._cross: dict[tuple, CrossPath] = {}
         self._sync: dict[tuple, float] = {}  # step_sync_time's SP gradient part
+        self._engines: dict[str, Engine] = {}
+
+    def engine_of(self, group: str) -> Engine:
+        """The engine `group`'s ranks compute with: under per-group precision
+        (`Engine.hybrid`) its transformer-block linears' forward GEMMs in int8 or FP8
+        (`Engine.forward_precision`), every other group as the engine says."""
+        got = self._engines.get(group)
+        if got is None:
+            mode = dict(self.engine.hybrid).get(group)
+            got = dataclasses.replace(
+                self.engine, hybrid=(), forward_precision=mode or self.engine.forward_precision
+            )
+            self._engines[group] = got
+        return got
 
     # -- per (stage composition, group) --------------------------------------------------------
     def stage_time(
@@ -208,7 +223,7 @@ class Pricer(
         g = self.groups[group]
         scale = micro_batch / self.costs.traced_micro_batch
         facts = self.costs.facts[bkey]
-        bc = self.costs.compute(bkey, g.gpu, self.dtype, self.engine)
+        bc = self.costs.compute(bkey, g.gpu, self.dtype, self.engine_of(group))
         fwd, bwd, sel = bc.times(tp=tp, cp=cp, sequence_parallel=sp, scale=scale)
         t_fwd, t_bwd = self._tp_traffic(
             facts, tp, cp, sp, scale, intra_node_path(self.cluster, g), g.gpu, ep=ep

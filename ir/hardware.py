@@ -11,7 +11,9 @@ Conventions (the same as `meshplan.ir.cluster`):
 
 - FLOP/s are **dense** peaks. Datasheets often print "with sparsity" figures, twice the dense
   ones; those are halved here. `peak_flops` keys are torch dtype names: "bfloat16",
-  "float16", "float32", "float8_e4m3fn", plus "tfloat32". "float32" is the rate an fp32
+  "float16", "float32", "float8_e4m3fn", plus "tfloat32" and "int8" (INT8 tensor-core dense
+  TOPS, for the per-group int8 linears of `Engine.hybrid`; parts without INT8 tensor cores,
+  V100 and older, have none). "float32" is the rate an fp32
   matmul runs at by default in PyTorch (`torch.backends.cuda.matmul.allow_tf32` is off): the
   CUDA-core FP32 rate on NVIDIA parts, the FP32 matrix rate on AMD parts; "tfloat32" is the
   TF32 tensor-core dense rate, on parts that have TF32 (Ampere and later, MI300X), used when
@@ -67,6 +69,7 @@ _SPECS: tuple[GpuSpec, ...] = (
             ("tfloat32", 494.5 * TERA),  # TF32 dense: datasheet 989 with sparsity / 2
             ("float32", 67 * TERA),  # CUDA-core FP32: H100 SXM datasheet 67
             ("float8_e4m3fn", 1979 * TERA),  # hardware.md
+            ("int8", 1979 * TERA),  # H100 datasheet (SXM5): INT8 3,958 TOPS with sparsity / 2
         ),
         memory_bytes=80 * GiB,  # hardware.md: 80 GB HBM3
         hbm_bandwidth=3350 * GB,  # hardware.md: 3,350 GB/s
@@ -82,6 +85,7 @@ _SPECS: tuple[GpuSpec, ...] = (
             ("tfloat32", 378 * TERA),  # TF32 dense: datasheet 756 with sparsity / 2
             ("float32", 51 * TERA),  # CUDA-core FP32: H100 PCIe datasheet 51
             ("float8_e4m3fn", 1513 * TERA),  # datasheet 3,026 with sparsity / 2
+            ("int8", 1513 * TERA),  # H100 datasheet (PCIe): INT8 3,026 TOPS with sparsity / 2
         ),
         memory_bytes=80 * GiB,  # datasheet: 80 GB HBM2e
         hbm_bandwidth=2000 * GB,  # hardware.md: 2.0 TB/s
@@ -98,6 +102,7 @@ _SPECS: tuple[GpuSpec, ...] = (
             ("tfloat32", 494.5 * TERA),  # TF32 dense, as H100 SXM
             ("float32", 67 * TERA),  # CUDA-core FP32: H200 datasheet 67 (the H100 SXM's cores)
             ("float8_e4m3fn", 1979 * TERA),  # hardware.md
+            ("int8", 1979 * TERA),  # H200 datasheet: INT8 3,958 TOPS with sparsity / 2
         ),
         memory_bytes=141 * GiB,  # hardware.md: 141 GB HBM3e
         hbm_bandwidth=4800 * GB,  # hardware.md: 4,800 GB/s
@@ -237,6 +242,7 @@ _SPECS: tuple[GpuSpec, ...] = (
             ("float16", 312 * TERA),  # hardware.md
             ("tfloat32", 156 * TERA),  # hardware.md: TF32 156 (dense)
             ("float32", 19.5 * TERA),  # CUDA-core FP32: A100 datasheet 19.5
+            ("int8", 624 * TERA),  # A100 datasheet: INT8 1,248 TOPS with sparsity / 2
         ),
         memory_bytes=80 * GiB,  # hardware.md: 80 GB HBM2e
         hbm_bandwidth=2039 * GB,  # hardware.md: 2,039 GB/s
@@ -251,6 +257,7 @@ _SPECS: tuple[GpuSpec, ...] = (
             ("float16", 312 * TERA),  # hardware.md
             ("tfloat32", 156 * TERA),  # hardware.md: TF32 156 (dense)
             ("float32", 19.5 * TERA),  # CUDA-core FP32: A100 datasheet 19.5
+            ("int8", 624 * TERA),  # A100 datasheet: INT8 1,248 TOPS with sparsity / 2
         ),
         memory_bytes=40 * GiB,  # hardware.md: 40 GB HBM2
         hbm_bandwidth=1555 * GB,  # hardware.md: 1,555 GB/s
@@ -265,6 +272,7 @@ _SPECS: tuple[GpuSpec, ...] = (
             ("float16", 312 * TERA),
             ("tfloat32", 156 * TERA),  # TF32 dense
             ("float32", 19.5 * TERA),  # CUDA-core FP32: A100 datasheet 19.5
+            ("int8", 624 * TERA),  # A100 datasheet: INT8 1,248 TOPS with sparsity / 2
         ),
         memory_bytes=80 * GiB,  # datasheet: A100 80GB PCIe
         hbm_bandwidth=1935 * GB,  # hardware.md: PCIe 80GB 1,935 GB/s
@@ -306,6 +314,7 @@ _SPECS: tuple[GpuSpec, ...] = (
             ("tfloat32", 183 * TERA),  # TF32 dense: datasheet 366 with sparsity / 2
             ("float32", 91.6 * TERA),  # CUDA-core FP32: L40S datasheet 91.6
             ("float8_e4m3fn", 733 * TERA),  # hardware.md
+            ("int8", 733 * TERA),  # L40S datasheet: INT8 1,466 TOPS with sparsity / 2
         ),
         memory_bytes=48 * GiB,  # hardware.md: 48 GB GDDR6 (ECC on costs a few percent)
         hbm_bandwidth=864 * GB,  # hardware.md: 864 GB/s
@@ -335,6 +344,7 @@ _SPECS: tuple[GpuSpec, ...] = (
             ("float16", 125 * TERA),  # hardware.md
             ("tfloat32", 62.5 * TERA),  # TF32 dense: A10 datasheet 125 with sparsity / 2
             ("float32", 31.2 * TERA),  # CUDA-core FP32: A10 datasheet 31.2
+            ("int8", 250 * TERA),  # A10 datasheet: INT8 500 TOPS with sparsity / 2
         ),
         memory_bytes=24 * GiB,  # hardware.md: 24 GB GDDR6
         hbm_bandwidth=600 * GB,  # hardware.md: 600 GB/s
@@ -350,6 +360,7 @@ _SPECS: tuple[GpuSpec, ...] = (
             ("tfloat32", 60 * TERA),  # TF32 dense: L4 datasheet 120 with sparsity / 2
             ("float32", 30.3 * TERA),  # CUDA-core FP32: L4 datasheet 30.3
             ("float8_e4m3fn", 242.5 * TERA),  # L4 datasheet: FP8 485 with sparsity / 2
+            ("int8", 242.5 * TERA),  # L4 datasheet: INT8 485 TOPS with sparsity / 2
         ),
         memory_bytes=24 * GiB,  # L4 datasheet: 24 GB GDDR6
         hbm_bandwidth=300 * GB,  # L4 datasheet: 300 GB/s
@@ -366,6 +377,7 @@ _SPECS: tuple[GpuSpec, ...] = (
             ("float16", 149.7 * TERA),  # A40 datasheet: FP16 tensor 149.7 dense
             ("tfloat32", 74.8 * TERA),  # TF32 dense: A40 datasheet 74.8
             ("float32", 37.4 * TERA),  # CUDA-core FP32: A40 datasheet 37.4
+            ("int8", 299.3 * TERA),  # A40 datasheet: INT8 598.6 TOPS with sparsity / 2
         ),
         memory_bytes=48 * GiB,  # A40 datasheet: 48 GB GDDR6 with ECC
         hbm_bandwidth=696 * GB,  # A40 datasheet: 696 GB/s
@@ -428,6 +440,7 @@ _SPECS: tuple[GpuSpec, ...] = (
             # No BF16 hardware (Turing): no bfloat16 entry (see V100).
             ("float16", 65 * TERA),  # T4 datasheet: mixed precision (FP16/FP32) 65, dense
             ("float32", 8.1 * TERA),  # CUDA-core FP32 (no TF32): T4 datasheet 8.1
+            ("int8", 130 * TERA),  # T4 datasheet: INT8 130 TOPS (Turing has no sparsity)
         ),
         memory_bytes=16 * GiB,  # T4 datasheet: 16 GB GDDR6
         hbm_bandwidth=320 * GB,  # T4 datasheet: 320+ GB/s (TechPowerUp: 320.0)
@@ -475,7 +488,14 @@ _SPECS: tuple[GpuSpec, ...] = (
         name="CPU",
         # placeholders: a few AVX-512 cores' worth; torch runs bf16/fp16 matmuls on CPUs too
         # (no faster without AMX), so the same figure for every precision but TF32/FP8
-        peak_flops=(("float32", 1 * TERA), ("bfloat16", 1 * TERA), ("float16", 1 * TERA)),
+        # int8: `torch._int_mm` runs integer GEMMs on CPUs (the runtime's int8 forward linears,
+        # `runtime.hybrid_precision`), at the same placeholder rate
+        peak_flops=(
+            ("float32", 1 * TERA),
+            ("bfloat16", 1 * TERA),
+            ("float16", 1 * TERA),
+            ("int8", 1 * TERA),
+        ),
         memory_bytes=16 * GiB,  # placeholder: host RAM one process may use
         hbm_bandwidth=20 * GB,  # placeholder: a share of a DDR4/DDR5 socket's bandwidth
         sms=8,  # placeholder: cores per device

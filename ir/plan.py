@@ -195,6 +195,11 @@ class Plan:
     # The training precision (`ir.cluster.PRECISIONS`: fp32, tf32, bf16, fp16, fp8) the plan
     # was priced in and the runtime applies; "" in plans written before it was recorded.
     precision: str = ""
+    # Per-group precision (QSync; `cost_model.engine.Engine.hybrid`): (device group, "int8" |
+    # "fp8") pairs whose replicas run the forward GEMMs of the transformer blocks' linears in
+    # that precision, priced so and applied by the runtime to those ranks only
+    # (`runtime.hybrid_precision`); backward and gradients stay full precision. () = none.
+    hybrid_precision: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.parallel.is_complete:
@@ -282,6 +287,7 @@ class Plan:
             "quantization": _quantization_json(self.quantization),
             "compression": _compression_json(self.compression),
             **({"precision": self.precision} if self.precision else {}),
+            **({"hybrid_precision": dict(self.hybrid_precision)} if self.hybrid_precision else {}),
             "predicted": {
                 "step_time_s": pr.step_time_s,
                 "tokens_per_s": pr.tokens_per_s,
@@ -361,7 +367,13 @@ class Plan:
             f"{f' ({p.chunks} chunks per rank)' if p.chunks > 1 else ''}; recompute "
             f"{p.recompute}; ZeRO-{p.zero}; "
             f"sequence parallel {'on' if p.sequence_parallel else 'off'}"
-            f"{f'; precision {self.precision}' if self.precision else ''}",
+            f"{f'; precision {self.precision}' if self.precision else ''}"
+            + (
+                "; per-group precision "
+                + ", ".join(f"{g} {m} linears" for g, m in self.hybrid_precision)
+                if self.hybrid_precision
+                else ""
+            ),
             "  stages:",
         ]
         for s in self.stages:
@@ -652,6 +664,11 @@ PLAN_SCHEMA: dict = {
             },
         },
         "precision": {"enum": list(PRECISIONS)},
+        "hybrid_precision": {
+            "type": "object",
+            "description": "device group -> int8 or fp8 (the transformer blocks' linears)",
+            "additionalProperties": {"enum": ["int8", "fp8"]},
+        },
         "solver": {
             "type": "object",
             "required": ["status", "gap", "candidates"],
@@ -965,6 +982,38 @@ def _precision_problem(plan: Plan) -> str | None:
     return f"precision: {why}" if why else None
 
 
+# The peak `Plan.hybrid_precision`'s modes need on a group's GPU (`GpuSpec.peak_flops`).
+HYBRID_PEAKS = {"int8": "int8", "fp8": "float8_e4m3fn"}
+
+
+def hybrid_problem(plan: Plan) -> str | None:
+    """Why the plan's per-group precision cannot run, in one line, or None: a group the
+    cluster lacks, a GPU without that precision's tensor cores, or a group whose replicas run
+    tensor parallelism (the runtime's quantized linears take whole weights)."""
+    groups = {g.name: g for g in plan.cluster.groups}
+    for group, mode in plan.hybrid_precision:
+        where = f"hybrid_precision.{group}"
+        if group not in groups:
+            return f"{where}: no device group {group!r} in the cluster ({', '.join(groups)})"
+        if mode not in HYBRID_PEAKS:
+            return f"{where}: {mode!r} is not int8 or fp8"
+        gpu = groups[group].gpu
+        if HYBRID_PEAKS[mode] not in dict(gpu.peak_flops):
+            return f"{where}: {gpu.name} has no {mode} tensor cores; use another mode or none"
+        tps = {
+            st.tp_of(group, plan.parallel.tp)
+            for st in plan.stages
+            for g, _ in st.replicas
+            if g == group
+        }
+        if any(t > 1 for t in tps):
+            return (
+                f"{where}: the group's replicas run tp={max(tps)}; per-group precision runs "
+                "with tp 1 on that group only (the quantized linears take whole weights)"
+            )
+    return None
+
+
 def plan_problem(plan: Plan) -> str | None:
     """Why `plan` does not mean what it says, in one line naming the field, or None: its
     stages (`stages_problem`), batch arithmetic (`batch_problem`), schedule
@@ -993,6 +1042,7 @@ def plan_problem(plan: Plan) -> str | None:
         lambda: blocked_dimension(plan.model, widest),
         lambda: ranks_problem(plan),
         lambda: _precision_problem(plan),
+        lambda: hybrid_problem(plan),
     )
     for check in checks:
         if why := check():
@@ -1241,4 +1291,5 @@ def _plan_of(data: dict, plan_cluster: Cluster) -> Plan:
         compression=_compression_from_json(data.get("compression")),
         quantization=_quantization_from_json(data.get("quantization")),
         precision=data.get("precision", ""),
+        hybrid_precision=tuple(sorted((data.get("hybrid_precision") or {}).items())),
     )

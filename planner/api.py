@@ -34,6 +34,7 @@ from meshplan.cost_model.compression import (
     plan_decisions,
     quantization_plan,
 )
+from meshplan.cost_model.compute import is_float8_linear
 from meshplan.cost_model.engine import EAGER, Engine
 from meshplan.cost_model.pricer import compute_dtype
 from meshplan.ir import (
@@ -81,7 +82,7 @@ from meshplan.passes.sharding import tp_param_placements
 
 from .layout import layout_parallel, stages_from_layout
 from .rehearse import rehearse_pipeline_cut, rehearse_tensor_parallel
-from .solver import InfeasibleError, Objective, solve
+from .solver import InfeasibleError, Objective, SolveResult, solve
 
 # Tokens per optimizer step when the user gives no global batch, by model size: published
 # pre-training batches. GPT-3 (Brown et al. 2020, Table 2.1): 0.5M tokens for 125M-760M
@@ -440,7 +441,170 @@ def estimate_plan(
         placements=_placements(graph, p, stages),
         quantization=quant or QuantizationPlan(),
         precision=precision,
+        hybrid_precision=engine.hybrid,
     )
+
+
+# Per-group precision (`plan(hybrid_precision=...)`): the largest share of a step's FLOPs the
+# planner may move to int8 / FP8 GEMMs unless told otherwise. A user's accuracy budget, not a
+# measured constant: QSync bounds its quantized operators by a sensitivity indicator instead
+# (Zhao et al., IPDPS'24), which meshplan does not compute yet (docs/hybrid_precision.md).
+DEFAULT_MAX_QUANTIZED_FRACTION = 0.25
+HYBRID_PEAK = {"fp8": "float8_e4m3fn", "int8": "int8"}
+
+
+def hybrid_options(
+    cluster: Cluster, hybrid: str | Mapping[str, str], dtype: str
+) -> list[tuple[tuple[str, str], ...]]:
+    """The per-group precisions to plan with, `()` (none) first. "off": [()]. A mapping pins
+    one (each group named must exist and have that mode's tensor cores). "auto": none, each
+    device group slower than the fastest (by the training dtype's peak) in FP8 where its GPU
+    has FP8 tensor cores and in int8 where it has INT8 ones (the faster one is kept), and every
+    such group at once in its first mode."""
+    groups = {g.name: g for g in cluster.groups}
+    if isinstance(hybrid, Mapping):
+        pins = []
+        for g, mode in sorted(hybrid.items()):
+            if g not in groups:
+                raise ValueError(
+                    f"hybrid_precision: no device group {g!r} in cluster {cluster.name} "
+                    f"(groups: {', '.join(groups)})"
+                )
+            if mode not in HYBRID_PEAK:
+                raise ValueError(f"hybrid_precision.{g}: {mode!r} is not int8 or fp8")
+            if HYBRID_PEAK[mode] not in dict(groups[g].gpu.peak_flops):
+                raise ValueError(
+                    f"hybrid_precision.{g}: {groups[g].gpu.name} has no {mode} tensor cores"
+                )
+            pins.append((g, mode))
+        return [tuple(pins)]
+    if hybrid == "off":
+        return [()]
+    if hybrid != "auto":
+        raise ValueError(
+            f"hybrid_precision must be off, auto or a mapping of groups to int8/fp8, got {hybrid!r}"
+        )
+    fastest = max(g.gpu.peak(dtype) for g in cluster.groups)
+    options: list[tuple[tuple[str, str], ...]] = [()]
+    first = []
+    for g in cluster.groups:
+        if g.gpu.peak(dtype) >= fastest:
+            continue
+        peaks = dict(g.gpu.peak_flops)
+        modes = [m for m in ("fp8", "int8") if HYBRID_PEAK[m] in peaks]
+        options += [((g.name, m),) for m in modes]
+        first += [(g.name, m) for m in modes[:1]]
+    if len(first) > 1:
+        options.append(tuple(first))
+    return options
+
+
+def quantized_fraction(
+    graph: Graph, p: Parallel, stages: Sequence[StagePlacement], hybrid: Sequence[tuple[str, str]]
+) -> float:
+    """The share of a step's training FLOPs (`Graph.total_flops`, recomputation excluded) that
+    `hybrid` runs in low precision: per stage and hybrid group, its replicas x their
+    micro-batches x the forward FLOPs of the stage's transformer-block linears (the backward
+    stays in the training dtype, `runtime.hybrid_precision`)."""
+    if not hybrid:
+        return 0.0
+    modes = dict(hybrid)
+    blocks = dict(graph.blocks)
+    per_unit = []
+    for u in graph.units:
+        b = blocks[u.block]
+        linears = [op for op in b.ops if is_float8_linear(op, b)]
+        per_unit.append(sum(op.fwd_flops for op in linears))
+    quantized = 0.0
+    for st in stages:
+        fwd = sum(per_unit[st.first_unit : st.last_unit])
+        shares = st.shares
+        for g, n in st.replicas:
+            if g in modes:
+                m = shares[g] if shares else p.num_microbatches
+                quantized += n * m * fwd
+    traced = graph.info.micro_batch or 1
+    total = graph.total_flops(training=True) * p.global_batch / traced
+    return quantized * p.micro_batch / traced / total if total else 0.0
+
+
+def _hybrid_search(
+    graph: Graph,
+    options: list[tuple[tuple[str, str], ...]],
+    solved,
+    engine: Engine,
+    budget: float,
+    *,
+    pinned: bool,
+    say,
+) -> tuple[SolveResult, Engine]:
+    """Plan with each per-group precision of `options` and keep the fastest that runs within
+    `budget` (the quantized share of the step's FLOPs); no per-group precision wins ties. The
+    runtime's quantized linears take whole weights (`ir.plan.hybrid_problem`): a plan with
+    tp > 1 on a quantized group is planned again with tp pinned to 1. `pinned`: the one
+    option must hold, else a one-line ValueError."""
+    best: tuple[float, int, SolveResult, Engine] | None = None
+    last_error: Exception | None = None
+    for i, hybrid in enumerate(options):
+        eng = dataclasses.replace(engine, hybrid=hybrid)
+        try:
+            r = solved(eng)
+        except InfeasibleError as e:
+            last_error = e
+            continue
+        if hybrid:
+
+            def widest(r: SolveResult) -> int:
+                return max(
+                    (
+                        st.tp_of(g, r.parallel.tp)
+                        for st in r.stages
+                        for g, _ in st.replicas
+                        if g in dict(hybrid)
+                    ),
+                    default=0,
+                )
+
+            if widest(r) > 1:  # the quantized linears take whole weights: plan with tp 1
+                try:
+                    r = solved(eng, tp_one=True)
+                except (InfeasibleError, ValueError) as e:
+                    last_error = e
+                    if pinned:
+                        raise
+                    continue
+            tps = {widest(r)}
+            frac = quantized_fraction(graph, r.parallel, r.stages, hybrid)
+            why = ""
+            if tps == {0}:
+                why = "its plan does not use the group"
+            elif any(t > 1 for t in tps):
+                why = f"its plan runs tp={max(tps)} there (per-group precision needs tp 1)"
+            elif frac > budget * (1 + 1e-9):
+                why = f"{frac:.1%} of the step's FLOPs quantized, over the {budget:.0%} budget"
+            label = ", ".join(f"{g} {m}" for g, m in hybrid)
+            if why:
+                if pinned:
+                    raise ValueError(f"hybrid_precision {label}: {why}")
+                say(f"per-group precision {label}: not kept, {why}")
+                continue
+            say(
+                f"per-group precision {label}: {r.prediction.step_time_s:.3f} s/step, "
+                f"{frac:.1%} of the FLOPs quantized"
+            )
+            note = (
+                f"per-group precision {label}: {frac:.1%} of the step's FLOPs in low precision "
+                f"(budget {budget:.0%})"
+            )
+            r = dataclasses.replace(
+                r, prediction=dataclasses.replace(r.prediction, notes=(*r.prediction.notes, note))
+            )
+        key = (r.prediction.step_time_s * (1 + 1e-9 if hybrid else 1.0), i)
+        if best is None or key < best[:2]:
+            best = (*key, r, eng)
+    if best is None:
+        raise last_error or InfeasibleError("no plan fits")
+    return best[2], best[3]
 
 
 def plan(
@@ -461,6 +625,8 @@ def plan(
     per_group_tp: bool = True,
     precision: str | None = None,
     equal_shares: bool = False,
+    hybrid_precision: str | Mapping[str, str] = "off",
+    max_quantized_fraction: float = DEFAULT_MAX_QUANTIZED_FRACTION,
 ) -> Plan:
     """The fastest plan for `model` on `cluster` that fits in memory.
 
@@ -488,6 +654,11 @@ def plan(
     across GPU types), as planners without them assume (Sailor); throughput and cost only.
     `precision`: fp32, tf32, bf16, fp16 or fp8 mixed precision (`resolve_precision`; default
     the model's own dtype), recorded in the plan and applied by the runtime.
+    `hybrid_precision` (per-group precision, QSync; changes numerics, so "off" by default):
+    "auto" also plans with the transformer blocks' linears of each slower device group in FP8
+    (where its GPU has it) or int8 forward GEMMs (`hybrid_options`), keeping the fastest plan
+    whose quantized share of the step's FLOPs (`quantized_fraction`) is at most
+    `max_quantized_fraction`; a mapping {group: "int8" | "fp8"} pins it.
     Raises `InfeasibleError` with the binding constraint when no plan fits.
     """
     comm, quant_acts = comm_options(compress, quantize, codec)
@@ -524,21 +695,36 @@ def plan(
     if progress:
         progress(f"solving for {cluster.world_size} GPUs")
     goal = Objective(objective, target_tokens_per_s, tuple(sorted((prices or {}).items())))
-    result = solve(
-        graph,
-        cluster,
-        pinned,
-        global_batch=gb,
-        time_limit_s=time_limit_s,
-        progress=progress,
-        objective=goal,
-        comm=comm,
-        quantize=quant_acts,
-        per_group_tp=per_group_tp,
-        equal_shares=equal_shares,
-        dtype=dtype,
-        engine=engine,
-    )
+
+    def solved(eng: Engine, tp_one: bool = False) -> SolveResult:
+        if tp_one and pinned.tp not in (None, 1):
+            raise ValueError(
+                f"per-group precision runs its groups at tp 1, but tp={pinned.tp} is pinned"
+            )
+        return solve(
+            graph,
+            cluster,
+            dataclasses.replace(pinned, tp=1) if tp_one else pinned,
+            global_batch=gb,
+            time_limit_s=time_limit_s,
+            progress=progress,
+            objective=goal,
+            comm=comm,
+            quantize=quant_acts,
+            per_group_tp=per_group_tp,
+            equal_shares=equal_shares,
+            dtype=dtype,
+            engine=eng,
+        )
+
+    options = hybrid_options(cluster, hybrid_precision, dtype)
+    if options == [()]:
+        result = solved(engine)
+    else:
+        result, engine = _hybrid_search(
+            graph, options, solved, engine, max_quantized_fraction, pinned=options[0] != (),
+            say=progress or (lambda _m: None),
+        )  # fmt: skip
     decisions = ()
     if comm is not None:
         pricer = pricer_for(graph, cluster, dtype, comm, engine=engine)
@@ -561,6 +747,7 @@ def plan(
         ),
         placements=_placements(graph, result.parallel, result.stages),
         compression=CompressionPlan(compress, source, decisions),
+        hybrid_precision=engine.hybrid,
         quantization=quantization_plan(result.parallel, result.stages, quantize, decisions),
         precision=precision,
     )

@@ -411,6 +411,24 @@ PrecisionOpt = Annotated[
 ]
 
 
+def _hybrid_option(value: str, fraction: float) -> str | dict[str, str]:
+    """--hybrid-precision as `plan` takes it: off, auto or {group: mode}; one-line errors."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"--max-quantized-fraction must be in [0, 1], got {fraction:g}")
+    if value in ("off", "auto"):
+        return value
+    pins: dict[str, str] = {}
+    for item in value.split(","):
+        group, sep, mode = item.strip().partition("=")
+        if not sep or not group or mode not in ("int8", "fp8"):
+            raise ValueError(
+                f"--hybrid-precision: {item.strip()!r} is not GROUP=int8 or GROUP=fp8 "
+                "(or give off / auto)"
+            )
+        pins[group] = mode
+    return pins
+
+
 def _check_precision(precision: str | None) -> None:
     """An unknown --precision is refused before the trace (what each GPU supports is checked
     once the cluster is known: `ir.cluster.precision_problem`)."""
@@ -474,6 +492,12 @@ def _print_plan(plan, as_json: bool) -> None:
         how = {"allgather": "K/V all-gathered", "ring": "ring", "heads": "head-parallel, Ulysses"}
         mode = p.cp_mode or "allgather"
         out.print(f"context-parallel attention: {mode} ({how[mode]})")
+    if plan.hybrid_precision:
+        what = {"int8": "int8 forward GEMMs", "fp8": "fp8 forward GEMMs"}
+        out.print(
+            "per-group precision (transformer-block linears): "
+            + ", ".join(f"{g} {what[m]}" for g, m in plan.hybrid_precision)
+        )
     s = Table(title="pipeline stages and memory per rank")
     cols = ["stage", "units", "replicas", "group"]
     shares = bool(plan.stages[0].microbatches)
@@ -601,6 +625,22 @@ def plan(
         ),
     ] = False,
     precision: PrecisionOpt = None,
+    hybrid_precision: Annotated[
+        str,
+        typer.Option(
+            "--hybrid-precision",
+            help="Per-group precision (changes numerics): off (default); auto: also try the "
+            "slower groups' transformer linears in fp8 or int8 and keep what is faster within "
+            "--max-quantized-fraction; or GROUP=MODE[,GROUP=MODE] with MODE int8 or fp8.",
+        ),
+    ] = "off",
+    max_quantized_fraction: Annotated[
+        float,
+        typer.Option(
+            "--max-quantized-fraction",
+            help="With --hybrid-precision: the largest share of a step's FLOPs run in int8/fp8.",
+        ),
+    ] = 0.25,
     as_json: Annotated[bool, typer.Option("--json", help="Print plan JSON.")] = False,
     baseline: Annotated[
         str | None,
@@ -643,6 +683,7 @@ def plan(
     _check_precision(precision)
     Objective(objective, target_tokens_per_s)
     comm_options(compress, quantize)
+    hybrid = _hybrid_option(hybrid_precision, max_quantized_fraction)
     pins = _pins(
         dp, tp, pp, cp, ep, micro_batch, global_batch, recompute, zero, schedule, virtual_stages,
         cp_mode,
@@ -682,6 +723,8 @@ def plan(
             per_group_tp=per_group_tp,
             precision=precision,
             equal_shares=equal_shares,
+            hybrid_precision=hybrid,
+            max_quantized_fraction=max_quantized_fraction,
         )
     _print_plan(result, as_json)
     if objective == "cost" and not as_json:

@@ -1445,6 +1445,9 @@ def _problems(plan: Plan, fmt: str) -> list[_Problem]:
         out.append(_Problem(f"compressed collectives ({', '.join(comp)})", (("_placement", True),)))
     if p.quantize_activations:
         out.append(_Problem("quantized activations (AGoQ)", (("quantize_activations", None),)))
+    if plan.hybrid_precision:  # none of the three runs one group's linears in another precision
+        modes = ", ".join(f"{g} {m}" for g, m in plan.hybrid_precision)
+        out.append(_Problem(f"per-group precision ({modes}); plan with --hybrid-precision off"))
     counts = stage_layer_counts(plan)
     even = len(set(counts)) == 1
     pp = p.pp or 1

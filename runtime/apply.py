@@ -97,6 +97,7 @@ from .context_parallel import (
 from .data_parallel import DataParallel, apply_data_parallel, gradient_sync
 from .errors import RuntimePlanError
 from .expert_parallel import ExpertParallel, apply_expert_parallel
+from .hybrid_precision import apply_hybrid_precision
 from .mesh import RankContext, build_mesh, check_stage_widths
 from .pipeline_handoff import HandoffSchedule
 from .pipeline_parallel import (
@@ -434,6 +435,7 @@ def apply(
     cp = apply_context_parallel(chunks, ctx, options)  # attention on this rank's sequence share
     ep = apply_expert_parallel(chunks, ctx, options)  # experts cut to this rank's shard
     apply_tensor_parallel(chunks, ctx, options)  # projections sharded over tp (+ SP)
+    apply_hybrid_precision(chunks, ctx, options)  # this group's linears: int8/fp8 forward
     apply_checkpointing(chunks, ctx, options)  # units recomputed in backward
     apply_activation_quantization(chunks, ctx, options)  # saved activations at AGoQ widths
     options = dataclasses.replace(options, experts=ep)  # data parallelism leaves them to ep

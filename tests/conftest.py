@@ -20,6 +20,7 @@ MULTIPROCESS = (
     "runtime/test_model_matrix.py",
     "runtime/test_compressed.py",
     "runtime/test_quantize.py",
+    "runtime/test_hybrid_precision.py",
     "runtime/test_edited_plans.py",
     "measure/test_calibrate.py",
     "planner/test_verify.py",

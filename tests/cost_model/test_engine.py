@@ -10,6 +10,7 @@ from meshplan.cost_model.compute import (
     FLOAT8_CAST_KERNELS,
     KERNEL_FLOOR_S,
     block_compute,
+    gemm_efficiency,
     kernel_efficiency,
     memory_efficiency,
 )
@@ -168,3 +169,56 @@ def test_engine_refuses_what_it_cannot_price():
     assert Engine(fused=True, float8="tensorwise", tp_overlap=True).describe() == (
         "fused+float8(tensorwise)+tp-overlap"
     )
+
+
+def test_int8_linear_runs_its_forward_at_the_int8_peak_plus_its_quantizing_passes():
+    # Oracle: the formula of compute.int8_linear_time written out (INT8 GEMM at the INT8 peak
+    # times the 16-bit GEMM fraction, int8 operands, amax + cast of X and W), and a backward
+    # exactly the bf16 one (straight-through gradients in the training dtype).
+    m, k, n = B * S, H, F
+    block = Block("layer", "layer", (_linear("up", m, k, n),), (), inputs=(_t(1, m, k),))
+    keff = kernel_efficiency(H100)
+    bw = H100.hbm_bandwidth * keff.memory
+    gemm = 2 * m * n * k / (H100.peak("int8") * gemm_efficiency(H100, "bfloat16"))
+    plain = block_compute(block, NO_WAVES, "bfloat16", Engine()).times(
+        tp=1, cp=1, sequence_parallel=False, scale=1.0
+    )
+    for fused, cast in ((False, 5), (True, 3)):
+        bc = block_compute(
+            block, NO_WAVES, "bfloat16", Engine(fused=fused, forward_precision="int8")
+        )
+        fwd, bwd, _ = bc.times(tp=1, cp=1, sequence_parallel=False, scale=1.0)
+        floors = (1 + FLOAT8_CAST_KERNELS) * KERNEL_FLOOR_S
+        io = 0.5 * block.ops[0].fwd_bytes / bw
+        assert fwd == pytest.approx(max(gemm, io) + cast * (m * k + k * n) / bw + floors, rel=1e-9)
+        assert bwd == pytest.approx(plain[1], rel=1e-12)
+
+
+def test_hybrid_precision_changes_only_its_groups_forward():
+    from tests.synthetic import mixed_cluster
+
+    graph = transformer_graph(4, 1024, 8, 8, 4096, 32000, 1024, 1)
+    # the datasheet specs: INT8 and FP8 peaks
+    cluster = mixed_cluster(1, 1, a100=gpu_spec("A100-80GB"))
+    h100 = dataclasses.replace(cluster.groups[0], gpu=gpu_spec("H100"))
+    cluster = dataclasses.replace(cluster, groups=(h100, *cluster.groups[1:]))
+    cfg = StageConfig(1, 1, 1, False, 1, "none")
+    plain = pricer_for(graph, cluster, "bfloat16")
+    comp = plain.costs.composition(1, 2)
+    # the A100s in int8 (no FP8 on Ampere), the H100s in FP8
+    for group, mode in (("a100", "int8"), ("h100", "fp8")):
+        hybrid = pricer_for(graph, cluster, "bfloat16", engine=Engine(hybrid=((group, mode),)))
+        assert hybrid.engine_of(group).forward_precision == mode
+        for g in ("h100", "a100"):
+            a, b = plain.stage_time(comp, g, cfg), hybrid.stage_time(comp, g, cfg)
+            if g == group:  # its forward priced in low precision, the same backward
+                assert b.forward != a.forward and b.backward == a.backward
+            else:
+                assert b == a
+    with pytest.raises(EngineError, match="not modelled"):
+        Engine(hybrid=(("a100", "int4"),))
+    with pytest.raises(EngineError, match="no INT8 tensor cores"):
+        v100 = mixed_cluster(1, 1, a100=gpu_spec("V100"))
+        pricer_for(graph, v100, "float16", engine=Engine(hybrid=(("a100", "int8"),))).stage_time(
+            comp, "a100", cfg
+        )
