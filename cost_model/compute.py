@@ -807,12 +807,14 @@ def float8_linear_time(op: Op, gpu: GpuSpec, *, fused: bool, backward: bool = Fa
 
 
 # Low-precision forward linears (`Engine.forward_precision`, QSync-style): before the forward
-# GEMM the activation is quantized per token (int8) or per tensor (fp8) and the weight per
-# output channel (int8) or per tensor (fp8), each an amax pass and a cast like Float8's
-# (FLOAT8_CAST_BYTES per element, one byte written); the result is scaled back in the GEMM's
-# epilogue. An INT8 GEMM reaches the same fraction of its peak as the GPU's 16-bit GEMMs
-# (`gemm_efficiency`), an FP8 one `KernelEfficiency.fp8`: assumptions, no INT8 kernel latencies
-# are in the measured data (docs/op_latency.md). The backward GEMMs stay in the training dtype.
+# GEMM the activation is quantized per token (int8) or per tensor (fp8), an amax pass and a
+# cast like Float8's (FLOAT8_CAST_BYTES per element, one byte written); the weight likewise per
+# output channel (int8) or per tensor (fp8), but once per optimizer step, its copy shared by
+# the step's micro-batches (`runtime.hybrid_precision`; `weight_quantize_time`, priced with the
+# optimizer); the result is scaled back in the GEMM's epilogue. An INT8 GEMM reaches the same
+# fraction of its peak as the GPU's 16-bit GEMMs (`gemm_efficiency`), an FP8 one
+# `KernelEfficiency.fp8`: assumptions, no INT8 kernel latencies are in the measured data
+# (docs/op_latency.md). The backward GEMMs stay in the training dtype.
 INT8_DTYPE = "int8"
 FORWARD_PEAK = {"int8": INT8_DTYPE, "fp8": FLOAT8_DTYPE}
 
@@ -836,8 +838,22 @@ def low_forward_linear_time(op: Op, gpu: GpuSpec, dtype: str, mode: str, *, fuse
     eff = k.fp8 if mode == "fp8" else gemm_efficiency(gpu, dtype)
     gemm_s = op.fwd_flops / (gpu.peak(peak_dtype) * eff)
     io_bytes = op.fwd_bytes * 0.5  # one-byte operands (the output is written either way)
-    conv = FLOAT8_CAST_BYTES[fused] * (m * kk + kk * n)
+    conv = FLOAT8_CAST_BYTES[fused] * m * kk  # the activation's quantizing pass
     return max(gemm_s, io_bytes / bw) + conv / bw
+
+
+def weight_quantize_time(block: Block, gpu: GpuSpec, *, fused: bool) -> float:
+    """Seconds to make the low-precision copies of `block`'s forward-quantized linears'
+    weights, once per optimizer step (above): an amax pass and a cast of each K x N weight."""
+    from .features import gemm_dims
+
+    bw = gpu.hbm_bandwidth * kernel_efficiency(gpu).memory
+    total = 0
+    for op in block.ops:
+        if is_float8_linear(op, block):
+            _, _, n, kk = gemm_dims(op)
+            total += FLOAT8_CAST_BYTES[fused] * kk * n
+    return total / bw
 
 
 def _block_hidden(block: Block) -> int:

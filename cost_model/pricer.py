@@ -41,7 +41,7 @@ from .compression import (
     quantized_block_memory,
     quantized_share,
 )
-from .compute import kernel_efficiency
+from .compute import kernel_efficiency, weight_quantize_time
 from .cp_traffic import ContextParallelTraffic
 from .dp_traffic import DataParallelTraffic
 from .engine import EAGER, Engine
@@ -335,6 +335,18 @@ class Pricer(
                 fused_loss=self.engine.fused_loss,
             )
         return got
+
+    def weight_quantize_time(self, comp: Composition, group: str) -> float:
+        """Once per step on a rank of `group` under per-group precision: the low-precision
+        copies of its forward-quantized linears' weights (`compute.weight_quantize_time`);
+        0 for a group without it."""
+        engine = self.engine_of(group)
+        if not engine.forward_precision:
+            return 0.0
+        gpu = self.groups[group].gpu
+        return sum(
+            n * weight_quantize_time(self.costs.blocks[k], gpu, fused=engine.fused) for k, n in comp
+        )
 
     def optimizer_time(
         self, comp: Composition, group: str, cfg: StageConfig, *, dp: int, zero: int

@@ -159,6 +159,7 @@ def plan_tables(
             # the replicated parameters, the loss all-reduce).
             "opt": {
                 g: pricer.optimizer_time(comp, g, cfg, dp=dp * cp, zero=zero)
+                + pricer.weight_quantize_time(comp, g)
                 + pricer.step_sync_time(
                     comp, g, cfg, world=world, groups=names, reductions=reductions
                 )

@@ -451,6 +451,9 @@ def estimate_plan(
 # (Zhao et al., IPDPS'24), which meshplan does not compute yet (docs/hybrid_precision.md).
 DEFAULT_MAX_QUANTIZED_FRACTION = 0.25
 HYBRID_PEAK = {"fp8": "float8_e4m3fn", "int8": "int8"}
+# Per-group precision changes numerics, so "auto" keeps it only when it makes the step at
+# least this much faster than the best plan without it (a choice, not a measured constant).
+HYBRID_MIN_GAIN = 0.01
 
 
 def hybrid_options(
@@ -539,7 +542,8 @@ def _hybrid_search(
     say,
 ) -> tuple[SolveResult, Engine]:
     """Plan with each per-group precision of `options` and keep the fastest that runs within
-    `budget` (the quantized share of the step's FLOPs); no per-group precision wins ties. The
+    `budget` (the quantized share of the step's FLOPs); per-group precision must be at least
+    HYBRID_MIN_GAIN faster than the plans without it. The
     runtime's quantized linears take whole weights (`ir.plan.hybrid_problem`): a plan with
     tp > 1 on a quantized group is planned again with tp pinned to 1. `pinned`: the one
     option must hold, else a one-line ValueError."""
@@ -599,7 +603,7 @@ def _hybrid_search(
             r = dataclasses.replace(
                 r, prediction=dataclasses.replace(r.prediction, notes=(*r.prediction.notes, note))
             )
-        key = (r.prediction.step_time_s * (1 + 1e-9 if hybrid else 1.0), i)
+        key = (r.prediction.step_time_s * (1 + HYBRID_MIN_GAIN if hybrid else 1.0), i)
         if best is None or key < best[:2]:
             best = (*key, r, eng)
     if best is None:

@@ -97,7 +97,7 @@ from .context_parallel import (
 from .data_parallel import DataParallel, apply_data_parallel, gradient_sync
 from .errors import RuntimePlanError
 from .expert_parallel import ExpertParallel, apply_expert_parallel
-from .hybrid_precision import apply_hybrid_precision
+from .hybrid_precision import apply_hybrid_precision, new_step
 from .mesh import RankContext, build_mesh, check_stage_widths
 from .pipeline_handoff import HandoffSchedule
 from .pipeline_parallel import (
@@ -302,6 +302,7 @@ class Runner:
         """Forward, backward and optimizer step on one global batch; the global mean loss."""
         watchdog.progress(self.steps)  # named in the line a stalled peer prints
         self.steps += 1
+        new_step()  # per-group precision: this step's weights are quantized afresh
         x, y = self._local(inputs, "inputs"), self._local(targets, "targets")
         with loss_context(self.vocab_parallel_loss):  # backward must run inside it too
             if self.schedule is None:

@@ -142,9 +142,34 @@ def int8_matmul(
     return qa_mk.double() @ qb_nk.double().t()
 
 
+# The weights' low-precision copies, made once per optimizer step and shared by its
+# micro-batches (the weights do not change between them), as the planner prices it
+# (`cost_model.compute.weight_quantize_time`, once per step). A copy is made again when the
+# weight tensor changes in place (its version counter: an optimizer step), when another tensor
+# or storage holds it, and at every `Runner.step` (`new_step`): FSDP2 refills its unsharded
+# parameters without bumping their version counter.
+_STEP = [0]  # bumped by `new_step`; part of every cached copy's key
+_CACHE_ATTR = "_meshplan_low_precision"  # the copy, kept on the weight tensor itself
+
+
+def new_step() -> None:
+    """Forget every cached low-precision weight (a new optimizer step begins)."""
+    _STEP[0] += 1
+
+
+def _cached_weight(w_nk: torch.Tensor, mode: str, quantize):
+    key = (_STEP[0], w_nk._version, w_nk.data_ptr(), w_nk.dtype, tuple(w_nk.shape), mode)
+    hit = getattr(w_nk, _CACHE_ATTR, None)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    got = quantize(w_nk)
+    setattr(w_nk, _CACHE_ATTR, (key, got))
+    return got
+
+
 def _int8_linear(x_mk: torch.Tensor, w_nk: torch.Tensor) -> torch.Tensor:
     qx, sx_m1 = int8_rows(x_mk)
-    qw, sw_n1 = int8_rows(w_nk)
+    qw, sw_n1 = _cached_weight(w_nk, "int8", int8_rows)
     # int32 and float64 hold the same integers, so both paths round alike to float32
     return int8_matmul(qx, qw).float() * sx_m1 * sw_n1.view(1, -1)
 
@@ -163,7 +188,7 @@ def _fp8_tensorwise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _fp8_linear(x_mk: torch.Tensor, w_nk: torch.Tensor) -> torch.Tensor:
     x8, sx = _fp8_tensorwise(x_mk)
-    w8, sw = _fp8_tensorwise(w_nk)
+    w8, sw = _cached_weight(w_nk, "fp8", _fp8_tensorwise)
     return (x8.float() @ w8.float().t()) * (sx.reciprocal() * sw.reciprocal())
 
 

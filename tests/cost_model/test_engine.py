@@ -13,6 +13,7 @@ from meshplan.cost_model.compute import (
     gemm_efficiency,
     kernel_efficiency,
     memory_efficiency,
+    weight_quantize_time,
 )
 from meshplan.cost_model.engine import EAGER, Engine, EngineError
 from meshplan.cost_model.pricer import exposed, pricer_for
@@ -190,8 +191,12 @@ def test_int8_linear_runs_its_forward_at_the_int8_peak_plus_its_quantizing_passe
         fwd, bwd, _ = bc.times(tp=1, cp=1, sequence_parallel=False, scale=1.0)
         floors = (1 + FLOAT8_CAST_KERNELS) * KERNEL_FLOOR_S
         io = 0.5 * block.ops[0].fwd_bytes / bw
-        assert fwd == pytest.approx(max(gemm, io) + cast * (m * k + k * n) / bw + floors, rel=1e-9)
+        # the activation's quantizing pass per micro-batch; the weight's once per step
+        assert fwd == pytest.approx(max(gemm, io) + cast * m * k / bw + floors, rel=1e-9)
         assert bwd == pytest.approx(plain[1], rel=1e-12)
+        assert weight_quantize_time(block, NO_WAVES, fused=fused) == pytest.approx(
+            cast * k * n / bw, rel=1e-12
+        )
 
 
 def test_hybrid_precision_changes_only_its_groups_forward():

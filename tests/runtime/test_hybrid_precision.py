@@ -453,3 +453,24 @@ def test_a_plans_per_group_precision_reaches_that_groups_ranks_only():
     assert plain["final"] and plain["final"].keys() == hybrid["final"].keys()
     for k, v in plain["final"].items():
         torch.testing.assert_close(hybrid["final"][k], v, rtol=5e-2, atol=5e-3)
+
+
+@pytest.mark.parametrize("mode", H.HYBRID_MODES)
+def test_the_weights_copy_is_made_once_per_step_and_never_stale(mode):
+    torch.manual_seed(0)
+    x, w = torch.randn(6, 32), torch.randn(16, 32)
+    H.new_step()
+    first = H.low_precision_linear(x, w, None, mode)
+    cached = getattr(w, H._CACHE_ATTR)
+    H.low_precision_linear(x * 2, w, None, mode)  # a second micro-batch: the same copy
+    assert getattr(w, H._CACHE_ATTR) is cached
+    with torch.no_grad():
+        w.mul_(-0.5)  # an optimizer step updates the weight in place
+    fresh = w.clone()  # another tensor: no copy cached
+    torch.testing.assert_close(
+        H.low_precision_linear(x, w, None, mode), H.low_precision_linear(x, fresh, None, mode)
+    )
+    assert not torch.equal(H.low_precision_linear(x, w, None, mode), first)
+    H.new_step()  # and a new step forgets it, whatever the version counter says
+    H.low_precision_linear(x, w, None, mode)
+    assert getattr(w, H._CACHE_ATTR) is not cached
