@@ -1015,7 +1015,8 @@ def _load_deepspeed(
     cp = 1 if sp is None else r.positive("sequence_parallel_size", sp)
     if cp > 1:
         r.note(
-            "Ulysses sequence parallelism (all-to-all over heads): priced as context parallelism"
+            "Ulysses sequence parallelism: priced as head-parallel context parallelism "
+            "(cp_mode heads)"
         )
     dp = _world_dp(r, world_size, tp * pp * cp, "tensor_parallel/pipeline/sequence_parallel_size")
     micro, gas, tbs = (
@@ -1101,6 +1102,7 @@ def _load_deepspeed(
         r, "deepspeed", "config", spec, (), None,
         dp=dp, tp=tp, pp=pp, cp=cp, ep=1, micro_batch=micro, global_batch=tbs,
         recompute=recompute, zero=zero, schedule=Schedule.ONE_F_ONE_B, sequence_parallel=False,
+        cp_mode="heads" if cp > 1 else None,  # DeepSpeed-Ulysses' all-to-alls over the heads
     )  # fmt: skip
 
 

@@ -477,3 +477,13 @@ def test_deepspeed_keys_deepspeed_removed_are_refused_naming_the_field(tmp_path,
     path.write_text(json.dumps({"train_batch_size": 64, "zero_optimization": {"stage": 3, key: 8}}))
     with pytest.raises(configs.ConfigError, match=f"field zero_optimization.{key}: .*remove it"):
         configs.load(f"deepspeed:{path}", world_size=16, model="llama3-8b")
+
+
+def test_deepspeed_ulysses_reads_as_head_parallel_context_parallelism(tmp_path):
+    # DeepSpeed-Ulysses (`sequence_parallel_size`) exchanges the sequence by all-to-alls over
+    # the attention heads: meshplan's cp_mode "heads", not the default all-gather
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 16, "sequence_parallel_size": 2}))
+    cfg = configs.load(f"deepspeed:{path}", world_size=16, model="llama3-8b")
+    assert (cfg.parallel.cp, cfg.parallel.cp_mode, cfg.parallel.dp) == (2, "heads", 8)
+    assert any("head-parallel" in n for n in cfg.unpriced)
