@@ -417,6 +417,8 @@ def estimate_plan(
     cluster = cluster or Cluster.preset("default")
     graph = as_graph(model, example_inputs, progress=progress)
     precision, dtype, engine, note = resolve_precision(graph, cluster, precision, engine)
+    if engine.hybrid:  # each group named exists and has that precision's tensor cores
+        hybrid_options(cluster, dict(engine.hybrid), dtype)
     if layout is not None:
         if split:
             raise ValueError("give the stages' layers in the layout, not as a split")
@@ -427,6 +429,8 @@ def estimate_plan(
         check_config(graph, cluster, p, parallel, split)
         stages = place_stages(cluster, p, default_stages(graph, p, split))
         stages = with_chunks(graph, p, stages, split)
+    if engine.hybrid and (why := hybrid_problem_of(cluster, p, stages, engine.hybrid)):
+        raise ValueError(why)
     prediction = _noted(predict(graph, cluster, p, stages, dtype=dtype, engine=engine), note)
     # Priced with quantized activations: record the widths the runtime then applies.
     quant = quantization_plan(p, stages, "activations") if p.quantize_activations else None
@@ -500,6 +504,24 @@ def hybrid_options(
     if len(first) > 1:
         options.append(tuple(first))
     return options
+
+
+def hybrid_problem_of(
+    cluster: Cluster,
+    p: Parallel,
+    stages: Sequence[StagePlacement],
+    hybrid: Sequence[tuple[str, str]],
+) -> str | None:
+    """`ir.plan.hybrid_problem` of a configuration before it is a Plan: a quantized group
+    whose replicas run tp > 1."""
+    for group, _ in hybrid:
+        tps = {st.tp_of(group, p.tp) for st in stages if any(g == group for g, _ in st.replicas)}
+        if any(t > 1 for t in tps):
+            return (
+                f"hybrid_precision.{group}: the group's replicas run tp={max(tps)}; per-group "
+                "precision runs with tp 1 on that group only (pin --tp 1)"
+            )
+    return None
 
 
 def quantized_fraction(

@@ -830,6 +830,14 @@ def estimate(
         ),
     ] = False,
     precision: PrecisionOpt = None,
+    hybrid_precision: Annotated[
+        str,
+        typer.Option(
+            "--hybrid-precision",
+            help="Per-group precision to price: GROUP=MODE[,GROUP=MODE] with MODE int8 or fp8 "
+            "(that group's transformer linears run their forward GEMMs so), or off.",
+        ),
+    ] = "off",
     as_json: Annotated[bool, typer.Option("--json", help="Print plan JSON.")] = False,
     from_config: Annotated[
         str | None,
@@ -860,7 +868,16 @@ def estimate(
 
     from .api import estimate_plan
 
-    engine = Engine(compiled, float8, float8_all_gather, tp_overlap)  # checked before tracing
+    hybrid = _hybrid_option(hybrid_precision, 1.0)
+    if hybrid == "auto":
+        raise ValueError("--hybrid-precision auto is for `meshplan plan`; give GROUP=MODE here")
+    engine = Engine(  # checked before tracing
+        compiled,
+        float8,
+        float8_all_gather,
+        tp_overlap,
+        hybrid=tuple(sorted(hybrid.items())) if isinstance(hybrid, dict) else (),
+    )
     _check_output(output)
     _check_precision(precision)
     pins = _pins(
@@ -872,7 +889,7 @@ def estimate(
     if from_config is not None:
         given = [f"--{k.replace('_', '-')}" for k in pins.pinned()]
         given += ["--seq-len"] if seq_len is not None else []
-        given += [] if engine.is_eager else ["--compile/--float8/--tp-overlap"]
+        given += [] if engine.is_eager else ["--compile/--float8/--tp-overlap/--hybrid-precision"]
         if given:
             raise ValueError(
                 f"--from {from_config} sets the configuration; leave out {', '.join(given)} "

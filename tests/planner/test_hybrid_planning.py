@@ -132,3 +132,26 @@ def test_cli_refuses_a_malformed_hybrid_precision_in_one_line():
     ]
     r = run("plan", "--hybrid-precision", "auto", "--max-quantized-fraction", "1.5")
     assert r.exit_code == 2 and "--max-quantized-fraction must be in [0, 1]" in r.output
+
+
+def test_estimate_prices_a_given_per_group_precision_or_refuses_it():
+    cluster = _cluster("T4")
+    pins = Parallel(dp=40, tp=1, pp=1, micro_batch=1, global_batch=80)
+    plain = meshplan.estimate_plan(GRAPH, cluster=cluster, parallel=pins)
+    hybrid = meshplan.estimate_plan(
+        GRAPH, cluster=cluster, parallel=pins, engine=Engine(hybrid=(("slow", "int8"),))
+    )
+    assert hybrid.hybrid_precision == (("slow", "int8"),) and not plain.hybrid_precision
+    slow = [m for m in hybrid.predicted.memory if m.group == "slow"]
+    assert slow and hybrid.predicted.step_time_s != plain.predicted.step_time_s
+    with pytest.raises(ValueError, match="no device group 't4'"):
+        meshplan.estimate_plan(
+            GRAPH, cluster=cluster, parallel=pins, engine=Engine(hybrid=(("t4", "int8"),))
+        )
+    with pytest.raises(ValueError, match=r"replicas run tp=2.*pin --tp 1"):
+        meshplan.estimate_plan(
+            GRAPH,
+            cluster=cluster,
+            parallel=dataclasses.replace(pins, dp=20, tp=2),
+            engine=Engine(hybrid=(("slow", "int8"),)),
+        )
