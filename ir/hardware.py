@@ -58,7 +58,9 @@ class UnknownLinkError(ValueError):
 # Accelerators
 # --------------------------------------------------------------------------------------------
 
-_HW_MD = "shared/reference/hardware.md"
+# The project's table of datasheet rows (the module docstring: kept outside this repository,
+# so a spec's `source` names it by title and the datasheet is the one to check).
+_HW_MD = "the project's hardware table (hardware.md)"
 
 _SPECS: tuple[GpuSpec, ...] = (
     GpuSpec(
