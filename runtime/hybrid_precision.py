@@ -153,11 +153,16 @@ _CACHE_ATTR = "_meshplan_low_precision"  # the copy, kept on the weight tensor i
 
 
 def new_step() -> None:
-    """Forget every cached low-precision weight (a new optimizer step begins)."""
+    """Forget every cached low-precision weight (a new optimizer step begins). The runtime's
+    `Runner.step` calls it at every step; copies are cached only in a process that calls it
+    (a training loop of one's own, which may not, quantizes the weights at every call: FSDP2
+    can refill a parameter's storage without bumping its version counter)."""
     _STEP[0] += 1
 
 
 def _cached_weight(w_nk: torch.Tensor, mode: str, quantize):
+    if not _STEP[0]:
+        return quantize(w_nk)
     key = (_STEP[0], w_nk._version, w_nk.data_ptr(), w_nk.dtype, tuple(w_nk.shape), mode)
     hit = getattr(w_nk, _CACHE_ATTR, None)
     if hit is not None and hit[0] == key:

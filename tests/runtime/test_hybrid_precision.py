@@ -365,7 +365,10 @@ def test_ddp_with_one_int8_replica_trains_like_full_precision():
     assert abs(rel_train) < 0.02 and abs(rel_eval) < 0.02
 
     # FSDP2: the quantized forward runs on the gathered parameters and gives DDP's bits (two
-    # ranks: the reduce-scatter's average (a + b) / 2 rounds as DDP's all-reduce does).
+    # ranks: the reduce-scatter's average (a + b) / 2 rounds as DDP's all-reduce does). This
+    # loop is not the runtime's Runner, so no weight copy is cached across its steps (a
+    # fresh-clone CI run caught a stale copy here: FSDP2 had refilled the same storage
+    # without bumping the version counter).
     for rank in range(2):
         fs, dd = ranks[rank]["fsdp_hybrid"], ranks[rank]["ddp_hybrid_3"]
         assert fs["changed"] == dd["changed"] == 14 * rank
