@@ -44,6 +44,7 @@ import statistics
 from dataclasses import dataclass
 
 from meshplan.ir import DTYPE_BYTES, Block, GpuSpec, Op, OpKind, TensorMeta
+from meshplan.ir.devices import HYBRID_PEAKS
 from meshplan.passes.fusion import fusion_regions
 from meshplan.passes.sharding import TpRole, tp_sharding
 
@@ -815,8 +816,6 @@ def float8_linear_time(op: Op, gpu: GpuSpec, *, fused: bool, backward: bool = Fa
 # fraction of its peak as the GPU's 16-bit GEMMs (`gemm_efficiency`), an FP8 one
 # `KernelEfficiency.fp8`: assumptions, no INT8 kernel latencies are in the measured data
 # (docs/op_latency.md). The backward GEMMs stay in the training dtype.
-INT8_DTYPE = "int8"
-FORWARD_PEAK = {"int8": INT8_DTYPE, "fp8": FLOAT8_DTYPE}
 
 
 def low_forward_linear_time(op: Op, gpu: GpuSpec, dtype: str, mode: str, *, fused: bool) -> float:
@@ -824,7 +823,7 @@ def low_forward_linear_time(op: Op, gpu: GpuSpec, dtype: str, mode: str, *, fuse
     size: the GEMM at that peak times its efficiency, plus the quantizing passes (above)."""
     from .features import gemm_dims
 
-    peak_dtype = FORWARD_PEAK[mode]
+    peak_dtype = HYBRID_PEAKS[mode]
     if peak_dtype not in dict(gpu.peak_flops):
         from .engine import EngineError
 
@@ -913,7 +912,7 @@ def gemm_terms(
             eff = keff.fp8 if fwd_low == "fp8" else gemm_efficiency(gpu, dtype)
         else:
             eff = keff.fp8 if float8 else gemm_efficiency(gpu, dtype)
-        flop_s = flops / ((gpu.peak(FORWARD_PEAK[fwd_low]) if fwd_low else peak) * eff)
+        flop_s = flops / ((gpu.peak(HYBRID_PEAKS[fwd_low]) if fwd_low else peak) * eff)
         mem_s = nbytes * (0.5 if low else 1.0) / (gpu.hbm_bandwidth * memory_efficiency(op, gpu))
         phase = "bwd" if backward else "fwd"
         tokens = ("mb", "cp")

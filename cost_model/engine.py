@@ -58,6 +58,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from meshplan.ir.devices import HYBRID_MODES
+
 
 class SelectivePolicy(enum.StrEnum):
     """How `Recompute.SELECTIVE` is carried out (`cost_model.recompute`'s docstring)."""
@@ -68,8 +70,7 @@ class SelectivePolicy(enum.StrEnum):
 
 
 FLOAT8_RECIPES = ("tensorwise",)
-# Per-group precision modes (`Engine.hybrid`, `runtime.hybrid_precision.HYBRID_MODES`).
-HYBRID_MODES = ("int8", "fp8")
+# Per-group precision modes (`Engine.hybrid`): `ir.devices.HYBRID_MODES`.
 
 # Fused-attention kernels with published throughput (`compute.ATTENTION_TFLOPS`).
 ATTENTION_KERNELS = ("flash2", "flash1")

@@ -125,6 +125,12 @@ PRECISION_DTYPE: dict[str, str] = {
     "fp8": "bfloat16",
 }
 
+# Per-group precision (`Plan.hybrid_precision`, `cost_model.engine.Engine.hybrid`,
+# `runtime.hybrid_precision`): each mode of a group's forward GEMMs and the `GpuSpec.peak_flops`
+# key of the tensor cores it needs.
+HYBRID_PEAKS: dict[str, str] = {"fp8": "float8_e4m3fn", "int8": "int8"}
+HYBRID_MODES: tuple[str, ...] = tuple(HYBRID_PEAKS)
+
 
 def precision_problem(precision: str, gpus) -> str:
     """Why `precision` cannot train on every GPU type in `gpus` (GpuSpecs), or "": the one

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .cluster import Cluster
-from .devices import PRECISIONS, precision_problem
+from .devices import HYBRID_PEAKS, PRECISIONS, precision_problem
 from .files import PlanError, write_text_file
 from .parallel import (
     CP_MODES,
@@ -982,10 +982,6 @@ def _precision_problem(plan: Plan) -> str | None:
     return f"precision: {why}" if why else None
 
 
-# The peak `Plan.hybrid_precision`'s modes need on a group's GPU (`GpuSpec.peak_flops`).
-HYBRID_PEAKS = {"int8": "int8", "fp8": "float8_e4m3fn"}
-
-
 def hybrid_problem(plan: Plan) -> str | None:
     """Why the plan's per-group precision cannot run, in one line, or None: a group the
     cluster lacks, a GPU without that precision's tensor cores, or a group whose replicas run
@@ -1000,18 +996,20 @@ def hybrid_problem(plan: Plan) -> str | None:
         gpu = groups[group].gpu
         if HYBRID_PEAKS[mode] not in dict(gpu.peak_flops):
             return f"{where}: {gpu.name} has no {mode} tensor cores; use another mode or none"
-        tps = {
-            st.tp_of(group, plan.parallel.tp)
-            for st in plan.stages
-            for g, _ in st.replicas
-            if g == group
-        }
-        if any(t > 1 for t in tps):
+        if (tp := group_tp_degree(plan.parallel, plan.stages, group)) > 1:
             return (
-                f"{where}: the group's replicas run tp={max(tps)}; per-group precision runs "
+                f"{where}: the group's replicas run tp={tp}; per-group precision runs "
                 "with tp 1 on that group only (the quantized linears take whole weights)"
             )
     return None
+
+
+def group_tp_degree(parallel: Parallel, stages: tuple[StagePlacement, ...], group: str) -> int:
+    """The widest TP degree `group`'s replicas run at in `stages`; 0 when none runs there."""
+    return max(
+        (st.tp_of(group, parallel.tp) for st in stages if any(g == group for g, _ in st.replicas)),
+        default=0,
+    )
 
 
 def plan_problem(plan: Plan) -> str | None:

@@ -46,7 +46,12 @@ from meshplan.ir import (
     Schedule,
     StagePlacement,
 )
-from meshplan.ir.devices import PRECISION_DTYPE, default_precision, precision_problem
+from meshplan.ir.devices import (
+    HYBRID_PEAKS,
+    PRECISION_DTYPE,
+    default_precision,
+    precision_problem,
+)
 from meshplan.ir.facts import DIMENSIONS, blocked_dimension
 from meshplan.ir.plan import (
     CompressionPlan,
@@ -55,6 +60,7 @@ from meshplan.ir.plan import (
     QuantizationPlan,
     SolverInfo,
     assign_ranks,
+    group_tp_degree,
 )
 from meshplan.ir.rules import (
     batch_split_problem,
@@ -454,7 +460,6 @@ def estimate_plan(
 # measured constant: QSync bounds its quantized operators by a sensitivity indicator instead
 # (Zhao et al., IPDPS'24), which meshplan does not compute yet (docs/hybrid_precision.md).
 DEFAULT_MAX_QUANTIZED_FRACTION = 0.25
-HYBRID_PEAK = {"fp8": "float8_e4m3fn", "int8": "int8"}
 # Per-group precision changes numerics, so "auto" keeps it only when it makes the step at
 # least this much faster than the best plan without it (a choice, not a measured constant).
 HYBRID_MIN_GAIN = 0.01
@@ -477,9 +482,9 @@ def hybrid_options(
                     f"hybrid_precision: no device group {g!r} in cluster {cluster.name} "
                     f"(groups: {', '.join(groups)})"
                 )
-            if mode not in HYBRID_PEAK:
+            if mode not in HYBRID_PEAKS:
                 raise ValueError(f"hybrid_precision.{g}: {mode!r} is not int8 or fp8")
-            if HYBRID_PEAK[mode] not in dict(groups[g].gpu.peak_flops):
+            if HYBRID_PEAKS[mode] not in dict(groups[g].gpu.peak_flops):
                 raise ValueError(
                     f"hybrid_precision.{g}: {groups[g].gpu.name} has no {mode} tensor cores"
                 )
@@ -498,7 +503,7 @@ def hybrid_options(
         if g.gpu.peak(dtype) >= fastest:
             continue
         peaks = dict(g.gpu.peak_flops)
-        modes = [m for m in ("fp8", "int8") if HYBRID_PEAK[m] in peaks]
+        modes = [m for m in ("fp8", "int8") if HYBRID_PEAKS[m] in peaks]
         options += [((g.name, m),) for m in modes]
         first += [(g.name, m) for m in modes[:1]]
     if len(first) > 1:
@@ -515,10 +520,9 @@ def hybrid_problem_of(
     """`ir.plan.hybrid_problem` of a configuration before it is a Plan: a quantized group
     whose replicas run tp > 1."""
     for group, _ in hybrid:
-        tps = {st.tp_of(group, p.tp) for st in stages if any(g == group for g, _ in st.replicas)}
-        if any(t > 1 for t in tps):
+        if (tp := group_tp_degree(p, stages, group)) > 1:
             return (
-                f"hybrid_precision.{group}: the group's replicas run tp={max(tps)}; per-group "
+                f"hybrid_precision.{group}: the group's replicas run tp={tp}; per-group "
                 "precision runs with tp 1 on that group only (pin --tp 1)"
             )
     return None
@@ -581,15 +585,7 @@ def _hybrid_search(
         if hybrid:
 
             def widest(r: SolveResult) -> int:
-                return max(
-                    (
-                        st.tp_of(g, r.parallel.tp)
-                        for st in r.stages
-                        for g, _ in st.replicas
-                        if g in dict(hybrid)
-                    ),
-                    default=0,
-                )
+                return max(group_tp_degree(r.parallel, r.stages, g) for g, _ in hybrid)
 
             if widest(r) > 1:  # the quantized linears take whole weights: plan with tp 1
                 try:

@@ -70,6 +70,7 @@ import types
 from collections.abc import Sequence
 
 import torch
+from meshplan.ir.devices import HYBRID_MODES
 from torch import nn
 
 from .mesh import RankContext
@@ -87,7 +88,6 @@ __all__ = [
     "quantize_linears",
 ]
 
-HYBRID_MODES = ("int8", "fp8")
 
 INT8_MAX = 127  # symmetric: -128 is never used, so q and -q are both representable
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
