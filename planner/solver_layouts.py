@@ -68,6 +68,7 @@ from meshplan.ir import (
     StageConfig,
     StagePlacement,
 )
+from meshplan.ir.facts import blocked_dimension, without_blocked
 from meshplan.ir.rules import microbatch_problem, tp_heads_problem
 from meshplan.passes.partition import replica_capacity, stages_of, tp_domain_problem
 
@@ -324,6 +325,11 @@ def layout_search(
     """The best layout of the module docstring's family faster than `incumbent`, in bound
     order, within `work`."""
     if len(pricer.cluster.groups) < 2:
+        return LayoutResult(None, math.inf, 0, 0)
+    # What the runtime cannot run on this model (`ir.facts`, as step 1 asks): the family
+    # needs a pipeline and a TP degree > 1 on one of its groups; SP off where it is blocked.
+    pinned = without_blocked(graph.info, pinned)
+    if blocked_dimension(graph.info, Parallel(pp=2, tp=2)):
         return LayoutResult(None, math.inf, 0, 0)
     sp = pinned.sequence_parallel if pinned.sequence_parallel is not None else True
     cache = _Layouts(graph, pricer)

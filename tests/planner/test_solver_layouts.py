@@ -5,6 +5,7 @@ solver with the family switched off."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import meshplan.solver_layouts as layouts_mod
@@ -123,3 +124,22 @@ def test_pins_the_runtime_cannot_run_leave_the_family_empty(family):
         Parallel(schedule="zero_bubble"),
     ):
         assert layouts(cache, pins, GLOBAL_BATCH, [Recompute.NONE], sp=False) == []
+
+
+def test_a_model_the_runtime_cannot_pipeline_or_shard_gets_no_such_layout():
+    # Oracle: `ir.facts.blocked_dimension`, what step 1 asks. The family needs pp > 1 and
+    # tp > 1 on one group; with either blocked it is empty, and with SP blocked no layout
+    # turns sequence parallelism on.
+    graph, cluster = _scenario()
+    pricer = pricer_for(graph, cluster, "float32")
+    work = _Work.starting_now(100.0, None)
+    free = dataclasses.replace(PINS, sequence_parallel=None)
+    for dim in ("tp", "pp"):
+        info = dataclasses.replace(graph.info, blockers=((dim, "test"),))
+        blocked = dataclasses.replace(graph, info=info)
+        got = layout_search(blocked, pricer, free, GLOBAL_BATCH, work, math.inf, [Recompute.NONE])
+        assert got.best is None and got.bounded == 0
+    info = dataclasses.replace(graph.info, blockers=(("sp", "test"),))
+    blocked = dataclasses.replace(graph, info=info)
+    got = layout_search(blocked, pricer, free, GLOBAL_BATCH, work, math.inf, [Recompute.NONE])
+    assert got.best is not None and not got.best[1].sequence_parallel
