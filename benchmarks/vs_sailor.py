@@ -12,10 +12,12 @@ prints both side by side: predicted step time, tokens/s, peak memory per rank, t
     python benchmarks/vs_sailor.py --sailor-runtime   # Sailor's: fp32, ZeRO-0, no SP/recompute
     python benchmarks/vs_sailor.py --scenario 128+384 # Sailor's other two: 128+384, 256+256
 
-Every scenario also prints the best pipeline of Sailor's shape without a mixed stage (first
-stages on one GPU type at one TP degree, the rest on the other at another) under meshplan's
-model: the family `meshplan.solver_layouts` searches (`sailor_shaped`), searched to the end.
-Sailor's own plans for 128+384 and 256+256 are not encoded (their layouts are not published).
+Every scenario also prints the best pipeline of Sailor's shape (first stages on one GPU type
+at one TP degree, the next on the other at another, optionally a last stage mixing replicas of
+both) under meshplan's model: the family `meshplan.solver_layouts` searches (`sailor_shaped`),
+searched to the end. For 32+96 it also checks that Sailor's published layout is a member of
+that family at Sailor's batch (`in_family`). Sailor's own plans for 128+384 and 256+256 are
+not encoded (their layouts are not published).
 
 What is assumed, since the plan as published leaves it open:
 - the layer split: the one that minimises the slowest stage of Sailor's layout under
@@ -202,10 +204,10 @@ def best_split(graph, cluster, parallel, layout, dtype):
 
 
 def sailor_shaped(graph, cluster, pinned, dtype):
-    """The best pipeline of Sailor's shape without a mixed stage (first stages on one GPU type
-    at one TP degree, the rest on the other at another; equal replicas per stage) under
-    meshplan's model: `meshplan.solver_layouts`' family searched to the end, re-priced by
-    `predict`. None when no such pipeline fits."""
+    """The best pipeline of Sailor's shape (first stages on one GPU type at one TP degree, the
+    next on the other at another, optionally a last stage mixing both; equal replicas per
+    stage) under meshplan's model: `meshplan.solver_layouts`' family searched to the end,
+    re-priced by `predict`. None when no such pipeline fits."""
     import math
 
     from meshplan.cost_model import predict, pricer_for
@@ -221,6 +223,26 @@ def sailor_shaped(graph, cluster, pinned, dtype):
         return None
     _, parallel, stages = found.best
     return parallel, stages, predict(graph, cluster, parallel, stages, dtype=dtype)
+
+
+def in_family(graph, cluster, pinned, dtype, layout, parallel) -> bool:
+    """Whether `layout` (per stage, (group, replicas, tp)) is one of the layouts step 2b
+    (`meshplan.solver_layouts.layouts`) enumerates at `parallel`'s batch and micro-batch."""
+    from meshplan.cost_model import pricer_for
+    from meshplan.ir import Parallel, Recompute
+    from meshplan.solver_layouts import _Layouts, layouts
+
+    pricer = pricer_for(graph, cluster, dtype)
+    pins = Parallel(zero=0, sequence_parallel=False, micro_batch=parallel.micro_batch)
+    every = layouts(_Layouts(graph, pricer), pins, parallel.global_batch, [Recompute.NONE], False)
+    want = tuple(tuple(sorted(row)) for row in layout)
+    for _, _, lay in every:
+        if lay.parallel.dp != parallel.dp or lay.parallel.pp != len(layout):
+            continue
+        got = tuple(tuple(sorted(lay.on(s))) for s in range(lay.parallel.pp))
+        if got == want:
+            return True
+    return False
 
 
 def describe(parallel, stages) -> str:
@@ -275,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         counts, fits = best_split(graph, cluster, sailor_p, layout, dtype)
         stages = sailor_stages(graph, layout, counts)
         sailor = predict(graph, cluster, sailor_p, stages, dtype=dtype)
+        member = in_family(graph, cluster, Parallel(), dtype, layout, sailor_p)
     t_price = time.perf_counter() - t0
 
     pinned = Parallel(zero=0, sequence_parallel=False, recompute="none")
@@ -340,6 +363,10 @@ def main(argv: list[str] | None = None) -> int:
             + ("(minimax stage time among the splits that fit)" if fits else "(nothing fits)")
         )
         print(describe(sailor_p, stages))
+        print(
+            "  in meshplan's search (step 2b's family at this batch): "
+            + ("yes" if member else "NO")
+        )
         print("  breakdown: " + ", ".join(f"{k} {v:.2f}" for k, v in sailor.breakdown if v))
         for n in sailor.notes:
             if n.startswith(("bottleneck", "stages at")):
@@ -352,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     print(describe(plan.parallel, plan.stages))
     print("  breakdown: " + ", ".join(f"{k} {v:.2f}" for k, v in ours.breakdown if v))
     print(
-        f"\nwall: trace {t_trace:.1f} s, Sailor's layout priced {t_price:.1f} s, Sailor-shaped "
+        f"\nwall: trace {t_trace:.1f} s, Sailor's layout priced and found {t_price:.1f} s, "
+        f"Sailor-shaped "
         f"search {t_shaped:.1f} s, meshplan.plan {t_plan:.1f} s"
     )
     return 0

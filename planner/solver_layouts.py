@@ -12,9 +12,12 @@ Sets
                     run on a, the next k_b on b
     t_a != t_b      each group's TP degree: divides its NVLink domain's GPUs and the heads
                     (`tp_domain_problem`, `tp_heads_problem`); equal degrees are steps 2-3's
-    k_a, k_b >= 1   stages per group, pp = k_a + k_b <= layers
-    dp              replicas of every stage (one per pipeline), dp t_a k_a <= N_a and
-                    dp t_b k_b <= N_b (`replica_capacity`)
+    k_a, k_b >= 1   stages per group
+    x               0, or the replicas of a in one last stage that mixes both groups
+                    (Sailor's shape): x replicas of a at t_a and dp - x of b at t_b,
+                    1 <= x <= dp - 1; pp = k_a + k_b + [x > 0] <= layers
+    dp              replicas of every stage (one per pipeline), t_a (dp k_a + x) <= N_a and
+                    t_b (dp k_b + dp - x) <= N_b (`replica_capacity`)
     mb, m           micro-batch and micro-batches per pipeline, dp mb m = B: every replica runs
                     the same m (a pipeline crossing groups has no one group's share)
     r               recomputation (the options of step 1)
@@ -25,15 +28,19 @@ whose degree is > 1 unless pinned off (`Parallel.stage`).
 
 Split. Each group's layers spread evenly over its stages, the surplus on the stages furthest
 from the embedding and the head; the count n_a on group a is searched over every
-k_a <= n_a <= L - k_b. A split is kept when every stage fits in its group's memory (1F1B's
+k_a <= n_a <= L - k_b, and with a mixed stage its count n_x too (n_b = L - n_a - n_x >= k_b).
+A split is kept when every stage fits in the memory of every group it runs on (1F1B's
 in-flight micro-batches, `in_flight_microbatches`), the one with the smallest slowest stage
-(then the smallest sum) is priced.
+(then the smallest sum) is priced. A mixed stage runs at the slower of its groups' times
+whatever x is (its replicas run in lock-step), so of the x the capacity allows only the
+fewest and the most are priced (x changes the stage's gradient ring and hand-offs only).
 
 Bound, valid for every split: with tau_g the marginal time of one layer on a rank of g at t_g
 (`Pricer.stage_time` of two layers less one), the slowest stage U >= u* = L / (k_a / tau_a +
-k_b / tau_b) (the continuous minimax) and the stages' sum S >= L min(tau_a, tau_b), so the
+k_b / tau_b + [x > 0] / max(tau_a, tau_b)) (the continuous minimax; a mixed stage's layer
+takes at least the slower group's tau) and the stages' sum S >= L min(tau_a, tau_b), so the
 step `simulate.evaluate` prices (m U + (S - U) + non-negative hand-off, gradient and optimizer
-terms) is at least (m - 1) u* + L min(tau_a, tau_b).
+terms) is at least (m - 1) u* + L min(tau_a, tau_b) + (m + pp - 1) x the a -> b hand-off.
 
 Search (`layout_search`): bound every layout, then price them in bound order with the pricing
 `predict` uses (`tables.layout_tables`, `simulate.evaluate`) until the bound reaches the best
@@ -41,9 +48,9 @@ plan so far (the incumbent from steps 2-3 included): nothing left can win. Work 
 in steps 2-3 (a bound per layout, a cell per priced stage, a placement per evaluation); what
 the budget leaves unpriced counts as an open bound in the plan's gap.
 
-Not searched: pipelines over three or more groups, stages mixing replicas of several groups
-(Sailor's last stage; priced and run when given, `meshplan estimate --layout`), uneven splits
-within one group's run of stages.
+Not searched: pipelines over three or more groups, a mixed stage anywhere but last or more
+than one (priced and run when given, `meshplan estimate --layout`), uneven splits within one
+group's run of stages.
 """
 
 from __future__ import annotations
@@ -78,8 +85,9 @@ from .solver_objective import SolveResult, _Work
 
 @dataclass(frozen=True)
 class Layout:
-    """One layout of the family: `parallel` (tp = t_a, pp = k_a + k_b) with the first `k_a`
-    stages on group `a` at `t_a` and the rest on `b` at `t_b`."""
+    """One layout of the family: `parallel` (tp = t_a, pp = k_a + k_b + [mixed > 0]) with the
+    first `k_a` stages on group `a` at `t_a`, the next `k_b` on `b` at `t_b`, and, when
+    `mixed` > 0, a last stage of `mixed` replicas on a and dp - `mixed` on b."""
 
     parallel: Parallel
     a: str
@@ -88,12 +96,22 @@ class Layout:
     b: str
     t_b: int
     k_b: int
+    mixed: int = 0
 
     @property
     def sort_key(self) -> tuple:
         p = self.parallel
-        return (self.a, self.t_a, self.k_a, self.b, self.t_b, self.k_b, p.dp,
+        return (self.a, self.t_a, self.k_a, self.b, self.t_b, self.k_b, self.mixed, p.dp,
                 p.micro_batch, p.recompute.value)  # fmt: skip
+
+    def on(self, s: int) -> tuple[tuple[str, int, int], ...]:
+        """Stage s's (group, replicas, degree), in the layout's group order (a, then b)."""
+        dp = self.parallel.dp
+        if s < self.k_a:
+            return ((self.a, dp, self.t_a),)
+        if s < self.k_a + self.k_b:
+            return ((self.b, dp, self.t_b),)
+        return ((self.a, self.mixed, self.t_a), (self.b, dp - self.mixed, self.t_b))
 
 
 @dataclass(frozen=True)
@@ -165,6 +183,8 @@ def _bounded(
                 if dp > most or global_batch % dp:
                     continue
                 ka_max, kb_max = min(cap_a // dp, n - 1), min(cap_b // dp, n - 1)
+                if not ka_max or not kb_max:
+                    continue
                 mbs = (
                     [p.micro_batch]
                     if p.micro_batch is not None
@@ -184,19 +204,25 @@ def _bounded(
                     cross = costs.handoff(ga.name, ta, gb.name, tb, dp, mb)
                     ka = np.arange(1, ka_max + 1, dtype=np.float64)[:, None]
                     kb = np.arange(1, kb_max + 1, dtype=np.float64)[None, :]
-                    pp = ka + kb
-                    with np.errstate(divide="ignore"):
-                        rate = ka / tau_a + kb / tau_b
-                    bound = (m - 1) * n / rate + n * min(tau_a, tau_b) + (m + pp - 1) * cross
-                    ok = pp <= n if p.pp is None else pp == p.pp
-                    costs.bounded += int(ok.sum())
-                    ia, ib = np.nonzero(ok & (bound < below))
-                    if len(ia):
-                        bounds.append(bound[ia, ib])
-                        owner.append(np.full(len(ia), len(heads)))
-                        kas.append(ia + 1)
-                        kbs.append(ib + 1)
-                        heads.append((base, ga.name, ta, gb.name, tb, m))
+                    # without, then with a mixed last stage (x replicas of a, dp - x of b)
+                    for mixed in (False, True) if dp > 1 else (False,):
+                        pp = ka + kb + mixed
+                        with np.errstate(divide="ignore"):
+                            rate = ka / tau_a + kb / tau_b + mixed / max(tau_a, tau_b)
+                        bound = (m - 1) * n / rate + n * min(tau_a, tau_b) + (m + pp - 1) * cross
+                        ok = pp <= n if p.pp is None else pp == p.pp
+                        if mixed:  # some 1 <= x <= dp - 1 fits both groups' capacity
+                            x_lo = np.maximum(1, dp - (cap_b - dp * kb))
+                            x_hi = np.minimum(dp - 1, cap_a - dp * ka)
+                            ok = ok & (x_lo <= x_hi)
+                        costs.bounded += int(ok.sum())
+                        ia, ib = np.nonzero(ok & (bound < below))
+                        if len(ia):
+                            bounds.append(bound[ia, ib])
+                            owner.append(np.full(len(ia), len(heads)))
+                            kas.append(ia + 1)
+                            kbs.append(ib + 1)
+                            heads.append((base, ga.name, ta, gb.name, tb, m, mixed, cap_a, cap_b))
     if not heads:
         return iter(())
     bound_all = np.concatenate(bounds)
@@ -205,14 +231,20 @@ def _bounded(
 
     def made() -> Iterator[tuple[float, tuple, Layout]]:
         for i in order:
-            base, a, ta, b, tb, m = heads[own[i]]
-            ka, kb = int(ka_all[i]), int(kb_all[i])
-            sched = _schedule(p.schedule, ka + kb, m)
+            base, a, ta, b, tb, m, mixed, cap_a, cap_b = heads[own[i]]
+            ka, kb, dp = int(ka_all[i]), int(kb_all[i]), base.dp
+            sched = _schedule(p.schedule, ka + kb + mixed, m)
             if sched is None:
                 continue
-            par = dataclasses.replace(base, pp=ka + kb, schedule=sched)
-            lay = Layout(par, a, ta, ka, b, tb, kb)
-            yield float(bound_all[i]), lay.sort_key, lay
+            par = dataclasses.replace(base, pp=ka + kb + mixed, schedule=sched)
+            if not mixed:
+                xs: list[int] = [0]
+            else:  # the fewest and the most replicas of a (the module docstring's split)
+                lo, hi = max(1, dp - (cap_b - dp * kb)), min(dp - 1, cap_a - dp * ka)
+                xs = sorted({lo, hi})
+            for x in xs:
+                lay = Layout(par, a, ta, ka, b, tb, kb, x)
+                yield float(bound_all[i]), lay.sort_key, lay
 
     return made()
 
@@ -279,36 +311,54 @@ class _Layouts:
             got = self.ranges[counts] = stages_of(self.graph, counts)
         return got
 
+    def _stage(self, lay: Layout, s: int, first: int, last: int) -> tuple[float, bool]:
+        """(time, fits) of stage s of `lay` over units [first, last): the slowest of its
+        groups (lock-step replicas), fitting when it fits in every one of them."""
+        p = lay.parallel
+        comp = self.pricer.costs.composition(first, last)
+        held = in_flight_microbatches(p.schedule, s, p.pp, p.num_microbatches)
+        u = 0.0
+        for g, _, t in lay.on(s):
+            cfg = p.stage(t)
+            mem = self.pricer.stage_memory(comp, cfg, dp=p.dp, zero=0).peak(held)[0]
+            if mem > self.capacity[g]:
+                return math.inf, False
+            u = max(u, self.pricer.stage_time(comp, g, cfg).total)
+        return u, True
+
+    def _price_split(self, lay: Layout, counts: tuple[int, ...], cut: float):
+        """(slowest stage, sum) of `lay` under `counts`, None when a stage does not fit or
+        the slowest passes `cut` (it cannot beat the split in hand)."""
+        worst, total = 0.0, 0.0
+        for s, (first, last) in enumerate(self._ranges(counts)):
+            u, fits = self._stage(lay, s, first, last)
+            if not fits or u > cut:
+                return None
+            worst, total = max(worst, u), total + u
+        return worst, total
+
     def split(self, lay: Layout) -> tuple[int, ...] | None:
         """The layer counts of the module docstring's split, or None when no split fits."""
-        p = lay.parallel
         best: tuple[float, float, tuple[int, ...]] | None = None
-        for n_a in range(lay.k_a, self.n_layers - lay.k_b + 1):
-            counts = tuple(_even(n_a, lay.k_a) + _even(self.n_layers - n_a, lay.k_b))
-            if min(counts) < 1:
-                continue
-            ranges = self._ranges(counts)
-            worst, total, fits = 0.0, 0.0, True
-            for s, (first, last) in enumerate(ranges):
-                g, t = (lay.a, lay.t_a) if s < lay.k_a else (lay.b, lay.t_b)
-                cfg = p.stage(t)
-                comp = self.pricer.costs.composition(first, last)
-                u = self.pricer.stage_time(comp, g, cfg).total
-                held = in_flight_microbatches(p.schedule, s, p.pp, p.num_microbatches)
-                mem = self.pricer.stage_memory(comp, cfg, dp=p.dp, zero=0).peak(held)[0]
-                if mem > self.capacity[g]:
-                    fits = False
-                    break
-                worst, total = max(worst, u), total + u
-            if fits and (best is None or (worst, total) < best[:2]):
-                best = (worst, total, counts)
+        n, mixed = self.n_layers, 1 if lay.mixed else 0
+        for n_a in range(lay.k_a, n - lay.k_b - mixed + 1):
+            for n_x in range(mixed, n - n_a - lay.k_b + 1) if mixed else (0,):
+                n_b = n - n_a - n_x
+                counts = tuple(_even(n_a, lay.k_a) + _even(n_b, lay.k_b) + [n_x] * mixed)
+                if min(counts) < 1:
+                    continue
+                got = self._price_split(lay, counts, best[0] if best else math.inf)
+                if got is not None and (best is None or got < best[:2]):
+                    best = (*got, counts)
         return None if best is None else best[2]
 
     def stages(self, lay: Layout, counts: tuple[int, ...]) -> tuple[StagePlacement, ...]:
+        order = [g.name for g in self.pricer.cluster.groups]
         out = []
         for s, (first, last) in enumerate(self._ranges(counts)):
-            g, t = (lay.a, lay.t_a) if s < lay.k_a else (lay.b, lay.t_b)
-            out.append(StagePlacement(s, first, last, ((g, lay.parallel.dp),), group_tp=((g, t),)))
+            on = sorted(lay.on(s), key=lambda gnt: order.index(gnt[0]))
+            reps, tps = tuple((g, k) for g, k, _ in on), tuple((g, t) for g, _, t in on)
+            out.append(StagePlacement(s, first, last, reps, group_tp=tps))
         return tuple(out)
 
 

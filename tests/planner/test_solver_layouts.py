@@ -69,22 +69,27 @@ def test_the_family_holds_both_group_orders_and_every_pair_of_degrees(family):
     # the placement models' (steps 2-3)
     assert len(shapes) == 2 * 6
     assert all(lay.t_a != lay.t_b for _, _, lay in every)
-    for _, _, lay in every:  # GPU counts: dp t k <= GPUs of the group
-        p = lay.parallel
-        gpus = {"a100": 4, "v100": 16}
-        assert p.dp * lay.t_a * lay.k_a <= gpus[lay.a] and p.dp * lay.t_b * lay.k_b <= gpus[lay.b]
-        assert p.pp == lay.k_a + lay.k_b and GLOBAL_BATCH % (p.dp * p.micro_batch) == 0
+    gpus = {"a100": 4, "v100": 16}
+    for _, _, lay in every:  # GPU counts: t (dp k + replicas in the mixed stage) <= the group's
+        p, x = lay.parallel, lay.mixed
+        assert lay.t_a * (p.dp * lay.k_a + x) <= gpus[lay.a]
+        assert lay.t_b * (p.dp * lay.k_b + (p.dp - x if x else 0)) <= gpus[lay.b]
+        assert p.pp == lay.k_a + lay.k_b + (x > 0) and GLOBAL_BATCH % (p.dp * p.micro_batch) == 0
+        assert 0 <= x < p.dp
+    # some layouts end in a stage mixing both groups (Sailor's last stage)
+    assert any(lay.mixed for _, _, lay in every)
 
 
 def test_the_bound_never_exceeds_the_exact_price(family):
     _, _, pricer, cache, every = family
-    checked = 0
+    checked = mixed = 0
     for bound, _, lay in every:
         exact = _exact(pricer, cache, lay)
         if exact is not None:
             assert bound <= exact * (1 + 1e-9), (lay, bound, exact)
             checked += 1
-    assert checked > 20
+            mixed += lay.mixed > 0
+    assert checked > 20 and mixed >= 4  # layouts ending in a mixed stage among them
 
 
 def test_the_search_finds_the_exhaustive_best(family):
@@ -143,3 +148,39 @@ def test_a_model_the_runtime_cannot_pipeline_or_shard_gets_no_such_layout():
     blocked = dataclasses.replace(graph, info=info)
     got = layout_search(blocked, pricer, free, GLOBAL_BATCH, work, math.inf, [Recompute.NONE])
     assert got.best is not None and not got.best[1].sequence_parallel
+
+
+def test_a_mixed_last_stage_is_searched_and_wins_where_leftover_gpus_make_it_faster():
+    # Sailor's last stage: replicas of both groups in one stage, each at its own degree. On one
+    # 6 x A100 node and five 4 x V100 nodes, neither group's GPUs divide into whole stages of
+    # the best degrees, and a last stage of one A100-TP-2 and one V100-TP-4 replica uses what is
+    # left. Oracle: the exact price of every layout of the family, with and without such a stage.
+    graph = transformer_graph(12, 2560, 20, 20, 4 * 2560, 50257, 2048, 1)
+    cluster = Cluster(
+        name="a100x6+v100x20",
+        groups=(
+            DeviceGroup("a100", A100_40, 1, 6, "nvlink3", "ib-hdr", nics_per_node=1),
+            DeviceGroup("v100", V100_16, 5, 4, "nvlink2", "ib-hdr", nics_per_node=1),
+        ),
+        links=(NVLINK3, NVLINK2, IB_HDR),
+    )
+    pricer = pricer_for(graph, cluster, "float32")
+    cache = _Layouts(graph, pricer)
+    every = layouts(cache, PINS, 24, [Recompute.NONE], sp=False)
+    exact = [(_exact(pricer, cache, lay), lay.sort_key, lay) for _, _, lay in every]
+    exact = sorted(e for e in exact if e[0] is not None)
+    best_mixed = next(e for e in exact if e[2].mixed)
+    best_pure = next(e for e in exact if not e[2].mixed)
+    assert best_mixed[0] < best_pure[0] * 0.97  # the mixed stage is worth 3%+ here
+
+    work = _Work.starting_now(100.0, None)
+    got = layout_search(graph, pricer, PINS, 24, work, math.inf, [Recompute.NONE])
+    assert got.best is not None and got.lowest_open == math.inf
+    step, parallel, stages = got.best
+    assert step == pytest.approx(best_mixed[0], rel=1e-12)
+    last = stages[-1]
+    assert {g for g, _ in last.replicas} == {"a100", "v100"}
+    assert dict(last.group_tp) != {} and len(set(dict(last.group_tp).values())) == 2
+    assert group_tp_problem(parallel, stages) is None  # the runtime runs it
+    again = predict(graph, cluster, parallel, stages, dtype="float32")
+    assert again.fits and again.step_time_s == pytest.approx(step, rel=1e-9)
