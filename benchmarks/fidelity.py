@@ -595,7 +595,7 @@ NEAREST_GROUP = {"H100-96GB-500W": "H100"}
 FP8_RATIO_FROM = {"H100": "H100-96GB-500W"}
 # Fit groups whose bf16 GEMM efficiency is measured on GPU kernels, not fitted on step times:
 # the fit keeps the shipped value and leave-one-source-out never refits it, because no
-# published run set it. A100: 0.712 zeroes the median signed error of Vidur's 36,516 A100 80GB
+# published run set it. A100: 0.723 zeroes the median signed error of Vidur's 36,516 A100 80GB
 # fp16 GEMM kernels priced as the planner prices them (`benchmarks/gpu_op_latency.py`,
 # docs/op_latency.md; compute.py's comment above KERNEL_EFFICIENCY).
 KERNEL_MEASURED_GEMM = frozenset({"A100-80GB"})

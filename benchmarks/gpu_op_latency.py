@@ -143,17 +143,30 @@ def shipped() -> Constants:
     )
 
 
+GEMM_KINDS = [OpKind.MATMUL.value, OpKind.EXPERTS.value]
+
+
+def gemm_roofline(flop: np.ndarray, mem: np.ndarray) -> np.ndarray:
+    """`compute.gemm_roofline` on arrays: the p-norm of FLOP and memory seconds."""
+    q = compute.GEMM_OVERLAP_P
+    hi, lo = np.maximum(flop, mem), np.minimum(flop, mem)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = hi * (1.0 + (lo / hi) ** q) ** (1.0 / q)
+    return np.where(hi > 0, out, 0.0)
+
+
 def work(p: Priced, c: Constants) -> np.ndarray:
     """Seconds of work of every row under constants `c`: the roofline of `compute` (the
-    planner's formula) without the floor. `check_against_planner` proves it equal to
-    `block_compute` on every row."""
+    planner's formula: the p-norm for GEMMs, the max otherwise) without the floor.
+    `check_against_planner` proves it equal to `block_compute` on every row."""
     default_mem = compute.DEFAULT_EFFICIENCY.memory
     mem_eff = np.array([c.memory.get(k, default_mem) for k in p.kind])
     gemm = np.where(p.fp32_gemm, c.cuda_core_gemm, p.gemm_eff)
     tc = np.isin(p.kind, [k.value for k in compute.TENSOR_CORE_KINDS])
     flop = np.where(tc, p.flop_s / gemm, p.flop_s)
+    flop = np.where(tc, flop / p.wave, flop)
     mem = p.mem_s / mem_eff
-    return np.maximum(np.where(tc, flop / p.wave, flop), mem)
+    return np.where(np.isin(p.kind, GEMM_KINDS), gemm_roofline(flop, mem), np.maximum(flop, mem))
 
 
 def planner_work(p: Priced, specs: dict[str, GpuSpec], sample: int = 1) -> np.ndarray:
@@ -237,7 +250,7 @@ def fit(p: Priced, exclude: str | None = None) -> Constants:
             min(
                 GRID,
                 key=lambda e: _mape(
-                    np.maximum(p.flop_s[rows] / e / p.wave[rows], p.mem_s[rows] / _mem(memory))
+                    gemm_roofline(p.flop_s[rows] / e / p.wave[rows], p.mem_s[rows] / _mem(memory))
                     + ovh[rows],
                     p.measured[rows],
                 ),

@@ -8,6 +8,7 @@ import math
 import pytest
 from meshplan.cost_model.compute import (
     DEFAULT_EFFICIENCY,
+    GEMM_OVERLAP_P,
     KERNEL_FLOOR_S,
     block_compute,
     kept_by_selective,
@@ -45,6 +46,12 @@ GEMM_EFFICIENCY = kernel_efficiency(H100).gemm
 MEMORY_EFFICIENCY = kernel_efficiency(H100).memory
 
 
+def _pnorm(flop_s: float, mem_s: float) -> float:
+    """A GEMM's time from its FLOP and memory times: (F^p + M^p)^(1/p), written out."""
+    p = GEMM_OVERLAP_P
+    return (flop_s**p + mem_s**p) ** (1 / p)
+
+
 def test_every_gpu_type_has_efficiencies_in_range():
     from meshplan.cost_model.compute import KERNEL_EFFICIENCY
     from meshplan.ir.hardware import GPU_SPECS, H100_96GB_500W
@@ -64,8 +71,11 @@ def test_every_gpu_type_has_efficiencies_in_range():
 
 def test_large_gemm_is_compute_bound_at_gemm_efficiency():
     op = _matmul(8192, 8192, 8192)
-    expect = 2 * 8192**3 / (989e12 * GEMM_EFFICIENCY) + KERNEL_FLOOR_S
+    flop_s = 2 * 8192**3 / (989e12 * GEMM_EFFICIENCY)
+    mem_s = op.fwd_bytes / (3350e9 * MEMORY_EFFICIENCY)
+    expect = _pnorm(flop_s, mem_s) + KERNEL_FLOOR_S
     assert op_time(op, H100) == pytest.approx(expect, rel=1e-12)
+    assert expect - KERNEL_FLOOR_S == pytest.approx(flop_s, rel=1e-3)  # far from the ridge
     assert op_time(op, H100, backward=True) == pytest.approx(
         2 * (expect - KERNEL_FLOOR_S) + KERNEL_FLOOR_S, rel=1e-12
     )
@@ -73,8 +83,25 @@ def test_large_gemm_is_compute_bound_at_gemm_efficiency():
 
 def test_skinny_gemm_is_memory_bound():
     op = _matmul(8, 8192, 8192)  # reads a 128 MiB weight for 1 GFLOP
-    expect = op.fwd_bytes / (3350e9 * MEMORY_EFFICIENCY) + KERNEL_FLOOR_S
+    mem_s = op.fwd_bytes / (3350e9 * MEMORY_EFFICIENCY)
+    flop_s = 2 * 8 * 8192**2 / (989e12 * GEMM_EFFICIENCY)
+    expect = _pnorm(flop_s, mem_s) + KERNEL_FLOOR_S
     assert op_time(op, H100) == pytest.approx(expect, rel=1e-12)
+    assert expect - KERNEL_FLOOR_S == pytest.approx(mem_s, rel=1e-3)  # far from the ridge
+
+
+def test_a_gemm_on_the_ridge_pays_for_memory_and_math_overlapping_only_in_part():
+    # Vidur's fp16 projections near the ridge point run 12-15% slower than max(FLOP, memory)
+    # (docs/op_latency.md): where both times are equal the p-norm is 2^(1/p) of either, and
+    # the op is priced above the plain roofline by that factor.
+    m = 256  # 2 m n k FLOPs at 0.667 x 989 TFLOP/s ~ (2 m k + k n + 2 m n) B at 0.8 x 3.35 TB/s
+    op = _matmul(m, 8192, 8192)
+    flop_s = 2 * m * 8192**2 / (989e12 * GEMM_EFFICIENCY)
+    mem_s = op.fwd_bytes / (3350e9 * MEMORY_EFFICIENCY)
+    work = op_time(op, H100) - KERNEL_FLOOR_S
+    assert work == pytest.approx(_pnorm(flop_s, mem_s), rel=1e-12)
+    assert 0.9 < flop_s / mem_s < 1.1  # on the ridge
+    assert 1.25 < work / max(flop_s, mem_s) <= 2 ** (1 / GEMM_OVERLAP_P) + 1e-12
 
 
 def test_scale_multiplies_work_but_not_the_kernel_floor():
@@ -277,6 +304,7 @@ def test_wave_quantization_slows_a_gemm_as_tp_shards_it():
     block = Block("layer", "layer", (op,), (), inputs=(TensorMeta((1, m, k), "bfloat16"),))
     bc = block_compute(block, H100, "bfloat16")
     flop_s = 2 * m * n * k / (H100.peak("bfloat16") * GEMM_EFFICIENCY)
+    mem_s = op.fwd_bytes / (H100.hbm_bandwidth * MEMORY_EFFICIENCY)
 
     def waves(side: int, cols: float) -> float:  # useful fraction with one tile side
         tiles = math.ceil(m / side) * math.ceil(cols / side)
@@ -286,7 +314,7 @@ def test_wave_quantization_slows_a_gemm_as_tp_shards_it():
         fwd, _, _ = bc.times(tp=tp, cp=1, sequence_parallel=False, scale=1.0)
         q = wave_efficiency(1, m, n / tp, H100.sms)
         assert q == pytest.approx(max(waves(128, n / tp), waves(64, n / tp)))
-        assert fwd == pytest.approx(flop_s / tp / q + KERNEL_FLOOR_S, rel=1e-9)
+        assert fwd == pytest.approx(_pnorm(flop_s / tp / q, mem_s / tp) + KERNEL_FLOOR_S, rel=1e-9)
     # tp = 8: 16 x 12 = 192 tiles of 128, 2 waves of 132, would lose 27%; 32 x 24 = 768
     # 64-tiles fill 6 waves of 132 to 768 / 792, the side chosen. Unsharded: 1536 128-tiles
     # in 12 waves (1536 / 1584) or 6144 64-tiles in 47 waves (6144 / 6204): 64 wins again.
@@ -296,4 +324,6 @@ def test_wave_quantization_slows_a_gemm_as_tp_shards_it():
     row = dataclasses.replace(op, inputs=(TensorMeta((m, 2 * k), "bfloat16"), op.inputs[1]))
     bc_row = block_compute(dataclasses.replace(block, ops=(row,)), H100, "bfloat16")
     fwd8, _, _ = bc_row.times(tp=8, cp=1, sequence_parallel=False, scale=1.0)
-    assert fwd8 == pytest.approx(flop_s / 8 / (6144 / 6204) + KERNEL_FLOOR_S, rel=1e-9)
+    row_mem = row.fwd_bytes / (H100.hbm_bandwidth * MEMORY_EFFICIENCY)
+    expect8 = _pnorm(flop_s / 8 / (6144 / 6204), row_mem / 8) + KERNEL_FLOOR_S
+    assert fwd8 == pytest.approx(expect8, rel=1e-9)

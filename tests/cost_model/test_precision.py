@@ -47,13 +47,13 @@ def test_fp32_matmuls_run_on_cuda_cores_and_tf32_on_tensor_cores():
     """A100: a compute-bound GEMM is 156 / 19.5 = 8x faster in TF32 than in FP32 (PyTorch's
     default, TF32 off) at equal efficiency, times the tensor-core efficiency over the CUDA-core
     one (sgemm reaches a lower fraction of its peak), and 312 / 156 = 2x faster again in bf16."""
-    a100, op = gpu_spec("A100"), _gemm()
+    a100, op = gpu_spec("A100"), _gemm(65536)  # compute-bound: the memory term moves it < 1e-5
     fp32 = roofline_time(op, a100, "float32")
     tf32 = roofline_time(op, a100, "tfloat32")
     bf16 = roofline_time(op, a100, "bfloat16")
     cores = kernel_efficiency(a100).gemm / CUDA_CORE_GEMM_EFFICIENCY
-    assert fp32 / tf32 == pytest.approx(156 / 19.5 * cores, rel=1e-9)
-    assert tf32 / bf16 == pytest.approx(2.0, rel=1e-9)
+    assert fp32 / tf32 == pytest.approx(156 / 19.5 * cores, rel=1e-5)
+    assert tf32 / bf16 == pytest.approx(2.0, rel=1e-5)
 
 
 def test_elementwise_ops_run_at_the_cuda_core_rate_whatever_the_precision():
