@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from meshplan.ir import (
+    DeviceGroup,
     GpuSpec,
     Parallel,
     StageConfig,
@@ -199,6 +200,17 @@ class DataParallelTraffic:
         # The DP x CP group's ranks in one NVLink domain (node): every rank of the domain
         # outside TP (cp sits inside dp in the mesh order pp, dp, cp, ep, tp).
         per_node = max(1, g.domain_gpus // cfg.tp)
+        # The choices depend on nothing else (the pricer's options, dtype and cluster are
+        # fixed): the search asks for the same ones under many configurations.
+        key = (traffic.collectives, group, per_node)
+        got = self._dp_single.get(key)
+        if got is None:
+            got = self._dp_single[key] = self._dp_single_priced(traffic, g, per_node)
+        return got
+
+    def _dp_single_priced(
+        self, traffic: DpTraffic, g: DeviceGroup, per_node: int
+    ) -> list[CommChoice]:
         return [
             choose(
                 k,

@@ -172,6 +172,7 @@ class Pricer(
         self._mem: dict[tuple, StageMemory] = {}
         self._cross: dict[tuple, CrossPath] = {}
         self._sync: dict[tuple, float] = {}  # step_sync_time's SP gradient part
+        self._dp_single: dict[tuple, list] = {}  # dp_single_choices, by what prices them
         self._engines: dict[str, Engine] = {}
 
     def engine_of(self, group: str) -> Engine:
