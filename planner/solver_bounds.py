@@ -116,8 +116,13 @@ def _split_free_bound(
     stage times add over units, so S >= S_min (every unit on its fastest group) and U >= S / pp
     for lock-step placements; with shares a group's pipelines need at least W_g / pp per
     micro-batch (W_g: the whole model on g), so `_share_rate_bound` applies with U_g = W_g / pp."""
-    configs = tuple(priced(c, g) for g in groups)
-    key = ("free", tuple(groups), configs)
+    # c's priced stage configs are a function of these fields and the groups: keying on them
+    # spares building and hashing the configs once per candidate (most of this bound's cost)
+    raw = ("free-raw", c.tp, c.cp, c.ep, c.sequence_parallel, c.micro_batch, c.recompute,
+           c.cp_mode, c.group_tp, tuple(groups))  # fmt: skip
+    key = cache.get(raw)
+    if key is None:
+        key = cache[raw] = ("free", tuple(groups), tuple(priced(c, g) for g in groups))
     got = cache.get(key)
     if got is None:
         costs = pricer.costs
@@ -127,7 +132,7 @@ def _split_free_bound(
         per = {
             (k, g): pricer.stage_time(((k, 1),), g, cfg).total
             for k in counts
-            for g, cfg in zip(groups, configs)
+            for g, cfg in zip(groups, key[2])
         }
         s_min = sum(n * min(per[(k, g)] for g in groups) for k, n in counts.items())
         whole = {g: sum(n * per[(k, g)] for k, n in counts.items()) for g in groups}
@@ -139,7 +144,7 @@ def _split_free_bound(
     lock = math.inf if c.group_tp else m * s_min / pp + c.fill * s_min * (1 - 1 / pp)
     if c.zero > 2:
         return lock
-    rkey = key + (pp, c.dp)  # ZeRO, schedule and m do not change the rate: memoise it
+    rkey = raw + (pp, c.dp)  # ZeRO, schedule and m do not change the rate: memoise it
     rate = cache.get(rkey)
     if rate is None:
         capacity = {g: replica_capacity(pricer.groups[g], c.tp_of(g), c.cp) for g in groups}
