@@ -163,8 +163,7 @@ def work(p: Priced, c: Constants) -> np.ndarray:
     mem_eff = np.array([c.memory.get(k, default_mem) for k in p.kind])
     gemm = np.where(p.fp32_gemm, c.cuda_core_gemm, p.gemm_eff)
     tc = np.isin(p.kind, [k.value for k in compute.TENSOR_CORE_KINDS])
-    flop = np.where(tc, p.flop_s / gemm, p.flop_s)
-    flop = np.where(tc, flop / p.wave, flop)
+    flop = np.where(tc, p.flop_s / gemm / p.wave, p.flop_s)
     mem = p.mem_s / mem_eff
     return np.where(np.isin(p.kind, GEMM_KINDS), gemm_roofline(flop, mem), np.maximum(flop, mem))
 

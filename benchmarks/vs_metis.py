@@ -42,11 +42,15 @@ What is read into the plan, since the printed plan leaves it open:
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vs_sailor import describe, memory_line  # noqa: E402  (benchmarks/ is not a package)
 
 GLOBAL_BATCH = 128
 SEQ_LEN = 1024
-GiB = 2**30
 
 # Metis's rank-1 plan: per stage, ((group, replicas, tp), ...) and its layer count (blocks).
 METIS_PLAN: tuple[tuple[tuple[tuple[str, int, int], ...], int], ...] = (
@@ -123,22 +127,6 @@ def metis_stages(graph):
         StagePlacement(s, a, b, tuple((g, n) for g, n, _ in reps))
         for s, ((a, b), (reps, _)) in enumerate(zip(ranges, METIS_PLAN, strict=True))
     )
-
-
-def memory_line(prediction) -> str:
-    by_group: dict[str, int] = {}
-    for r in prediction.memory:
-        by_group[r.group] = max(by_group.get(r.group, 0), r.peak_bytes)
-    return ", ".join(f"{g} {v / GiB:.1f} GiB" for g, v in sorted(by_group.items()))
-
-
-def describe(parallel, stages) -> str:
-    out = []
-    for st in stages:
-        reps = " + ".join(f"{n} {g} tp{st.tp_of(g, parallel.tp)}" for g, n in st.replicas)
-        share = f" shares {dict(st.microbatches)}" if st.microbatches else ""
-        out.append(f"    stage {st.index}: units {st.first_unit}-{st.last_unit - 1}: {reps}{share}")
-    return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:

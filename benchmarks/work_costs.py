@@ -16,8 +16,8 @@ CPU is the parent's but not its counts, so a parent's snapshots are cut into seg
 nested solve it absorbs, each segment measured from its own start. The costs are refitted by
 non-negative least squares of the segments' CPU seconds on their counts (scipy's `nnls` when
 installed, else an active-set loop on numpy's `lstsq`), and the script prints, per kind, the
-shipped cost, the refitted one and how much of the CPU each kind took, then charged work
-against CPU per solve.
+shipped cost, the refitted one, the most steps one segment counted and how much of the CPU
+each kind took, then charged work against CPU per solve.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import argparse
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -107,7 +108,7 @@ def nnls(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, str]:
 
 def scenarios(full: bool):
     """(name, model preset, cluster, global batch, budget)."""
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from meshplan.ir import Cluster
     from planner_speed import mixed
 
@@ -158,9 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     shipped = np.array([WORK_COSTS.get(k, 1.0 / CPSAT_DETERMINISTIC_PER_WORK) for k in kinds])
     coef, how = nnls(x, y)
     fitted, charged = x @ coef, x @ shipped
-    rel = lambda p: np.abs(p - y) / np.maximum(y, 1e-3)  # noqa: E731
+
+    def rel(pred: np.ndarray) -> np.ndarray:
+        return np.abs(pred - y) / np.maximum(y, 1e-3)
+
     print(f"\n{len(y)} snapshots; refit by {how}")
-    print(f"{'kind':12s} {'shipped':>10s} {'refitted':>10s} {'count':>12s} {'CPU share':>10s}")
+    print(f"{'kind':12s} {'shipped':>10s} {'refitted':>10s} {'most':>12s} {'CPU share':>10s}")
     total = max(float(coef @ x.sum(axis=0)), 1e-9)
     for k, s, c, n in zip(kinds, shipped, coef, x.max(axis=0), strict=True):
         share = c * x[:, kinds.index(k)].sum() / total

@@ -212,8 +212,7 @@ def _bounded(
                         bound = (m - 1) * n / rate + n * min(tau_a, tau_b) + (m + pp - 1) * cross
                         ok = pp <= n if p.pp is None else pp == p.pp
                         if mixed:  # some 1 <= x <= dp - 1 fits both groups' capacity
-                            x_lo = np.maximum(1, dp - (cap_b - dp * kb))
-                            x_hi = np.minimum(dp - 1, cap_a - dp * ka)
+                            x_lo, x_hi = _mixed_range(dp, ka, kb, cap_a, cap_b)
                             ok = ok & (x_lo <= x_hi)
                         costs.bounded += int(ok.sum())
                         ia, ib = np.nonzero(ok & (bound < below))
@@ -240,13 +239,19 @@ def _bounded(
             if not mixed:
                 xs: list[int] = [0]
             else:  # the fewest and the most replicas of a (the module docstring's split)
-                lo, hi = max(1, dp - (cap_b - dp * kb)), min(dp - 1, cap_a - dp * ka)
-                xs = sorted({lo, hi})
+                xs = sorted({int(x) for x in _mixed_range(dp, ka, kb, cap_a, cap_b)})
             for x in xs:
                 lay = Layout(par, a, ta, ka, b, tb, kb, x)
                 yield float(bound_all[i]), lay.sort_key, lay
 
     return made()
+
+
+def _mixed_range(dp: int, ka, kb, cap_a: int, cap_b: int):
+    """(fewest, most) replicas x of group a a mixed last stage may hold: 1 <= x <= dp - 1,
+    the a-stages' dp k_a replicas plus x within a's capacity, the b-stages' dp k_b plus
+    dp - x within b's (empty when fewest > most); `ka`, `kb` ints or numpy arrays."""
+    return np.maximum(1, dp - (cap_b - dp * kb)), np.minimum(dp - 1, cap_a - dp * ka)
 
 
 def _degrees(group: DeviceGroup, graph: Graph) -> list[int]:

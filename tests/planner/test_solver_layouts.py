@@ -28,13 +28,15 @@ PINS = Parallel(zero=0, sequence_parallel=False, recompute="none", micro_batch=1
 GLOBAL_BATCH = 32
 
 
-def _scenario():
+def _scenario(a100_per_node: int = 4, v100_nodes: int = 4):
+    """The model above on one node of `a100_per_node` A100-40GB and `v100_nodes` nodes of 4
+    V100-16GB."""
     graph = transformer_graph(12, 2560, 20, 20, 4 * 2560, 50257, 2048, 1)
     cluster = Cluster(
-        name="a100x4+v100x16",
+        name=f"a100x{a100_per_node}+v100x{4 * v100_nodes}",
         groups=(
-            DeviceGroup("a100", A100_40, 1, 4, "nvlink3", "ib-hdr", nics_per_node=1),
-            DeviceGroup("v100", V100_16, 4, 4, "nvlink2", "ib-hdr", nics_per_node=1),
+            DeviceGroup("a100", A100_40, 1, a100_per_node, "nvlink3", "ib-hdr", nics_per_node=1),
+            DeviceGroup("v100", V100_16, v100_nodes, 4, "nvlink2", "ib-hdr", nics_per_node=1),
         ),
         links=(NVLINK3, NVLINK2, IB_HDR),
     )
@@ -155,15 +157,7 @@ def test_a_mixed_last_stage_is_searched_and_wins_where_leftover_gpus_make_it_fas
     # 6 x A100 node and five 4 x V100 nodes, neither group's GPUs divide into whole stages of
     # the best degrees, and a last stage of one A100-TP-2 and one V100-TP-4 replica uses what is
     # left. Oracle: the exact price of every layout of the family, with and without such a stage.
-    graph = transformer_graph(12, 2560, 20, 20, 4 * 2560, 50257, 2048, 1)
-    cluster = Cluster(
-        name="a100x6+v100x20",
-        groups=(
-            DeviceGroup("a100", A100_40, 1, 6, "nvlink3", "ib-hdr", nics_per_node=1),
-            DeviceGroup("v100", V100_16, 5, 4, "nvlink2", "ib-hdr", nics_per_node=1),
-        ),
-        links=(NVLINK3, NVLINK2, IB_HDR),
-    )
+    graph, cluster = _scenario(a100_per_node=6, v100_nodes=5)
     pricer = pricer_for(graph, cluster, "float32")
     cache = _Layouts(graph, pricer)
     every = layouts(cache, PINS, 24, [Recompute.NONE], sp=False)
