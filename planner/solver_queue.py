@@ -65,7 +65,17 @@ class _Queued:
 def _families(cands: list[Candidate]) -> list[_Family]:
     """The candidates grouped by every knob but ZeRO stage and schedule, in enumeration order."""
     families: dict[tuple, list[tuple[int, Candidate]]] = {}
+    # c.stage_of() is a function of these raw fields: looking it up by them, as a number per
+    # distinct StageConfig, spares building and hashing one per candidate (most of this
+    # function's time on large clusters)
+    numbers: dict[object, int] = {}
+    by_raw: dict[tuple, int] = {}
     for i, c in enumerate(cands):
-        fam = (c.stage_of(), c.pp, c.dp, c.group_tp)  # the stage config: every other knob
+        raw = (c.tp, c.cp, c.ep, c.sequence_parallel, c.micro_batch, c.recompute,
+               c.quantize_activations, c.cp_mode)  # fmt: skip
+        stage = by_raw.get(raw)
+        if stage is None:
+            stage = by_raw[raw] = numbers.setdefault(c.stage_of(), len(numbers))
+        fam = (stage, c.pp, c.dp, c.group_tp)  # the stage config: every other knob
         families.setdefault(fam, []).append((i, c))
     return [_Family(tuple(members)) for members in families.values()]
