@@ -75,12 +75,14 @@ from meshplan.cost_model.pricer import Pricer, pricer_for
 from meshplan.cost_model.simulate import evaluate, predict
 from meshplan.ir import (
     Cluster,
+    DeviceGroup,
     Graph,
     Parallel,
     Prediction,
     Recompute,
     StagePlacement,
 )
+from meshplan.passes.partition import replica_capacity, tp_domain_problem
 from ortools.sat.python import cp_model
 
 from .solver_candidates import (
@@ -112,7 +114,14 @@ from .solver_objective import (
     _Scorer,
     _Work,
 )
-from .solver_screen import SHARE_EXHAUSTIVE_DP, SHARE_WINDOW, _pair_shares, _Priced, _screen
+from .solver_screen import (
+    SHARE_EXHAUSTIVE_DP,
+    SHARE_WINDOW,
+    _needs_model,
+    _pair_shares,
+    _Priced,
+    _screen,
+)
 from .solver_splits import EXHAUSTIVE_SPLITS
 
 # What callers import from here: the entry points and the step modules' names they use
@@ -184,11 +193,13 @@ def _search(
     say,
     limit: float = math.inf,
     incumbent: float = math.inf,
+    single_floor: float = 0.0,
 ) -> _Outcome:
     """Steps 2-3 of the module docstring over `cands`: screen, then placement models, until
     `work` is spent. `incumbent`: the score of a plan known from elsewhere
     (`_single_group_seed`); only pairs that can beat it are priced, and `best` stays None when
-    none does."""
+    none does. `single_floor`: no placement inside one device group scores below it (the
+    screen then bounds the rest by what crossing between groups costs)."""
     # The screen gets two thirds of the work left and the placement models the rest; but the
     # screen goes on until it has found some plan (or shown that none fits).
     kept, pairs, priced, smallest, cut = _screen(
@@ -202,6 +213,7 @@ def _search(
         limit,
         say,
         incumbent,
+        single_floor,
     )
     best: tuple[float, _Priced, Placement, dict | None] | None = None
 
@@ -221,10 +233,8 @@ def _search(
         incumbent = min(best[0] if best else math.inf, seed)
         if pr.lower >= incumbent * (1 - 1e-9):
             break  # sorted by bound: nothing further can win
-        if pr.lock_lower >= incumbent * (1 - 1e-9):
-            continue  # only share placements could win, and those were searched
-        if pr.greedy_placement is not None and pr.greedy_score <= pr.lock_lower * (1 + 1e-9):
-            continue  # the warm start already meets this pair's bound
+        if not _needs_model(pr, incumbent):
+            continue  # only share placements could win (searched), or the warm start wins
         if work.exhausted():
             open_bounds += [k.lower for k in kept[i:] if k.lower < incumbent]
             break
@@ -313,6 +323,7 @@ def solve(
     wall_limit_s: float | None = None,
     engine: Engine = EAGER,
     equal_shares: bool = False,
+    candidates: list[Candidate] | None = None,
 ) -> SolveResult:
     """The best configuration and placement that fits, honouring the fields of `pinned`.
 
@@ -345,21 +356,31 @@ def solve(
     say = progress or (lambda _msg: None)
     pricer = pricer_for(graph, cluster, dtype, comm, engine=engine)
     dtype = pricer.dtype  # None: the model's own (`pricer.compute_dtype`)
-    cands = enumerate_candidates(
-        graph, cluster, pinned, global_batch, quantize=quantize, per_group_tp=per_group_tp
-    )
-    work.charge("candidate", len(cands))
+    if candidates is None:
+        cands = enumerate_candidates(
+            graph, cluster, pinned, global_batch, quantize=quantize, per_group_tp=per_group_tp
+        )
+        work.charge("candidate", len(cands))
+    else:
+        cands = candidates
+        if not cands:
+            raise InfeasibleError("no plan: no configuration fits this cluster")
     say(f"enumerated {len(cands)} candidate configurations")
     tokens = global_batch * (graph.info.seq_len or 1)
     seed: SolveResult | None = None
+    floor = 0.0  # no placement inside one group scores below it
     if objective.kind == "min_gpus":
         out = _min_gpus(pricer, graph, cands, global_batch, work, say, objective)
     else:
         scorer = _Scorer(objective, cluster, equal_shares)
         if objective.kind == "throughput" and len(cluster.groups) > 1:
-            seed = _single_group_seed(
-                graph, cluster, pinned, global_batch, work, dtype, comm, quantize
+            seed, floor = _single_group_seed(
+                graph, cluster, pinned, global_batch, work, dtype, comm, quantize, engine, cands
             )
+        if seed is not None and floor >= seed.prediction.step_time_s * (1 - 1e-9):
+            # Every group's best plan is proven and none beats the seed: a placement inside
+            # one group can at most tie it, so only placements across groups can win.
+            floor = math.inf
         work.at_least(0.5)  # the main search gets some work whatever the seeds took
         out = _search(
             pricer,
@@ -370,6 +391,7 @@ def solve(
             scorer,
             say,
             incumbent=seed.prediction.step_time_s if seed else math.inf,
+            single_floor=floor,
         )
     if objective.kind == "throughput" and per_group_tp and len(cluster.groups) > 1:
         incumbent = min(
@@ -400,6 +422,7 @@ def solve(
             prediction=_with_wall_note(prediction, work, time_limit_s, say),
             status="optimal" if optimal and seed.status == "optimal" else "feasible",
             gap=max(gap, seed.gap),
+            bound=seed.prediction.step_time_s * (1 - max(gap, seed.gap)),
             wall_s=time.perf_counter() - start,
             candidates=len(cands),
             explored=seed.explored + out.priced,
@@ -438,6 +461,7 @@ def solve(
         prediction=_with_wall_note(prediction, work, time_limit_s, say),
         status="optimal" if optimal else "feasible",
         gap=gap,
+        bound=min(out.lowest_open, score),
         wall_s=wall,
         candidates=len(cands),
         explored=out.priced,
@@ -469,14 +493,29 @@ def _single_group_seed(
     dtype: str,
     comm: CommOptions | None = None,
     quantize: bool = False,
-) -> SolveResult | None:
-    """The best plan inside one device group, over every group: the incumbent of a mixed
-    cluster's search. A homogeneous group's bounds are exact, so each of these is quick, and a
-    strong first incumbent prunes the (weaker-bounded) mixed placements early."""
-    seed = None
+    engine: Engine = EAGER,
+    cands: list[Candidate] | None = None,
+) -> tuple[SolveResult | None, float]:
+    """(the best plan inside one device group, over every group: the incumbent of a mixed
+    cluster's search; the least step time any plan inside one group can have, as the groups'
+    searches proved: the single-group floor of `_search`). A homogeneous group's bounds are
+    exact, so each of these is quick, and a strong first incumbent prunes the (weaker-bounded)
+    mixed placements early. A group where nothing fits holds no such plan; one whose search
+    could not run (a pinned field it refuses) proves nothing, and the floor is 0.
+
+    `cands`: the whole cluster's configurations (`enumerate_candidates`); each group's search
+    then takes those that fit the group (`_one_group`) instead of enumerating its own, which
+    gives the same list in the same order where every group's NVLink domain divides the
+    largest (so the cluster's TP degrees include every degree a group allows)."""
+    seed, floor = None, math.inf
+    largest = max(g.domain_gpus for g in cluster.groups)
+    shared = cands is not None and all(largest % g.domain_gpus == 0 for g in cluster.groups)
     for g in cluster.groups:
         sub = dataclasses.replace(cluster, name=f"{cluster.name}/{g.name}", groups=(g,))
         sub = dataclasses.replace(sub, group_links=())
+        own = _one_group(cands, g) if shared else None
+        if own is not None:
+            work.charge("filter", len(cands))
         try:
             r = solve(
                 graph,
@@ -488,13 +527,37 @@ def _single_group_seed(
                 comm=comm,
                 quantize=quantize,
                 wall_limit_s=work.seconds_left(),
+                engine=engine,
+                candidates=own,
             )
-        except (InfeasibleError, ValueError):
+        except InfeasibleError:
+            continue
+        except ValueError:
+            floor = 0.0
             continue
         work.absorb(r)
+        floor = min(floor, r.bound)
         if seed is None or r.prediction.step_time_s < seed.prediction.step_time_s:
             seed = r
-    return seed
+    return seed, floor
+
+
+def _one_group(cands: list[Candidate], group: DeviceGroup) -> list[Candidate]:
+    """The configurations of `cands` (a cluster's) that `enumerate_candidates` gives the
+    cluster of `group` alone, in the same order: no per-group TP, a TP degree the group's
+    domain takes and pp * dp replicas it holds."""
+    fits: dict[tuple[int, int], int] = {}
+    out = []
+    for c in cands:
+        if c.group_tp:
+            continue
+        cap = fits.get((c.tp, c.cp))
+        if cap is None:
+            ok = tp_domain_problem((group,), c.tp) is None
+            cap = fits[(c.tp, c.cp)] = replica_capacity(group, c.tp, c.cp) if ok else 0
+        if c.pp * c.dp <= cap:
+            out.append(c)
+    return out
 
 
 def _min_gpus(

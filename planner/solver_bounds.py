@@ -24,10 +24,13 @@ bounds are exact, so no placement model is needed at all.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from meshplan.cost_model.memory import in_flight_microbatches
+from meshplan.cost_model.dp_traffic import CrossTraffic
 from meshplan.cost_model.pricer import OVERLAP_EFFICIENCY, Pricer
 from meshplan.cost_model.tables import PlanTables
 from meshplan.passes.partition import replica_capacity
@@ -151,6 +154,249 @@ def _split_free_bound(
         per_group = {g: (w / pp, w / pp) for g, w in whole.items()}
         rate = cache[rkey] = _share_rate_bound(per_group, capacity, pp, c.dp)[0]
     return min(lock, c.dp * m / rate) if rate > 0 else lock
+
+
+@dataclass(frozen=True, slots=True)
+class _ConfigTerms:
+    """What `_multi_group_bound` reads of one stage config per group (`configs`, in `groups`
+    order), all from one instance of each unit on each group: computed once per config."""
+
+    s_min: float  # sum over units of each unit's time on its fastest group
+    whole: dict[str, float]  # the whole model's time on each group
+    window: float  # the whole model's compute + recompute of one micro-batch, slowest group
+    unit_windows: float  # sum over units of that on each unit's slowest group
+    layers_best: float  # the layer units' time on their fastest groups
+    rho: dict[str, float]  # a group's least ratio of a layer unit's time to its fastest
+
+
+def _config_terms(pricer: Pricer, groups: Sequence[str], configs: tuple, cache: dict):
+    """`_ConfigTerms` of `configs` on `groups`, cached."""
+    key = ("terms", tuple(groups), configs)
+    got = cache.get(key)
+    if got is not None:
+        return got
+    counts: dict[str, int] = {}
+    for k in pricer.costs.unit_keys:
+        counts[k] = counts.get(k, 0) + 1
+    per = {
+        (k, g): pricer.stage_time(((k, 1),), g, cfg) for k in counts for g, cfg in zip(groups, configs)
+    }
+    lookup = dict(pricer.costs.graph.blocks)
+    fastest = {k: min(per[(k, g)].total for g in groups) for k in counts}
+    layers = [k for k in counts if lookup[k].kind == "layer"]
+
+    def window(k: str, g: str) -> float:
+        return per[(k, g)].compute + per[(k, g)].recompute
+
+    got = cache[key] = _ConfigTerms(
+        s_min=sum(n * fastest[k] for k, n in counts.items()),
+        whole={g: sum(n * per[(k, g)].total for k, n in counts.items()) for g in groups},
+        window=max(sum(n * window(k, g) for k, n in counts.items()) for g in groups),
+        unit_windows=sum(n * max(window(k, g) for g in groups) for k, n in counts.items()),
+        layers_best=sum(counts[k] * fastest[k] for k in layers),
+        rho={
+            g: min(
+                (per[(k, g)].total / fastest[k] if fastest[k] > 0 else 1.0 for k in layers),
+                default=1.0,
+            )
+            for g in groups
+        },
+    )
+    return got
+
+
+def _layer_windows(pricer: Pricer, width: int, cache: dict) -> set:
+    """The compositions of every run of `width` consecutive layer units (`_split_free_memory`'s
+    windows): some stage of a pipeline of pp stages holds one of width ceil(L / pp)."""
+    key = ("windows", width)
+    got = cache.get(key)
+    if got is None:
+        costs = pricer.costs
+        lookup = dict(costs.graph.blocks)
+        pos = [i for i, k in enumerate(costs.unit_keys) if lookup[k].kind == "layer"]
+        got = cache[key] = {
+            costs.composition(pos[i], pos[i + width - 1] + 1)
+            for i in range(len(pos) - width + 1)
+            if width
+        }
+    return got
+
+
+def _capacity_rate_bound(
+    terms: _ConfigTerms, capacity: Mapping[str, int], pp: int, dp: int
+) -> float:
+    """A lower bound on max_s u_s of every lock-step placement from the groups' replica
+    capacity: at most floor(R(F) / dp) stages have all their replicas in a set F of groups. A
+    stage with a replica on group g takes at least rho_g times the time of its layer units on
+    their fastest groups (`_ConfigTerms.rho`), so with B the layers' best total,
+    max_s u_s >= B / sum_s 1 / rho_(s), and the sum is largest when the stages fill the groups
+    of smallest rho first. Infinite when the groups cannot hold pp * dp replicas."""
+    rho = terms.rho
+    inv, left, held, placed = 0.0, pp, 0, 0
+    for g in sorted(rho, key=lambda g: (rho[g], g)):
+        held += capacity[g]
+        n = min(left, held // dp - placed)
+        placed += n
+        left -= n
+        inv += n / rho[g]
+        if not left:
+            break
+    if left:
+        return math.inf
+    return terms.layers_best / inv
+
+
+def _multi_group_bound(
+    pricer: Pricer,
+    c: Candidate,
+    groups: Sequence[str],
+    m: int,
+    cache: dict,
+    *,
+    fill: float,
+    zeros: Sequence[int],
+) -> float:
+    """A step-time bound of c over the placements that use two or more device groups, valid
+    for every member of c's family (its ZeRO stages `zeros`, a schedule fill of at least
+    `fill`; `_split_free_bound`'s conventions otherwise). Such a placement pays for crossing
+    between the groups, which the bounds valid for every placement cannot charge (a placement
+    in one group does not cross); the solver applies this one where the best plan inside one
+    group is known (`_single_group_seed`). Dense models (ep 1) only: an expert-parallel stage
+    is priced from floors that need its placement.
+
+    Lock-step placements (`cost_model.simulate.evaluate` without shares), not under per-group TP:
+      - stages: U >= max(S_min / pp, `_capacity_rate_bound`), S >= max(S_min, U), so the
+        pipeline term is at least (m - fill) U + fill S;
+      - pp >= 2: some stage boundary joins replicas of two different groups (a stage that spans
+        groups meets a neighbour; group-pure stages of different groups meet somewhere), and
+        `evaluate` charges the largest hand-off over the boundaries' group pairs, (m v + pp - 1)
+        times: at least (m + pp - 1) x the cheapest cross-group hand-off of any boundary;
+      - pp = 1: the stage's DP ring crosses (one stage crossing); exposed at least
+        rep (C - OVERLAP_EFFICIENCY min(C, W)), W the whole model's compute and recompute of
+        one micro-batch on its slowest group (every DP overlap window is at most that).
+    Group-pure pipelines with uneven shares (ZeRO <= 2, dp >= 2): the split-free share bound
+    dp m / rate, plus the exposed DP traffic with every stage's ring crossing (pp crossing at
+    once): max_s (c_s - OE min(c_s, w_s)) >= (1 - OE) c_max, c_max >= the crossing time of the
+    least traffic of ceil(L / pp) consecutive layers (some stage holds them); and on a shared
+    GroupLink with raw traffic, >= the mean over stages, (pp per_whole - OE sum_u w_u) / pp
+    (per-stage link times add over stages; the windows add over units).
+    Infinite when no such placement exists (e.g. dp 1 and pp 1 with one replica)."""
+    if c.ep > 1:
+        return 0.0
+    configs = tuple(priced(c, g) for g in groups)
+    terms = _config_terms(pricer, groups, configs, cache)
+    pp, dp = c.pp, c.dp
+    capacity = {g: replica_capacity(pricer.groups[g], c.tp_of(g), c.cp) for g in groups}
+    pairs = list(itertools.combinations(groups, 2))
+    lock = math.inf
+    if not c.group_tp and pairs:
+        big_u = max(terms.s_min / pp, _capacity_rate_bound(terms, capacity, pp, dp))
+        pipe = (m - fill) * big_u + fill * max(terms.s_min, big_u)
+        if pp >= 2:
+            cross = _cheapest_cross_handoff(pricer, c, groups, cache)
+            lock = pipe + (m + pp - 1) * cross
+        else:
+            lock = pipe + min(
+                (m if z == 3 else 1) * _cross_exposed(v, terms.window)
+                for z in zeros
+                for v in [_whole_cross(pricer, c, configs[0], pairs, z, cache)]
+            )
+    share = math.inf
+    low = [z for z in zeros if z <= 2]
+    if dp >= 2 and pairs and (low or c.group_tp):
+        per_group = {g: (w / pp, w / pp) for g, w in terms.whole.items()}
+        rate = _share_rate_bound(per_group, capacity, pp, dp)[0]
+        if rate > 0:
+            exposed = math.inf
+            for z in low or [0]:
+                c_max, per_whole = _share_cross(pricer, c, configs[0], pairs, z, cache)
+                least = (1 - OVERLAP_EFFICIENCY) * c_max
+                if per_whole is not None:
+                    mean = (pp * per_whole - OVERLAP_EFFICIENCY * terms.unit_windows) / pp
+                    least = max(least, mean)
+                exposed = min(exposed, least)
+            share = dp * m / rate + exposed
+    return min(lock, share)
+
+
+def _cross_exposed(comm: float, window: float) -> float:
+    """`evaluate`'s exposed part of DP traffic `comm` overlapping at most `window` compute."""
+    return comm - OVERLAP_EFFICIENCY * min(comm, window)
+
+
+def _whole_cross(
+    pricer: Pricer, c: Candidate, cfg, pairs: list[tuple[str, str]], zero: int, cache: dict
+) -> float:
+    """The least time of the whole model's DP ring crossing between two groups, one stage
+    crossing, at ZeRO `zero` (its first unit's ZeRO-3 collectives left out as `plan_tables`
+    does), per occurrence."""
+    key = ("whole-cross", c.tp, c.cp, c.ep, c.dp, zero, tuple(pairs))
+    got = cache.get(key)
+    if got is None:
+        costs = pricer.costs
+        whole = costs.composition(0, len(costs.unit_keys))
+        first = costs.unit_keys[0] if zero == 3 else None
+        traffic = pricer.dp_traffic(whole, cfg, dp=c.dp, zero=zero, first=first)
+        got = cache[key] = min(pricer.dp_cross(traffic, a, b, cfg).time(1) for a, b in pairs)
+    return got
+
+
+def _share_cross(
+    pricer: Pricer, c: Candidate, cfg, pairs: list[tuple[str, str]], zero: int, cache: dict
+) -> tuple[float, float | None]:
+    """(c_max, per_whole) of `_multi_group_bound`'s share part at ZeRO `zero`, every stage's
+    ring crossing (pp at once): the least crossing time of ceil(L / pp) consecutive layers'
+    DP traffic, and the whole model's time per crossing stage on a shared GroupLink (None
+    without one, or when the traffic may be coded: `CommOptions.active`)."""
+    pp = c.pp
+    key = ("share-cross", c.tp, c.cp, c.ep, c.group_tp, c.dp, pp, zero, tuple(pairs))
+    got = cache.get(key)
+    if got is not None:
+        return got
+
+    def cross(comp, a: str, b: str) -> CrossTraffic:
+        if c.group_tp:
+            tps = {g: c.tp_of(g) for g in (a, b)}
+            return pricer.dp_cross_hetero(comp, a, b, c.parallel(), tps)
+        traffic = pricer.dp_traffic(comp, cfg, dp=c.dp, zero=zero)
+        return pricer.dp_cross(traffic, a, b, cfg)
+
+    costs = pricer.costs
+    windows = _layer_windows(pricer, -(-len(costs.graph.layer_units) // pp), cache)
+    c_max = min((cross(w, a, b).time(pp) for w in windows for a, b in pairs), default=0.0)
+    per_whole = None
+    if pricer.comm is None or not pricer.comm.active:
+        whole = costs.composition(0, len(costs.unit_keys))
+        per_whole = min(
+            (t.per_stage for a, b in pairs if (t := cross(whole, a, b)).per_stage is not None),
+            default=None,
+        )
+    got = cache[key] = (c_max, per_whole)
+    return got
+
+
+def _cheapest_cross_handoff(pricer: Pricer, c: Candidate, groups: Sequence[str], cache: dict):
+    """The cheapest forward + backward hand-off of one micro-batch between stages on two
+    different groups, over every boundary a stage can end at (`tables.plan_tables`' p2p
+    entries: each TP rank sends 1 / (cp tp) of the boundary activation, tp cp dp streams)."""
+    key = ("handoff", c.tp, c.cp, c.dp, c.micro_batch, tuple(groups))
+    got = cache.get(key)
+    if got is None:
+        costs = pricer.costs
+        scale = c.micro_batch / costs.traced_micro_batch
+        sizes = {costs.facts[k].output_bytes for k in costs.unit_keys[:-1]}
+        streams = c.tp * c.cp * c.dp
+        got = cache[key] = min(
+            (
+                pricer.p2p(size * scale / (c.cp * c.tp), a, b, streams)
+                for size in sizes
+                for a in groups
+                for b in groups
+                if a != b
+            ),
+            default=0.0,
+        )
+    return got
 
 
 def _split_free_memory(pricer: Pricer, c: Candidate, n_layers: int, cache: dict) -> int:

@@ -457,6 +457,7 @@ def layout_plan(
         prediction=prediction,
         status="optimal" if optimal else "feasible",
         gap=gap,
+        bound=min(lowest_open, step),
         wall_s=0.0,
         candidates=0,
         explored=found.priced,

@@ -58,8 +58,15 @@ WORK_COSTS: dict[str, float] = {
     "placement": 3.2e-4,  # one placement scored (`evaluate`: warm starts and shares)
     "model": 3.9e-4,  # one replica variable of a placement model, built and solved
     # one layout of step 2b bounded (`solver_layouts`, numpy over each (k_a, k_b) grid):
-    # not in the fit above; 1.84M layouts of llama3-70b on 512 H100 + A100 took 1.1 s
-    "layout": 6.0e-7,
+    # not in the fit above; 2.71M layouts of llama3-70b on 512 H100 + A100 took 0.26 CPU s
+    # (session 19; 6.0e-7 before, measured on the slower code of session 17)
+    "layout": 1.0e-7,
+    # one family bounded again by `solver_bounds._multi_group_bound` (`_ScreenMemo.refined`):
+    # not in the fit above; 24,206 of llama3-70b on 512 H100 + A100 took 1.47 CPU s
+    "refine": 6.0e-5,
+    # one of a cluster's configurations checked against one group (`solver._one_group`):
+    # not in the fit above; 403,590 of llama3-70b on 512 H100 + A100 took 0.2 CPU s
+    "filter": 5.0e-7,
 }
 # CP-SAT deterministic time per work unit. Its unit "is as close as possible to a second"
 # (OR-Tools' SatParameters, `max_deterministic_time`); on the reference machine a
@@ -169,6 +176,9 @@ class SolveResult:
     splits: int = 0  # (configuration, split) pairs bounded
     work: float = 0.0  # deterministic work spent, in work units (`_Work`)
     wall_clock_hit: bool = False  # stopped on the wall-clock safety net: may vary by load
+    # The least objective value any plan of the search space can have, as the search proved
+    # (objective_value (1 - gap); objective_value itself when optimal). 0: nothing proven.
+    bound: float = 0.0
 
 
 @dataclass(slots=True)

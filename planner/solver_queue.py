@@ -27,6 +27,10 @@ class _Family:
     the fill and only ZeRO <= 2 gets the share bound)."""
 
     members: tuple[tuple[int, Candidate], ...]  # (enumeration index, candidate)
+    # Set once the family was bounded again with `_multi_group_bound` (`_ScreenMemo.refined`):
+    # `floor` then bounds every member, its splits and its priced pairs.
+    refined: bool = False
+    floor: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +40,7 @@ class _Unsplit:
 
     cand: Candidate
     factor: float  # score per second of step time at best (`_Scorer.factor`)
+    floor: float = 0.0  # a bound of every split inherited from its family (`_Family.floor`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +51,7 @@ class _Pair:
     cand: Candidate
     split: tuple[int, ...]
     factor: float
+    floor: float = 0.0  # inherited from its candidate (`_Unsplit.floor`)
 
 
 @dataclass(frozen=True, slots=True, order=True)

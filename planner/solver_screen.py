@@ -26,6 +26,7 @@ in-flight activations (m_g stays where the schedule's warm-up depth is already s
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -42,6 +43,7 @@ from meshplan.passes.partition import replica_capacity, stages_of
 from .solver_bounds import (
     _lower_bound,
     _memory_free_bound,
+    _multi_group_bound,
     _pipeline_bound,
     _share_bound,
     _share_cap,
@@ -55,6 +57,10 @@ from .solver_candidates import Candidate, priced
 from .solver_objective import Placement, _Scorer, _Work
 from .solver_queue import _families, _Family, _Pair, _Queued, _Unsplit
 from .solver_splits import _splits
+
+# The least work left (work units) for which the screen, past its share of the budget with no
+# priced pair needing a placement model, goes on with two thirds of it (`_screen`).
+MIN_SCREEN_EXTENSION = 0.05
 
 # Uneven DP shares: every split of dp pipelines over two groups is tried up to this dp, a
 # window of SHARE_WINDOW splits around the fastest-first one beyond it.
@@ -309,6 +315,7 @@ class _ScreenMemo:
         work: _Work,
         scorer: _Scorer,
         limit: float,
+        single_floor: float = 0.0,
     ) -> None:
         self.pricer = pricer
         self.graph = graph
@@ -316,6 +323,7 @@ class _ScreenMemo:
         self.work = work
         self.scorer = scorer
         self.limit = limit
+        self.single_floor = single_floor
         self.order = [g.name for g in pricer.cluster.groups]
         self.n_layers = len(graph.layer_units)
         self.cache: dict = {}
@@ -374,6 +382,55 @@ class _ScreenMemo:
             return None
         factor = self.factor(c)
         return lb * factor, factor
+
+    def refined(self, family: _Family, bound: float, best: float) -> float:
+        """A bound of every member of `family` (queued under `bound`) at least as large:
+        `bound`, or `_multi_group_bound` where every placement that could beat it uses two or
+        more groups: always under per-group TP (its pipelines sit in two groups), else when no
+        placement inside one group goes below `single_floor` (the best plan of each group,
+        `_single_group_seed`) and that is above `bound`."""
+        c = family.members[0][1]
+        single = math.inf if c.group_tp else self.single_floor
+        if single <= bound * (1 + 1e-9):
+            return bound
+        self.work.charge("refine")
+        members = [m for _, m in family.members]
+        factor = self.factor(c)
+        multi = factor * _multi_group_bound(
+            self.pricer,
+            c,
+            self.groups(c),
+            self.microbatches(c),
+            self.cache,
+            fill=min(m.fill for m in members),
+            zeros=sorted({m.zero for m in members}),
+        )
+        if min(single, multi) > best * (1 + 1e-9):
+            return max(bound, min(single, multi))
+        # Short of the best plan: members whose ZeRO stage fits nowhere (`_split_free_memory`,
+        # as `_Unsplit` checks) drop out, which may lift it; with none left, the family is gone.
+        zeros = []
+        for zero in sorted({m.zero for _, m in family.members}):
+            self.work.charge("memory")
+            member = dataclasses.replace(c, zero=zero)
+            if self.too_big(member, lambda x: (self.split_free_memory(x), x.pp - 1)) is None:
+                zeros.append(zero)
+        if not zeros:
+            return math.inf
+        fits = [m for m in members if m.zero in zeros]
+        if len(fits) == len(members):
+            return max(bound, min(single, multi))
+        self.work.charge("refine")
+        multi = factor * _multi_group_bound(
+            self.pricer,
+            c,
+            self.groups(c),
+            self.microbatches(c),
+            self.cache,
+            fill=min(m.fill for m in fits),
+            zeros=zeros,
+        )
+        return max(bound, min(single, multi))
 
     def split_free_memory(self, c: Candidate) -> int:
         """Bytes at least of the stage holding ceil(L / pp) layers of c (`_split_free_memory`)."""
@@ -450,8 +507,8 @@ def _price(memo: _ScreenMemo, pair: _Pair, best: float) -> _Priced | None:
     if any(not a for a in allowed):
         return None
     # per-group TP: group-pure pipelines only (no lock-step placement)
-    lock_lower = math.inf if c.group_tp else _lower_bound(t, allowed) * factor
-    share_lower = _share_bound(t, allowed) * factor
+    lock_lower = math.inf if c.group_tp else max(_lower_bound(t, allowed) * factor, pair.floor)
+    share_lower = max(_share_bound(t, allowed) * factor, pair.floor)
     lower = min(lock_lower, share_lower)
     if lower > best * (1 + 1e-9):
         return None
@@ -478,6 +535,15 @@ def _price(memo: _ScreenMemo, pair: _Pair, best: float) -> _Priced | None:
     return pr
 
 
+def _needs_model(pr: _Priced, incumbent: float) -> bool:
+    """Whether `_search` solves a placement model for `pr` against `incumbent`: its bound is
+    below it, lock-step placements may win, and the warm start does not meet the bound."""
+    if pr.lower >= incumbent * (1 - 1e-9) or pr.lock_lower >= incumbent * (1 - 1e-9):
+        return False
+    greedy = pr.greedy_placement is not None
+    return not (greedy and pr.greedy_score <= pr.lock_lower * (1 + 1e-9))
+
+
 def _screen(
     pricer: Pricer,
     graph: Graph,
@@ -489,6 +555,7 @@ def _screen(
     limit: float,
     say,
     incumbent: float = math.inf,
+    single_floor: float = 0.0,
 ) -> tuple[list[_Priced], int, int, tuple | None, float]:
     """Price (candidate, split) pairs in bound order until the bound passes the best plan.
 
@@ -497,8 +564,9 @@ def _screen(
     pair left unpriced when the budget cut the screen short, else infinity). Every step is
     charged to `work`; the screen stops once `until` work units are spent (or at the safety
     net) and some plan is known. Pairs whose bound exceeds `limit` are dropped (min_gpus: the
-    target step time)."""
-    memo = _ScreenMemo(pricer, graph, global_batch, work, scorer, limit)
+    target step time). `single_floor`: no placement inside one device group scores below it
+    (`_ScreenMemo.refined`)."""
+    memo = _ScreenMemo(pricer, graph, global_batch, work, scorer, limit, single_floor)
     families = _families(cands)
     queue: list[_Queued] = []
     for family in families:
@@ -526,18 +594,30 @@ def _screen(
         if entry.bound > best * (1 + 1e-9):
             break
         # Past the budget, stop once there is a plan to return. Without one, go on: the
-        # memory check below makes pricing a candidate that fits nowhere cheap.
+        # memory check below makes pricing a candidate that fits nowhere cheap. While no
+        # priced pair needs a placement model, the work kept back for the models is the
+        # screen's: it goes on with two thirds of what is left.
         if entry.bound >= 0 and math.isfinite(best) and work.exhausted(until):
-            cut = entry.bound
-            break
+            spare = work.left() > MIN_SCREEN_EXTENSION and not work.past_deadline()
+            if spare and not any(_needs_model(k, best) for k in kept):
+                until = work.spent + work.left() * 2 / 3
+            else:
+                cut = entry.bound
+                break
         match entry.item:
-            case _Family(members=members):  # bound and queue its members
+            case _Family(members=members) as family:  # bound and queue its members
+                if not family.refined:
+                    again = memo.refined(family, entry.bound, best)
+                    if again > entry.bound * (1 + 1e-9):  # queue it again under that bound
+                        family = dataclasses.replace(family, refined=True, floor=again)
+                        heapq.heappush(queue, _Queued(again, entry.index, (), family))
+                        continue
                 for i, member in members:
                     got = memo.free_bound(member)
                     if got is not None:
-                        unsplit = _Unsplit(member, got[1])
-                        heapq.heappush(queue, _Queued(got[0], i, (), unsplit))
-            case _Unsplit(cand=c, factor=factor):  # expand the candidate into its splits
+                        unsplit = _Unsplit(member, got[1], family.floor)
+                        heapq.heappush(queue, _Queued(max(got[0], family.floor), i, (), unsplit))
+            case _Unsplit(cand=c, factor=factor, floor=floor):  # expand into its splits
                 work.charge("memory")
                 need = memo.too_big(c, lambda x: (memo.split_free_memory(x), x.pp - 1))
                 if need is not None:
@@ -548,8 +628,9 @@ def _screen(
                     if _beyond(lb, limit):
                         continue
                     pairs += 1
-                    pair = _Pair(c, split, factor)
-                    heapq.heappush(queue, _Queued(lb * factor, entry.index, split, pair))
+                    pair = _Pair(c, split, factor, floor)
+                    bound = max(lb * factor, floor)
+                    heapq.heappush(queue, _Queued(bound, entry.index, split, pair))
             case _Pair(cand=c, split=split) as pair:  # price it
                 if (c, split) in done:
                     continue  # a warm start priced already
