@@ -255,6 +255,7 @@ def _multi_group_bound(
     *,
     fill: float,
     zeros: Sequence[int],
+    enough: float = math.inf,
 ) -> float:
     """A step-time bound of c over the placements that use two or more device groups, valid
     for every member of c's family (its ZeRO stages `zeros`, a schedule fill of at least
@@ -270,17 +271,22 @@ def _multi_group_bound(
       - pp >= 2: some stage boundary joins replicas of two different groups (a stage that spans
         groups meets a neighbour; group-pure stages of different groups meet somewhere), and
         `evaluate` charges the largest hand-off over the boundaries' group pairs, (m v + pp - 1)
-        times: at least (m + pp - 1) x the cheapest cross-group hand-off of any boundary;
+        times: at least (m + pp - 1) x the cheapest cross-group hand-off of any boundary; and
+        the stage holding ceil(L / pp) layers exposes at least (1 - OE) of its DP traffic
+        (`_window_dp`, rep times);
       - pp = 1: the stage's DP ring crosses (one stage crossing); exposed at least
         rep (C - OVERLAP_EFFICIENCY min(C, W)), W the whole model's compute and recompute of
         one micro-batch on its slowest group (every DP overlap window is at most that).
     Group-pure pipelines with uneven shares (ZeRO <= 2, dp >= 2): the split-free share bound
-    dp m / rate, plus the exposed DP traffic with every stage's ring crossing (pp crossing at
+    dp m / rate with each group's pipeline rate counting its cheapest in-group hand-off per
+    micro-batch, plus (pp - 1) of the cheapest hand-off, plus the exposed DP traffic with every stage's ring crossing (pp crossing at
     once): max_s (c_s - OE min(c_s, w_s)) >= (1 - OE) c_max, c_max >= the crossing time of the
     least traffic of ceil(L / pp) consecutive layers (some stage holds them); and on a shared
     GroupLink with raw traffic, >= the mean over stages, (pp per_whole - OE sum_u w_u) / pp
     (per-stage link times add over stages; the windows add over units).
-    Infinite when no such placement exists (e.g. dp 1 and pp 1 with one replica)."""
+    Infinite when no such placement exists (e.g. dp 1 and pp 1 with one replica). `enough`:
+    the terms that cost most to price (the DP traffic) are left out of a part already above
+    it, so the bound may be smaller than it could be, never above what it states."""
     if c.ep > 1:
         return 0.0
     configs = tuple(priced(c, g) for g in groups)
@@ -288,13 +294,21 @@ def _multi_group_bound(
     pp, dp = c.pp, c.dp
     capacity = {g: replica_capacity(pricer.groups[g], c.tp_of(g), c.cp) for g in groups}
     pairs = list(itertools.combinations(groups, 2))
+    handoffs = _handoffs(pricer, c, groups, cache) if pp >= 2 else {}
     lock = math.inf
     if not c.group_tp and pairs:
         big_u = max(terms.s_min / pp, _capacity_rate_bound(terms, capacity, pp, dp))
         pipe = (m - fill) * big_u + fill * max(terms.s_min, big_u)
         if pp >= 2:
-            cross = _cheapest_cross_handoff(pricer, c, groups, cache)
+            cross = min(v for (a, b), v in handoffs.items() if a != b)
             lock = pipe + (m + pp - 1) * cross
+            if lock <= enough:
+                lock += min(
+                    (m if z == 3 else 1)
+                    * (1 - OVERLAP_EFFICIENCY)
+                    * _window_dp(pricer, c, configs[0], groups, capacity, pairs, z, cache)
+                    for z in zeros
+                )
         else:
             lock = pipe + min(
                 (m if z == 3 else 1) * _cross_exposed(v, terms.window)
@@ -304,9 +318,14 @@ def _multi_group_bound(
     share = math.inf
     low = [z for z in zeros if z <= 2]
     if dp >= 2 and pairs and (low or c.group_tp):
-        per_group = {g: (w / pp, w / pp) for g, w in terms.whole.items()}
+        # a group's pipelines take at least W_g / pp + its hand-off per micro-batch, and
+        # (pp - 1) hand-offs more to fill
+        own = {g: handoffs.get((g, g), 0.0) for g in groups}
+        per_group = {g: (w / pp + own[g], w / pp + own[g]) for g, w in terms.whole.items()}
         rate = _share_rate_bound(per_group, capacity, pp, dp)[0]
         if rate > 0:
+            share = dp * m / rate + (pp - 1) * min(own.values())
+        if rate > 0 and share <= enough:
             exposed = math.inf
             for z in low or [0]:
                 c_max, per_whole = _share_cross(pricer, c, configs[0], pairs, z, cache)
@@ -315,7 +334,7 @@ def _multi_group_bound(
                     mean = (pp * per_whole - OVERLAP_EFFICIENCY * terms.unit_windows) / pp
                     least = max(least, mean)
                 exposed = min(exposed, least)
-            share = dp * m / rate + exposed
+            share += exposed
     return min(lock, share)
 
 
@@ -375,10 +394,41 @@ def _share_cross(
     return got
 
 
-def _cheapest_cross_handoff(pricer: Pricer, c: Candidate, groups: Sequence[str], cache: dict):
-    """The cheapest forward + backward hand-off of one micro-batch between stages on two
-    different groups, over every boundary a stage can end at (`tables.plan_tables`' p2p
-    entries: each TP rank sends 1 / (cp tp) of the boundary activation, tp cp dp streams)."""
+def _window_dp(
+    pricer: Pricer,
+    c: Candidate,
+    cfg,
+    groups: Sequence[str],
+    capacity: Mapping[str, int],
+    pairs: list[tuple[str, str]],
+    zero: int,
+    cache: dict,
+) -> float:
+    """The least DP traffic time, per occurrence, of a stage holding ceil(L / pp) consecutive
+    layers (some stage does) at ZeRO `zero`: its replicas inside one group that holds dp of
+    them, or spanning two (one stage crossing, the least `CrossTraffic.time` takes)."""
+    key = ("window-dp", c.tp, c.cp, c.ep, c.dp, c.pp, zero, tuple(groups))
+    got = cache.get(key)
+    if got is None:
+        costs = pricer.costs
+        least = math.inf
+        for w in _layer_windows(pricer, -(-len(costs.graph.layer_units) // c.pp), cache):
+            first = w[0][0] if zero == 3 else None
+            traffic = pricer.dp_traffic(w, cfg, dp=c.dp, zero=zero, first=first)
+            for g in groups:
+                if capacity[g] >= c.dp:
+                    least = min(least, pricer.dp_single(traffic, g, cfg))
+            for a, b in pairs:
+                least = min(least, pricer.dp_cross(traffic, a, b, cfg).time(1))
+        got = cache[key] = 0.0 if math.isinf(least) else least
+    return got
+
+
+def _handoffs(pricer: Pricer, c: Candidate, groups: Sequence[str], cache: dict) -> dict:
+    """{(a, b): the cheapest forward + backward hand-off of one micro-batch from a stage on
+    group a to the next on group b}, over every boundary a stage can end at
+    (`tables.plan_tables`' p2p entries: each TP rank sends 1 / (cp tp) of the boundary
+    activation, tp cp dp streams)."""
     key = ("handoff", c.tp, c.cp, c.dp, c.micro_batch, tuple(groups))
     got = cache.get(key)
     if got is None:
@@ -386,24 +436,25 @@ def _cheapest_cross_handoff(pricer: Pricer, c: Candidate, groups: Sequence[str],
         scale = c.micro_batch / costs.traced_micro_batch
         sizes = {costs.facts[k].output_bytes for k in costs.unit_keys[:-1]}
         streams = c.tp * c.cp * c.dp
-        got = cache[key] = min(
-            (
-                pricer.p2p(size * scale / (c.cp * c.tp), a, b, streams)
-                for size in sizes
-                for a in groups
-                for b in groups
-                if a != b
-            ),
-            default=0.0,
-        )
+        got = cache[key] = {
+            (a, b): min(
+                (pricer.p2p(size * scale / (c.cp * c.tp), a, b, streams) for size in sizes),
+                default=0.0,
+            )
+            for a in groups
+            for b in groups
+        }
     return got
 
 
-def _split_free_memory(pricer: Pricer, c: Candidate, n_layers: int, cache: dict) -> int:
+def _split_free_memory(
+    pricer: Pricer, c: Candidate, n_layers: int, cache: dict, in_flight: float = 1
+) -> int:
     """A peak-memory bound of c that holds for every split: some stage holds at least
-    ceil(L / pp) consecutive layers and at least one micro-batch in flight, so it needs at least
-    the least memory of such a window (over every window of the layer units)."""
-    key = ("mem", c.stage_of(), c.dp, c.zero, c.pp)
+    ceil(L / pp) consecutive layers and at least `in_flight` micro-batches (every stage holds one;
+    `in_flight`: what every stage of c's schedule holds), so it needs at least the least memory
+    of such a window (over every window of the layer units)."""
+    key = ("mem", c.stage_of(), c.dp, c.zero, c.pp) + ((in_flight,) if in_flight != 1 else ())
     got = cache.get(key)
     if got is None:
         costs = pricer.costs
@@ -415,7 +466,9 @@ def _split_free_memory(pricer: Pricer, c: Candidate, n_layers: int, cache: dict)
             for i in range(len(layer_pos) - width + 1)
             if width
         } or {costs.composition(0, len(costs.unit_keys))}  # no layers: the whole model
-        got = cache[key] = min(_stage_memory(pricer, comp, c).peak(1)[0] for comp in comps)
+        got = cache[key] = min(
+            _stage_memory(pricer, comp, c).peak(in_flight)[0] for comp in comps
+        )
     return got
 
 

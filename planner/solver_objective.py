@@ -62,8 +62,8 @@ WORK_COSTS: dict[str, float] = {
     # (session 19; 6.0e-7 before, measured on the slower code of session 17)
     "layout": 1.0e-7,
     # one family bounded again by `solver_bounds._multi_group_bound` (`_ScreenMemo.refined`):
-    # not in the fit above; 24,206 of llama3-70b on 512 H100 + A100 took 1.47 CPU s
-    "refine": 6.0e-5,
+    # not in the fit above; 24,206 of llama3-70b on 512 H100 + A100 took 1.67 CPU s
+    "refine": 7.0e-5,
     # one of a cluster's configurations checked against one group (`solver._one_group`):
     # not in the fit above; 403,590 of llama3-70b on 512 H100 + A100 took 0.2 CPU s
     "filter": 5.0e-7,

@@ -404,20 +404,35 @@ class _ScreenMemo:
             self.cache,
             fill=min(m.fill for m in members),
             zeros=sorted({m.zero for m in members}),
+            enough=best * (1 + 1e-9) / factor if factor > 0 else math.inf,
         )
         if min(single, multi) > best * (1 + 1e-9):
             return max(bound, min(single, multi))
-        # Short of the best plan: members whose ZeRO stage fits nowhere (`_split_free_memory`,
-        # as `_Unsplit` checks) drop out, which may lift it; with none left, the family is gone.
-        zeros = []
-        for zero in sorted({m.zero for _, m in family.members}):
-            self.work.charge("memory")
-            member = dataclasses.replace(c, zero=zero)
-            if self.too_big(member, lambda x: (self.split_free_memory(x), x.pp - 1)) is None:
-                zeros.append(zero)
-        if not zeros:
+        # Short of the best plan: members that fit nowhere drop out, which may lift it (with
+        # none left, the family is gone): `_split_free_memory` with the micro-batches every
+        # stage of the member's schedule holds (one under 1F1B, all m under GPipe).
+        m = self.microbatches(c)
+        fits = []
+        verdicts: dict[tuple, bool] = {}
+        for member in members:
+            key = (member.zero, member.schedule, member.virtual_stages)
+            if key not in verdicts:
+                self.work.charge("memory")
+                held = min(
+                    in_flight_microbatches(member.schedule.value, s, member.pp, m, member.chunks)
+                    for s in range(member.pp)
+                )
+                verdicts[key] = (
+                    self.too_big(
+                        member, lambda x: (self.split_free_memory(x, held), x.pp - 1)
+                    )
+                    is None
+                )
+            if verdicts[key]:
+                fits.append(member)
+        if not fits:
             return math.inf
-        fits = [m for m in members if m.zero in zeros]
+        zeros = sorted({m.zero for m in fits})
         if len(fits) == len(members):
             return max(bound, min(single, multi))
         self.work.charge("refine")
@@ -429,12 +444,14 @@ class _ScreenMemo:
             self.cache,
             fill=min(m.fill for m in fits),
             zeros=zeros,
+            enough=best * (1 + 1e-9) / factor if factor > 0 else math.inf,
         )
         return max(bound, min(single, multi))
 
-    def split_free_memory(self, c: Candidate) -> int:
-        """Bytes at least of the stage holding ceil(L / pp) layers of c (`_split_free_memory`)."""
-        return _split_free_memory(self.pricer, c, self.n_layers, self.cache)
+    def split_free_memory(self, c: Candidate, in_flight: float = 1) -> int:
+        """Bytes at least of the stage holding ceil(L / pp) layers of c with `in_flight`
+        micro-batches (`_split_free_memory`)."""
+        return _split_free_memory(self.pricer, c, self.n_layers, self.cache, in_flight)
 
     def too_big(self, c: Candidate, need_of: Callable[[Candidate], tuple[int, int]]):
         """(bytes, stage) that c needs where it fits on no GPU it may use, else None;
