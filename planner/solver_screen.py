@@ -388,24 +388,30 @@ class _ScreenMemo:
         `bound`, or `_multi_group_bound` where every placement that could beat it uses two or
         more groups: always under per-group TP (its pipelines sit in two groups), else when no
         placement inside one group goes below `single_floor` (the best plan of each group,
-        `_single_group_seed`) and that is above `bound`."""
+        `_single_group_seed`) and that is above `bound`. Below `best`, the members whose
+        schedule and ZeRO stage fit in no GPU drop out first (infinite when none is left)."""
         c = family.members[0][1]
         single = math.inf if c.group_tp else self.single_floor
         if single <= bound * (1 + 1e-9):
             return bound
-        self.work.charge("refine")
-        members = [m for _, m in family.members]
         factor = self.factor(c)
-        multi = factor * _multi_group_bound(
-            self.pricer,
-            c,
-            self.groups(c),
-            self.microbatches(c),
-            self.cache,
-            fill=min(m.fill for m in members),
-            zeros=sorted({m.zero for m in members}),
-            enough=best * (1 + 1e-9) / factor if factor > 0 else math.inf,
-        )
+        enough = best * (1 + 1e-9) / factor if factor > 0 else math.inf
+
+        def multi_of(members: list[Candidate]) -> float:  # `_multi_group_bound` over these
+            self.work.charge("refine")
+            return factor * _multi_group_bound(
+                self.pricer,
+                c,
+                self.groups(c),
+                self.microbatches(c),
+                self.cache,
+                fill=min(m.fill for m in members),
+                zeros=sorted({m.zero for m in members}),
+                enough=enough,
+            )
+
+        members = [m for _, m in family.members]
+        multi = multi_of(members)
         if min(single, multi) > best * (1 + 1e-9):
             return max(bound, min(single, multi))
         # Short of the best plan: members that fit nowhere drop out, which may lift it (with
@@ -432,20 +438,8 @@ class _ScreenMemo:
                 fits.append(member)
         if not fits:
             return math.inf
-        zeros = sorted({m.zero for m in fits})
-        if len(fits) == len(members):
-            return max(bound, min(single, multi))
-        self.work.charge("refine")
-        multi = factor * _multi_group_bound(
-            self.pricer,
-            c,
-            self.groups(c),
-            self.microbatches(c),
-            self.cache,
-            fill=min(m.fill for m in fits),
-            zeros=zeros,
-            enough=best * (1 + 1e-9) / factor if factor > 0 else math.inf,
-        )
+        if len(fits) < len(members):
+            multi = multi_of(fits)
         return max(bound, min(single, multi))
 
     def split_free_memory(self, c: Candidate, in_flight: float = 1) -> int:
