@@ -29,8 +29,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from meshplan.cost_model.memory import in_flight_microbatches
 from meshplan.cost_model.dp_traffic import CrossTraffic
+from meshplan.cost_model.memory import in_flight_microbatches
 from meshplan.cost_model.pricer import OVERLAP_EFFICIENCY, Pricer
 from meshplan.cost_model.tables import PlanTables
 from meshplan.passes.partition import replica_capacity
@@ -179,7 +179,9 @@ def _config_terms(pricer: Pricer, groups: Sequence[str], configs: tuple, cache: 
     for k in pricer.costs.unit_keys:
         counts[k] = counts.get(k, 0) + 1
     per = {
-        (k, g): pricer.stage_time(((k, 1),), g, cfg) for k in counts for g, cfg in zip(groups, configs)
+        (k, g): pricer.stage_time(((k, 1),), g, cfg)
+        for k in counts
+        for g, cfg in zip(groups, configs)
     }
     lookup = dict(pricer.costs.graph.blocks)
     fastest = {k: min(per[(k, g)].total for g in groups) for k in counts}
@@ -279,11 +281,12 @@ def _multi_group_bound(
         one micro-batch on its slowest group (every DP overlap window is at most that).
     Group-pure pipelines with uneven shares (ZeRO <= 2, dp >= 2): the split-free share bound
     dp m / rate with each group's pipeline rate counting its cheapest in-group hand-off per
-    micro-batch, plus (pp - 1) of the cheapest hand-off, plus the exposed DP traffic with every stage's ring crossing (pp crossing at
-    once): max_s (c_s - OE min(c_s, w_s)) >= (1 - OE) c_max, c_max >= the crossing time of the
-    least traffic of ceil(L / pp) consecutive layers (some stage holds them); and on a shared
-    GroupLink with raw traffic, >= the mean over stages, (pp per_whole - OE sum_u w_u) / pp
-    (per-stage link times add over stages; the windows add over units).
+    micro-batch, plus (pp - 1) of the cheapest hand-off, plus the exposed DP traffic with every
+    stage's ring crossing (pp crossing at once): max_s (c_s - OE min(c_s, w_s)) >= (1 - OE)
+    c_max, c_max >= the crossing time of the least traffic of ceil(L / pp) consecutive layers
+    (some stage holds them); and on a shared GroupLink with raw traffic, >= the mean over
+    stages, (pp per_whole - OE sum_u w_u) / pp (per-stage link times add over stages; the
+    windows add over units).
     Infinite when no such placement exists (e.g. dp 1 and pp 1 with one replica). `enough`:
     the terms that cost most to price (the DP traffic) are left out of a part already above
     it, so the bound may be smaller than it could be, never above what it states."""
@@ -458,17 +461,10 @@ def _split_free_memory(
     got = cache.get(key)
     if got is None:
         costs = pricer.costs
-        lookup = dict(costs.graph.blocks)
-        layer_pos = [i for i, k in enumerate(costs.unit_keys) if lookup[k].kind == "layer"]
-        width = -(-n_layers // c.pp)
-        comps = {
-            costs.composition(layer_pos[i], layer_pos[i + width - 1] + 1)
-            for i in range(len(layer_pos) - width + 1)
-            if width
-        } or {costs.composition(0, len(costs.unit_keys))}  # no layers: the whole model
-        got = cache[key] = min(
-            _stage_memory(pricer, comp, c).peak(in_flight)[0] for comp in comps
-        )
+        comps = _layer_windows(pricer, -(-n_layers // c.pp), cache) or {
+            costs.composition(0, len(costs.unit_keys))  # no layers: the whole model
+        }
+        got = cache[key] = min(_stage_memory(pricer, comp, c).peak(in_flight)[0] for comp in comps)
     return got
 
 

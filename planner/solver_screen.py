@@ -429,9 +429,7 @@ class _ScreenMemo:
                     for s in range(member.pp)
                 )
                 verdicts[key] = (
-                    self.too_big(
-                        member, lambda x: (self.split_free_memory(x, held), x.pp - 1)
-                    )
+                    self.too_big(member, lambda x: (self.split_free_memory(x, held), x.pp - 1))
                     is None
                 )
             if verdicts[key]:

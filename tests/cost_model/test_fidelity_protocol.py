@@ -8,26 +8,17 @@ how an llm-foundry row is read.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmark_module import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def fid():
     """benchmarks/fidelity.py as a module (benchmarks/ is not a package)."""
-    name = "meshplan_benchmarks_fidelity"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "fidelity.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up while the file runs
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return benchmark_module("fidelity")
 
 
 SOURCES = {

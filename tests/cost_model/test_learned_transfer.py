@@ -11,10 +11,7 @@ handled as an offset.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -24,7 +21,8 @@ from meshplan.cost_model.features import DeviceFeatures, physics_time
 from meshplan.cost_model.kernel_data import KernelRow, as_sample, linear_op
 from meshplan.ir import GpuSpec
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmark_module import benchmark_module
+
 TERA = 1e12
 OVERHEAD_S = 20e-6  # what the fake source's timing adds to every kernel (events, launch)
 
@@ -151,14 +149,7 @@ def test_offsets_must_match_the_samples():
 @pytest.fixture(scope="module")
 def bench():
     """benchmarks/gpu_op_latency.py as a module (benchmarks/ is not a package)."""
-    name = "meshplan_benchmarks_gpu_op_latency"
-    if name not in sys.modules:
-        path = ROOT / "benchmarks" / "gpu_op_latency.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up while the file runs
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return benchmark_module("gpu_op_latency")
 
 
 def _priced(bench, gpus: list[str], measured: float = 1.0):

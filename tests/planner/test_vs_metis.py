@@ -8,25 +8,15 @@ so the solver's plan can be no slower.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmark_module import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def vs():
     """benchmarks/vs_metis.py as a module (benchmarks/ is not a package)."""
-    name = "meshplan_benchmarks_vs_metis"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "vs_metis.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return benchmark_module("vs_metis")
 
 
 def test_metis_plan_is_priced_and_meshplan_is_never_slower_under_its_assumptions(vs):
