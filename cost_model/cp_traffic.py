@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 from meshplan.ir import DeviceGroup, StageConfig
+from meshplan.ir.rules import kv_expansion
 
 from .collectives import Collective, group_path
 from .graph_costs import BlockFacts
@@ -33,17 +34,57 @@ class ContextParallelTraffic:
           share, / cp). K/V heads are repeated f = cp / gcd(kv heads per tp rank, cp) times
           when cp does not divide them (the runtime's fewest copies). So head-parallel moves
           (h/kv + f) / cp times what the all-gather does: less for full multi-head attention
-          and large cp, more for a few K/V heads at small cp."""
+          and large cp, more for a few K/V heads at small cp.
+
+        Asymmetric shares (`cfg.cp_shares`, `cp_head_shares`; HexiSeq): the all-gather is
+        padded to the largest token share, as the runtime runs it (cp x the largest share
+        over the sequence times the K/V bytes). Under "heads" the all-to-alls have uneven
+        splits (`_uneven_a2a`)."""
         cp, tp = cfg.cp, cfg.tp
         if cp <= 1 or not facts.kv_bytes:
             return ()
         if cfg.cp_mode != "heads":
             size = facts.kv_bytes * scale / tp
+            if cfg.cp_shares:
+                size *= cp * max(cfg.cp_shares) / sum(cfg.cp_shares)
             return (("fwd", Collective.ALL_GATHER, size), ("bwd", Collective.REDUCE_SCATTER, size))
+        if cfg.cp_shares or cfg.cp_head_shares:
+            return self._uneven_a2a(facts, cfg, scale)
         kv_heads = self.costs.graph.info.kv_heads // tp  # per tp rank; 0: not known
         repeat = cp // math.gcd(kv_heads, cp) if kv_heads else 1
         q = facts.q_bytes * scale / (tp * cp)
         kv = facts.kv_bytes * scale / (tp * cp) * repeat / 2  # K, and V alike
+        sizes = (q, kv, kv, q)  # q, k, v in; the output (q's size) back
+        a2a = Collective.ALL_TO_ALL
+        return tuple((phase, a2a, s) for phase in ("fwd", "bwd") for s in sizes)
+
+    def _uneven_a2a(
+        self, facts: BlockFacts, cfg: StageConfig, scale: float
+    ) -> tuple[tuple[str, Collective, float], ...]:
+        """Head-parallel all-to-alls of uneven splits: rank r holds s_r of S tokens and
+        attends h_r of H heads; of a tensor of T bytes over the whole sequence and every
+        head it sends s_r (H - h_r) / (S H) T (its tokens of the others' heads) and receives
+        h_r (S - s_r) / (S H) T. Priced as the equal all-to-all whose rank moves as much as
+        the busiest rank sends or receives: a buffer of that x cp / (cp - 1) (what
+        `collectives.bus_factor` takes back off). Equal shares give the equal sizes. K/V at
+        the runtime's copies of each head (`ir.rules.kv_expansion`, shares in proportion)."""
+        cp, tp = cfg.cp, cfg.tp
+        info = self.costs.graph.info
+        heads = info.heads // tp if info.heads else 0
+        tokens = cfg.cp_shares or (1,) * cp
+        split = cfg.cp_head_shares or ((heads // cp,) * cp if heads else (1,) * cp)
+        s_all, h_all = sum(tokens), sum(split)
+
+        def buffer(total: float) -> float:
+            busiest = max(max(s * (h_all - h), h * (s_all - s)) for s, h in zip(tokens, split)) / (
+                s_all * h_all
+            )
+            return total * busiest * cp / (cp - 1)
+
+        kv_heads = info.kv_heads // tp if info.kv_heads else 0
+        copies = kv_expansion(heads, kv_heads, split) if heads and kv_heads else 1
+        q = buffer(facts.q_bytes * scale / tp)
+        kv = buffer(facts.kv_bytes * scale / tp * copies / 2)  # K, and V alike
         sizes = (q, kv, kv, q)  # q, k, v in; the output (q's size) back
         a2a = Collective.ALL_TO_ALL
         return tuple((phase, a2a, s) for phase in ("fwd", "bwd") for s in sizes)

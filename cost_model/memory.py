@@ -356,11 +356,14 @@ def stage_memory(
     policy: str = "keep_linear",
     precision: Precision = MIXED,
     fused_loss: bool = False,
+    seq_div: float | None = None,
 ) -> StageMemory:
     """Memory of one rank of a stage made of `blocks` ((block, instance count) pairs);
     `policy` is the selective-recomputation policy (`meshplan.cost_model.recompute`),
     `precision` the bytes per parameter of the model states (`precision_for`), `fused_loss`
-    a fused cross-entropy kernel in place of the eager loss chain (`Engine.fused_loss`)."""
+    a fused cross-entropy kernel in place of the eager loss chain (`Engine.fused_loss`).
+    `seq_div`: what the rank's share of a sequence divides its activations by (None: cp;
+    under asymmetric CP, `StageConfig.seq_div`); `cp` counts the ranks ZeRO shards over."""
     dense = sum(n * (b.params_tp / tp + b.params_rep) for b, n in blocks)
     experts = sum(n * b.params_expert / (tp * ep) for b, n in blocks)
     # ZeRO shards over the dp * cp ranks that hold the same weights (Megatron-LM's distributed
@@ -368,7 +371,8 @@ def stage_memory(
     dcp = dp * cp
     w_d, g_d, o_d = state_bytes_per_param(zero, dcp, precision)
     w_e, g_e, o_e = state_bytes_per_param(zero, dcp // ep if dcp >= ep else 1, precision)
-    act_kw = {"tp": tp, "cp": cp, "sequence_parallel": sequence_parallel, "scale": scale}
+    share = cp if seq_div is None else seq_div
+    act_kw = {"tp": tp, "cp": share, "sequence_parallel": sequence_parallel, "scale": scale}
     per_mb = sum(
         n * b.activations(**act_kw, recompute=recompute, policy=policy, fused_loss=fused_loss)
         for b, n in blocks
@@ -392,7 +396,7 @@ def stage_memory(
         (b.largest_output(**act_kw, fused_loss=fused_loss) for b, _ in blocks), default=0.0
     )
     if fused_loss:  # the logits are kept (activations); their gradient is the temporary
-        grads = (b.fused_loss_gradient(tp=tp, cp=cp, scale=scale) for b, _ in blocks)
+        grads = (b.fused_loss_gradient(tp=tp, cp=share, scale=scale) for b, _ in blocks)
         temporary = max(temporary, max(grads, default=0.0))
     layer_temp = TEMP_OUTPUTS * max((b.largest_output(**act_kw) for b in layers), default=0.0)
     freed = sum(

@@ -219,7 +219,9 @@ class Pricer(
         got = self._block_time.get(key)
         if got is not None:
             return got
-        tp, cp, ep, sp = cfg.tp, cfg.cp, cfg.ep, cfg.sequence_parallel
+        # cp as the divisor of a rank's share of each sequence (`StageConfig.seq_div`: cp
+        # under equal shares; the collectives' rank counts use cfg.cp)
+        tp, cp, ep, sp = cfg.tp, cfg.seq_div, cfg.ep, cfg.sequence_parallel
         micro_batch, recompute, quantize = cfg.micro_batch, cfg.recompute, cfg.quantize_activations
         g = self.groups[group]
         scale = micro_batch / self.costs.traced_micro_batch
@@ -334,6 +336,7 @@ class Pricer(
                 policy=self.selective_policy,
                 precision=self.precision,
                 fused_loss=self.engine.fused_loss,
+                seq_div=cfg.seq_div,  # activations: the largest share's
             )
         return got
 

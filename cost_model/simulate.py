@@ -133,6 +133,7 @@ from meshplan.ir import (
 from meshplan.ir.parallel import stage_tp_problem
 from meshplan.ir.rules import (
     batch_split_problem,
+    cp_split_problem,
     ep_dp_problem,
     ep_tp_problem,
     zero_bubble_problem,
@@ -343,6 +344,7 @@ def check_parallel(
         lambda: ep_dp_problem(p.ep, p.dp),
         lambda: ep_tp_problem(p.ep, p.tp, p.sequence_parallel),
         lambda: zero_bubble_problem(p.schedule, p.pp, p.num_microbatches),
+        lambda: cp_split_problem(p, graph.info.seq_len, graph.info.heads),
     )
     for rule in rules:
         if why := rule():

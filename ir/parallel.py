@@ -47,7 +47,9 @@ class Schedule(enum.StrEnum):
 CP_MODES = ("allgather", "ring", "heads")
 
 # Fields `Parallel.is_complete` does not require.
-_OPTIONAL_FIELDS = frozenset({"virtual_stages", "quantize_activations", "cp_mode"})
+_OPTIONAL_FIELDS = frozenset(
+    {"virtual_stages", "quantize_activations", "cp_mode", "cp_shares", "cp_head_shares"}
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +71,10 @@ class Parallel:
     not needed for `is_complete`.
     `cp_mode`: how context-parallel attention exchanges the sequence (`CP_MODES`); None reads
     as "allgather"; not needed for `is_complete`.
+    `cp_shares`: asymmetric context parallelism (HexiSeq): the tokens of every sequence each cp
+    rank holds, in cp-rank order (even, summing to the sequence length; `ir.rules.
+    cp_shares_problem`); None: equal shares. `cp_head_shares`: under "heads", the query heads
+    (of a tp rank's) each cp rank attends; None: equal. Neither is needed for `is_complete`.
     """
 
     dp: int | None = None
@@ -85,6 +91,8 @@ class Parallel:
     virtual_stages: int | None = None
     quantize_activations: bool | None = None
     cp_mode: str | None = None
+    cp_shares: tuple[int, ...] | None = None
+    cp_head_shares: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for f in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "global_batch", "virtual_stages"):
@@ -113,6 +121,15 @@ class Parallel:
             raise ValueError(
                 f"Parallel.cp_mode must be one of {', '.join(CP_MODES)}, got {self.cp_mode!r}"
             )
+        for f in ("cp_shares", "cp_head_shares"):
+            v = getattr(self, f)
+            if v is None:
+                continue
+            if not isinstance(v, (tuple, list)) or not all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v
+            ):
+                raise ValueError(f"Parallel.{f} must be a list of positive integers, got {v!r}")
+            object.__setattr__(self, f, tuple(v))
         if self.schedule == Schedule.ZERO_BUBBLE and self.virtual_stages not in (None, 2):
             raise ValueError(
                 "Parallel.virtual_stages must be 2 (or unset) with schedule 'zero_bubble' "
@@ -163,6 +180,8 @@ class Parallel:
             recompute=Recompute(self.recompute),
             quantize_activations=bool(self.quantize_activations),
             cp_mode=(self.cp_mode or "allgather") if (self.cp or 1) > 1 else "allgather",
+            cp_shares=self.cp_shares if (self.cp or 1) > 1 else None,
+            cp_head_shares=self.cp_head_shares if (self.cp or 1) > 1 else None,
         )
 
     def pinned(self) -> dict[str, object]:
@@ -194,6 +213,33 @@ class StageConfig:
     recompute: Recompute
     quantize_activations: bool = False
     cp_mode: str = "allgather"  # `CP_MODES`; "allgather" whenever cp == 1
+    # Asymmetric CP (`Parallel.cp_shares` / `cp_head_shares`; None: equal) and the cp ranks
+    # this configuration prices (None: all of them; a device group's under a cp group that
+    # spans groups).
+    cp_shares: tuple[int, ...] | None = None
+    cp_head_shares: tuple[int, ...] | None = None
+    cp_ranks: tuple[int, ...] | None = None
+
+    @property
+    def seq_div(self) -> float:
+        """What a rank's share of a sequence's work divides the whole by: cp under equal
+        shares; under asymmetric shares 1 / the largest fraction any priced rank holds
+        (`cp_ranks`; the slowest rank sets the pace, the cp collectives keep them in
+        lock-step). Token shares scale every op, attention included (the uneven zig-zag keeps
+        a rank's causal work in proportion to its tokens, `runtime.context_parallel.
+        sequence_positions`). Under "heads" the attention core scales with the head share
+        instead: a rank is priced at the larger of its token and head fractions, exact when
+        they are equal (the planner's splits) and an upper bound otherwise."""
+        if self.cp_shares is None and self.cp_head_shares is None:
+            return self.cp
+        ranks = self.cp_ranks if self.cp_ranks is not None else range(self.cp)
+        parts = []
+        for r in ranks:
+            part = self.cp_shares[r] / sum(self.cp_shares) if self.cp_shares else 1 / self.cp
+            if self.cp_head_shares:
+                part = max(part, self.cp_head_shares[r] / sum(self.cp_head_shares))
+            parts.append(part)
+        return 1.0 / max(parts)
 
 
 @dataclass(frozen=True, slots=True)

@@ -70,7 +70,13 @@ from .parallel import (
     StagePlacement,
     group_tp_problem,
 )
-from .rules import batch_split_problem, ep_dp_problem, microbatch_problem, schedule_problem
+from .rules import (
+    batch_split_problem,
+    cp_split_problem,
+    ep_dp_problem,
+    microbatch_problem,
+    schedule_problem,
+)
 
 PLAN_VERSION = "meshplan.plan/v1"
 MESH_AXES = ("pp", "dp", "cp", "tp")
@@ -281,6 +287,9 @@ class Plan:
             "virtual_stages": p.virtual_stages,
             # how CP attention exchanges the sequence; only with cp > 1 (absent: allgather)
             **({"cp_mode": p.cp_mode} if (p.cp or 1) > 1 and p.cp_mode else {}),
+            # asymmetric CP (HexiSeq): tokens / query heads per cp rank; only when set
+            **({"cp_shares": list(p.cp_shares)} if p.cp_shares else {}),
+            **({"cp_head_shares": list(p.cp_head_shares)} if p.cp_head_shares else {}),
             "placements": {k: v for k, v in self.placements},
             # v1 records the decisions explicitly even while they are always off.
             # "none" when off: the v1 form, so plans without these decisions read as before.
@@ -356,6 +365,10 @@ class Plan:
         p, pr = self.parallel, self.predicted
         gib = 1024**3
         cp_mode = f" ({p.cp_mode or 'allgather'} attention)" if (p.cp or 1) > 1 else ""
+        if p.cp_shares:
+            cp_mode += f" tokens per cp rank {list(p.cp_shares)}"
+        if p.cp_head_shares:
+            cp_mode += f" heads per cp rank {list(p.cp_head_shares)}"
         lines = [
             f"Plan for {self.model.name} ({self.model.num_params / 1e9:.2f}B params) on "
             f"{self.cluster.name} ({self.world_size} of {self.cluster.world_size} GPUs)",
@@ -630,6 +643,8 @@ PLAN_SCHEMA: dict = {
         "sequence_parallel": {"type": "boolean"},
         "virtual_stages": {"type": ["integer", "null"], "minimum": 1},
         "cp_mode": {"enum": list(CP_MODES)},
+        "cp_shares": {"type": "array", "items": _POS_INT, "minItems": 2},
+        "cp_head_shares": {"type": "array", "items": _POS_INT, "minItems": 2},
         "predicted": {
             "type": "object",
             "required": [
@@ -1036,6 +1051,7 @@ def plan_problem(plan: Plan) -> str | None:
         lambda: stages_problem(p, plan.stages, len(plan.model.units)),
         lambda: batch_problem(p, plan.stages),
         lambda: schedule_problem(p),
+        lambda: cp_split_problem(p, plan.model.seq_len, 0),
         lambda: group_tp_problem(p, plan.stages) if tps else None,
         lambda: blocked_dimension(plan.model, widest),
         lambda: ranks_problem(plan),
@@ -1210,6 +1226,8 @@ def _plan_of(data: dict, plan_cluster: Cluster) -> Plan:
             sequence_parallel=data["sequence_parallel"],
             virtual_stages=data.get("virtual_stages"),
             cp_mode=data.get("cp_mode"),
+            cp_shares=tuple(data["cp_shares"]) if "cp_shares" in data else None,
+            cp_head_shares=tuple(data["cp_head_shares"]) if "cp_head_shares" in data else None,
             quantize_activations=(
                 True
                 if isinstance((data.get("quantization") or {}).get("activations"), dict)

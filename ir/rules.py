@@ -20,6 +20,7 @@ and checks each layer named here against the rule's words):
     zero_bubble_zero3_problem      x                          x  (a runtime rule)
     schedule_problem               x        x                 x
     cp_heads_problem               x        x                 (at apply: the first forward)
+    cp_split_problem                        x         x       x
 
 Rules that need more than degrees live beside what they read, one function each as well:
 `ir.facts.blocked_dimension` (what the runtime cannot run on a model), `ir.parallel`'s
@@ -121,6 +122,77 @@ def cp_sequence_problem(cp: int, seq_len: int) -> str | None:
     if seq_len and seq_len % cp:
         return f"cp={cp} does not divide the sequence length ({seq_len})"
     return None
+
+
+def cp_shares_problem(shares: tuple[int, ...], cp: int, seq_len: int) -> str | None:
+    """Asymmetric context parallelism (HexiSeq; `Parallel.cp_shares`) gives cp rank r
+    shares[r] tokens of every sequence, half from the front and half mirrored from the back
+    (the zig-zag with uneven chunks, which keeps each rank's causal attention work in
+    proportion to its tokens; `runtime.context_parallel.sequence_positions`): one share per
+    cp rank, each even and at least 2, summing to the sequence length (0 = not known)."""
+    if len(shares) != cp:
+        return f"cp_shares has {len(shares)} entries but cp={cp} (one per cp rank)"
+    if any(not isinstance(s, int) or s < 2 or s % 2 for s in shares):
+        return f"cp_shares {list(shares)}: each share must be an even number of tokens >= 2"
+    if seq_len and sum(shares) != seq_len:
+        return (
+            f"cp_shares {list(shares)} sum to {sum(shares)} tokens, not the sequence length "
+            f"({seq_len})"
+        )
+    return None
+
+
+def cp_head_shares_problem(shares: tuple[int, ...], cp: int, heads: int) -> str | None:
+    """Head-parallel attention with asymmetric head shares (`Parallel.cp_head_shares`) gives
+    cp rank r shares[r] of the query heads a tp rank holds (`heads`; 0 = not known): one
+    share per cp rank, each at least 1, summing to those heads. K/V heads need not divide:
+    each is repeated until every share reads whole copies (`kv_expansion`)."""
+    if len(shares) != cp:
+        return f"cp_head_shares has {len(shares)} entries but cp={cp} (one per cp rank)"
+    if any(not isinstance(s, int) or s < 1 for s in shares):
+        return f"cp_head_shares {list(shares)}: each share must be at least one head"
+    if heads and sum(shares) != heads:
+        return f"cp_head_shares {list(shares)} sum to {sum(shares)}, not the {heads} query heads"
+    return None
+
+
+def cp_split_problem(p: Parallel, seq_len: int, heads: int) -> str | None:
+    """The asymmetric split of a configuration (HexiSeq; `Parallel.cp_shares` and
+    `cp_head_shares`) is one the runtime runs: shares only with cp > 1, token shares as
+    `cp_shares_problem` (not under "ring": its chunks travel in equal buffers), head shares
+    only under "heads" and as `cp_head_shares_problem` (`heads`: the model's query heads,
+    divided here by tp; 0 = not known)."""
+    cp = p.cp or 1
+    if cp == 1 and (p.cp_shares or p.cp_head_shares):
+        return "cp_shares / cp_head_shares need cp > 1"
+    if (p.cp_shares or p.cp_head_shares) and (p.ep or 1) > 1:
+        return "cp_shares / cp_head_shares with ep > 1 are not priced yet; use equal shares"
+    if p.cp_shares is not None:
+        if (p.cp_mode or "allgather") == "ring":
+            return (
+                "cp_shares with cp attention 'ring' is not run (ring chunks travel in equal "
+                "buffers); use cp attention 'allgather' or 'heads'"
+            )
+        if why := cp_shares_problem(p.cp_shares, cp, seq_len):
+            return why
+    if p.cp_head_shares is not None:
+        if p.cp_mode != "heads":
+            return "cp_head_shares need cp attention 'heads' (head-parallel)"
+        if why := cp_head_shares_problem(p.cp_head_shares, cp, heads // (p.tp or 1)):
+            return why
+    return None
+
+
+def kv_expansion(heads: int, kv_heads: int, shares: tuple[int, ...]) -> int:
+    """Copies f of each K/V head so that every rank's query-head share reads whole expanded
+    K/V heads: the fewest f dividing heads/kv_heads with each share a multiple of
+    heads/(kv_heads f) (f = heads/kv_heads, every query head its own K/V copy, always
+    works)."""
+    group = heads // kv_heads
+    for f in range(1, group + 1):
+        if group % f == 0 and all(s % (group // f) == 0 for s in shares):
+            return f
+    return group
 
 
 def pp_layers_problem(pp: int, layers: int) -> str | None:

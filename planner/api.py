@@ -66,6 +66,7 @@ from meshplan.ir.rules import (
     batch_split_problem,
     cp_heads_problem,
     cp_sequence_problem,
+    cp_split_problem,
     ep_dp_problem,
     ep_experts_problem,
     ep_tp_problem,
@@ -242,6 +243,8 @@ def complete_parallel(graph: Graph, cluster: Cluster, parallel: Parallel) -> Par
         virtual_stages=p.virtual_stages,
         quantize_activations=p.quantize_activations,
         cp_mode=p.cp_mode or ("allgather" if cp > 1 else None),  # complete: the mode stated
+        cp_shares=p.cp_shares,
+        cp_head_shares=p.cp_head_shares,
     )
 
 
@@ -274,6 +277,7 @@ def check_config(
         lambda: ep_experts_problem(p.ep, info.experts),
         lambda: cp_sequence_problem(p.cp, info.seq_len),
         lambda: _cp_mode_problem(p, info.heads),
+        lambda: cp_split_problem(p, info.seq_len, info.heads),
         lambda: ep_dp_problem(p.ep, p.dp),
         lambda: ep_tp_problem(p.ep, p.tp, p.sequence_parallel),
         lambda: blocked_dimension(info, p),  # the runtime cannot run it (`ir.facts`)

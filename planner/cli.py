@@ -359,11 +359,26 @@ def _pins(
     schedule=None,
     virtual=None,
     cp_mode=None,
+    cp_shares=None,
+    cp_head_shares=None,
 ):
     """The pinned choices as a `Parallel`, which checks them (call it before tracing); its
     one-line error names the flag (`--micro-batch`, not `Parallel.micro_batch`)."""
     from meshplan.ir import Parallel
 
+    shares = {}
+    for flag, text, field in (
+        ("--cp-shares", cp_shares, "cp_shares"),
+        ("--cp-head-shares", cp_head_shares, "cp_head_shares"),
+    ):
+        if text is None:
+            continue
+        try:
+            shares[field] = tuple(int(x) for x in text.split(","))
+        except ValueError:
+            raise ValueError(
+                f"{flag} {text!r}: give one integer per cp rank, comma-separated (6144,2048)"
+            ) from None
     try:
         return Parallel(
             dp=dp,
@@ -378,6 +393,7 @@ def _pins(
             schedule=schedule,
             virtual_stages=virtual,
             cp_mode=cp_mode,
+            **shares,
         )
     except ValueError as e:
         flag = re.sub(r"Parallel\.(\w+)", lambda m: "--" + m[1].replace("_", "-"), str(e))
@@ -387,6 +403,22 @@ def _pins(
 ScheduleOpt = Annotated[
     str | None,
     typer.Option(help=f"Pipeline schedule: {', '.join(s.value for s in Schedule)}."),
+]
+CpSharesOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--cp-shares",
+        help="Asymmetric context parallelism (HexiSeq): tokens of each sequence per cp rank, "
+        "comma-separated (even, summing to the sequence length); default equal shares.",
+    ),
+]
+CpHeadSharesOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--cp-head-shares",
+        help="With --cp-mode heads: query heads (of a tp rank's) per cp rank, comma-separated; "
+        "default equal.",
+    ),
 ]
 CpModeOpt = Annotated[
     str | None,
@@ -492,6 +524,10 @@ def _print_plan(plan, as_json: bool) -> None:
         how = {"allgather": "K/V all-gathered", "ring": "ring", "heads": "head-parallel, Ulysses"}
         mode = p.cp_mode or "allgather"
         out.print(f"context-parallel attention: {mode} ({how[mode]})")
+        if p.cp_shares:
+            out.print(f"  tokens per cp rank (asymmetric, HexiSeq): {list(p.cp_shares)}")
+        if p.cp_head_shares:
+            out.print(f"  query heads per cp rank: {list(p.cp_head_shares)}")
     if plan.hybrid_precision:
         what = {"int8": "int8 forward GEMMs", "fp8": "fp8 forward GEMMs"}
         out.print(
@@ -805,6 +841,8 @@ def estimate(
     schedule: ScheduleOpt = None,
     virtual_stages: VirtualOpt = None,
     cp_mode: CpModeOpt = None,
+    cp_shares: CpSharesOpt = None,
+    cp_head_shares: CpHeadSharesOpt = None,
     output: Annotated[
         Path | None, typer.Option("--output", "-o", help="Write plan JSON here.")
     ] = None,
@@ -882,7 +920,7 @@ def estimate(
     _check_precision(precision)
     pins = _pins(
         dp, tp, pp, cp, ep, micro_batch, global_batch, recompute, zero, schedule, virtual_stages,
-        cp_mode,
+        cp_mode, cp_shares, cp_head_shares,
     )  # fmt: skip
     if from_config is not None and layout is not None:
         raise ValueError("--from and --layout both set the configuration; give one of them")

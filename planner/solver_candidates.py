@@ -246,6 +246,8 @@ def candidate(
         virtual_stages if chunked else None,
         quantize_activations or None,
         cp_mode,
+        None,  # cp_shares: the search gives equal shares
+        None,  # cp_head_shares
         group_tp,
     )
 
@@ -420,6 +422,12 @@ def enumerate_candidates(
         )
     if p.schedule is not None and (why := schedule_problem(p)):
         raise InfeasibleError(f"no plan: {why}")
+    if p.cp_shares is not None or p.cp_head_shares is not None:
+        # Priced by `estimate` and run by the runtime; the search gives equal shares.
+        raise InfeasibleError(
+            "no plan: cp_shares / cp_head_shares are not searched by the planner yet; price "
+            "them with `meshplan estimate --cp-shares` or leave them out"
+        )
     domain_sizes = sorted({g.domain_gpus for g in cluster.groups})
     n_layers = len(graph.layer_units)
 

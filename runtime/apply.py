@@ -275,8 +275,9 @@ class Runner:
         self.n_microbatches = counts[self.dp_rank]
         self.row_offset = sum(counts[: self.dp_rank]) * p.micro_batch
         self.global_batch = p.global_batch
-        # Weight of this replica's mean loss: its share of the samples x dp (1 when even).
-        self.weight = self.dp * self.n_microbatches / sum(counts)
+        # Weight of this replica's mean loss: its share of the samples x dp (1 when even),
+        # times this cp rank's share of the tokens x cp (`cp_token_weight`).
+        self.weight = self.dp * self.n_microbatches / sum(counts) * cp_token_weight(ctx)
         pipelined = ctx.num_stages > 1
         num_chunks = ctx.num_stages * chunks_per_rank(ctx.plan) if pipelined else 1
         indices = [chunk.index for chunk in dp.chunks]
@@ -387,6 +388,17 @@ class Runner:
         return dict(sorted(named.items()))
 
 
+def cp_token_weight(ctx: RankContext) -> float:
+    """cp x this cp rank's share of a sequence's tokens (`Parallel.cp_shares`; 1 when the
+    shares are equal): each cp rank's loss is the mean over its own tokens, and gradients
+    and the reported loss average over the cp ranks, so a rank holding more tokens weighs
+    more. The weighted mean over cp ranks is then the mean over every token."""
+    shares = ctx.plan.parallel.cp_shares
+    if not shares:
+        return 1.0
+    return len(shares) * shares[ctx.coord("cp")] / sum(shares)
+
+
 def _local_value(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor().detach() if isinstance(t, DTensor) else t.detach()
 
@@ -495,7 +507,7 @@ def _schedule(chunks: Chunks, ctx: RankContext, loss_fn: LossFn, as_output):
         return None
     whole = ctx.whole_plan
     counts = replica_microbatches(whole)
-    loss = _weighted(loss_fn, whole.parallel.dp / sum(counts), as_output)
+    loss = _weighted(loss_fn, whole.parallel.dp / sum(counts) * cp_token_weight(ctx), as_output)
     modules = [chunk.module for chunk in chunks]
     if ctx.whole is not None and not group_pure(whole.stages):  # stages at different tp degrees
         return HandoffSchedule(modules[0], ctx, loss, counts[ctx.replica])

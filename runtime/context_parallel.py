@@ -91,7 +91,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from meshplan.ir.plan import Plan
-from meshplan.ir.rules import cp_heads_problem, cp_sequence_problem
+from meshplan.ir.rules import (
+    cp_head_shares_problem,
+    cp_heads_problem,
+    cp_sequence_problem,
+    cp_shares_problem,
+    kv_expansion,
+)
 from meshplan.ir.trace import hf_models, sequence_sharding_blocker, sliding_window
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -115,8 +121,30 @@ def sequence_layout(seq_len: int, cp: int) -> str:
     return "contiguous"
 
 
-def sequence_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
-    """Absolute positions (int64, ascending) of the tokens cp rank `rank` holds."""
+def sequence_positions(
+    seq_len: int, cp: int, rank: int, shares: tuple[int, ...] | None = None
+) -> torch.Tensor:
+    """Absolute positions (int64, ascending) of the tokens cp rank `rank` holds.
+
+    `shares` (tokens per cp rank, each even, summing to `seq_len`; `Parallel.cp_shares`):
+    the asymmetric zig-zag. Rank r holds x_r = shares[r] / 2 tokens from the front,
+    [F_r, F_r + x_r) with F_r = x_0 + ... + x_{r-1}, and the mirrored x_r from the back,
+    [S - F_r - x_r, S - F_r). Its causal attention work (the keys its queries see) is
+    (F_r + 1) + ... + (F_r + x_r) + (S - F_r - x_r + 1) + ... + (S - F_r) = x_r (S + 1):
+    proportional to its share whatever the others' are, so the load balance of the equal
+    zig-zag is kept. Equal shares give the equal zig-zag exactly."""
+    if shares is not None:
+        if why := cp_shares_problem(shares, cp, seq_len):
+            raise RuntimePlanError(f"runtime: {why}")
+        half = [s // 2 for s in shares]
+        first = sum(half[:rank])
+        x = half[rank]
+        return torch.cat(
+            [
+                torch.arange(first, first + x),
+                torch.arange(seq_len - first - x, seq_len - first),
+            ]
+        )
     if sequence_layout(seq_len, cp) == "zigzag":
         c = seq_len // (2 * cp)
         first, second = rank, 2 * cp - 1 - rank
@@ -147,6 +175,37 @@ class _GatherSeq(torch.autograd.Function):
         out = grad.new_empty((grad.shape[0] // ctx.size, *grad.shape[1:]))
         dist.reduce_scatter_single(out, grad, group=ctx.group)
         return out, None, None
+
+
+class _GatherUneven(torch.autograd.Function):
+    """`_GatherSeq` for uneven shares (`ContextParallel.shares`): every rank's rows padded to
+    the largest share, all-gathered, the padding dropped; backward pads the gradient the same
+    way and reduce-scatters it. The padded collective is what moves (and what is priced)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, sizes: tuple[int, ...], rank: int):
+        ctx.group, ctx.sizes, ctx.rank = group, sizes, rank
+        top = max(sizes)
+        x = x.contiguous()
+        if x.shape[0] < top:
+            x = torch.cat([x, x.new_zeros((top - x.shape[0], *x.shape[1:]))])
+        out = x.new_empty((len(sizes) * top, *x.shape[1:]))
+        dist.all_gather_single(out, x, group=group)
+        return torch.cat([out[r * top : r * top + n] for r, n in enumerate(sizes)])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        top = max(ctx.sizes)
+        parts = grad.split(list(ctx.sizes))
+        padded = torch.cat(
+            [
+                torch.cat([g, g.new_zeros((top - g.shape[0], *g.shape[1:]))]) if len(g) < top else g
+                for g in parts
+            ]
+        ).contiguous()
+        out = grad.new_empty((top, *grad.shape[1:]))
+        dist.reduce_scatter_single(out, padded, group=ctx.group)
+        return out[: ctx.sizes[ctx.rank]], None, None, None
 
 
 def _exchange(t: torch.Tensor, cp: ContextParallel):
@@ -318,6 +377,99 @@ class _SwapSharding(torch.autograd.Function):
         return back(grad, ctx.group, ctx.size), None, None, None
 
 
+def _offsets(sizes: tuple[int, ...]) -> list[int]:
+    return [sum(sizes[:r]) for r in range(len(sizes))]
+
+
+def _seq_to_heads_uneven(x: torch.Tensor, cp: ContextParallel, heads: tuple[int, ...]):
+    """`_seq_to_heads` with uneven shares: (b, h, n_me, d) of this rank's tokens -> (b,
+    heads[me], sum(n_i), d), cp rank r receiving head slice r of sizes `heads`; the tokens
+    of every rank (`cp.token_counts`) in cp-rank order. One all-to-all of uneven splits."""
+    b, _, n, d = x.shape
+    tokens = cp.token_counts(n)
+    at = _offsets(heads)
+    send = torch.cat([x[:, o : o + hj].permute(1, 0, 2, 3).reshape(-1) for o, hj in zip(at, heads)])
+    mine = heads[cp.rank]
+    outs = [mine * b * ni * d for ni in tokens]
+    recv = send.new_empty(sum(outs))
+    dist.all_to_all_single(
+        recv,
+        send,
+        output_split_sizes=outs,
+        input_split_sizes=[hj * b * n * d for hj in heads],
+        group=cp.group,
+    )
+    parts = recv.split(outs)
+    return torch.cat(
+        [p.view(mine, b, ni, d).permute(1, 0, 2, 3) for p, ni in zip(parts, tokens)], dim=2
+    )
+
+
+def _heads_to_seq_uneven(y: torch.Tensor, cp: ContextParallel, heads: tuple[int, ...]):
+    """The inverse of `_seq_to_heads_uneven`: (b, heads[me], S, d) -> (b, sum(heads), n_me, d)."""
+    b, mine, _, d = y.shape
+    tokens = cp.token_counts(None)
+    at = _offsets(tokens)
+    n = tokens[cp.rank]
+    send = torch.cat(
+        [y[:, :, o : o + nj].permute(1, 0, 2, 3).reshape(-1) for o, nj in zip(at, tokens)]
+    )
+    outs = [hi * b * n * d for hi in heads]
+    recv = send.new_empty(sum(outs))
+    dist.all_to_all_single(
+        recv,
+        send,
+        output_split_sizes=outs,
+        input_split_sizes=[mine * b * nj * d for nj in tokens],
+        group=cp.group,
+    )
+    parts = recv.split(outs)
+    return torch.cat(
+        [p.view(hi, b, n, d).permute(1, 0, 2, 3) for p, hi in zip(parts, heads)], dim=1
+    )
+
+
+class _SwapUneven(torch.autograd.Function):
+    """`_SwapSharding` for uneven token and head shares (HexiSeq's asymmetric split)."""
+
+    @staticmethod
+    def forward(ctx, x, cp: ContextParallel, heads: tuple[int, ...], to_heads: bool):
+        ctx.cp, ctx.heads, ctx.to_heads = cp, heads, to_heads
+        return (_seq_to_heads_uneven if to_heads else _heads_to_seq_uneven)(x, cp, heads)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        back = _heads_to_seq_uneven if ctx.to_heads else _seq_to_heads_uneven
+        return back(grad.contiguous(), ctx.cp, ctx.heads), None, None, None
+
+
+def _head_parallel_uneven(q, k, v, cp: ContextParallel, causal: bool, scale: float):
+    """Head-parallel attention with per-rank token shares (`cp.shares`) and query-head shares
+    (`cp.head_shares`, default: the equal split): rank r runs SDPA on its head_shares[r]
+    query heads over the whole sequence."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    shares = cp.head_shares or (heads // cp.size,) * cp.size
+    if why := cp_head_shares_problem(shares, cp.size, heads):
+        raise RuntimePlanError(f"runtime: {why}")
+    f = kv_expansion(heads, kv_heads, shares)
+    per = heads // (kv_heads * f)  # query heads per expanded K/V head
+    k, v = (_expand(t, f) for t in (k, v))
+    kv_shares = tuple(s // per for s in shares)
+    q = _SwapUneven.apply(q, cp, shares, True)
+    k, v = (_SwapUneven.apply(t, cp, kv_shares, True) for t in (k, v))
+    local = cp.token_counts(None)[cp.rank]
+    if causal:
+        slots = torch.cat(cp.all_positions(local, q.device))
+        natural = torch.argsort(slots)
+        q, k, v = (t.index_select(2, natural) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(
+        q, k, v, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+    if causal:
+        out = out.index_select(2, slots)
+    return _SwapUneven.apply(out, cp, shares, False)
+
+
 def _head_parallel_attention(q, k, v, cp: ContextParallel, causal: bool, scale: float):
     """Exact attention with heads sharded over the cp group; see the module docstring."""
     heads, kv_heads, local = q.shape[1], k.shape[1], q.shape[2]
@@ -334,7 +486,7 @@ def _head_parallel_attention(q, k, v, cp: ContextParallel, causal: bool, scale: 
     # and back afterwards. A contiguous split is in order already.
     reorder = causal and sequence_layout(local * cp.size, cp.size) == "zigzag"
     if reorder:
-        slots = cp.all_positions(local, q.device).reshape(-1)  # position of each token
+        slots = torch.cat(cp.all_positions(local, q.device))  # position of each token
         natural = torch.argsort(slots)  # the token at each position
         q, k, v = (t.index_select(2, natural) for t in (q, k, v))
     out = F.scaled_dot_product_attention(
@@ -361,12 +513,26 @@ class ContextParallel:
     rank: int  # index inside the cp group
     size: int
     mode: str = "allgather"
+    # Tokens of a sequence per cp rank (`Parallel.cp_shares`; None: equal shares).
+    shares: tuple[int, ...] | None = None
+    # Query heads (of a tp rank's) per cp rank under "heads" (`Parallel.cp_head_shares`;
+    # None: equal).
+    head_shares: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise RuntimePlanError(
                 f"runtime: cp attention must be one of {MODES}, got {self.mode!r}"
             )
+        if self.mode == "ring" and self.shares is not None:
+            raise RuntimePlanError(
+                "runtime: ring attention over uneven cp shares is not written; plan cp_mode "
+                "allgather or heads with cp_shares"
+            )
+
+    @property
+    def uneven(self) -> bool:
+        return self.shares is not None or self.head_shares is not None
 
     @property
     def next_rank(self) -> int:
@@ -377,20 +543,41 @@ class ContextParallel:
     def prev_rank(self) -> int:
         return dist.get_global_rank(self.group, (self.rank - 1) % self.size)
 
+    def token_counts(self, local_len: int | None) -> tuple[int, ...]:
+        """Tokens of a sequence each cp rank holds, given this rank's `local_len` (None: the
+        plan's shares, which must then be set)."""
+        if self.shares is not None:
+            if local_len is not None and local_len != self.shares[self.rank]:
+                raise RuntimePlanError(
+                    f"runtime: cp rank {self.rank} holds {local_len} tokens of a sequence but "
+                    f"the plan's cp_shares give it {self.shares[self.rank]}; run the plan's "
+                    f"seq_len ({sum(self.shares)})"
+                )
+            return self.shares
+        if local_len is None:
+            raise RuntimePlanError("runtime: token counts of an equal split need its length")
+        return (local_len,) * self.size
+
     def positions(self, local_len: int, device=None) -> torch.Tensor:
         """Absolute positions of this rank's `local_len` tokens."""
-        return sequence_positions(local_len * self.size, self.size, self.rank).to(device)
+        counts = self.token_counts(local_len)
+        return sequence_positions(sum(counts), self.size, self.rank, self.shares).to(device)
 
-    def all_positions(self, local_len: int, device=None) -> torch.Tensor:
-        """(cp, local_len): the positions every cp rank holds, in cp-rank order."""
-        s = local_len * self.size
-        return torch.stack([sequence_positions(s, self.size, r) for r in range(self.size)]).to(
-            device
-        )
+    def all_positions(self, local_len: int, device=None) -> list[torch.Tensor]:
+        """The positions every cp rank holds, in cp-rank order (one tensor per rank)."""
+        s = sum(self.token_counts(local_len))
+        return [
+            sequence_positions(s, self.size, r, self.shares).to(device) for r in range(self.size)
+        ]
 
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's tokens of `x` (full sequences along `dim`)."""
-        pos = sequence_positions(x.shape[dim], self.size, self.rank).to(x.device)
+        if self.shares is not None and x.shape[dim] != sum(self.shares):
+            raise RuntimePlanError(
+                f"runtime: sequences of {x.shape[dim]} tokens, but the plan's cp_shares split "
+                f"{sum(self.shares)}; run the plan's seq_len"
+            )
+        pos = sequence_positions(x.shape[dim], self.size, self.rank, self.shares).to(x.device)
         return x.index_select(dim, pos)
 
     def attention(
@@ -418,17 +605,23 @@ class ContextParallel:
         scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
         if self.mode == "ring":
             return _RingAttention.apply(query, key, value, self, bool(is_causal), scale)
+        if self.mode == "heads" and self.uneven:
+            return _head_parallel_uneven(query, key, value, self, bool(is_causal), scale)
         if self.mode == "heads":
             return _head_parallel_attention(query, key, value, self, bool(is_causal), scale)
         b, hk, local, d = key.shape
         # (seq, b, 2*hk, d): gathering along dim 0 concatenates the ranks' tokens.
         kv = torch.cat([key, value], dim=1).permute(2, 0, 1, 3)
-        kv = _GatherSeq.apply(kv, self.group, self.size).permute(1, 2, 0, 3)
+        if self.shares is None:
+            kv = _GatherSeq.apply(kv, self.group, self.size)
+        else:
+            kv = _GatherUneven.apply(kv, self.group, self.token_counts(local), self.rank)
+        kv = kv.permute(1, 2, 0, 3)
         k_all, v_all = kv[:, :hk], kv[:, hk:]
         mask = None
         if is_causal:
             pos_q = self.positions(local, query.device)
-            mask = _causal_mask(pos_q, self.all_positions(local, query.device).reshape(-1))
+            mask = _causal_mask(pos_q, torch.cat(self.all_positions(local, query.device)))
         return F.scaled_dot_product_attention(
             query,
             k_all,
@@ -570,7 +763,10 @@ def _shard_attention(
     size = ctx.size("cp")
     if size == 1:
         return None
-    cp = ContextParallel(ctx.group("cp"), ctx.coord("cp"), size, mode)
+    p = ctx.plan.parallel
+    cp = ContextParallel(
+        ctx.group("cp"), ctx.coord("cp"), size, mode, p.cp_shares, p.cp_head_shares
+    )
     hooked = wrapped = 0
     taken: list[str] = []  # paths of modules whose attention is handled
     for path, m in module.named_modules():

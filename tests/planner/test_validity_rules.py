@@ -119,6 +119,60 @@ ROWS = [
         ),
     ),
     dict(
+        rule=lambda: rules.cp_shares_problem((600, 400), 2, 1024),
+        reason="cp_shares [600, 400] sum to 1000 tokens, not the sequence length (1024)",
+        estimate=(
+            DENSE,
+            Parallel(global_batch=GLOBAL_BATCH, cp=2, dp=4, tp=1, pp=1, cp_shares=(600, 400)),
+        ),
+        predict=(DENSE, _full(dp=4, cp=2, cp_shares=(600, 400))),
+        runtime=(Parallel(cp=2, dp=4, tp=1), False, dict(cp_shares=(600, 400))),
+    ),
+    dict(
+        rule=lambda: rules.cp_head_shares_problem((3, 2), 2, 8),
+        reason="cp_head_shares [3, 2] sum to 5, not the 8 query heads",
+        estimate=(
+            DENSE,
+            Parallel(
+                global_batch=GLOBAL_BATCH,
+                cp=2,
+                dp=4,
+                tp=1,
+                pp=1,
+                cp_mode="heads",
+                cp_head_shares=(3, 2),
+            ),
+        ),
+        predict=(DENSE, _full(dp=4, cp=2, cp_mode="heads", cp_head_shares=(3, 2))),
+    ),
+    dict(
+        rule=lambda: rules.cp_split_problem(
+            Parallel(cp=2, cp_mode="ring", cp_shares=(600, 424)), 1024, 8
+        ),
+        reason=(
+            "cp_shares with cp attention 'ring' is not run (ring chunks travel in equal "
+            "buffers); use cp attention 'allgather' or 'heads'"
+        ),
+        estimate=(
+            DENSE,
+            Parallel(
+                global_batch=GLOBAL_BATCH,
+                cp=2,
+                dp=4,
+                tp=1,
+                pp=1,
+                cp_mode="ring",
+                cp_shares=(600, 424),
+            ),
+        ),
+        predict=(DENSE, _full(dp=4, cp=2, cp_mode="ring", cp_shares=(600, 424))),
+        runtime=(
+            Parallel(cp=2, dp=4, tp=1),
+            False,
+            dict(cp_mode="ring", cp_shares=(600, 424)),
+        ),
+    ),
+    dict(
         rule=lambda: rules.pp_layers_problem(8, 4),
         reason="pp=8 exceeds the model's 4 layers (pp <= layers)",
         plan=(DENSE, Parallel(pp=8)),

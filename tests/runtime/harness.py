@@ -255,7 +255,9 @@ def _composition(costs, ranges):
     return tuple(sorted(counts.items()))
 
 
-def expected_tp(plan, graph_, pp_rank: int, m: int, *, vocab_parallel: bool = True) -> Counter:
+def expected_tp(
+    plan, graph_, pp_rank: int, m: int, *, vocab_parallel: bool = True, cp_rank: int = 0
+) -> Counter:
     """(kind, elements) -> count of the collectives on the tp group in one step of a rank of
     pipeline rank `pp_rank` running m micro-batches, as the cost model prices them: per
     micro-batch each unit's `tp_collectives` (with or without SP; layers' forward ones again
@@ -265,7 +267,10 @@ def expected_tp(plan, graph_, pp_rank: int, m: int, *, vocab_parallel: bool = Tr
     Under EP x TP (ep > 1) the MoE experts' region moves routed rows whose counts depend on
     the routing (uneven all-to-alls on the tp group, checked by volume in
     test_parity_moe_tp.py); left out here, replaced by what stays exact: per MoE layer and
-    forward, one all-gather of the E per-expert row counts (tp x E values)."""
+    forward, one all-gather of the E per-expert row counts (tp x E values).
+
+    Under asymmetric CP (`cp_shares`) a rank's activations are its own share of the
+    sequence (`StageConfig.seq_div` of its `cp_rank`), not 1/cp."""
     from meshplan.cost_model.graph_costs import loss_collectives, model_costs
     from meshplan.cost_model.pricer import pricer_for
     from meshplan.passes.sharding import is_lm_head
@@ -273,6 +278,7 @@ def expected_tp(plan, graph_, pp_rank: int, m: int, *, vocab_parallel: bool = Tr
     p = plan.parallel
     if p.tp == 1:
         return Counter()
+    seq_div = dataclasses.replace(p.stage(), cp_ranks=(cp_rank,)).seq_div
     costs = model_costs(graph_)
     scale = p.micro_batch / costs.traced_micro_batch
     ranges = rank_ranges(plan, pp_rank)
@@ -292,7 +298,7 @@ def expected_tp(plan, graph_, pp_rank: int, m: int, *, vocab_parallel: bool = Tr
                 colls = [c for c in colls if not c.experts]
                 want[("all_gather", p.tp * graph_.info.experts)] += m * again
             for c in colls:
-                numel = round(c.size_bytes * scale / (p.cp * FP32))
+                numel = round(c.size_bytes * scale / (seq_div * FP32))
                 for kind in c.with_sp if p.sequence_parallel else c.without_sp:
                     want[(str(kind), numel)] += m * (again if c.phase == "fwd" else 1)
     pricer = pricer_for(graph_, plan.cluster, dtype="float32")
@@ -358,13 +364,13 @@ def check_step_collectives(
     test_parity_cp_ep.py). `extra`: more exact (kind, elements) counts by axis (CP's)."""
     p = plan.parallel
     groups = result["groups"]
-    pp_rank = result["coords"][0]
+    pp_rank, cp_rank = result["coords"][0], result["coords"][2]
     m = p.num_microbatches if m is None else m
     exact: dict[str, Counter] = {}
     volume: dict[str, Counter] = {}
     if p.tp > 1:
         exact.setdefault(groups["tp"], Counter()).update(
-            expected_tp(plan, graph_, pp_rank, m, vocab_parallel=vocab_parallel)
+            expected_tp(plan, graph_, pp_rank, m, vocab_parallel=vocab_parallel, cp_rank=cp_rank)
         )
     exact.setdefault(groups["world"], Counter()).update(expected_loss_sync())
     for axis, counts in (extra or {}).items():
