@@ -581,6 +581,12 @@ class BlockCompute:
     # what tensor-parallel traffic can hide behind (`Engine.tp_overlap`).
     gemm_fwd_tp: float = 0.0
     gemm_bwd_tp: float = 0.0
+    # Forward / backward / selective-recompute time of the attention core (`OpKind.ATTENTION`,
+    # inside the `*_tp` sums) at the traced size: under head-parallel CP with asymmetric
+    # shares it scales with a rank's heads, not its tokens (`times(attention_div=)`).
+    attn_fwd: float = 0.0
+    attn_bwd: float = 0.0
+    attn_sel: float = 0.0
 
     def gemm_times(self, *, tp: int, cp: int, scale: float) -> tuple[float, float]:
         """(forward, backward) seconds of the TP-sharded tensor-core ops of one instance."""
@@ -588,12 +594,21 @@ class BlockCompute:
         return r_tp * self.gemm_fwd_tp, r_tp * self.gemm_bwd_tp
 
     def times(
-        self, *, tp: int, cp: int, sequence_parallel: bool, scale: float
+        self,
+        *,
+        tp: int,
+        cp: float,
+        sequence_parallel: bool,
+        scale: float,
+        attention_div: float | None = None,
     ) -> tuple[float, float, float]:
         """(forward, backward, selective-recompute forward) seconds of one block instance.
 
         `scale` is micro_batch / traced micro_batch: costs grow linearly with the number of
         sequences (assumption: GEMM efficiency does not change with the batch dimension).
+        `cp`: what the rank's share of a sequence divides the work by (cp, or under
+        asymmetric shares `StageConfig.seq_div`); `attention_div`: the same for the
+        attention core where it differs (head-parallel CP with asymmetric shares).
         """
         r_tp = scale / (tp * cp)
         r_sp = scale / ((tp if sequence_parallel else 1) * cp)
@@ -609,6 +624,11 @@ class BlockCompute:
             factors = {"mb": scale, "cp": 1.0 / cp, "tp": 1.0 / tp}
             for g in self.gemms:
                 out[g.phase] += g.extra(factors, r_tp if g.cls == "tp" else r_sp, self.sms)
+        if attention_div is not None and attention_div != cp:
+            r_at = scale / (tp * attention_div)
+            out["fwd"] += (r_at - r_tp) * self.attn_fwd
+            out["bwd"] += (r_at - r_tp) * self.attn_bwd
+            out["sel"] += (r_at - r_tp) * self.attn_sel
         return out["fwd"], out["bwd"], out["sel"]
 
 
@@ -707,6 +727,7 @@ def block_compute(block: Block, gpu: GpuSpec, dtype: str, engine: Engine = EAGER
         return _learned_block_compute(model, block, gpu, dtype)
     acc = {k: 0.0 for k in ("fwd_tp", "fwd_sp", "bwd_tp", "bwd_sp", "sel_tp", "sel_sp")}
     gemm = {"fwd": 0.0, "bwd": 0.0}  # TP-sharded GEMM time, what TP traffic can overlap
+    attn = {"fwd": 0.0, "bwd": 0.0, "sel": 0.0}  # the attention core (`BlockCompute.attn_*`)
     n_fwd = n_bwd = n_sel = 0
     rows = set()  # row-parallel projections (prologue / epilogue matmuls are column-parallel)
     if block.kind == "layer":
@@ -756,6 +777,9 @@ def block_compute(block: Block, gpu: GpuSpec, dtype: str, engine: Engine = EAGER
             if op.kind in TENSOR_CORE_KINDS and cls == "tp":
                 gemm["fwd"] += t
             gemms += [g for g in terms if g.phase == "fwd"]
+            if op.kind == OpKind.ATTENTION and cls == "tp":
+                attn["fwd"] += t
+                attn["sel"] += 0.0 if kept_by_selective(op) else t
             if not kept_by_selective(op):
                 acc["sel_" + cls] += t
                 n_sel += 1
@@ -770,10 +794,13 @@ def block_compute(block: Block, gpu: GpuSpec, dtype: str, engine: Engine = EAGER
             n_bwd += 1
             if op.kind in TENSOR_CORE_KINDS and cls == "tp":
                 gemm["bwd"] += t
+            if op.kind == OpKind.ATTENTION and cls == "tp":
+                attn["bwd"] += t
             gemms += [g for g in terms if g.phase == "bwd"]
     return BlockCompute(
         **acc, n_fwd=n_fwd, n_bwd=n_bwd, n_sel=n_sel, gemms=tuple(gemms), sms=gpu.sms,
         gemm_fwd_tp=gemm["fwd"], gemm_bwd_tp=gemm["bwd"],
+        attn_fwd=attn["fwd"], attn_bwd=attn["bwd"], attn_sel=attn["sel"],
     )  # fmt: skip
 
 
@@ -1054,6 +1081,7 @@ def _learned_block_compute(model, block: Block, gpu: GpuSpec, dtype: str) -> Blo
     of tensor-core ops is re-anchored to a calibrated GEMM efficiency (`host_gemm_anchor`)."""
     acc = {k: 0.0 for k in ("fwd_tp", "fwd_sp", "bwd_tp", "bwd_sp", "sel_tp", "sel_sp")}
     floor = {"fwd": 0.0, "bwd": 0.0, "sel": 0.0}
+    attn = {"fwd": 0.0, "bwd": 0.0, "sel": 0.0}  # the attention core (`BlockCompute.attn_*`)
     n_fwd = n_bwd = n_sel = 0
     anchor = host_gemm_anchor(model, gpu)
     parts = iter(_learned_parts(model, block, gpu, dtype))
@@ -1062,20 +1090,27 @@ def _learned_block_compute(model, block: Block, gpu: GpuSpec, dtype: str) -> Blo
         (w_f, o_f), (w_b, o_b) = next(parts), next(parts)
         if op.kind in TENSOR_CORE_KINDS:
             w_f, w_b = w_f * anchor, w_b * anchor
+        core = op.kind == OpKind.ATTENTION and cls == "tp"
         if op.fwd_flops or op.fwd_bytes:
             acc["fwd_" + cls] += w_f
             floor["fwd"] += o_f
             n_fwd += 1
+            attn["fwd"] += w_f if core else 0.0
             if not kept_by_selective(op):
                 acc["sel_" + cls] += w_f
                 floor["sel"] += o_f
                 n_sel += 1
+                attn["sel"] += w_f if core else 0.0
         if op.bwd_flops or op.bwd_bytes:
             acc["bwd_" + cls] += w_b
             floor["bwd"] += o_b
             n_bwd += 1
+            attn["bwd"] += w_b if core else 0.0
     return BlockCompute(
         **acc,
+        attn_fwd=attn["fwd"],
+        attn_bwd=attn["bwd"],
+        attn_sel=attn["sel"],
         n_fwd=n_fwd,
         n_bwd=n_bwd,
         n_sel=n_sel,

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import math
 
-from meshplan.ir import DeviceGroup, StageConfig
+from meshplan.ir import DeviceGroup, GpuSpec, StageConfig
 from meshplan.ir.rules import kv_expansion
 
-from .collectives import Collective, group_path
+from .collectives import Collective, Path, group_path
 from .graph_costs import BlockFacts
 
 
@@ -89,6 +89,32 @@ class ContextParallelTraffic:
         a2a = Collective.ALL_TO_ALL
         return tuple((phase, a2a, s) for phase in ("fwd", "bwd") for s in sizes)
 
+    def _span_path(self, cfg: StageConfig) -> Path:
+        """The path of a cp group spanning device groups (`cfg.cp_span`): its ring (or
+        all-to-all) runs at the slowest of each group's own part (c_g ranks strided by tp in
+        the group, `group_path`) and every pair of groups' crossing (`cross_path`, at
+        `cfg.cp_streams` cp groups crossing a shared link at once), with the largest of their
+        latencies. Every rank's traffic crosses, so one bottleneck bandwidth is the
+        ring's."""
+        tp, parts = cfg.tp, []
+        span = cfg.cp_span or ()
+        for i, (a, ca) in enumerate(span):
+            ga = self.groups[a]
+            per_domain_a = max(1, min(ca, ga.domain_gpus // tp))
+            if ca > 1:
+                parts.append(group_path(self.cluster, ga, ca, per_domain_a))
+            for b, cb in span[i + 1 :]:
+                gb = self.groups[b]
+                per_domain_b = max(1, min(cb, gb.domain_gpus // tp))
+                cross = self.cross_path(a, b, per_domain_a, per_domain_b)
+                parts.append(cross.path(cfg.cp_streams))
+        slow = min(parts, key=lambda p: p.bandwidth)
+        return Path(slow.bandwidth, max(p.latency for p in parts), slow.curve)
+
+    def _slowest(self, span: tuple[tuple[str, int], ...]) -> GpuSpec:
+        """The GPU whose codec speed bounds a coded collective over the span's ranks."""
+        return min((self.groups[g].gpu for g, _ in span), key=lambda gpu: gpu.hbm_bandwidth)
+
     def _cp_traffic(self, facts, g: DeviceGroup, cfg: StageConfig, scale) -> tuple[float, float]:
         """Context parallelism (`cp_collectives`) on the cp ranks' path: cp ranks strided by
         tp inside g. Not overlapped with attention (ring attention would hide part:
@@ -97,8 +123,12 @@ class ContextParallelTraffic:
         collectives = self.cp_collectives(facts, cfg, scale)
         if not collectives:
             return 0.0, 0.0
-        path = group_path(self.cluster, g, cfg.cp, max(1, g.domain_gpus // cfg.tp))
+        if cfg.cp_span:
+            path, gpu = self._span_path(cfg), self._slowest(cfg.cp_span)
+        else:
+            path = group_path(self.cluster, g, cfg.cp, max(1, g.domain_gpus // cfg.tp))
+            gpu = g.gpu
         for phase, kind, size in collectives:
-            ch = self.comm_choice(kind, size, cfg.cp, path, g.gpu, "activations", "cp")
+            ch = self.comm_choice(kind, size, cfg.cp, path, gpu, "activations", "cp")
             out[phase] += ch.time_s
         return out["fwd"], out["bwd"]

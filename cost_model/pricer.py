@@ -199,6 +199,10 @@ class Pricer(
         (`EpSpan`); None: it lies inside `group`."""
         key = (comp, group, cfg, span)
         got = self._time.get(key)
+        if got is None and len(ranks := cfg.rank_configs()) > 1:  # asymmetric CP shares
+            got = self._time[key] = max(
+                (self.stage_time(comp, group, c, span) for c in ranks), key=lambda t: t.total
+            )
         if got is None:
             parts = [0.0] * 7
             for bkey, count in comp:
@@ -227,7 +231,9 @@ class Pricer(
         scale = micro_batch / self.costs.traced_micro_batch
         facts = self.costs.facts[bkey]
         bc = self.costs.compute(bkey, g.gpu, self.dtype, self.engine_of(group))
-        fwd, bwd, sel = bc.times(tp=tp, cp=cp, sequence_parallel=sp, scale=scale)
+        fwd, bwd, sel = bc.times(
+            tp=tp, cp=cp, sequence_parallel=sp, scale=scale, attention_div=cfg.attention_div
+        )
         t_fwd, t_bwd = self._tp_traffic(
             facts, tp, cp, sp, scale, intra_node_path(self.cluster, g), g.gpu, ep=ep
         )

@@ -130,7 +130,7 @@ from meshplan.ir import (
     StagePlacement,
     group_tp_problem,
 )
-from meshplan.ir.parallel import stage_tp_problem
+from meshplan.ir.parallel import cp_span_problem, stage_tp_problem
 from meshplan.ir.rules import (
     batch_split_problem,
     cp_split_problem,
@@ -398,7 +398,21 @@ def check_parallel(
         raise ValueError(f"stages cover units [0, {expect}) of {len(graph.units)}")
     used: dict[str, dict[int, int]] = {}  # group -> {tp: replicas over all stages}
     known = {g.name: g for g in cluster.groups}
+    if why := cp_span_problem(p, tuple(stages)):
+        raise ValueError(why)
     for st in stages:
+        if st.cp_groups:  # one stage (`cp_span_problem`): its cp ranks group by group
+            for g, need in st.gpus(p.tp, p.cp).items():
+                if g not in known:
+                    raise ValueError(f"stage {st.index}: unknown device group {g!r}")
+                if (why := tp_domain_problem((known[g],), p.tp)) is not None:
+                    raise ValueError(why)
+                if need > known[g].num_gpus:
+                    raise ValueError(
+                        f"group {g}: {st.dp} replicas of {dict(st.cp_groups)[g]} cp ranks x "
+                        f"tp={p.tp} need {need} GPUs, it has {known[g].num_gpus}"
+                    )
+            continue
         for g, n in st.replicas:
             if g not in known:
                 raise ValueError(f"stage {st.index}: unknown device group {g!r}")
@@ -455,9 +469,8 @@ def predict(
     pricer = pricer_for(graph, cluster, dtype, comm, engine)
     dtype = pricer.dtype
     ranges = [(st.first_unit, st.last_unit) for st in stages]
-    names = tuple(
-        g.name for g in cluster.groups if any(g.name == r for st in stages for r, _ in st.replicas)
-    )
+    names = tuple(g.name for g in cluster.groups if any(g.name in st.groups for st in stages))
+    span = stages[0].cp_groups  # cp groups spanning device groups (one stage: cp_span_problem)
     shares = stages[0].shares
     most = max(shares.values()) if shares else None
     layout = any(st.group_tp for st in stages)
@@ -466,16 +479,19 @@ def predict(
     else:
         # the stages' own model chunks (interleaved 1F1B, ZB-V) when they list them
         chunks = [st.chunks for st in stages] if any(st.chunks for st in stages) else []
-        tables = plan_tables(pricer, p, ranges, names, max_microbatches=most, chunks=chunks)
-    placement = [st.replicas for st in stages]
+        tables = plan_tables(
+            pricer, p, ranges, names, max_microbatches=most, chunks=chunks, cp_span=span
+        )
+    # a spanning stage's ranks are in every group it spans, in lock-step
+    placement = [tuple((g, st.dp) for g in st.groups) if span else st.replicas for st in stages]
     ev = evaluate(tables, placement, shares or None)
 
     traced_mb = pricer.costs.traced_micro_batch
     model_flops = graph.total_flops(training=True) * p.global_batch / traced_mb
     peak_flops = sum(
-        n * st.tp_of(g, p.tp) * p.cp * pricer.groups[g].gpu.peak(dtype)
+        n * pricer.groups[g].gpu.peak(dtype)
         for st in stages
-        for g, n in st.replicas
+        for g, n in st.gpus(p.tp, p.cp).items()
     )
     tokens = p.global_batch * (graph.info.seq_len or 1)
 
@@ -491,7 +507,7 @@ def predict(
             breakdown=stage_memory_of(st.index, g)[1],
         )
         for st in stages
-        for g, _ in st.replicas
+        for g in st.groups
     )
     notes = []
     if not graph.info.micro_batch:

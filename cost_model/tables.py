@@ -108,8 +108,16 @@ def plan_tables(
     *,
     max_microbatches: int | None = None,
     chunks: Sequence[Sequence[tuple[int, int]]] = (),
+    cp_span: tuple[tuple[str, int], ...] = (),
 ) -> PlanTables:
     """Price every (stage, group) and (boundary, group pair) of a complete configuration.
+
+    `cp_span` (one stage whose replicas' cp groups span device groups,
+    `StagePlacement.cp_groups`): a rank in group g is priced at the largest share of the cp
+    ranks there (`StageConfig.cp_ranks`), its cp collectives on the spanning path
+    (`StageConfig.cp_span`, tp x dp such cp groups crossing at once); the stage runs at the
+    slowest group's time (`evaluate`, the groups in lock-step). Its memory is the largest
+    share's on every group (an upper bound for the groups holding less).
 
     `max_microbatches` (uneven DP shares: the largest per-replica share) sizes the in-flight
     activations of the memory check; default the configuration's num_microbatches. `chunks`
@@ -123,6 +131,16 @@ def plan_tables(
     quant = bool(p.quantize_activations)
     cfg = p.stage()
     plain = dataclasses.replace(cfg, quantize_activations=False)  # memory: quantized per stage
+    spanned = dict(cp_span)
+
+    def cfg_of(g: str) -> StageConfig:
+        """The configuration a rank of group g runs (its cp ranks' largest share)."""
+        if g not in spanned:
+            return cfg
+        at = sum(c for h, c in cp_span[: [h for h, _ in cp_span].index(g)])
+        ranks = tuple(range(at, at + spanned[g]))
+        return dataclasses.replace(cfg, cp_ranks=ranks, cp_span=cp_span, cp_streams=tp * dp)
+
     m = p.global_batch // (dp * mb)
     pp = len(ranges)
     world = pp * dp * cp * tp
@@ -142,7 +160,7 @@ def plan_tables(
             continue
         traffic = pricer.dp_traffic(comp, cfg, dp=dp, zero=zero, first=first)
         edge = pricer.dp_edge(first, cfg, dp=dp) if first else None
-        times = {g: pricer.stage_time(comp, g, cfg) for g in names}
+        times = {g: pricer.stage_time(comp, g, cfg_of(g)) for g in names}
         if edge is not None:
             times = {
                 g: dataclasses.replace(t, dp_edge=pricer.dp_single(edge, g, cfg))

@@ -219,27 +219,56 @@ class StageConfig:
     cp_shares: tuple[int, ...] | None = None
     cp_head_shares: tuple[int, ...] | None = None
     cp_ranks: tuple[int, ...] | None = None
+    # A cp group spanning device groups (`StagePlacement.cp_groups`): its (group, cp ranks)
+    # and how many such cp groups cross the groups' link at once (tp x dp).
+    cp_span: tuple[tuple[str, int], ...] | None = None
+    cp_streams: int = 1
 
     @property
     def seq_div(self) -> float:
-        """What a rank's share of a sequence's work divides the whole by: cp under equal
-        shares; under asymmetric shares 1 / the largest fraction any priced rank holds
-        (`cp_ranks`; the slowest rank sets the pace, the cp collectives keep them in
-        lock-step). Token shares scale every op, attention included (the uneven zig-zag keeps
-        a rank's causal work in proportion to its tokens, `runtime.context_parallel.
-        sequence_positions`). Under "heads" the attention core scales with the head share
-        instead: a rank is priced at the larger of its token and head fractions, exact when
-        they are equal (the planner's splits) and an upper bound otherwise."""
-        if self.cp_shares is None and self.cp_head_shares is None:
+        """What a rank's share of a sequence divides the whole by: cp under equal shares;
+        under asymmetric token shares 1 / the largest fraction of the tokens any priced rank
+        holds (`cp_ranks`; the slowest sets the pace, the cp collectives keep the ranks in
+        lock-step). Every op but the attention core under "heads" scales so; under
+        "allgather" the attention core does too (the uneven zig-zag keeps a rank's causal
+        work in proportion to its tokens, `runtime.context_parallel.sequence_positions`)."""
+        if self.cp_shares is None:
             return self.cp
-        ranks = self.cp_ranks if self.cp_ranks is not None else range(self.cp)
-        parts = []
-        for r in ranks:
-            part = self.cp_shares[r] / sum(self.cp_shares) if self.cp_shares else 1 / self.cp
-            if self.cp_head_shares:
-                part = max(part, self.cp_head_shares[r] / sum(self.cp_head_shares))
-            parts.append(part)
-        return 1.0 / max(parts)
+        total = sum(self.cp_shares)
+        return total / max(self.cp_shares[r] for r in self._priced())
+
+    @property
+    def attention_div(self) -> float:
+        """What a rank's attention core divides the whole attention by: `seq_div`, but under
+        "heads" with asymmetric shares the sum of the head shares over the largest head
+        share any priced rank attends (cp when the heads are split equally): a rank there
+        attends its heads over the whole sequence, whatever its tokens."""
+        if self.cp_mode != "heads" or (self.cp_shares is None and self.cp_head_shares is None):
+            return self.seq_div
+        if self.cp_head_shares is None:
+            return self.cp
+        total = sum(self.cp_head_shares)
+        return total / max(self.cp_head_shares[r] for r in self._priced())
+
+    def _priced(self) -> range | tuple[int, ...]:
+        return self.cp_ranks if self.cp_ranks is not None else range(self.cp)
+
+    def rank_configs(self) -> tuple[StageConfig, ...]:
+        """Under asymmetric shares, one configuration per distinct (token, head) share among
+        the priced ranks (each priced alone: the slowest of them sets the stage's time);
+        otherwise (self,)."""
+        if self.cp_shares is None and self.cp_head_shares is None:
+            return (self,)
+        seen: dict[tuple, int] = {}
+        for r in self._priced():
+            key = (
+                self.cp_shares[r] if self.cp_shares else None,
+                self.cp_head_shares[r] if self.cp_head_shares else None,
+            )
+            seen.setdefault(key, r)
+        if len(seen) == 1:
+            return (self,)
+        return tuple(dataclasses.replace(self, cp_ranks=(r,)) for r in seen.values())
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,6 +300,13 @@ class StagePlacement:
     stages differ (`group_tp_problem`; the hand-off between TP groups of different degrees
     is `meshplan.runtime.pipeline_handoff`).
     `Parallel.tp` is the degree of stage 0's first group.
+
+    `cp_groups` (optional; empty = each replica's cp ranks in its own group) lets every
+    replica's cp group span device groups (HexiSeq's setting: one sequence over H100s and
+    A100s together): (group name, cp ranks of each replica there) in cp-rank order, the
+    counts adding up to cp; `replicas` is then the one entry (first group of `cp_groups`,
+    dp). With asymmetric shares (`Parallel.cp_shares`) the faster group's ranks take more of
+    the sequence. `cp_span_problem` says where it is priced and run (pp = 1 for now).
     """
 
     index: int
@@ -280,6 +316,7 @@ class StagePlacement:
     microbatches: tuple[tuple[str, int], ...] = ()
     chunks: tuple[tuple[int, int], ...] = ()
     group_tp: tuple[tuple[str, int], ...] = ()
+    cp_groups: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.last_unit <= self.first_unit:
@@ -303,6 +340,24 @@ class StagePlacement:
                 raise ValueError(
                     f"stage {self.index}: per-group tp must name exactly the groups of its replicas"
                 )
+        if self.cp_groups:
+            names = [g for g, _ in self.cp_groups]
+            if any(not isinstance(n, int) or n < 1 for _, n in self.cp_groups):
+                raise ValueError(f"stage {self.index}: cp_groups counts must be positive")
+            if len(set(names)) != len(names) or len(names) < 2:
+                raise ValueError(
+                    f"stage {self.index}: cp_groups must name two or more distinct groups"
+                )
+            if len(self.replicas) != 1 or self.replicas[0][0] != names[0]:
+                raise ValueError(
+                    f"stage {self.index}: with cp_groups, replicas is one entry of the first "
+                    f"group ({names[0]!r}, dp)"
+                )
+            if self.microbatches or self.group_tp:
+                raise ValueError(
+                    f"stage {self.index}: cp_groups cannot be combined with micro-batch shares "
+                    "or per-group tp"
+                )
 
     @property
     def num_units(self) -> int:
@@ -320,6 +375,54 @@ class StagePlacement:
     def tp_of(self, group: str, default: int) -> int:
         """The tensor-parallel degree of `group`'s replicas (`default`: `Parallel.tp`)."""
         return dict(self.group_tp).get(group, default)
+
+    @property
+    def groups(self) -> tuple[str, ...]:
+        """The device groups this stage's ranks sit in, in placement order."""
+        if self.cp_groups:
+            return tuple(g for g, _ in self.cp_groups)
+        return tuple(g for g, _ in self.replicas)
+
+    def gpus(self, tp: int, cp: int) -> dict[str, int]:
+        """GPUs this stage takes in each group (`tp`, `cp`: `Parallel`'s)."""
+        if self.cp_groups:
+            return {g: self.dp * tp * c for g, c in self.cp_groups}
+        out: dict[str, int] = {}
+        for g, n in self.replicas:
+            out[g] = out.get(g, 0) + n * self.tp_of(g, tp) * cp
+        return out
+
+    def cp_ranks_in(self, group: str) -> tuple[int, ...]:
+        """The cp ranks (indices in the cp group) that sit in `group` (every one without
+        `cp_groups`; callers pass `Parallel.cp` through `range` then)."""
+        at, out = 0, []
+        for g, c in self.cp_groups:
+            if g == group:
+                out.extend(range(at, at + c))
+            at += c
+        return tuple(out)
+
+
+def cp_span_problem(parallel: Parallel, stages: tuple[StagePlacement, ...]) -> str | None:
+    """What keeps cp groups that span device groups (`StagePlacement.cp_groups`) from being
+    priced and run, or None: the counts add up to cp, one pipeline stage (the hand-off of a
+    spanning cp group between stages is not priced yet) and no expert parallelism."""
+    spans = [st for st in stages if st.cp_groups]
+    if not spans:
+        return None
+    cp = parallel.cp or 1
+    for st in spans:
+        total = sum(c for _, c in st.cp_groups)
+        if total != cp:
+            return f"stages[{st.index}].cp_groups hold {total} cp ranks but cp={cp}"
+    if len(stages) > 1:
+        return (
+            "a cp group spanning device groups (cp_groups) needs pp = 1 (not priced across "
+            "stages yet)"
+        )
+    if (parallel.ep or 1) > 1:
+        return "a cp group spanning device groups (cp_groups) with ep > 1 is not priced yet"
+    return None
 
 
 def stage_tp_problem(parallel: Parallel, stages: tuple[StagePlacement, ...]) -> str | None:

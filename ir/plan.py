@@ -68,6 +68,7 @@ from .parallel import (
     Recompute,
     Schedule,
     StagePlacement,
+    cp_span_problem,
     group_tp_problem,
 )
 from .rules import (
@@ -274,6 +275,8 @@ class Plan:
                     "chunks": [[a, b] for a, b in s.chunks],
                     # tp degree by group (group-pure pipelines); [] = degrees.tp everywhere
                     "tp": [[g, t] for g, t in s.group_tp],
+                    # cp ranks of each replica per group when its cp group spans groups
+                    **({"cp_groups": [[g, c] for g, c in s.cp_groups]} if s.cp_groups else {}),
                 }
                 for s in self.stages
             ],
@@ -486,6 +489,27 @@ def assign_ranks(
     cursor = {g: 0 for g in free}
     coords: dict[int, tuple[int, int, int, int]] = {}
     for stage in stages:
+        if stage.cp_groups:  # each replica's cp ranks from several groups, in cp order
+            tp = parallel.tp or 1
+            for dp_index in range(stage.dp):
+                cp_at = 0
+                for group, c in stage.cp_groups:
+                    if group not in free:
+                        raise PlanError(
+                            f"plan: stage {stage.index} names unknown device group {group!r}"
+                        )
+                    start = cursor[group]
+                    block = free[group][start : start + tp * c]
+                    if len(block) < tp * c:
+                        raise PlanError(
+                            f"plan: stage {stage.index} needs more GPUs of group {group!r} than "
+                            f"the cluster has ({len(free[group])})"
+                        )
+                    cursor[group] += tp * c
+                    for i, info in enumerate(block):
+                        coords[info.rank] = (stage.index, dp_index, cp_at + i // tp, i % tp)
+                    cp_at += c
+            continue
         dp_index = 0
         for group, count in stage.replicas:
             if group not in free:
@@ -632,6 +656,7 @@ PLAN_SCHEMA: dict = {
                         },
                     },
                     "tp": _GROUP_INTS,
+                    "cp_groups": _GROUP_INTS,
                 },
             },
         },
@@ -1052,6 +1077,7 @@ def plan_problem(plan: Plan) -> str | None:
         lambda: batch_problem(p, plan.stages),
         lambda: schedule_problem(p),
         lambda: cp_split_problem(p, plan.model.seq_len, 0),
+        lambda: cp_span_problem(p, plan.stages),
         lambda: group_tp_problem(p, plan.stages) if tps else None,
         lambda: blocked_dimension(plan.model, widest),
         lambda: ranks_problem(plan),
@@ -1246,6 +1272,7 @@ def _plan_of(data: dict, plan_cluster: Cluster) -> Plan:
                 microbatches=tuple((g, n) for g, n in s.get("microbatches", [])),
                 chunks=tuple((a, b) for a, b in s.get("chunks", [])),
                 group_tp=tuple((g, t) for g, t in s.get("tp", [])),
+                cp_groups=tuple((g, c) for g, c in s.get("cp_groups", [])),
             )
             for s in data["stages"]
         )

@@ -339,6 +339,31 @@ def balanced_counts(
     return tuple(counts)
 
 
+def _spanning_stage(
+    cluster: Cluster, tp: int, cp: int, dp: int, units: tuple[int, int]
+) -> StagePlacement | None:
+    """The one stage of dp replicas whose cp groups span device groups, when no group holds
+    the dp replicas whole but the cluster holds them with each replica's cp ranks taken
+    group by group (tp GPUs per cp rank, each group giving every replica the same count);
+    None otherwise."""
+    if sum(replica_capacity(g, tp, cp) for g in cluster.groups) >= dp:
+        return None
+    split, left = [], cp
+    for g in cluster.groups:
+        if left == 0:
+            break
+        if tp_domain_problem((g,), tp) is not None:
+            continue
+        take = min(left, g.num_gpus // (tp * dp))
+        if take:
+            split.append((g.name, take))
+            left -= take
+    if left or len(split) < 2:
+        return None
+    first, last = units
+    return StagePlacement(0, first, last, ((split[0][0], dp),), cp_groups=tuple(split))
+
+
 def place_stages(
     cluster: Cluster, parallel: Parallel, ranges: Sequence[tuple[int, int]]
 ) -> tuple[StagePlacement, ...]:
@@ -350,6 +375,11 @@ def place_stages(
     On a mixed cluster this puts stage 0 on the first group, and so on. Raises ValueError when
     tp*pp*cp*dp exceeds the world size, tp divides no group's domain (gpus_per_node unless
     nvlink_domain is set), or the replicas do not fit the groups whole.
+
+    One exception: with cp > 1 and one pipeline stage whose dp replicas fit no group whole,
+    every replica's cp group spans the groups (`StagePlacement.cp_groups`, HexiSeq's
+    setting): each group gives each replica as many cp ranks as its GPUs allow, in group
+    order (`_spanning_stage`).
     """
     p = parallel
     tp, cp, dp = p.tp or 1, p.cp or 1, p.dp or 1
@@ -364,6 +394,8 @@ def place_stages(
         )
     if (why := tp_domain_problem(cluster.groups, tp)) is not None:
         raise ValueError(why)
+    if cp > 1 and pp == 1 and (span := _spanning_stage(cluster, tp, cp, dp, ranges[0])):
+        return (span,)
     free = [[g.name, replica_capacity(g, tp, cp)] for g in cluster.groups]  # replicas left
     gi = 0
     stages = []

@@ -415,8 +415,14 @@ def estimate_plan(
     precision: str | None = None,
     layout: Sequence[Mapping] | None = None,
     split: Sequence[int] = (),
+    balance_cp: bool = False,
 ) -> Plan:
     """Like `estimate`, but returns the whole fixed Plan (for `explain()` and JSON).
+
+    `balance_cp`: where the placement's cp groups span device groups (`StagePlacement.
+    cp_groups`, HexiSeq's setting), give each cp rank the share of the sequence (and under
+    "heads" of the heads) that equalises their times (`planner.cp_shares`); refused
+    elsewhere, and with shares given.
 
     `layout` (`meshplan.layout`): the pipeline stages as a list of {layers, replicas, tp}
     mappings, e.g. another planner's plan with stages at their own TP degree and GPU types;
@@ -439,6 +445,17 @@ def estimate_plan(
         check_config(graph, cluster, p, parallel, split)
         stages = place_stages(cluster, p, default_stages(graph, p, split))
         stages = with_chunks(graph, p, stages, split)
+    if balance_cp:
+        if p.cp_shares or p.cp_head_shares:
+            raise ValueError("give cp shares or ask for balanced ones (auto), not both")
+        if not stages[0].cp_groups:
+            raise ValueError(
+                "balanced cp shares (auto) need cp groups that span device groups: a cp "
+                "degree whose replicas fit no single group (one pipeline stage)"
+            )
+        from .cp_shares import balanced_cp_shares
+
+        p = balanced_cp_shares(graph, cluster, p, stages[0], dtype=dtype, engine=engine)
     if engine.hybrid and (why := hybrid_problem_of(cluster, p, stages, engine.hybrid)):
         raise ValueError(why)
     prediction = _noted(predict(graph, cluster, p, stages, dtype=dtype, engine=engine), note)

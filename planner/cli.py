@@ -409,7 +409,8 @@ CpSharesOpt = Annotated[
     typer.Option(
         "--cp-shares",
         help="Asymmetric context parallelism (HexiSeq): tokens of each sequence per cp rank, "
-        "comma-separated (even, summing to the sequence length); default equal shares.",
+        "comma-separated (even, summing to the sequence length), or auto: the shares that "
+        "equalise the ranks of a cp group spanning GPU types; default equal shares.",
     ),
 ]
 CpHeadSharesOpt = Annotated[
@@ -544,7 +545,13 @@ def _print_plan(plan, as_json: bool) -> None:
     mem = {(m.stage, m.group): m for m in pr.memory}
     for st in plan.stages:
         units = f"{plan.model.units[st.first_unit]} .. {plan.model.units[st.last_unit - 1]}"
-        for g, n in st.replicas:
+        # a cp group spanning groups: its cp ranks in each group ("8 cp ranks" per replica)
+        rows = (
+            [(g, f"{st.dp} x {c} cp ranks") for g, c in st.cp_groups]
+            if st.cp_groups
+            else st.replicas
+        )
+        for g, n in rows:
             m = mem.get((st.index, g))
             extra = [str(st.tp_of(g, p.tp))] if group_tp else []
             extra += [str(st.shares[g])] if shares else []
@@ -918,15 +925,17 @@ def estimate(
     )
     _check_output(output)
     _check_precision(precision)
+    balance_cp = cp_shares == "auto"
     pins = _pins(
         dp, tp, pp, cp, ep, micro_batch, global_batch, recompute, zero, schedule, virtual_stages,
-        cp_mode, cp_shares, cp_head_shares,
+        cp_mode, None if balance_cp else cp_shares, cp_head_shares,
     )  # fmt: skip
     if from_config is not None and layout is not None:
         raise ValueError("--from and --layout both set the configuration; give one of them")
     if from_config is not None:
         given = [f"--{k.replace('_', '-')}" for k in pins.pinned()]
         given += ["--seq-len"] if seq_len is not None else []
+        given += ["--cp-shares"] if balance_cp else []
         given += [] if engine.is_eager else ["--compile/--float8/--tp-overlap/--hybrid-precision"]
         if given:
             raise ValueError(
@@ -947,7 +956,13 @@ def estimate(
         name, m, inputs, c = _load(model, cluster, gpus, seq_len, profile=profile)
         graph = _trace(name, m, inputs)
         result = estimate_plan(
-            graph, cluster=c, parallel=pins, engine=engine, precision=precision, layout=stages
+            graph,
+            cluster=c,
+            parallel=pins,
+            engine=engine,
+            precision=precision,
+            layout=stages,
+            balance_cp=balance_cp,
         )
         _print_plan(result, as_json)
     if not result.predicted.fits:

@@ -43,6 +43,7 @@ from tests.runtime.harness import (
     sgd,
     train,
 )
+from tests.runtime.test_parity_group_tp import cpu_groups
 
 # name -> (plan fields, model overrides); the tiny model has 4 query and 2 K/V heads, 8 tokens
 CONFIGS_2 = {
@@ -60,6 +61,12 @@ CONFIGS_2 = {
         ),
         {},
     ),
+    # a cp group spanning two device groups (one rank each): 6 tokens on "fast", 2 on "slow"
+    "cp2-span": (
+        dict(cp=2, micro_batch=2, global_batch=4, cp_shares=(6, 2)),
+        {},
+        {"fast": 1, "slow": 1},
+    ),
 }
 CONFIGS_4 = {
     # dp 2 x cp 2 with 2 + 6 tokens, forward run again in backward (cp 4 with uneven shares
@@ -75,12 +82,38 @@ CONFIGS_4 = {
     ),
     # tp 2 (sequence parallel inside each cp share) x cp 2 with 2 + 6 tokens
     "cpxtp-shares": (dict(cp=2, tp=2, micro_batch=2, global_batch=4, cp_shares=(2, 6)), {}),
+    # tp 2 x cp 2, the cp group spanning two groups of 2 ranks, heads 3 + 1 under "heads"
+    "cpxtp-span-heads": (
+        dict(
+            cp=2,
+            tp=2,
+            micro_batch=1,
+            global_batch=2,
+            cp_mode="heads",
+            cp_shares=(6, 2),
+            cp_head_shares=(1, 1),
+        ),
+        {},
+        {"fast": 2, "slow": 2},
+    ),
 }
 
 
-def _plan(world, fields, model_kw):
-    cluster = meshplan.Cluster.preset("cpu", gpus=world)
+def _plan(world, fields, model_kw, groups=None):
+    """The plan of `fields`; `groups`: on CPU device groups of these sizes, where the cp
+    group spans them (`StagePlacement.cp_groups`)."""
+    if groups:
+        cluster = cpu_groups(groups)
+    else:
+        cluster = meshplan.Cluster.preset("cpu", gpus=world)
     plan = meshplan.estimate_plan(graph(**model_kw), cluster=cluster, parallel=Parallel(**fields))
+    if groups:
+        cp_groups = plan.stages[0].cp_groups
+        assert cp_groups == tuple((g, n // fields.get("tp", 1)) for g, n in groups.items())
+        # cp rank r of the replica sits in the group cp_groups gives it
+        for r in plan.ranks:
+            assert r.group == ("fast" if r.coords[2] == 0 else "slow"), r
+        assert meshplan.Plan.from_json(plan.to_json()).stages[0].cp_groups == cp_groups
     assert plan.parallel.cp_shares == fields["cp_shares"]
     again = meshplan.Plan.from_json(plan.to_json()).parallel  # kept in the plan JSON
     assert (again.cp_shares, again.cp_head_shares) == (
@@ -111,7 +144,7 @@ def _all(plans, configs):
 
 
 def _check_all(world, configs):
-    plans = {name: _plan(world, f, m) for name, (f, m) in configs.items()}
+    plans = {name: _plan(world, *spec) for name, spec in configs.items()}
     refs = {}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as test_parity_cp_heads.py: tiny ops on a shared 2-core host

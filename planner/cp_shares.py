@@ -1,0 +1,169 @@
+"""Asymmetric context-parallel shares (HexiSeq): how many tokens of a sequence, and under
+head-parallel attention how many query heads, each cp rank takes when its cp group spans
+GPUs of different speeds.
+
+HexiSeq (PAPERS.md) solves the split as a constrained optimisation over each device's
+compute, memory and links. Here the step is lock-step: every attention's collectives wait
+for the slowest cp rank, so the split that minimises the step equalises the ranks' times.
+A rank's time is linear in its share (the uneven zig-zag keeps its causal attention work in
+proportion to its tokens, `runtime.context_parallel.sequence_positions`), so each device
+group g is measured at two shares with the cost model itself (`Pricer.stage_time` of the
+stage's blocks, the rank's cp collectives included): t_g(x) = a_g x + b_g. Equal times T
+with every token placed,
+
+    sum_g c_g (T - b_g) / a_g = S   (c_g: cp ranks in group g, S: tokens per sequence),
+
+give each group's share x_g = (T - b_g) / a_g: the continuous optimum of min max_g t_g. It
+is rounded to even token counts (the zig-zag halves) by largest remainder, tokens moved two
+at a time so the counts add up to S exactly, at least 2 per rank. Head shares under "heads"
+are whole heads, the same count on every rank of a group: each such split is tried with the
+tokens solved around it (a rank's attention core scales with its heads, the rest with its
+tokens; `StageConfig.attention_div`), and the fastest kept.
+
+What is not in it: memory (a share the faster GPU cannot hold is reported by `predict` as
+not fitting; HexiSeq caps shares by memory too), and a search over which GPUs join the cp
+group (the planner does not place spanning cp groups yet: `estimate` prices the placement
+`passes.partition.place_stages` gives).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from meshplan.cost_model.engine import EAGER, Engine
+from meshplan.cost_model.pricer import pricer_for
+from meshplan.ir import Cluster, Graph, Parallel, StagePlacement
+
+
+def _rounded(weights: list[float], total: int, step: int, least: int) -> list[int]:
+    """Integers in multiples of `step`, each >= `least`, adding up to `total`, in proportion
+    to `weights` (largest remainder)."""
+    units, floor = total // step, least // step
+    raw = [w / sum(weights) * units for w in weights]
+    out = [max(floor, int(r)) for r in raw]
+    order = sorted(range(len(raw)), key=lambda i: raw[i] - int(raw[i]), reverse=True)
+    i = 0
+    while sum(out) < units:
+        out[order[i % len(order)]] += 1
+        i += 1
+    while sum(out) > units:  # the floors took more than their share: take from the largest
+        j = max(range(len(out)), key=lambda k: out[k] - raw[k])
+        if out[j] <= floor:
+            raise ValueError(f"cannot split {total} into {len(weights)} shares of >= {least}")
+        out[j] -= 1
+    return [u * step for u in out]
+
+
+def balanced_cp_shares(
+    graph: Graph,
+    cluster: Cluster,
+    parallel: Parallel,
+    stage: StagePlacement,
+    *,
+    dtype: str | None = None,
+    engine: Engine = EAGER,
+) -> Parallel:
+    """`parallel` with `cp_shares` (and, under "heads", `cp_head_shares`) that equalise the
+    cp ranks' times on `stage`, whose cp groups span device groups (`stage.cp_groups`); see
+    the module docstring. `parallel` is complete and its shares unset."""
+    if not stage.cp_groups:
+        raise ValueError("asymmetric cp shares need a cp group spanning device groups")
+    p = parallel
+    seq, cp = graph.info.seq_len, p.cp
+    if not seq:
+        raise ValueError("asymmetric cp shares need the model's sequence length")
+    pricer = pricer_for(graph, cluster, dtype, None, engine)
+    comp = pricer.costs.composition(stage.first_unit, stage.last_unit)
+    span = stage.cp_groups
+    starts = [sum(c for _, c in span[:i]) for i in range(len(span))]
+    ranks = [tuple(range(at, at + c)) for at, (_, c) in zip(starts, span)]
+
+    heads_total = graph.info.heads // p.tp if graph.info.heads else 0
+
+    def group_time(i: int, shares: list[float], heads: list[float] | None) -> float:
+        """A rank of group i's time under token `shares` (per cp rank, summing to seq) and
+        head shares `heads` (None: equal)."""
+        cfg = dataclasses.replace(
+            p.stage(),
+            cp_shares=tuple(shares),
+            cp_head_shares=tuple(heads) if heads is not None else None,
+            cp_ranks=ranks[i],
+            cp_span=span,
+            cp_streams=p.tp * p.dp,
+        )
+        return pricer.stage_time(comp, span[i][0], cfg).total
+
+    def solve(heads_of) -> list[float]:
+        """Token shares (floats, adding up to seq) equalising the groups' times, each rank's
+        head shares given by `heads_of(token shares)`."""
+        equal = seq / cp
+
+        def probe(i: int, x: float) -> list[float]:
+            """Group i's ranks at x tokens, the others' even, adding up to seq."""
+            c = span[i][1]
+            rest = (seq - c * x) / (cp - c)
+            return [x if r in ranks[i] else rest for r in range(cp)]
+
+        def time_at(i: int, shares: list[float]) -> float:
+            return group_time(i, shares, heads_of(shares))
+
+        # Slopes from two shares each, both below what puts the others at zero tokens.
+        slopes = []
+        for i, (_, c) in enumerate(span):
+            x1 = equal * (1 + (cp - c) / (2 * cp))
+            t0, t1 = time_at(i, probe(i, equal)), time_at(i, probe(i, x1))
+            slopes.append(max(1e-12, (t1 - t0) / (x1 - equal)))
+        # Intercepts at the solution (the cp collectives' padding follows the largest
+        # share): solve, re-measure each group at the shares found, solve again.
+        shares = [equal] * cp
+        for _ in range(2):
+            lines = [
+                (a, time_at(i, shares) - a * shares[ranks[i][0]], c)
+                for i, (a, (_, c)) in enumerate(zip(slopes, span))
+            ]
+            big_t = (seq + sum(c * b / a for a, b, c in lines)) / sum(c / a for a, _, c in lines)
+            per_group = [max(2.0, (big_t - b) / a) for a, b, _ in lines]
+            shares = [per_group[i] for i, (_, c) in enumerate(span) for _ in range(c)]
+            shares = [x * seq / sum(shares) for x in shares]
+        return shares
+
+    heads = None
+    if p.cp_mode == "heads" and heads_total:
+        # Whole heads, the same count on every rank of a group: every such split (with the
+        # tokens solved around it) is priced, and the one whose slowest group is fastest
+        # kept. A few splits: the counts add up to a tp rank's heads.
+        best = None
+        for split in _head_splits([c for _, c in span], heads_total):
+            per_rank = [h for h, (_, c) in zip(split, span) for _ in range(c)]
+            shares = solve(lambda _, h=per_rank: h)
+            rounded = _rounded(shares, seq, 2, 2)
+            slowest = max(group_time(i, rounded, per_rank) for i in range(len(span)))
+            if best is None or slowest < best[0]:
+                best = (slowest, per_rank, shares)
+        if best is None:  # no such split: the heads stay equal, the tokens balance alone
+            shares = solve(lambda _: None)
+        else:
+            _, per_rank, shares = best
+            heads = tuple(per_rank)
+    else:
+        shares = solve(lambda _: None)
+    tokens = tuple(_rounded(shares, seq, 2, 2))
+    return dataclasses.replace(p, cp_shares=tokens, cp_head_shares=heads)
+
+
+def _head_splits(counts: list[int], heads: int) -> list[tuple[int, ...]]:
+    """Every (h_g per group) with h_g >= 1 and sum_g counts[g] h_g = heads."""
+    out: list[tuple[int, ...]] = []
+
+    def extend(prefix: tuple[int, ...], left: int) -> None:
+        g = len(prefix)
+        if g == len(counts) - 1:
+            if left >= counts[g] and left % counts[g] == 0:
+                out.append((*prefix, left // counts[g]))
+            return
+        rest = sum(counts[g + 1 :])
+        for h in range(1, (left - rest) // counts[g] + 1):
+            extend((*prefix, h), left - counts[g] * h)
+
+    extend((), heads)
+    return out

@@ -1,0 +1,177 @@
+"""Asymmetric context parallelism priced (issue 19, HexiSeq): cp groups that span GPU types,
+token and head shares per cp rank, and the balanced shares of `planner.cp_shares`.
+
+Oracles: a homogeneous cluster's price of the same configuration (equal shares on a
+spanning group run at the slower GPU's pace), linearity in the share (the uneven zig-zag
+keeps every op in proportion to a rank's tokens), the same price from two attention modes
+whose shares say the same thing, the bottleneck segment of a spanning ring derived from the
+cluster's own paths, and an exhaustive scan of two-group splits for the balanced shares.
+
+Unit tier: synthetic graphs, no ranks (the runtime's parity is in
+tests/runtime/test_parity_cp_shares.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import meshplan
+import pytest
+from meshplan.cost_model.collectives import cross_group_path, group_path
+from meshplan.cost_model.pricer import pricer_for
+from meshplan.ir import Parallel
+from meshplan.passes.partition import place_stages
+
+from tests.synthetic import A100, h100_cluster, mixed_cluster, transformer_graph
+
+SEQ = 32768
+# 4 layers, hidden 2048, 16 heads (8 K/V), sequence 32k
+GRAPH = transformer_graph(4, 2048, 16, 8, 8192, 32000, SEQ, 1, name="long")
+MIXED = mixed_cluster(1, 1)  # 8 H100 + 8 A100 at one site
+
+
+def _p(**kw) -> Parallel:
+    base = dict(dp=1, tp=1, pp=1, cp=16, ep=1, micro_batch=1, global_batch=1, zero=3)
+    return Parallel(**{**base, "recompute": "full", **kw})
+
+
+def _estimate(cluster=MIXED, **kw):
+    return meshplan.estimate_plan(GRAPH, cluster=cluster, parallel=_p(**kw))
+
+
+def _part(plan, name: str) -> float:
+    return dict(plan.predicted.breakdown)[name]
+
+
+def test_a_cp_group_too_large_for_one_group_spans_both():
+    """cp 16 over 8 H100 + 8 A100: each group gives the replica 8 cp ranks, the H100s cp
+    ranks 0-7 (group order); at tp 2 and cp 8, 4 cp ranks of 2 GPUs each. A cp group that
+    fits a group stays in it."""
+    plan = _estimate()
+    (stage,) = plan.stages
+    assert stage.cp_groups == (("h100", 8), ("a100", 8))
+    for r in plan.ranks:
+        assert r.group == ("h100" if r.coords[2] < 8 else "a100")
+    assert sorted(r.coords for r in plan.ranks) == [(0, 0, c, 0) for c in range(16)]
+    again = meshplan.Plan.from_json(plan.to_json())  # kept, and checked again, in the file
+    assert again.stages[0].cp_groups == stage.cp_groups
+    tp2 = place_stages(MIXED, _p(tp=2, cp=8, sequence_parallel=True), [(0, len(GRAPH.units))])
+    assert tp2[0].cp_groups == (("h100", 4), ("a100", 4))
+    whole = place_stages(MIXED, _p(cp=8, dp=2), [(0, len(GRAPH.units))])
+    assert [st.cp_groups for st in whole] == [()]
+
+
+def test_equal_shares_run_at_the_slower_gpus_pace():
+    """Equal shares over H100 + A100: the compute part of the step is exactly what the same
+    configuration computes on 16 A100s (the A100 ranks set the pace; only the traffic
+    differs)."""
+    a100s = h100_cluster(2, gpu=A100)  # links differ; the compute part does not see them
+    spanning, plain = _estimate(), _estimate(cluster=a100s)
+    assert not plain.stages[0].cp_groups
+    # (full recomputation re-runs the forward's cp traffic too: only "compute" is traffic-free)
+    assert _part(spanning, "compute") == pytest.approx(_part(plain, "compute"), rel=1e-9)
+    assert "bottleneck: stage 0 on a100" in spanning.predicted.notes
+    assert {r.group for r in spanning.predicted.memory} == {"h100", "a100"}
+
+
+def test_token_shares_scale_every_op_with_the_largest_share():
+    """3/4 of the tokens on one of two cp ranks of one GPU type: that rank's compute is 1.5x
+    the equal split's (every op in proportion to its tokens, attention included under the
+    uneven zig-zag), within the kernel floors and wave quantization (1%)."""
+    h100s = h100_cluster(1)
+    equal = _estimate(cluster=h100s, cp=2, dp=4, global_batch=4)
+    uneven = _estimate(
+        cluster=h100s, cp=2, dp=4, global_batch=4, cp_shares=(SEQ * 3 // 4, SEQ // 4)
+    )
+    assert _part(uneven, "compute") / _part(equal, "compute") == pytest.approx(1.5, rel=0.01)
+
+
+def test_head_shares_in_proportion_price_as_token_shares_do():
+    """Under "heads" a rank's attention core scales with its heads and the rest with its
+    tokens; with 12 + 4 of 16 heads beside 3/4 + 1/4 of the tokens it is priced as
+    "allgather" prices the same token shares (everything at 3/4); with the heads split
+    equally the attention core stays at 1/2 and the rank is cheaper."""
+    h100s = h100_cluster(1)
+    tokens = (SEQ * 3 // 4, SEQ // 4)
+    kw = dict(cluster=h100s, cp=2, dp=4, global_batch=4, cp_shares=tokens)
+    gathered = _estimate(**kw)
+    heads = _estimate(**kw, cp_mode="heads", cp_head_shares=(12, 4))
+    assert _part(heads, "compute") == pytest.approx(_part(gathered, "compute"), rel=1e-9)
+    equal_heads = _estimate(**kw, cp_mode="heads")
+    assert _part(equal_heads, "compute") < _part(heads, "compute")
+
+
+def test_spanning_ring_runs_at_its_slowest_segment():
+    """The cp collectives of a spanning cp group are priced on the slowest of each group's
+    own ring and the crossing between them (tp x dp cp groups crossing at once), derived
+    here from the cluster's paths."""
+    plan = _estimate()
+    pricer = pricer_for(GRAPH, MIXED, "bfloat16")
+    cfg = dataclasses.replace(
+        plan.parallel.stage(), cp_ranks=tuple(range(8)), cp_span=plan.stages[0].cp_groups
+    )
+    got = pricer._span_path(cfg)
+    h100, a100 = MIXED.groups
+    parts = [
+        group_path(MIXED, h100, 8, 8),
+        group_path(MIXED, a100, 8, 8),
+        cross_group_path(MIXED, "h100", "a100", 8, 8).path(1),
+    ]
+    assert got.bandwidth == min(p.bandwidth for p in parts)
+    assert got.latency == max(p.latency for p in parts)
+    # across a WAN the crossing is the bottleneck: the cp traffic costs far more
+    wan = mixed_cluster(1, 1, wan=True)
+    assert _part(_estimate(cluster=wan), "cp_comm") > 10 * _part(plan, "cp_comm")
+
+
+def _step(shares) -> float:
+    return _estimate(cp_shares=shares).predicted.step_time_s
+
+
+def test_balanced_shares_match_an_exhaustive_scan():
+    """`balance_cp` (`planner.cp_shares`) against every split that gives the 8 H100 ranks x
+    tokens each and the 8 A100 ranks the rest, x on a grid of 256 tokens: within 0.5% of the
+    best split scanned, and well ahead of equal shares. Its two groups' times are then
+    nearly equal (the balance the linear model aims for)."""
+    balanced = meshplan.estimate_plan(GRAPH, cluster=MIXED, parallel=_p(), balance_cp=True)
+    shares = balanced.parallel.cp_shares
+    assert len(set(shares[:8])) == 1 and len(set(shares[8:])) == 1 and sum(shares) == SEQ
+    scan = {}
+    for x in range(SEQ // 16, SEQ // 8 - 256, 256):
+        rest = (SEQ - 8 * x) // 8
+        scan[x] = _step((x,) * 8 + (rest,) * 8)
+    best = min(scan.values())
+    got = balanced.predicted.step_time_s
+    assert got <= best * 1.005, (shares[0], min(scan, key=scan.get))
+    assert got < 0.8 * _step(None)
+    pricer = pricer_for(GRAPH, MIXED, "bfloat16")
+    comp = pricer.costs.composition(0, len(GRAPH.units))
+    cfg = balanced.parallel.stage()
+    span = balanced.stages[0].cp_groups
+    times = [
+        pricer.stage_time(
+            comp,
+            g,
+            dataclasses.replace(cfg, cp_ranks=ranks, cp_span=span, cp_streams=1),
+        ).total
+        for g, ranks in (("h100", tuple(range(8))), ("a100", tuple(range(8, 16))))
+    ]
+    assert times[0] == pytest.approx(times[1], rel=0.02)
+
+
+def test_balanced_shares_refused_without_a_spanning_cp_group():
+    with pytest.raises(ValueError, match="need cp groups that span device groups"):
+        meshplan.estimate_plan(
+            GRAPH, cluster=MIXED, parallel=_p(cp=8, dp=2, global_batch=2), balance_cp=True
+        )
+    with pytest.raises(ValueError, match="not both"):
+        meshplan.estimate_plan(
+            GRAPH, cluster=MIXED, parallel=_p(cp_shares=(2048,) * 16), balance_cp=True
+        )
+
+
+def test_the_planner_refuses_pinned_shares_it_does_not_search():
+    with pytest.raises(meshplan.InfeasibleError, match="not searched by the planner yet"):
+        meshplan.plan(
+            GRAPH, cluster=MIXED, global_batch=1, parallel=Parallel(cp_shares=(16384,) * 2)
+        )
