@@ -18,8 +18,13 @@ It prints both step times, their ratio beside HexiSeq's 1.11-1.19x, the H100 ran
 share (x the equal share), the H100s alone with cp over half the GPUs (what a user could run
 instead, the A100s idle), and whether each fits in 80 GB.
 
-    python benchmarks/hexiseq.py              # the grid below, ~1-2 min on 2 cores
+    python benchmarks/hexiseq.py              # the grid below, ~2 min on 2 cores
     python benchmarks/hexiseq.py --quick      # 3B and 8B at 32K and 128K only
+    python benchmarks/hexiseq.py --plan       # also what `meshplan.plan` picks, ~5 min
+
+With --plan, each model and length is also planned by `meshplan.plan` on the same cluster
+(one sequence per step, default budget): its step time and whether its cp group spans the
+groups (the planner's step 5, `cp_shares.spanning_search`, against its plan inside groups).
 """
 
 from __future__ import annotations
@@ -81,16 +86,41 @@ def run(name: str, gpus: int, tp: int, seq: int, mode: str) -> dict | None:
     }
 
 
+def planner_choice(name: str, gpus: int, seq: int) -> tuple[float, str, float]:
+    """What `meshplan.plan` picks for one sequence per step: (step s, description, wall s)."""
+    import meshplan
+    from meshplan.api import as_graph
+    from meshplan.ir import Cluster
+
+    model, inputs = meshplan.models.get(name, seq_len=seq)
+    graph = as_graph(model, inputs, name=name)
+    cluster = Cluster.preset("mixed-h100-a100", gpus=gpus)
+    t0 = time.perf_counter()
+    try:
+        plan = meshplan.plan(graph, cluster=cluster, global_batch=1)
+    except meshplan.InfeasibleError as e:
+        return float("nan"), f"no plan ({e})", time.perf_counter() - t0
+    p, st = plan.parallel, plan.stages[0]
+    where = (
+        "spanning " + " + ".join(f"{c} cp ranks of {g}" for g, c in st.cp_groups)
+        if st.cp_groups
+        else "inside " + ", ".join(sorted({g for g, _ in st.replicas}))
+    )
+    how = f"tp {p.tp} cp {p.cp} pp {p.pp} ({p.cp_mode or '-'}), {where}"
+    return plan.predicted.step_time_s, how, time.perf_counter() - t0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="3B and 8B at 32K and 128K only")
+    ap.add_argument("--plan", action="store_true", help="also plan each with meshplan.plan")
     args = ap.parse_args(argv)
     models = MODELS[:2] if args.quick else MODELS
     seqs = SEQS[:2] if args.quick else SEQS
     print(f"{'model':<11} {'GPUs':>4} {'tp':>2} {'tokens':>8} {'mode':<9} {'equal s':>9} "
           f"{'balanced s':>10} {'ratio':>6} {'H100 share':>10} {'H100s alone s':>13} "
           "fits (equal / balanced / alone)")  # fmt: skip
-    start, ratios = time.perf_counter(), []
+    start, ratios, planned = time.perf_counter(), [], []
     for name, gpus, tp in models:
         for seq in seqs:
             for mode in ("allgather", "heads"):
@@ -101,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 if r is None:
                     continue
+                if args.plan and mode == "allgather":
+                    planned.append((name, gpus, seq, planner_choice(name, gpus, seq)))
                 e, b, a = r["equal"], r["balanced"], r["alone"]
                 ratio = e.step_time_s / b.step_time_s
                 fit = [("yes" if x.fits else "no") if x else "-" for x in (e, b, a)]
@@ -118,6 +150,12 @@ def main(argv: list[str] | None = None) -> int:
             f"\nbalanced over equal shares, rows where both fit: mean {mean:.2f}x, "
             f"range {min(ratios):.2f}-{max(ratios):.2f}x ({len(ratios)} rows); paper: {PAPER}"
         )
+    if planned:
+        print("\nmeshplan.plan (one sequence per step):")
+        for name, gpus, seq, (step, how, wall) in planned:
+            print(
+                f"{name:<11} {gpus:>4} {seq:>8}  {step:>8.2f} s  {how}  (planned in {wall:.1f} s)"
+            )
     print(f"({time.perf_counter() - start:.0f} s)")
     return 0
 

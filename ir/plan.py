@@ -402,6 +402,10 @@ class Plan:
                 )
             if s.group_tp:
                 where += " (tp per group: " + ", ".join(f"{g} {t}" for g, t in s.group_tp) + ")"
+            if s.cp_groups:  # each replica's cp group spans device groups
+                where = "cp groups spanning " + " + ".join(
+                    f"{c} cp ranks of {g}" for g, c in s.cp_groups
+                )
             if s.chunks:
                 held = "chunks " + ", ".join(
                     f"{self.model.units[a]} .. {self.model.units[b - 1]}" for a, b in s.chunks

@@ -29,10 +29,14 @@ group (the planner does not place spanning cp groups yet: `estimate` prices the 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
+from meshplan.cost_model import predict
+from meshplan.cost_model.compression import CommOptions
 from meshplan.cost_model.engine import EAGER, Engine
 from meshplan.cost_model.pricer import pricer_for
-from meshplan.ir import Cluster, Graph, Parallel, StagePlacement
+from meshplan.ir import Cluster, Graph, Parallel, Prediction, Recompute, Schedule, StagePlacement
+from meshplan.passes.partition import place_stages, replica_capacity
 
 
 def _rounded(weights: list[float], total: int, step: int, least: int) -> list[int]:
@@ -167,3 +171,121 @@ def _head_splits(counts: list[int], heads: int) -> list[tuple[int, ...]]:
 
     extend((), heads)
     return out
+
+
+# -- the planner's search over spanning cp groups ---------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SpanningBest:
+    """The fastest configuration of `spanning_search` that fits, and how many it priced."""
+
+    parallel: Parallel
+    stages: tuple[StagePlacement, ...]
+    prediction: Prediction
+    priced: int
+
+
+def spanning_search(
+    graph: Graph,
+    cluster: Cluster,
+    pinned: Parallel,
+    global_batch: int,
+    *,
+    dtype: str | None = None,
+    comm: CommOptions | None = None,
+    engine: Engine = EAGER,
+    balance: bool = True,
+) -> SpanningBest | None:
+    """The fastest plan that fits among those whose cp groups span device groups (HexiSeq's
+    setting; `meshplan.solver`'s docstring, "Spanning cp groups"), or None when none fits or
+    the cluster has one group.
+
+    Enumerated exactly (each priced by `predict` with its balanced shares, `balanced_cp_shares`,
+    or equal shares where those do not fit or `balance` is off): one pipeline stage and no EP;
+    tp every degree that divides the heads and every group's NVLink domain; cp every
+    `solver_candidates.cp_options` degree above 1; dp every divisor of the global batch with
+    dp x tp x cp GPUs in the cluster and replicas that fit no single group whole (otherwise
+    the main search covers them: `partition.place_stages` spans only then); micro-batch 1;
+    recompute none, selective and full; ZeRO 1 and 3; every cp mode `cp_mode_options`
+    allows. Pinned fields restrict each; pinned shares are used as given."""
+    from meshplan.ir.facts import blocked_dimension
+    from meshplan.ir.rules import cp_split_problem, tp_heads_problem
+    from meshplan.passes.partition import tp_domain_problem
+
+    from .solver_candidates import cp_mode_options, cp_options
+
+    info = graph.info
+    if len(cluster.groups) < 2 or not info.seq_len:
+        return None
+    if (pinned.pp or 1) > 1 or (pinned.ep or 1) > 1 or info.experts:
+        return None
+    trial = dataclasses.replace(pinned, cp=2, pp=1, ep=1)
+    if blocked_dimension(info, trial) is not None:
+        return None
+    tps = [pinned.tp] if pinned.tp else [1, 2, 4, 8]
+    tps = [
+        t
+        for t in tps
+        if tp_heads_problem(t, info.heads, info.kv_heads) is None
+        and all(tp_domain_problem((g,), t) is None for g in cluster.groups)
+    ]
+    fixed = pinned.cp_shares is not None or pinned.cp_head_shares is not None
+    cps = [pinned.cp] if pinned.cp else [c for c in cp_options(info.seq_len) if c > 1]
+    if fixed:  # pinned shares: their cp, used as given
+        cps = [pinned.cp or len(pinned.cp_shares or pinned.cp_head_shares or ())]
+    recomputes = [pinned.recompute] if pinned.recompute else list(Recompute)
+    zeros = [pinned.zero] if pinned.zero is not None else [1, 3]
+    micro = pinned.micro_batch or 1
+    best: SpanningBest | None = None
+    priced = 0
+    for tp, cp in itertools.product(tps, cps):
+        most = cluster.world_size // (tp * cp)
+        whole = sum(replica_capacity(g, tp, cp) for g in cluster.groups)
+        dps = [pinned.dp] if pinned.dp else list(range(whole + 1, most + 1))
+        for dp in dps:
+            # more replicas than the groups hold whole (else the main search has them)
+            if global_batch % (dp * micro) or not whole < dp <= most:
+                continue
+            base = Parallel(
+                dp=dp,
+                tp=tp,
+                pp=1,
+                cp=cp,
+                ep=1,
+                micro_batch=micro,
+                global_batch=global_batch,
+                recompute=Recompute.NONE,
+                zero=1,
+                schedule=Schedule.ONE_F_ONE_B,
+                sequence_parallel=tp > 1 and not info.blocker("sp"),
+            )
+            try:
+                stages = place_stages(cluster, base, [(0, len(graph.units))])
+            except ValueError:
+                continue
+            if not stages[0].cp_groups:
+                continue  # the replicas fit groups whole: the main search has them
+            modes = cp_mode_options(pinned.cp_mode, info.heads, tp, cp)
+            for mode, rc, zero in itertools.product(modes, recomputes, zeros):
+                p = dataclasses.replace(base, recompute=rc, zero=zero, cp_mode=mode)
+                if fixed:
+                    p = dataclasses.replace(
+                        p, cp_shares=pinned.cp_shares, cp_head_shares=pinned.cp_head_shares
+                    )
+                    if cp_split_problem(p, info.seq_len, info.heads):
+                        continue
+                tries = [p]
+                if balance and not fixed:
+                    q = balanced_cp_shares(graph, cluster, p, stages[0], dtype=dtype, engine=engine)
+                    tries.insert(0, q)
+                for q in tries:
+                    priced += 1
+                    pred = predict(graph, cluster, q, stages, dtype=dtype, comm=comm, engine=engine)
+                    if pred.fits:
+                        if best is None or pred.step_time_s < best.prediction.step_time_s:
+                            best = SpanningBest(q, stages, pred, 0)
+                        break
+    if best is None:
+        return None
+    return dataclasses.replace(best, priced=priced)

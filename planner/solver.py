@@ -38,6 +38,18 @@ order instead of building one model over all of them:
 4. decode the best placement into `Parallel` + `StagePlacement`s and re-price it with
    `predict`. The plan is "optimal" when every (c, l) was either bounded out or solved to
    optimality, else "feasible" with the relative gap to the smallest open bound.
+5. spanning cp groups (HexiSeq; throughput objective, several device groups; `solve` over
+   `_solve_in_groups`, `cp_shares.spanning_search`): the configurations whose replicas fit
+   no group whole, each replica's cp group taking cp ranks from several groups
+   (`StagePlacement.cp_groups`, `passes.partition.place_stages`), are priced exhaustively
+   with balanced token (and head) shares (`cp_shares.balanced_cp_shares`; equal shares
+   with `equal_shares`, or where the balanced ones do not fit). Constraints: pp = 1, ep = 1
+   (`ir.parallel.cp_span_problem`); tp divides the heads and every group's NVLink domain;
+   cp from `cp_options`; whole groups hold fewer than dp replicas <= world / (tp cp); dp x
+   micro-batch divides the global batch, micro-batch 1 unless pinned; recompute any; ZeRO 1
+   or 3 unless pinned; the cp modes `cp_mode_options` allows. The faster of this family's
+   best and step 4's plan is returned; its bound is the smaller of the two (the family has
+   no gap), so a spanning plan below the search's bound is optimal.
 
 Objectives (`Objective`, `solver_objective`): "throughput" (default) minimises the step time,
 "cost" dollars per token, "min_gpus" returns the fastest plan on the fewest GPUs meeting
@@ -65,6 +77,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -325,7 +338,92 @@ def solve(
     equal_shares: bool = False,
     candidates: list[Candidate] | None = None,
 ) -> SolveResult:
-    """The best configuration and placement that fits, honouring the fields of `pinned`.
+    """The best configuration and placement that fits, honouring the fields of `pinned`:
+    `_solve_in_groups` (every replica inside a device group), and on a cluster of several
+    groups under the throughput objective also the cp groups that span them (step 5 of the
+    module docstring, `cp_shares.spanning_search`); the faster plan that fits wins. The
+    arguments are `_solve_in_groups`'."""
+    objective = objective or Objective()
+    spans = objective.kind == "throughput" and len(cluster.groups) > 1 and candidates is None
+    try:
+        result = _solve_in_groups(
+            graph, cluster, pinned, global_batch=global_batch, time_limit_s=time_limit_s,
+            progress=progress, dtype=dtype, export_model=export_model, objective=objective,
+            comm=comm, quantize=quantize, per_group_tp=per_group_tp,
+            wall_limit_s=wall_limit_s, engine=engine, equal_shares=equal_shares,
+            candidates=candidates,
+        )  # fmt: skip
+    except InfeasibleError:
+        if not spans:
+            raise
+        result, refusal = None, sys.exc_info()[1]
+    if not spans:
+        return result
+    from .cp_shares import spanning_search
+
+    start = time.perf_counter()
+    span = spanning_search(
+        graph, cluster, pinned, global_batch, dtype=dtype, comm=comm, engine=engine,
+        balance=not equal_shares,
+    )  # fmt: skip
+    if span is None:
+        if result is None:
+            raise refusal
+        return result
+    time_s = span.prediction.step_time_s
+    if result is not None and result.prediction.step_time_s <= time_s:
+        return dataclasses.replace(result, candidates=result.candidates + span.priced)
+    # The spanning family is priced exhaustively: the plan is optimal when it is at or below
+    # the bound the search in groups proved (nothing fits there: optimal outright).
+    bound = time_s
+    if result is not None:
+        bound = min(time_s, result.prediction.step_time_s * (1 - result.gap))
+    gap = (time_s - bound) / time_s
+    if progress:
+        progress(
+            f"a cp group spanning device groups is faster: {time_s:.3f} s/step"
+            + (f" (in groups: {result.prediction.step_time_s:.3f})" if result else "")
+        )
+    return SolveResult(
+        parallel=span.parallel,
+        stages=span.stages,
+        prediction=span.prediction,
+        status="optimal" if gap <= 0 else "feasible",
+        gap=max(0.0, gap),
+        wall_s=(result.wall_s if result else 0.0) + time.perf_counter() - start,
+        candidates=(result.candidates if result else 0) + span.priced,
+        explored=(result.explored if result else 0) + span.priced,
+        placement_models=result.placement_models if result else 0,
+        objective=objective.kind,
+        objective_value=time_s,
+        splits=result.splits if result else 0,
+        work=result.work if result else 0.0,
+        wall_clock_hit=result.wall_clock_hit if result else False,
+        bound=bound,
+    )
+
+
+def _solve_in_groups(
+    graph: Graph,
+    cluster: Cluster,
+    pinned: Parallel,
+    *,
+    global_batch: int,
+    time_limit_s: float = 10.0,
+    progress: Progress = None,
+    dtype: str | None = None,
+    export_model: str | None = None,
+    objective: Objective | None = None,
+    comm: CommOptions | None = None,
+    quantize: bool = False,
+    per_group_tp: bool = True,
+    wall_limit_s: float | None = None,
+    engine: Engine = EAGER,
+    equal_shares: bool = False,
+    candidates: list[Candidate] | None = None,
+) -> SolveResult:
+    """The best configuration and placement that fits with every replica inside a device
+    group, honouring the fields of `pinned`.
 
     `comm`: what may be done to traffic (lossless coding, int8 gradients; each collective
     priced at its fastest allowed method, `cost_model.compression`); None: raw traffic.

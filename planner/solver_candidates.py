@@ -423,10 +423,11 @@ def enumerate_candidates(
     if p.schedule is not None and (why := schedule_problem(p)):
         raise InfeasibleError(f"no plan: {why}")
     if p.cp_shares is not None or p.cp_head_shares is not None:
-        # Priced by `estimate` and run by the runtime; the search gives equal shares.
+        # Replicas inside one group run equal shares; `cp_shares.spanning_search` plans them.
         raise InfeasibleError(
-            "no plan: cp_shares / cp_head_shares are not searched by the planner yet; price "
-            "them with `meshplan estimate --cp-shares` or leave them out"
+            "no plan: pinned cp_shares / cp_head_shares are planned only for cp groups that "
+            "span device groups (none fits here); price them with `meshplan estimate "
+            "--cp-shares` or leave them out"
         )
     domain_sizes = sorted({g.domain_gpus for g in cluster.groups})
     n_layers = len(graph.layer_units)

@@ -170,8 +170,39 @@ def test_balanced_shares_refused_without_a_spanning_cp_group():
         )
 
 
-def test_the_planner_refuses_pinned_shares_it_does_not_search():
-    with pytest.raises(meshplan.InfeasibleError, match="not searched by the planner yet"):
+def test_pinned_shares_are_planned_only_where_a_cp_group_spans():
+    """Shares pinned on a cluster of one group: refused in one line. On the mixed cluster a
+    cp group of 16 spans both groups and runs them as given."""
+    with pytest.raises(meshplan.InfeasibleError, match="only for cp groups that span"):
         meshplan.plan(
-            GRAPH, cluster=MIXED, global_batch=1, parallel=Parallel(cp_shares=(16384,) * 2)
+            GRAPH,
+            cluster=h100_cluster(2),
+            global_batch=1,
+            parallel=Parallel(cp_shares=(16384,) * 2),
         )
+    shares = (2560,) * 8 + (1536,) * 8
+    plan = meshplan.plan(GRAPH, cluster=MIXED, global_batch=1, parallel=Parallel(cp_shares=shares))
+    assert plan.parallel.cp_shares == shares and plan.stages[0].cp_groups
+
+
+def test_the_planner_spans_groups_where_that_wins():
+    """`meshplan.plan` on 8 H100 + 8 A100, one 32k sequence per step: the plan is the faster
+    of the best plan inside groups (`_solve_in_groups`) and the best spanning one
+    (`spanning_search`, every spanning configuration priced); here the spanning cp group
+    with balanced shares wins, runs (`check_plan`) and records its shares. At a short
+    sequence (4k: cp 16 would leave 256 tokens a rank) no cp group spans and the plan is the
+    in-groups one."""
+    from meshplan.cp_shares import spanning_search
+    from meshplan.runtime import check_plan
+    from meshplan.solver import _solve_in_groups
+
+    plan = meshplan.plan(GRAPH, cluster=MIXED, global_batch=1)
+    inside = _solve_in_groups(GRAPH, MIXED, Parallel(global_batch=1), global_batch=1)
+    span = spanning_search(GRAPH, MIXED, Parallel(global_batch=1), 1, comm=None)
+    assert span is not None and span.priced > 10
+    assert plan.stages[0].cp_groups, "the spanning plan should win at 32k tokens"
+    assert plan.predicted.step_time_s < inside.prediction.step_time_s
+    assert len(set(plan.parallel.cp_shares)) > 1  # balanced, not equal
+    check_plan(plan)
+    short = transformer_graph(4, 2048, 16, 8, 8192, 32000, 4096, 1, name="short")
+    assert not meshplan.plan(short, cluster=MIXED, global_batch=8).stages[0].cp_groups
