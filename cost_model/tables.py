@@ -116,8 +116,8 @@ def plan_tables(
     `StagePlacement.cp_groups`): a rank in group g is priced at the largest share of the cp
     ranks there (`StageConfig.cp_ranks`), its cp collectives on the spanning path
     (`StageConfig.cp_span`, tp x dp such cp groups crossing at once); the stage runs at the
-    slowest group's time (`evaluate`, the groups in lock-step). Its memory is the largest
-    share's on every group (an upper bound for the groups holding less).
+    slowest group's time (`evaluate`, the groups in lock-step). Each group's memory is its
+    own ranks' largest share's (`group_memory`).
 
     `max_microbatches` (uneven DP shares: the largest per-replica share) sizes the in-flight
     activations of the memory check; default the configuration's num_microbatches. `chunks`
@@ -240,6 +240,13 @@ def plan_tables(
                 (a, b): pricer.p2p(size, a, b, streams) for a in names for b in names
             }
         p2p.append(row)
+    span_memory = _span_memory(pricer, p, comps, cp_span, cfg_of, m, max_microbatches)
+    for s, row in enumerate(span_memory):  # each group at its own ranks' shares
+        memory[s] = max(row.values(), key=lambda x: x[0])
+        fits[s] = {
+            g: row[g][0] <= pricer.groups[g].gpu.memory_bytes if g in row else fits[s][g]
+            for g in names
+        }
     return PlanTables(
         parallel=p,
         ranges=tuple(ranges),
@@ -258,7 +265,30 @@ def plan_tables(
         chunks=p.chunks if pp > 1 else 1,
         zero_bubble=p.schedule == Schedule.ZERO_BUBBLE and pp > 1,
         ep_span=ep_span,
+        group_memory=span_memory,
     )
+
+
+def _span_memory(pricer, p, comps, cp_span, cfg_of, m, max_microbatches) -> list:
+    """Per (stage, group) memory of a stage whose cp groups span device groups: each group's
+    ranks at their own largest share (`StageConfig.cp_ranks`); [] without a span (the
+    stage's one row holds). One stage (`cp_span_problem`); quantized activations are
+    priced at stage 0's widths, as `plan_tables` does for a one-stage plan."""
+    if not cp_span:
+        return []
+    rows = []
+    pp = len(comps)
+    for s, comp in enumerate(comps):
+        held = in_flight_microbatches(p.schedule, s, pp, max_microbatches or m, p.chunks)
+        row = {}
+        for g, _ in cp_span:
+            cfg = cfg_of(g)
+            if not cfg.quantize_activations:
+                cfg = dataclasses.replace(cfg, quantize_activations=False)
+            mem = pricer.stage_memory(comp, cfg, dp=p.dp, zero=p.zero, stage=s, num_stages=pp)
+            row[g] = mem.peak(held)
+        rows.append(row)
+    return rows
 
 
 def _ep_floor(

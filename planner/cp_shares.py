@@ -20,21 +20,25 @@ are whole heads, the same count on every rank of a group: each such split is tri
 tokens solved around it (a rank's attention core scales with its heads, the rest with its
 tokens; `StageConfig.attention_div`), and the fastest kept.
 
-What is not in it: memory (a share the faster GPU cannot hold is reported by `predict` as
-not fitting; HexiSeq caps shares by memory too), and a search over which GPUs join the cp
-group (the planner does not place spanning cp groups yet: `estimate` prices the placement
-`passes.partition.place_stages` gives).
+Memory caps the shares as in HexiSeq: a rank's peak memory is linear in its share too
+(its activations), so two probes of `Pricer.stage_memory` give the most tokens each group's
+ranks hold; a group the balance would overfill is held at that many and the others share the
+rest (when the caps add up to less than the sequence, no split fits and `predict` says so).
+Which GPUs join the cp group is the planner's choice (`spanning_search`, below, step 5 of
+`meshplan.solver`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 from meshplan.cost_model import predict
 from meshplan.cost_model.compression import CommOptions
 from meshplan.cost_model.engine import EAGER, Engine
 from meshplan.cost_model.pricer import pricer_for
+from meshplan.cost_model.memory import in_flight_microbatches
 from meshplan.ir import Cluster, Graph, Parallel, Prediction, Recompute, Schedule, StagePlacement
 from meshplan.passes.partition import place_stages, replica_capacity
 
@@ -97,6 +101,28 @@ def balanced_cp_shares(
         )
         return pricer.stage_time(comp, span[i][0], cfg).total
 
+    # The most tokens a rank of each group holds in its memory: activations grow linearly
+    # with the share, so two probes give the line (`Pricer.stage_memory`, one stage; inf when
+    # the share does not move the peak).
+    def peak(i: int, x: float) -> float:
+        c = span[i][1]
+        rest = (seq - c * x) / (cp - c)  # the shares add up to the sequence
+        shares = [x if r in ranks[i] else rest for r in range(cp)]
+        cfg = dataclasses.replace(
+            p.stage(), cp_shares=tuple(shares), cp_ranks=ranks[i], cp_span=span
+        )
+        return pricer.stage_memory(comp, cfg, dp=p.dp, zero=p.zero).peak(in_flight)[0]
+
+    in_flight = in_flight_microbatches(p.schedule, 0, 1, p.num_microbatches, p.chunks)
+    caps = []
+    for i, (g, c) in enumerate(span):
+        x0, x1 = seq / cp, seq / cp * (1 + (cp - c) / (2 * cp))
+        m0, m1 = peak(i, x0), peak(i, x1)
+        slope = (m1 - m0) / (x1 - x0)
+        room = pricer.groups[g].gpu.memory_bytes - (m0 - slope * x0)
+        # less the 2 tokens rounding to even counts may add to a rank
+        caps.append(room / slope - 2 if slope > 0 else math.inf)
+
     def solve(heads_of) -> list[float]:
         """Token shares (floats, adding up to seq) equalising the groups' times, each rank's
         head shares given by `heads_of(token shares)`."""
@@ -118,15 +144,36 @@ def balanced_cp_shares(
             t0, t1 = time_at(i, probe(i, equal)), time_at(i, probe(i, x1))
             slopes.append(max(1e-12, (t1 - t0) / (x1 - equal)))
         # Intercepts at the solution (the cp collectives' padding follows the largest
-        # share): solve, re-measure each group at the shares found, solve again.
+        # share): solve, re-measure each group at the shares found, solve again. A group
+        # whose share would not fit its memory is held at the most it holds (`caps`) and the
+        # others share the rest.
         shares = [equal] * cp
         for _ in range(2):
             lines = [
                 (a, time_at(i, shares) - a * shares[ranks[i][0]], c)
                 for i, (a, (_, c)) in enumerate(zip(slopes, span))
             ]
-            big_t = (seq + sum(c * b / a for a, b, c in lines)) / sum(c / a for a, _, c in lines)
-            per_group = [max(2.0, (big_t - b) / a) for a, b, _ in lines]
+            held: dict[int, float] = {}
+            while True:
+                free = [i for i in range(len(span)) if i not in held]
+                left = seq - sum(span[i][1] * x for i, x in held.items())
+                if not free or left <= 0:
+                    break
+                a_b_c = [lines[i] for i in free]
+                big_t = (left + sum(c * b / a for a, b, c in a_b_c)) / sum(
+                    c / a for a, _, c in a_b_c
+                )
+                over = {
+                    i: caps[i]
+                    for i, (a, b, _) in zip(free, a_b_c)
+                    if (big_t - b) / a > caps[i]
+                }
+                if not over:
+                    for i, (a, b, _) in zip(free, a_b_c):
+                        held[i] = max(2.0, (big_t - b) / a)
+                    break
+                held.update(over)
+            per_group = [held.get(i, 2.0) for i in range(len(span))]
             shares = [per_group[i] for i, (_, c) in enumerate(span) for _ in range(c)]
             shares = [x * seq / sum(shares) for x in shares]
         return shares

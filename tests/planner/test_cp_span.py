@@ -206,3 +206,35 @@ def test_the_planner_spans_groups_where_that_wins():
     check_plan(plan)
     short = transformer_graph(4, 2048, 16, 8, 8192, 32000, 4096, 1, name="short")
     assert not meshplan.plan(short, cluster=MIXED, global_batch=8).stages[0].cp_groups
+
+
+def test_memory_caps_the_faster_groups_share():
+    """Llama 3 8B, 512k tokens over 8 H100 + 8 A100 (80 GB each), ZeRO-3, full recompute:
+    the split that equalises the ranks' times (found on a copy of the cluster with 10x the
+    memory) overfills the H100s; the balanced split holds them at what fits (peak within 1%
+    of 80 GB) and gives the A100s the rest, still faster than equal shares."""
+    from meshplan.api import as_graph
+
+    model, inputs = meshplan.models.get("llama3-8b", seq_len=524288)
+    graph = as_graph(model, inputs, name="llama3-8b")
+    cluster = meshplan.Cluster.preset("mixed-h100-a100", gpus=16)
+    p = _p(cp_mode="allgather")
+    roomy = dataclasses.replace(
+        cluster,
+        groups=tuple(
+            dataclasses.replace(
+                g, gpu=dataclasses.replace(g.gpu, memory_bytes=10 * g.gpu.memory_bytes)
+            )
+            for g in cluster.groups
+        ),
+    )
+    free = meshplan.estimate_plan(graph, cluster=roomy, parallel=p, balance_cp=True)
+    overfull = meshplan.estimate_plan(graph, cluster=cluster, parallel=free.parallel)
+    assert not overfull.predicted.fits
+    capped = meshplan.estimate_plan(graph, cluster=cluster, parallel=p, balance_cp=True)
+    equal = meshplan.estimate_plan(graph, cluster=cluster, parallel=p)
+    assert capped.predicted.fits and equal.predicted.fits
+    h100 = next(r for r in capped.predicted.memory if r.group == "h100")
+    assert h100.peak_bytes >= 0.99 * h100.capacity_bytes
+    assert capped.parallel.cp_shares[0] < free.parallel.cp_shares[0]
+    assert capped.predicted.step_time_s < equal.predicted.step_time_s
