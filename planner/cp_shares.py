@@ -37,8 +37,8 @@ import math
 from meshplan.cost_model import predict
 from meshplan.cost_model.compression import CommOptions
 from meshplan.cost_model.engine import EAGER, Engine
-from meshplan.cost_model.pricer import pricer_for
 from meshplan.cost_model.memory import in_flight_microbatches
+from meshplan.cost_model.pricer import pricer_for
 from meshplan.ir import Cluster, Graph, Parallel, Prediction, Recompute, Schedule, StagePlacement
 from meshplan.passes.partition import place_stages, replica_capacity
 
@@ -164,9 +164,7 @@ def balanced_cp_shares(
                     c / a for a, _, c in a_b_c
                 )
                 over = {
-                    i: caps[i]
-                    for i, (a, b, _) in zip(free, a_b_c)
-                    if (big_t - b) / a > caps[i]
+                    i: caps[i] for i, (a, b, _) in zip(free, a_b_c) if (big_t - b) / a > caps[i]
                 }
                 if not over:
                     for i, (a, b, _) in zip(free, a_b_c):
