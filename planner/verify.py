@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from meshplan import models
 from meshplan.ir import Cluster, Graph, Parallel, Recompute, Schedule
 from meshplan.ir.plan import Plan
+from meshplan.ir.rules import cp_heads_problem
 from meshplan.passes.sharding import tp_param_placements
 from torch import nn
 
@@ -241,8 +242,48 @@ def reduce_layout(
         sequence_parallel=bool(p.sequence_parallel) and tp > 1,
         virtual_stages=virtual if pp > 1 else None,
         quantize_activations=p.quantize_activations,
+        **_reduced_cp(p, cp, tp, info, notes),
     )
     return ReducedLayout(reduced, tuple(notes))
+
+
+def _reduced_cp(p: Parallel, cp: int, tp: int, info, notes: list[str]) -> dict:
+    """The plan's cp mode and asymmetric split at the reduced cp (fields of `Parallel`).
+
+    The mode is kept where the small model runs it ("heads": cp divides a tp rank's heads).
+    Asymmetric shares (`cp_shares`, `cp_head_shares`; HexiSeq) become cp = 2 shares in the
+    ratio of the plan's largest share to its smallest, rounded to what the small model's
+    sequence and heads allow (even tokens, at least 2 and 1 a rank); a note says so."""
+    if cp == 1 or (p.cp or 1) == 1:
+        return {}
+    mode = p.cp_mode or "allgather"
+    if mode == "heads" and cp_heads_problem(info.heads // tp, cp):
+        notes.append(f"cp attention 'heads' verified as 'allgather' (heads {info.heads}, cp {cp})")
+        mode = "allgather"
+    out: dict = {"cp_mode": mode}
+    if cp != 2:
+        return out
+
+    def pair(shares, total: int, step: int) -> tuple[int, int] | None:
+        big, small = max(shares), min(shares)
+        first = round(total * big / (big + small) / step) * step
+        first = min(max(first, step), total - step)
+        return (first, total - first) if total >= 2 * step else None
+
+    if p.cp_shares and info.seq_len and mode != "ring":
+        split = pair(p.cp_shares, info.seq_len, 2)
+        if split is not None:
+            out["cp_shares"] = split
+            notes.append(
+                f"asymmetric cp shares verified as {split[0]} + {split[1]} of {info.seq_len} "
+                "tokens (the plan's largest : smallest share)"
+            )
+    if p.cp_head_shares and mode == "heads" and info.heads:
+        split = pair(p.cp_head_shares, info.heads // tp, 1)
+        if split is not None:
+            out["cp_head_shares"] = split
+            notes.append(f"asymmetric head shares verified as {split[0]} + {split[1]}")
+    return out
 
 
 def _plan_notes(plan: Plan) -> list[str]:
@@ -836,7 +877,7 @@ def localize(
         if p.cp > 1:  # type: ignore[operator]
             if ref.dim() < 2 or ref.shape[1] != seq:
                 return None
-            ref = ref[:, sequence_positions(seq, p.cp, 0)]
+            ref = ref[:, sequence_positions(seq, p.cp, 0, p.cp_shares)]
         pieces = {r["coords"][3]: r["outputs"][path][which] for r in mine if path in r["outputs"]}
         if sorted(pieces) != list(range(p.tp)) or any(v is None for v in pieces.values()):
             return None

@@ -372,3 +372,35 @@ def test_cli_pass_and_fail_exit_codes(tmp_path):
         "python", "train.py",
     )  # fmt: skip
     assert r.returncode == 1 and "not launching" in r.stderr and "torchrun" not in r.stdout
+
+
+def test_reduced_parallel_keeps_the_cp_mode_and_an_asymmetric_split():
+    """cp attention and asymmetric shares (HexiSeq) reach the reduced layout: cp 2 with the
+    plan's largest : smallest ratio (24576 : 8192 tokens -> 12 + 4 of 16; heads 3 : 1 of
+    the small model's 4), "heads" kept where cp divides the heads, each with a note."""
+    shares = (24576,) * 4 + (8192,) * 4
+    plan = full(
+        cp=8, global_batch=1, cp_mode="heads", cp_shares=shares, cp_head_shares=(6,) * 4 + (2,) * 4
+    )
+    layout = reduce_layout(plan, tiny_graph())
+    got = layout.parallel
+    assert (got.cp, got.cp_mode, got.cp_shares, got.cp_head_shares) == (2, "heads", (12, 4), (3, 1))
+    assert any("12 + 4 of 16 tokens" in n for n in layout.notes), layout.notes
+    plain = reduced_parallel(full(cp=4, cp_mode="heads"), tiny_graph())
+    assert (plain.cp_mode, plain.cp_shares) == ("heads", None)
+
+
+def test_asymmetric_cp_plan_verifies():
+    """A plan of 6 + 2 tokens and 3 + 1 heads on 2 CPU ranks runs as the plan says and
+    matches one process (the runtime's uneven split, `tests/runtime/test_parity_cp_shares.py`,
+    through `verify`)."""
+    layout = Parallel(
+        cp=2, dp=1, tp=1, pp=1, ep=1, micro_batch=1, global_batch=1, cp_mode="heads",
+        cp_shares=(12, 4), cp_head_shares=(3, 1),
+    )  # fmt: skip
+    model_fn = preset_model_fn("llama3-8b", layout)
+    model, inputs = model_fn()
+    graph = meshplan.trace(model, *inputs)
+    plan = meshplan.estimate_plan(graph, cluster=Cluster.preset("cpu", gpus=2), parallel=layout)
+    report = meshplan.verify(model_fn, plan)
+    assert report.ok, report.summary()
