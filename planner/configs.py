@@ -1447,6 +1447,13 @@ def _problems(plan: Plan, fmt: str) -> list[_Problem]:
         out.append(_Problem(f"compressed collectives ({', '.join(comp)})", (("_placement", True),)))
     if p.quantize_activations:
         out.append(_Problem("quantized activations (AGoQ)", (("quantize_activations", None),)))
+    if p.cp_shares or p.cp_head_shares:  # none gives cp ranks their own share of a sequence
+        out.append(
+            _Problem(
+                "asymmetric cp shares (tokens / heads per cp rank, HexiSeq)",
+                (("cp_shares", None), ("cp_head_shares", None)),
+            )
+        )
     if plan.hybrid_precision:  # none of the three runs one group's linears in another precision
         modes = ", ".join(f"{g} {m}" for g, m in plan.hybrid_precision)
         out.append(_Problem(f"per-group precision ({modes}); plan with --hybrid-precision off"))

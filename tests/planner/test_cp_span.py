@@ -238,3 +238,15 @@ def test_memory_caps_the_faster_groups_share():
     assert h100.peak_bytes >= 0.99 * h100.capacity_bytes
     assert capped.parallel.cp_shares[0] < free.parallel.cp_shares[0]
     assert capped.predicted.step_time_s < equal.predicted.step_time_s
+
+
+def test_frameworks_cannot_express_asymmetric_shares():
+    """No framework export gives cp ranks their own shares: refused in one line naming it;
+    --closest writes the same layout at equal shares."""
+    from meshplan.configs import ExportError, export
+
+    plan = _estimate(cp_shares=(2560,) * 8 + (1536,) * 8)
+    with pytest.raises(ExportError, match="megatron cannot express asymmetric cp shares"):
+        export(plan, "megatron")
+    near = export(plan, "megatron", closest=True, graph=GRAPH)
+    assert near.plan.parallel.cp_shares is None and near.plan.parallel.cp == 16
