@@ -47,6 +47,7 @@ def _rounded(weights: list[float], total: int, step: int, least: int) -> list[in
     """Integers in multiples of `step`, each >= `least`, adding up to `total`, in proportion
     to `weights` (largest remainder)."""
     units, floor = total // step, least // step
+    weights = [max(w, 1e-12) for w in weights]
     raw = [w / sum(weights) * units for w in weights]
     out = [max(floor, int(r)) for r in raw]
     order = sorted(range(len(raw)), key=lambda i: raw[i] - int(raw[i]), reverse=True)
@@ -120,8 +121,10 @@ def balanced_cp_shares(
         m0, m1 = peak(i, x0), peak(i, x1)
         slope = (m1 - m0) / (x1 - x0)
         room = pricer.groups[g].gpu.memory_bytes - (m0 - slope * x0)
-        # less the 2 tokens rounding to even counts may add to a rank
-        caps.append(room / slope - 2 if slope > 0 else math.inf)
+        # less the 2 tokens rounding to even counts may add to a rank; at least the 2 every
+        # rank holds (a group that cannot hold even those does not fit at all: `predict`
+        # says so)
+        caps.append(max(2.0, room / slope - 2) if slope > 0 else math.inf)
 
     def solve(heads_of) -> list[float]:
         """Token shares (floats, adding up to seq) equalising the groups' times, each rank's
@@ -322,8 +325,14 @@ def spanning_search(
                         continue
                 tries = [p]
                 if balance and not fixed:
-                    q = balanced_cp_shares(graph, cluster, p, stages[0], dtype=dtype, engine=engine)
-                    tries.insert(0, q)
+                    try:
+                        q = balanced_cp_shares(
+                            graph, cluster, p, stages[0], dtype=dtype, engine=engine
+                        )
+                    except ValueError:  # no even split of the sequence: equal shares only
+                        q = None
+                    if q is not None:
+                        tries.insert(0, q)
                 for q in tries:
                     priced += 1
                     pred = predict(graph, cluster, q, stages, dtype=dtype, comm=comm, engine=engine)
