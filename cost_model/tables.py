@@ -21,6 +21,7 @@ from meshplan.ir import (
     StageConfig,
     StagePlacement,
 )
+from meshplan.ir.parallel import span_config
 from meshplan.passes.partition import (
     rank_chunks,
     replica_capacity,
@@ -135,11 +136,7 @@ def plan_tables(
 
     def cfg_of(g: str) -> StageConfig:
         """The configuration a rank of group g runs (its cp ranks' largest share)."""
-        if g not in spanned:
-            return cfg
-        at = sum(c for h, c in cp_span[: [h for h, _ in cp_span].index(g)])
-        ranks = tuple(range(at, at + spanned[g]))
-        return dataclasses.replace(cfg, cp_ranks=ranks, cp_span=cp_span, cp_streams=tp * dp)
+        return span_config(cfg, cp_span, g, tp * dp) if g in spanned else cfg
 
     m = p.global_batch // (dp * mb)
     pp = len(ranges)

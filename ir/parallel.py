@@ -392,15 +392,21 @@ class StagePlacement:
             out[g] = out.get(g, 0) + n * self.tp_of(g, tp) * cp
         return out
 
-    def cp_ranks_in(self, group: str) -> tuple[int, ...]:
-        """The cp ranks (indices in the cp group) that sit in `group` (every one without
-        `cp_groups`; callers pass `Parallel.cp` through `range` then)."""
-        at, out = 0, []
-        for g, c in self.cp_groups:
-            if g == group:
-                out.extend(range(at, at + c))
-            at += c
-        return tuple(out)
+
+def span_config(
+    cfg: StageConfig, span: tuple[tuple[str, int], ...], group: str, streams: int
+) -> StageConfig:
+    """What a rank of `group` runs when its cp group spans device groups as `span`
+    (`StagePlacement.cp_groups`: cp ranks per group, in cp-rank order): `cfg` priced at the
+    cp ranks that sit in `group` (`StageConfig.cp_ranks`), its cp collectives on the spanning
+    path with `streams` such cp groups crossing at once."""
+    at = 0
+    for g, c in span:
+        if g == group:
+            ranks = tuple(range(at, at + c))
+            return dataclasses.replace(cfg, cp_ranks=ranks, cp_span=span, cp_streams=streams)
+        at += c
+    raise ValueError(f"group {group!r} holds no cp rank of {span}")
 
 
 def cp_span_problem(parallel: Parallel, stages: tuple[StagePlacement, ...]) -> str | None:

@@ -39,7 +39,17 @@ from meshplan.cost_model.compression import CommOptions
 from meshplan.cost_model.engine import EAGER, Engine
 from meshplan.cost_model.memory import in_flight_microbatches
 from meshplan.cost_model.pricer import pricer_for
-from meshplan.ir import Cluster, Graph, Parallel, Prediction, Recompute, Schedule, StagePlacement
+from meshplan.ir import (
+    Cluster,
+    Graph,
+    Parallel,
+    Prediction,
+    Recompute,
+    Schedule,
+    StageConfig,
+    StagePlacement,
+)
+from meshplan.ir.parallel import span_config
 from meshplan.passes.partition import place_stages, replica_capacity
 
 
@@ -84,23 +94,26 @@ def balanced_cp_shares(
     pricer = pricer_for(graph, cluster, dtype, None, engine)
     comp = pricer.costs.composition(stage.first_unit, stage.last_unit)
     span = stage.cp_groups
-    starts = [sum(c for _, c in span[:i]) for i in range(len(span))]
-    ranks = [tuple(range(at, at + c)) for at, (_, c) in zip(starts, span)]
+    streams = p.tp * p.dp  # cp groups crossing the groups' link at once
 
-    heads_total = graph.info.heads // p.tp if graph.info.heads else 0
-
-    def group_time(i: int, shares: list[float], heads: list[float] | None) -> float:
-        """A rank of group i's time under token `shares` (per cp rank, summing to seq) and
-        head shares `heads` (None: equal)."""
+    def config(i: int, shares: list[float], heads: list[float] | None = None) -> StageConfig:
+        """A rank of group i under token `shares` (per cp rank, summing to seq) and head
+        shares `heads` (None: equal)."""
         cfg = dataclasses.replace(
             p.stage(),
             cp_shares=tuple(shares),
             cp_head_shares=tuple(heads) if heads is not None else None,
-            cp_ranks=ranks[i],
-            cp_span=span,
-            cp_streams=p.tp * p.dp,
         )
-        return pricer.stage_time(comp, span[i][0], cfg).total
+        return span_config(cfg, span, span[i][0], streams)
+
+    starts = [sum(c for _, c in span[:i]) for i in range(len(span))]
+    ranks = [tuple(range(at, at + c)) for at, (_, c) in zip(starts, span)]  # per group
+
+    heads_total = graph.info.heads // p.tp if graph.info.heads else 0
+
+    def group_time(i: int, shares: list[float], heads: list[float] | None) -> float:
+        """A rank of group i's time (`config`)."""
+        return pricer.stage_time(comp, span[i][0], config(i, shares, heads)).total
 
     # The most tokens a rank of each group holds in its memory: activations grow linearly
     # with the share, so two probes give the line (`Pricer.stage_memory`, one stage; inf when
@@ -109,9 +122,7 @@ def balanced_cp_shares(
         c = span[i][1]
         rest = (seq - c * x) / (cp - c)  # the shares add up to the sequence
         shares = [x if r in ranks[i] else rest for r in range(cp)]
-        cfg = dataclasses.replace(
-            p.stage(), cp_shares=tuple(shares), cp_ranks=ranks[i], cp_span=span
-        )
+        cfg = config(i, shares)
         return pricer.stage_memory(comp, cfg, dp=p.dp, zero=p.zero).peak(in_flight)[0]
 
     in_flight = in_flight_microbatches(p.schedule, 0, 1, p.num_microbatches, p.chunks)
