@@ -105,9 +105,13 @@ from .solver_candidates import (
     MAX_VIRTUAL_STAGES,
     MIN_CP_TOKENS,
     Candidate,
+    Family,
     InfeasibleError,
+    count,
     cp_options,
     enumerate_candidates,
+    enumerate_families,
+    flatten,
     micro_batch_options,
     schedule_options,
 )
@@ -158,6 +162,7 @@ __all__ = [
     "WALL_SAFETY_MIN_S",
     "WORK_COSTS",
     "Candidate",
+    "Family",
     "InfeasibleError",
     "Objective",
     "Placement",
@@ -165,6 +170,8 @@ __all__ = [
     "SolveResult",
     "cp_options",
     "enumerate_candidates",
+    "enumerate_families",
+    "flatten",
     "export_model",
     "micro_batch_options",
     "schedule_options",
@@ -199,7 +206,7 @@ class _Outcome:
 def _search(
     pricer: Pricer,
     graph: Graph,
-    cands: list[Candidate],
+    cands: list[Family],
     global_batch: int,
     work: _Work,
     scorer: _Scorer,
@@ -208,8 +215,8 @@ def _search(
     incumbent: float = math.inf,
     single_floor: float = 0.0,
 ) -> _Outcome:
-    """Steps 2-3 of the module docstring over `cands`: screen, then placement models, until
-    `work` is spent. `incumbent`: the score of a plan known from elsewhere
+    """Steps 2-3 of the module docstring over the candidates of `cands`: screen, then
+    placement models, until `work` is spent. `incumbent`: the score of a plan known from elsewhere
     (`_single_group_seed`); only pairs that can beat it are priced, and `best` stays None when
     none does. `single_floor`: no placement inside one device group scores below it (the
     screen then bounds the rest by what crossing between groups costs)."""
@@ -336,7 +343,7 @@ def solve(
     wall_limit_s: float | None = None,
     engine: Engine = EAGER,
     equal_shares: bool = False,
-    candidates: list[Candidate] | None = None,
+    candidates: list[Family] | None = None,
 ) -> SolveResult:
     """The best configuration and placement that fits, honouring the fields of `pinned`:
     `_solve_in_groups` (every replica inside a device group), and on a cluster of several
@@ -420,7 +427,7 @@ def _solve_in_groups(
     wall_limit_s: float | None = None,
     engine: Engine = EAGER,
     equal_shares: bool = False,
-    candidates: list[Candidate] | None = None,
+    candidates: list[Family] | None = None,
 ) -> SolveResult:
     """The best configuration and placement that fits with every replica inside a device
     group, honouring the fields of `pinned`.
@@ -455,15 +462,16 @@ def _solve_in_groups(
     pricer = pricer_for(graph, cluster, dtype, comm, engine=engine)
     dtype = pricer.dtype  # None: the model's own (`pricer.compute_dtype`)
     if candidates is None:
-        cands = enumerate_candidates(
+        cands = enumerate_families(
             graph, cluster, pinned, global_batch, quantize=quantize, per_group_tp=per_group_tp
         )
-        work.charge("candidate", len(cands))
+        work.charge("candidate", count(cands))
     else:
         cands = candidates
         if not cands:
             raise InfeasibleError("no plan: no configuration fits this cluster")
-    say(f"enumerated {len(cands)} candidate configurations")
+    n_cands = count(cands)
+    say(f"enumerated {n_cands} candidate configurations")
     tokens = global_batch * (graph.info.seq_len or 1)
     seed: SolveResult | None = None
     floor = 0.0  # no placement inside one group scores below it
@@ -504,7 +512,7 @@ def _solve_in_groups(
                 found,
                 prediction=_with_wall_note(found.prediction, work, time_limit_s, say),
                 wall_s=time.perf_counter() - start,
-                candidates=len(cands),
+                candidates=n_cands,
                 explored=out.priced + found.explored,
                 placement_models=out.models,
                 splits=out.pairs,
@@ -522,7 +530,7 @@ def _solve_in_groups(
             gap=max(gap, seed.gap),
             bound=seed.prediction.step_time_s * (1 - max(gap, seed.gap)),
             wall_s=time.perf_counter() - start,
-            candidates=len(cands),
+            candidates=n_cands,
             explored=seed.explored + out.priced,
             placement_models=seed.placement_models + out.models,
             splits=seed.splits + out.pairs,
@@ -561,7 +569,7 @@ def _solve_in_groups(
         gap=gap,
         bound=min(out.lowest_open, score),
         wall_s=wall,
-        candidates=len(cands),
+        candidates=n_cands,
         explored=out.priced,
         placement_models=out.models,
         objective=objective.kind,
@@ -592,7 +600,7 @@ def _single_group_seed(
     comm: CommOptions | None = None,
     quantize: bool = False,
     engine: Engine = EAGER,
-    cands: list[Candidate] | None = None,
+    cands: list[Family] | None = None,
 ) -> tuple[SolveResult | None, float]:
     """(the best plan inside one device group, over every group: the incumbent of a mixed
     cluster's search; the least step time any plan inside one group can have, as the groups'
@@ -613,7 +621,7 @@ def _single_group_seed(
         sub = dataclasses.replace(sub, group_links=())
         own = _one_group(cands, g) if shared else None
         if own is not None:
-            work.charge("filter", len(cands))
+            work.charge("filter", count(cands))
         try:
             r = solve(
                 graph,
@@ -640,28 +648,29 @@ def _single_group_seed(
     return seed, floor
 
 
-def _one_group(cands: list[Candidate], group: DeviceGroup) -> list[Candidate]:
-    """The configurations of `cands` (a cluster's) that `enumerate_candidates` gives the
-    cluster of `group` alone, in the same order: no per-group TP, a TP degree the group's
+def _one_group(cands: list[Family], group: DeviceGroup) -> list[Family]:
+    """The families of `cands` (a cluster's) that `enumerate_families` gives the cluster of
+    `group` alone, in the same order (their members keep the cluster's enumeration indices,
+    which order them as the group's own would): no per-group TP, a TP degree the group's
     domain takes and pp * dp replicas it holds."""
     fits: dict[tuple[int, int], int] = {}
     out = []
-    for c in cands:
-        if c.group_tp:
+    for f in cands:
+        if f.group_tp:
             continue
-        cap = fits.get((c.tp, c.cp))
+        cap = fits.get((f.tp, f.cp))
         if cap is None:
-            ok = tp_domain_problem((group,), c.tp) is None
-            cap = fits[(c.tp, c.cp)] = replica_capacity(group, c.tp, c.cp) if ok else 0
-        if c.pp * c.dp <= cap:
-            out.append(c)
+            ok = tp_domain_problem((group,), f.tp) is None
+            cap = fits[(f.tp, f.cp)] = replica_capacity(group, f.tp, f.cp) if ok else 0
+        if f.pp * f.dp <= cap:
+            out.append(f)
     return out
 
 
 def _min_gpus(
     pricer: Pricer,
     graph: Graph,
-    cands: list[Candidate],
+    cands: list[Family],
     global_batch: int,
     work: _Work,
     say,
@@ -673,10 +682,10 @@ def _min_gpus(
     tokens = global_batch * (pricer.costs.graph.info.seq_len or 1)
     target_step = tokens / objective.target_tokens_per_s
     scorer = _Scorer(Objective(), pricer.cluster)
-    by_gpus: dict[int, list[Candidate]] = {}
-    for c in cands:
-        if not c.group_tp:  # a per-group TP plan's GPU count depends on its placement
-            by_gpus.setdefault(c.gpus, []).append(c)
+    by_gpus: dict[int, list[Family]] = {}
+    for f in cands:
+        if not f.group_tp:  # a per-group TP plan's GPU count depends on its placement
+            by_gpus.setdefault(f.gpus, []).append(f)
     fastest: _Outcome | None = None
     pairs = priced = models = 0
     for gpus in sorted(by_gpus):

@@ -38,6 +38,8 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import NamedTuple
 
 from meshplan.cost_model.simulate import SUPPORTED_SCHEDULES
 from meshplan.ir import (
@@ -259,6 +261,95 @@ def priced(c: Candidate, group: str | None = None) -> StageConfig:
     return dataclasses.replace(c.stage_of(group), quantize_activations=False)
 
 
+class Family(NamedTuple):
+    """Candidates that differ only in ZeRO stage and schedule (with its v): the unit the
+    search queues and bounds (`solver_queue._Family`). `enumerate_families` yields them as
+    such, so a member's `Candidate` is built only when the search reaches its family (a large
+    cluster has ~1e6 candidates in ~3e5 families, most never expanded). A named tuple: built
+    ~1e5 times per plan, at a third of a frozen dataclass's cost.
+
+    The fields up to `cp_mode` are what every member shares, as `candidate` takes them; the
+    members (`variants`) are the (ZeRO stage, schedule, v) of `template`, shared by every
+    family of one block of the enumeration (`_block_families`), numbered from `base`."""
+
+    tp: int
+    pp: int
+    dp: int
+    cp: int
+    ep: int
+    micro_batch: int
+    recompute: Recompute
+    sequence_parallel: bool
+    quantize_activations: bool
+    global_batch: int
+    group_tp: tuple[tuple[str, int], ...]
+    cp_mode: str | None
+    # (offset, V, zero, schedule, v) per member: its enumeration index is
+    # base + offset + (V - 1) * step (`_block_families`)
+    template: tuple[tuple[int, int, int, Schedule, int], ...]
+    base: int
+    step: int
+    loose: int  # the place in `template` of the loosest member (`loosest`)
+
+    @property
+    def variants(self) -> tuple[tuple[int, int, Schedule, int], ...]:
+        """(enumeration index, ZeRO stage, schedule, v) of every member, in enumeration
+        order."""
+        base, step = self.base, self.step
+        return tuple((base + o + (vz - 1) * step, z, s, v) for o, vz, z, s, v in self.template)
+
+    def member(self, k: int) -> Candidate:
+        """The candidate of `variants[k]`."""
+        _, _, zero, sched, v = self.template[k]
+        return candidate(
+            self.tp, self.pp, self.dp, self.cp, self.ep, self.micro_batch, zero,
+            self.recompute, sched, self.sequence_parallel, v, self.quantize_activations,
+            self.global_batch, self.group_tp, self.cp_mode,
+        )  # fmt: skip
+
+    @property
+    def members(self) -> tuple[tuple[int, Candidate], ...]:
+        """(enumeration index, candidate) of every member, in enumeration order (built anew
+        at each call)."""
+        return tuple((v[0], self.member(k)) for k, v in enumerate(self.variants))
+
+    @property
+    def first(self) -> int:
+        """The enumeration index of the first member."""
+        o, vz = self.template[0][:2]
+        return self.base + o + (vz - 1) * self.step
+
+    @property
+    def gpus(self) -> int:
+        """GPUs a member occupies: tp * pp * cp * dp."""
+        return self.tp * self.pp * self.cp * self.dp
+
+    def loosest(self) -> Candidate:
+        """The member whose split-free bound is least (`solver_bounds._split_free_bound` is
+        increasing in the schedule's fill and gives only ZeRO <= 2 the share bound): least
+        `Candidate.fill`, then ZeRO <= 2, then enumeration order."""
+        return self.member(self.loose)
+
+
+def _fill(schedule: Schedule, v: int) -> float:
+    """`Candidate.fill` of a member built with this schedule and v (`candidate` keeps v only
+    under a chunked schedule)."""
+    if schedule is _ZB:
+        return 0.0
+    return 1.0 / (v or 1) if schedule is Schedule.INTERLEAVED_1F1B else 1.0
+
+
+def count(families: Sequence[Family]) -> int:
+    """Candidates in `families`."""
+    return sum(len(f.template) for f in families)
+
+
+def flatten(families: Sequence[Family]) -> list[Candidate]:
+    """Every member of `families`, in enumeration order."""
+    pairs = sorted(ic for f in families for ic in f.members)
+    return [c for _, c in pairs]
+
+
 # The constraints of `enumerate_candidates`'s loops, in the order they apply: each sees only the
 # partial configurations that passed the ones before it.
 CONSTRAINTS = (
@@ -282,9 +373,9 @@ class _Funnel:
     passed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CONSTRAINTS, 0))
     example: dict[str, str] = field(default_factory=dict)
 
-    def keep(self, constraint: str) -> None:
-        """One partial configuration passed `constraint`."""
-        self.passed[constraint] += 1
+    def keep(self, constraint: str, n: int = 1) -> None:
+        """`n` partial configurations passed `constraint`."""
+        self.passed[constraint] += n
 
     def reject(self, constraint: str, reason: str) -> None:
         """One partial configuration failed `constraint`, for `reason`."""
@@ -298,12 +389,17 @@ class _Funnel:
         raise AssertionError("a configuration passed every constraint")
 
 
+@lru_cache(maxsize=None)
+def _all_divisors(n: int) -> tuple[int, ...]:
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
+
+
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    return list(_all_divisors(n))
 
 
 def _divisors_upto(n: int, limit: int) -> list[int]:
-    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+    return [d for d in _all_divisors(n) if d <= limit]
 
 
 def micro_batch_options(per_replica: int, pp: int) -> list[int]:
@@ -379,6 +475,11 @@ def schedule_options(
     return out
 
 
+# `schedule_options` memoised for the enumeration (its arguments repeat over dp and
+# micro-batch; the lists it returns are only read)
+_schedules = lru_cache(maxsize=65536)(schedule_options)
+
+
 def enumerate_candidates(
     graph: Graph,
     cluster: Cluster,
@@ -388,7 +489,27 @@ def enumerate_candidates(
     quantize: bool = False,
     per_group_tp: bool = True,
 ) -> list[Candidate]:
-    """Every configuration the planner considers, honouring each pinned field of `pinned`.
+    """Every configuration the planner considers, in enumeration order: the members of
+    `enumerate_families`, whose arguments these are."""
+    return flatten(
+        enumerate_families(
+            graph, cluster, pinned, global_batch, quantize=quantize, per_group_tp=per_group_tp
+        )
+    )
+
+
+def enumerate_families(
+    graph: Graph,
+    cluster: Cluster,
+    pinned: Parallel,
+    global_batch: int,
+    *,
+    quantize: bool = False,
+    per_group_tp: bool = True,
+) -> list[Family]:
+    """Every configuration the planner considers, honouring each pinned field of `pinned`,
+    grouped into `Family`s (in order of their first member; members numbered in
+    enumeration order).
 
     tp divides heads and kv_heads (0 = unknown) and the GPUs per node of some group; cp from
     `cp_options` (divides the sequence); ep divides the experts and dp (MoE models only);
@@ -469,7 +590,8 @@ def enumerate_candidates(
         qas = [bool(p.quantize_activations)]
     else:
         qas = [False, True] if quantize else [False]
-    out: list[Candidate] = []
+    out: list[Family] = []
+    n = 0  # enumeration index of the next member
     funnel = _Funnel()
     for tp, cp, pp in itertools.product(tps, cps, pps):
         modes = cp_mode_options(p.cp_mode, info.heads, tp, cp)
@@ -517,7 +639,7 @@ def enumerate_candidates(
                         funnel.reject("batch", why)
                         continue
                     funnel.keep("batch")
-                    scheds = schedule_options(p, pp, n_layers, global_batch // (dp * mb), zb)
+                    scheds = _schedules(p, pp, n_layers, global_batch // (dp * mb), zb)
                     if not scheds:
                         m_ = global_batch // (dp * mb)
                         funnel.reject(
@@ -534,26 +656,77 @@ def enumerate_candidates(
                         )
                         continue
                     funnel.keep("schedule")
-                    for zero, rc, (sched, v), qa, cpm in itertools.product(
-                        zeros, rcs, scheds, qas, modes
-                    ):
+                    # Members in the order of product(zeros, rcs, scheds, qas, modes); a
+                    # family per (rc, qa, mode), in that order, its members (zero, schedule)
+                    # the same in every family of the block: `_block_families`.
+                    valid = []
+                    for zero, (sched, v) in itertools.product(zeros, scheds):
                         if why := zero_bubble_zero3_problem(sched, pp, zero):
                             funnel.reject("zb without zero3", why)
-                            continue
-                        funnel.keep("zb without zero3")
-                        out.append(
-                            candidate(
-                                tp, pp, dp, cp, ep, mb, zero, rc, sched, sp, v, qa, global_batch,
-                                cp_mode=cpm,
-                            )
-                        )  # fmt: skip
+                        else:
+                            valid.append((zero, sched, v))
+                    funnel.keep("zb without zero3", len(valid) * len(rcs) * len(qas) * len(modes))
+                    head = (tp, pp, dp, cp, ep, mb)
+                    out += _block_families(head, rcs, sp, qas, modes, global_batch, (), valid, n)
+                    n += len(valid) * len(rcs) * len(qas) * len(modes)
     if per_group_tp and len(cluster.groups) > 1:
         out += _per_group_tp_candidates(
-            cluster, p, global_batch, tps, cps, pps, rcs, qas, n_layers, zb
+            cluster, p, global_batch, tps, cps, pps, rcs, qas, n_layers, zb, n
         )
     if not out:
         raise InfeasibleError(f"no plan: {funnel.why_none()}")
     return out
+
+
+def _block_families(
+    head: tuple[int, int, int, int, int, int],
+    rcs: Sequence[Recompute],
+    sp: bool,
+    qas: Sequence[bool],
+    modes: Sequence[str | None],
+    global_batch: int,
+    group_tp: tuple[tuple[str, int], ...],
+    valid: Sequence[tuple[int, Schedule, int]],
+    n: int,
+) -> list[Family]:
+    """The families of one block of the enumeration ((tp, pp, dp, cp, ep, micro_batch) =
+    `head`): its members are product(zeros, rcs, scheds, qas, modes) in that order, numbered
+    from `n`, `valid` the (zero, schedule, v) that pass; one family per (rc, qa, mode) in
+    product order (each family's first member comes in that order), holding every valid
+    (zero, schedule, v). A member's index is n + (its zero's offset) + r * V_z * A +
+    j * A + q, with A = len(qas) * len(modes), V_z the valid schedules of its zero, j its
+    schedule's place among them, r and q the places of its rc and its (qa, mode)."""
+    if not valid:
+        return []
+    a = len(qas) * len(modes)
+    shared, loose = _template(tuple(valid), len(rcs), a)
+    tp, pp, dp, cp, ep, mb = head
+    return [
+        Family(tp, pp, dp, cp, ep, mb, rc, sp, qa, global_batch, group_tp, mode, shared,
+               n + q + r * a, r * a, loose)
+        for r, rc in enumerate(rcs)
+        for q, (qa, mode) in enumerate(itertools.product(qas, modes))
+    ]  # fmt: skip
+
+
+@lru_cache(maxsize=4096)
+def _template(valid: tuple[tuple[int, Schedule, int], ...], n_rcs: int, a: int):
+    """(`Family.template`, `Family.loose`) of a block's families (`_block_families`): the
+    valid (zero, schedule, v) with each one's offset and its zero's count of valid schedules,
+    and the place of the loosest."""
+    per_zero: dict[int, int] = {}
+    for zero, _, _ in valid:
+        per_zero[zero] = per_zero.get(zero, 0) + 1
+    offsets, o = {}, 0  # first index of each zero's members
+    for zero, vz in per_zero.items():
+        offsets[zero] = o
+        o += vz * n_rcs * a
+    template, seen = [], dict.fromkeys(per_zero, 0)
+    for zero, sched, v in valid:
+        template.append((offsets[zero] + seen[zero] * a, per_zero[zero], zero, sched, v))
+        seen[zero] += 1
+    loose = min(range(len(valid)), key=lambda k: (_fill(*valid[k][1:]), valid[k][0] > 2, k))
+    return tuple(template), loose
 
 
 def _per_group_tp_candidates(
@@ -567,17 +740,19 @@ def _per_group_tp_candidates(
     qas: Sequence[bool],
     n_layers: int,
     zb: bool = True,
-) -> list[Candidate]:
+    n: int = 0,
+) -> list[Family]:
     """Per-group TP (`Candidate.group_tp`): for every pair of device groups (a, b) and TP
     degrees tp_a != tp_b (each dividing its group's GPUs per node or NVLink domain, and the
     heads), the configurations whose pipelines run group-pure, n_a >= 1 of them in a at tp_a
     and n_b >= 1 in b at tp_b, dp = n_a + n_b. Only where the runtime executes it: tp not
     pinned, ZeRO-0 (the replicas' gradient shards differ in shape, `Pricer.hetero_dp_traffic`),
     no EP.
-    Sequence parallelism where a group's tp > 1 (unless pinned)."""
+    Sequence parallelism where a group's tp > 1 (unless pinned). Members are numbered from
+    `n`."""
     if p.tp is not None or p.zero not in (None, 0) or p.ep not in (None, 1):
         return []
-    out: list[Candidate] = []
+    out: list[Family] = []
     for a, b in itertools.combinations(cluster.groups, 2):
         tas = [t for t in tps if tp_domain_problem((a,), t) is None]
         tbs = [t for t in tps if tp_domain_problem((b,), t) is None]
@@ -599,25 +774,12 @@ def _per_group_tp_candidates(
                 for mb in mbs:
                     if global_batch % (dp * mb):
                         continue
-                    scheds = schedule_options(p, pp, n_layers, global_batch // (dp * mb), zb)
-                    for rc, (sched, v), qa in itertools.product(rcs, scheds, qas):
-                        group_tp = ((a.name, ta), (b.name, tb))
-                        out.append(
-                            candidate(
-                                ta,
-                                pp,
-                                dp,
-                                cp,
-                                1,
-                                mb,
-                                0,
-                                rc,
-                                sched,
-                                sp,
-                                v,
-                                qa,
-                                global_batch,
-                                group_tp,
-                            )
-                        )
+                    scheds = _schedules(p, pp, n_layers, global_batch // (dp * mb), zb)
+                    group_tp = ((a.name, ta), (b.name, tb))
+                    valid = [(0, sched, v) for sched, v in scheds]
+                    head = (ta, pp, dp, cp, 1, mb)
+                    out += _block_families(
+                        head, rcs, sp, qas, (None,), global_batch, group_tp, valid, n
+                    )
+                    n += len(valid) * len(rcs) * len(qas)
     return out

@@ -2,7 +2,8 @@
 typed entries of its heap and their order.
 
 The screen's queue: best-first over candidates, then over their splits. Candidates that
-differ only in ZeRO stage and schedule form a family (`_Family`), queued under its loosest
+differ only in ZeRO stage and schedule form a family (`_Family`: a `Family` as
+`enumerate_families` yields it), queued under its loosest
 member's bound and expanded into its members (`_Unsplit`) at the front; a candidate is queued
 under a bound that holds for every split and expanded into (candidate, split) pairs (`_Pair`)
 with their own bounds at the front; a pair is priced in full at the front (`_price`).
@@ -17,20 +18,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .solver_candidates import Candidate
+from .solver_candidates import Candidate, Family
 
 
 @dataclass(frozen=True, slots=True)
 class _Family:
-    """Candidates that differ only in ZeRO stage and schedule, bounded once by the loosest
-    member: the least fill, ZeRO <= 2 when there is one (`_split_free_bound` is increasing in
-    the fill and only ZeRO <= 2 gets the share bound)."""
+    """A `Family` of candidates (every knob but ZeRO stage and schedule shared) on the heap,
+    bounded once by its loosest member (`Family.loosest`)."""
 
-    members: tuple[tuple[int, Candidate], ...]  # (enumeration index, candidate)
+    family: Family
     # Set once the family was bounded again with `_multi_group_bound` (`_ScreenMemo.refined`):
     # `floor` then bounds every member, its splits and its priced pairs.
     refined: bool = False
     floor: float = 0.0
+
+    @property
+    def members(self) -> tuple[tuple[int, Candidate], ...]:
+        """(enumeration index, candidate) of every member, in enumeration order."""
+        return self.family.members
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,22 +71,3 @@ class _Queued:
     index: int
     split: tuple[int, ...]
     item: _Family | _Unsplit | _Pair = field(compare=False)
-
-
-def _families(cands: list[Candidate]) -> list[_Family]:
-    """The candidates grouped by every knob but ZeRO stage and schedule, in enumeration order."""
-    families: dict[tuple, list[tuple[int, Candidate]]] = {}
-    # c.stage_of() is a function of these raw fields: looking it up by them, as a number per
-    # distinct StageConfig, spares building and hashing one per candidate (most of this
-    # function's time on large clusters)
-    numbers: dict[object, int] = {}
-    by_raw: dict[tuple, int] = {}
-    for i, c in enumerate(cands):
-        raw = (c.tp, c.cp, c.ep, c.sequence_parallel, c.micro_batch, c.recompute,
-               c.quantize_activations, c.cp_mode)  # fmt: skip
-        stage = by_raw.get(raw)
-        if stage is None:
-            stage = by_raw[raw] = numbers.setdefault(c.stage_of(), len(numbers))
-        fam = (stage, c.pp, c.dp, c.group_tp)  # the stage config: every other knob
-        families.setdefault(fam, []).append((i, c))
-    return [_Family(tuple(members)) for members in families.values()]

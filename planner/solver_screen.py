@@ -53,9 +53,9 @@ from .solver_bounds import (
     _split_free_memory,
     _stage_memory,
 )
-from .solver_candidates import Candidate, priced
+from .solver_candidates import Candidate, Family, count, priced
 from .solver_objective import Placement, _Scorer, _Work
-from .solver_queue import _families, _Family, _Pair, _Queued, _Unsplit
+from .solver_queue import _Family, _Pair, _Queued, _Unsplit
 from .solver_splits import _splits
 
 # The least work left (work units) for which the screen, past its share of the budget with no
@@ -69,34 +69,36 @@ SHARE_WINDOW = 8
 
 
 def _megatron_seeds(
-    cands: list[Candidate], fits: Callable[[Candidate], bool], per_pp: int = 2, most: int = 8
-) -> list[Candidate]:
-    """Megatron-LM-style warm starts among the candidates: the widest TP, no CP, the most EP,
-    micro-batch 1, ZeRO-1 (distributed optimizer), 1F1B, no or selective recompute, the largest
-    dp for each of the smallest pipeline depths whose layers can fit (`fits`), `most` in all."""
+    families: Sequence[Family],
+    fits: Callable[[Candidate], bool],
+    per_pp: int = 2,
+    most: int = 8,
+) -> list[tuple[int, Candidate]]:
+    """Megatron-LM-style warm starts among the candidates, as (enumeration index, candidate):
+    the widest TP, no CP, the most EP, micro-batch 1, ZeRO-1 (distributed optimizer), 1F1B,
+    no or selective recompute, the largest dp for each of the smallest pipeline depths whose
+    layers can fit (`fits`), `most` in all."""
     pool = [
-        c
-        for c in cands
-        if c.cp == 1
-        and not c.group_tp
-        and c.micro_batch == 1
-        and c.zero in (0, 1)
-        and c.schedule == Schedule.ONE_F_ONE_B
-        and c.recompute != Recompute.FULL
+        (i, c)
+        for f in families
+        if f.cp == 1 and not f.group_tp and f.micro_batch == 1 and f.recompute != Recompute.FULL
+        for k, (i, zero, sched, _) in enumerate(f.variants)
+        if zero in (0, 1) and sched == Schedule.ONE_F_ONE_B
+        for c in [f.member(k)]
     ]
     if not pool:
         return []
-    tp = max(c.tp for c in pool)
-    ep = max(c.ep for c in pool if c.tp == tp)
-    by_pp: dict[int, list[Candidate]] = {}
-    for c in pool:
+    tp = max(c.tp for _, c in pool)
+    ep = max(c.ep for _, c in pool if c.tp == tp)
+    by_pp: dict[int, list[tuple[int, Candidate]]] = {}
+    for i, c in pool:
         if c.tp == tp and c.ep == ep and (c.zero == 1 or c.dp == 1):
-            by_pp.setdefault(c.pp, []).append(c)
-    out: list[Candidate] = []
+            by_pp.setdefault(c.pp, []).append((i, c))
+    out: list[tuple[int, Candidate]] = []
     for pp in sorted(by_pp):
-        top = max(c.dp for c in by_pp[pp])
-        best = sorted((c for c in by_pp[pp] if c.dp == top), key=lambda c: c.sort_key)
-        out += [c for c in best if fits(c)][:per_pp]
+        top = max(c.dp for _, c in by_pp[pp])
+        best = sorted((ic for ic in by_pp[pp] if ic[1].dp == top), key=lambda ic: ic[1].sort_key)
+        out += [ic for ic in best if fits(ic[1])][:per_pp]
         if len(out) >= most:
             break
     return out[:most]
@@ -390,10 +392,11 @@ class _ScreenMemo:
         placement inside one group goes below `single_floor` (the best plan of each group,
         `_single_group_seed`) and that is above `bound`. Below `best`, the members whose
         schedule and ZeRO stage fit in no GPU drop out first (infinite when none is left)."""
-        c = family.members[0][1]
-        single = math.inf if c.group_tp else self.single_floor
+        single = math.inf if family.family.group_tp else self.single_floor
         if single <= bound * (1 + 1e-9):
             return bound
+        members = [m for _, m in family.members]
+        c = members[0]
         factor = self.factor(c)
         enough = best * (1 + 1e-9) / factor if factor > 0 else math.inf
 
@@ -410,7 +413,6 @@ class _ScreenMemo:
                 enough=enough,
             )
 
-        members = [m for _, m in family.members]
         multi = multi_of(members)
         if min(single, multi) > best * (1 + 1e-9):
             return max(bound, min(single, multi))
@@ -556,7 +558,7 @@ def _needs_model(pr: _Priced, incumbent: float) -> bool:
 def _screen(
     pricer: Pricer,
     graph: Graph,
-    cands: list[Candidate],
+    families: Sequence[Family],
     global_batch: int,
     work: _Work,
     until: float,
@@ -576,21 +578,21 @@ def _screen(
     target step time). `single_floor`: no placement inside one device group scores below it
     (`_ScreenMemo.refined`)."""
     memo = _ScreenMemo(pricer, graph, global_batch, work, scorer, limit, single_floor)
-    families = _families(cands)
     queue: list[_Queued] = []
     for family in families:
-        loosest = min(family.members, key=lambda ic: (ic[1].fill, ic[1].zero > 2, ic[0]))[1]
-        got = memo.free_bound(loosest)
+        got = memo.free_bound(family.loosest())
         if got is not None:
-            queue.append(_Queued(got[0], family.members[0][0], (), family))
+            queue.append(_Queued(got[0], family.first, (), _Family(family)))
     # Megatron-style warm starts go first (bound -1): a strong incumbent early prunes the rest.
     top_memory = max(g.gpu.memory_bytes for g in pricer.cluster.groups)
-    index = {id(c): i for i, c in enumerate(cands)}
-    for c in _megatron_seeds(cands, lambda c: memo.split_free_memory(c) <= top_memory):
+    for i, c in _megatron_seeds(families, lambda c: memo.split_free_memory(c) <= top_memory):
         even = _even_split(memo.n_layers, c.pp)
-        queue.append(_Queued(-1.0, index[id(c)], even, _Pair(c, even, memo.factor(c))))
+        queue.append(_Queued(-1.0, i, even, _Pair(c, even, memo.factor(c))))
     heapq.heapify(queue)
-    say(f"bounded {len(cands)} configurations in {len(families)} families; pricing in bound order")
+    say(
+        f"bounded {count(families)} configurations in {len(families)} families; pricing in "
+        "bound order"
+    )
     done: set[tuple[Candidate, tuple[int, ...]]] = set()
 
     best = incumbent

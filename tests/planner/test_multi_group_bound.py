@@ -113,14 +113,21 @@ def test_every_multi_group_placement_costs_at_least_the_bound(name, make, comm, 
 )
 def test_a_groups_configurations_are_the_clusters_filtered(make):
     # `_single_group_seed` searches each group over the cluster's configurations that fit it
-    # (`_one_group`) instead of enumerating its own: the same list, in the same order.
+    # (`_one_group`) instead of enumerating its own: the same families of the same members,
+    # in the same order.
     import dataclasses
 
-    from meshplan.solver import _one_group
+    from meshplan.solver import _one_group, enumerate_families, flatten
 
     graph = transformer_graph(4, 512, 8, 8, 2048, 8000, 1024, 1)
     cluster = make()
-    cands = enumerate_candidates(graph, cluster, Parallel(), 16)
+    families = enumerate_families(graph, cluster, Parallel(), 16)
+
+    def shape(fams):  # each family's members, without their enumeration indices
+        return [[c for _, c in f.members] for f in fams]
+
     for g in cluster.groups:
         sub = dataclasses.replace(cluster, groups=(g,), group_links=())
-        assert _one_group(cands, g) == enumerate_candidates(graph, sub, Parallel(), 16)
+        own = enumerate_families(graph, sub, Parallel(), 16)
+        assert shape(_one_group(families, g)) == shape(own)
+        assert flatten(_one_group(families, g)) == enumerate_candidates(graph, sub, Parallel(), 16)

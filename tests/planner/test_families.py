@@ -1,0 +1,45 @@
+"""`enumerate_families` groups the candidates as the search's queue needs them: every
+knob but ZeRO stage and schedule shared within a family (`solver_candidates.Family`).
+
+Oracle: the flat candidate list grouped by hand, by each candidate's stage config, pp, dp
+and per-group TP, families in order of their first member, and each family's loosest member
+found by building every member."""
+
+from __future__ import annotations
+
+import pytest
+from meshplan.ir import Parallel
+from meshplan.solver import enumerate_candidates, enumerate_families, flatten
+from meshplan.solver_candidates import count
+
+from tests.planner.test_multi_group_bound import mixed_cluster, transformer_graph
+
+
+def grouped_by_hand(cands):
+    families: dict[tuple, list[tuple[int, object]]] = {}
+    for i, c in enumerate(cands):
+        families.setdefault((c.stage_of(), c.pp, c.dp, c.group_tp), []).append((i, c))
+    return list(families.values())
+
+
+@pytest.mark.parametrize(
+    "pinned, quantize",
+    [(Parallel(), False), (Parallel(), True), (Parallel(zero=3), False), (Parallel(pp=2), False)],
+)
+def test_families_are_the_candidates_grouped_by_every_knob_but_zero_and_schedule(pinned, quantize):
+    graph = transformer_graph(4, 512, 8, 8, 2048, 8000, 1024, 1)
+    cluster = mixed_cluster(2, 2, wan=True)
+    families = enumerate_families(graph, cluster, pinned, 16, quantize=quantize)
+    flat = enumerate_candidates(graph, cluster, pinned, 16, quantize=quantize)
+    assert flatten(families) == flat
+    assert count(families) == len(flat)
+    assert [list(f.members) for f in families] == grouped_by_hand(flat)
+    assert any(f.group_tp for f in families) == (pinned.zero in (None, 0))
+    for f in families:
+        members = f.members
+        assert [i for i, _ in members] == sorted(i for i, _ in members)
+        assert f.first == members[0][0]
+        assert len(f.template) == len(members)
+        assert f.gpus == members[0][1].gpus
+        by_hand = min(members, key=lambda ic: (ic[1].fill, ic[1].zero > 2, ic[0]))[1]
+        assert f.loosest() == by_hand
