@@ -35,7 +35,7 @@ from meshplan.cost_model.pricer import OVERLAP_EFFICIENCY, Pricer
 from meshplan.cost_model.tables import PlanTables
 from meshplan.passes.partition import replica_capacity
 
-from .solver_candidates import Candidate, priced
+from .solver_candidates import Candidate, Family, priced
 
 
 def _stage_memory(pricer, comp, c):
@@ -119,41 +119,87 @@ def _split_free_bound(
     stage times add over units, so S >= S_min (every unit on its fastest group) and U >= S / pp
     for lock-step placements; with shares a group's pipelines need at least W_g / pp per
     micro-batch (W_g: the whole model on g), so `_share_rate_bound` applies with U_g = W_g / pp."""
+    return _free_bound(pricer, c, c.fill, c.zero, groups, m, cache)
+
+
+def _free_bound(
+    pricer: Pricer,
+    c: Candidate | Family,
+    fill: float,
+    zero: int,
+    groups: Sequence[str],
+    m: int,
+    cache: dict,
+) -> float:
+    """`_split_free_bound` of a candidate with c's fields, schedule fill `fill` and ZeRO stage
+    `zero`: c is that candidate, or a `Family` of candidates that share every other field it
+    reads (its member is built only to price a stage config not seen before)."""
     # c's priced stage configs are a function of these fields and the groups: keying on them
     # spares building and hashing the configs once per candidate (most of this bound's cost)
     raw = ("free-raw", c.tp, c.cp, c.ep, c.sequence_parallel, c.micro_batch, c.recompute,
            c.cp_mode, c.group_tp, tuple(groups))  # fmt: skip
-    key = cache.get(raw)
-    if key is None:
-        key = cache[raw] = ("free", tuple(groups), tuple(priced(c, g) for g in groups))
-    got = cache.get(key)
+    got = cache.get(raw)
     if got is None:
-        costs = pricer.costs
-        counts: dict[str, int] = {}
-        for k in costs.unit_keys:
-            counts[k] = counts.get(k, 0) + 1
-        per = {
-            (k, g): pricer.stage_time(((k, 1),), g, cfg).total
-            for k in counts
-            for g, cfg in zip(groups, key[2])
-        }
-        s_min = sum(n * min(per[(k, g)] for g in groups) for k, n in counts.items())
-        whole = {g: sum(n * per[(k, g)] for k, n in counts.items()) for g in groups}
-        got = cache[key] = (s_min, whole)
+        member = c.loosest() if isinstance(c, Family) else c
+        key = ("free", tuple(groups), tuple(priced(member, g) for g in groups))
+        got = cache.get(key)
+        if got is None:
+            costs = pricer.costs
+            counts: dict[str, int] = {}
+            for k in costs.unit_keys:
+                counts[k] = counts.get(k, 0) + 1
+            per = {
+                (k, g): pricer.stage_time(((k, 1),), g, cfg).total
+                for k in counts
+                for g, cfg in zip(groups, key[2])
+            }
+            s_min = sum(n * min(per[(k, g)] for g in groups) for k, n in counts.items())
+            whole = {g: sum(n * per[(k, g)] for k, n in counts.items()) for g in groups}
+            got = cache[key] = (s_min, whole)
+        cache[raw] = got
     s_min, whole = got
     pp = c.pp
     # m U + fill (S - U) with U >= S / pp (increasing in U since m >= fill); per-group TP
     # has group-pure placements only (the share bound below)
-    lock = math.inf if c.group_tp else m * s_min / pp + c.fill * s_min * (1 - 1 / pp)
-    if c.zero > 2:
+    lock = math.inf if c.group_tp else m * s_min / pp + fill * s_min * (1 - 1 / pp)
+    if zero > 2:
         return lock
     rkey = raw + (pp, c.dp)  # ZeRO, schedule and m do not change the rate: memoise it
     rate = cache.get(rkey)
     if rate is None:
-        capacity = {g: replica_capacity(pricer.groups[g], c.tp_of(g), c.cp) for g in groups}
-        per_group = {g: (w / pp, w / pp) for g, w in whole.items()}
-        rate = cache[rkey] = _share_rate_bound(per_group, capacity, pp, c.dp)[0]
+        # `_share_rate_bound` with U_g = W_g / pp: its hosts in order, once per pp
+        hkey = raw + (pp,)
+        hosts = cache.get(hkey)
+        if hosts is None:
+            capacity = _capacities(pricer, c, groups, cache)
+            per_group = {g: w / pp for g, w in whole.items()}
+            ok = [g for g in per_group if capacity[g] >= pp and per_group[g] > 0]
+            hosts = cache[hkey] = [
+                (per_group[g], capacity[g] // pp)
+                for g in sorted(ok, key=lambda g: (per_group[g], g))
+            ] if len(ok) >= 2 else []  # fmt: skip
+        rate, left = 0.0, c.dp
+        for u, held in hosts:
+            take = min(left, held)
+            rate += take / u
+            left -= take
+            if not left:
+                break
+        if left:
+            rate = 0.0
+        cache[rkey] = rate
     return min(lock, c.dp * m / rate) if rate > 0 else lock
+
+
+def _capacities(
+    pricer: Pricer, c: Candidate | Family, groups: Sequence[str], cache: dict
+) -> dict[str, int]:
+    """Replicas of c (tp x cp GPUs, per-group TP honoured) each of `groups` holds, cached."""
+    key = ("capacity", c.tp, c.cp, c.group_tp, tuple(groups))
+    got = cache.get(key)
+    if got is None:
+        got = cache[key] = {g: replica_capacity(pricer.groups[g], c.tp_of(g), c.cp) for g in groups}
+    return got
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,7 +341,7 @@ def _multi_group_bound(
     configs = tuple(priced(c, g) for g in groups)
     terms = _config_terms(pricer, groups, configs, cache)
     pp, dp = c.pp, c.dp
-    capacity = {g: replica_capacity(pricer.groups[g], c.tp_of(g), c.cp) for g in groups}
+    capacity = _capacities(pricer, c, groups, cache)
     pairs = list(itertools.combinations(groups, 2))
     handoffs = _handoffs(pricer, c, groups, cache) if pp >= 2 else {}
     lock = math.inf
@@ -501,7 +547,7 @@ def _memory_free_bound(
     respected), over the distinct stages: (U, S) of `_stage_bound` for lock-step placements,
     and (rate, fill) of `_share_rate_bound` for group-pure pipelines with uneven shares."""
     stage_times, counts, per_group = _distinct_stage_times(pricer, cand, ranges, groups, cache)
-    capacity = {g: replica_capacity(pricer.groups[g], cand.tp_of(g), cand.cp) for g in groups}
+    capacity = _capacities(pricer, cand, groups, cache)
     big_u, total = _stage_bound(stage_times, counts, capacity, cand.dp)
     if cand.group_tp:  # group-pure placements only
         big_u = total = math.inf

@@ -324,11 +324,29 @@ class Family(NamedTuple):
         """GPUs a member occupies: tp * pp * cp * dp."""
         return self.tp * self.pp * self.cp * self.dp
 
+    def tp_of(self, group: str) -> int:
+        """`Candidate.tp_of` of the members."""
+        for g, t in self.group_tp:
+            if g == group:
+                return t
+        return self.tp
+
     def loosest(self) -> Candidate:
         """The member whose split-free bound is least (`solver_bounds._split_free_bound` is
         increasing in the schedule's fill and gives only ZeRO <= 2 the share bound): least
         `Candidate.fill`, then ZeRO <= 2, then enumeration order."""
         return self.member(self.loose)
+
+    @property
+    def knobs(self) -> list[tuple[float, int]]:
+        """(`Candidate.fill`, ZeRO stage) of every member, without building them."""
+        return [(_fill(sched, v), zero) for _, _, zero, sched, v in self.template]
+
+    @property
+    def loosest_knobs(self) -> tuple[float, int]:
+        """(`Candidate.fill`, ZeRO stage) of the loosest member, without building it."""
+        _, _, zero, sched, v = self.template[self.loose]
+        return _fill(sched, v), zero
 
 
 def _fill(schedule: Schedule, v: int) -> float:

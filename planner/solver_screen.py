@@ -41,6 +41,7 @@ from meshplan.ir import Graph, Recompute, Schedule, microbatch_problem
 from meshplan.passes.partition import replica_capacity, stages_of
 
 from .solver_bounds import (
+    _free_bound,
     _lower_bound,
     _memory_free_bound,
     _multi_group_bound,
@@ -335,11 +336,11 @@ class _ScreenMemo:
         self._splits: dict[tuple, list[tuple[int, ...]]] = {}
         self._split_terms: dict[tuple, tuple[float, float, float, float]] = {}
 
-    def microbatches(self, c: Candidate) -> int:
+    def microbatches(self, c: Candidate | Family) -> int:
         """m = global batch / (dp x micro-batch): micro-batches per pipeline."""
         return self.global_batch // (c.dp * c.micro_batch)
 
-    def groups(self, c: Candidate) -> list[str]:
+    def groups(self, c: Candidate | Family) -> list[str]:
         """The groups, in cluster order, that can hold a replica of c (of tp x cp GPUs); under
         per-group TP, only the groups it names."""
         key = (c.tp, c.cp, c.group_tp)
@@ -354,13 +355,13 @@ class _ScreenMemo:
             ]
         return got
 
-    def capacity(self, c: Candidate) -> dict[str, int]:
+    def capacity(self, c: Candidate | Family) -> dict[str, int]:
         """Replicas of c each of its groups holds."""
         return {
             g: replica_capacity(self.pricer.groups[g], c.tp_of(g), c.cp) for g in self.groups(c)
         }
 
-    def factor(self, c: Candidate) -> float:
+    def factor(self, c: Candidate | Family) -> float:
         """`_Scorer.factor` of c (it reads the degrees and the replica capacities only)."""
         key = (c.tp, c.cp, c.pp, c.dp, c.group_tp)
         got = self._factors.get(key)
@@ -385,6 +386,18 @@ class _ScreenMemo:
         factor = self.factor(c)
         return lb * factor, factor
 
+    def family_bound(self, f: Family) -> tuple[float, float] | None:
+        """`free_bound` of f's loosest member (`Family.loosest`), without building it."""
+        self.work.charge("bound")
+        fill, zero = f.loosest_knobs
+        lb = _free_bound(
+            self.pricer, f, fill, zero, self.groups(f), self.microbatches(f), self.cache
+        )
+        if _beyond(lb, self.limit):
+            return None
+        factor = self.factor(f)
+        return lb * factor, factor
+
     def refined(self, family: _Family, bound: float, best: float) -> float:
         """A bound of every member of `family` (queued under `bound`) at least as large:
         `bound`, or `_multi_group_bound` where every placement that could beat it uses two or
@@ -395,12 +408,12 @@ class _ScreenMemo:
         single = math.inf if family.family.group_tp else self.single_floor
         if single <= bound * (1 + 1e-9):
             return bound
-        members = [m for _, m in family.members]
-        c = members[0]
+        c = family.family.member(0)
         factor = self.factor(c)
         enough = best * (1 + 1e-9) / factor if factor > 0 else math.inf
 
-        def multi_of(members: list[Candidate]) -> float:  # `_multi_group_bound` over these
+        def multi_of(knobs: Sequence[tuple[float, int]]) -> float:
+            """`_multi_group_bound` over members of these (`Candidate.fill`, ZeRO stage)."""
             self.work.charge("refine")
             return factor * _multi_group_bound(
                 self.pricer,
@@ -408,14 +421,15 @@ class _ScreenMemo:
                 self.groups(c),
                 self.microbatches(c),
                 self.cache,
-                fill=min(m.fill for m in members),
-                zeros=sorted({m.zero for m in members}),
+                fill=min(fill for fill, _ in knobs),
+                zeros=sorted({zero for _, zero in knobs}),
                 enough=enough,
             )
 
-        multi = multi_of(members)
+        multi = multi_of(family.family.knobs)
         if min(single, multi) > best * (1 + 1e-9):
             return max(bound, min(single, multi))
+        members = [m for _, m in family.members]
         # Short of the best plan: members that fit nowhere drop out, which may lift it (with
         # none left, the family is gone): `_split_free_memory` with the micro-batches every
         # stage of the member's schedule holds (one under 1F1B, all m under GPipe).
@@ -439,7 +453,7 @@ class _ScreenMemo:
         if not fits:
             return math.inf
         if len(fits) < len(members):
-            multi = multi_of(fits)
+            multi = multi_of([(m.fill, m.zero) for m in fits])
         return max(bound, min(single, multi))
 
     def split_free_memory(self, c: Candidate, in_flight: float = 1) -> int:
@@ -580,7 +594,7 @@ def _screen(
     memo = _ScreenMemo(pricer, graph, global_batch, work, scorer, limit, single_floor)
     queue: list[_Queued] = []
     for family in families:
-        got = memo.free_bound(family.loosest())
+        got = memo.family_bound(family)
         if got is not None:
             queue.append(_Queued(got[0], family.first, (), _Family(family)))
     # Megatron-style warm starts go first (bound -1): a strong incumbent early prunes the rest.

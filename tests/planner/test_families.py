@@ -43,3 +43,6 @@ def test_families_are_the_candidates_grouped_by_every_knob_but_zero_and_schedule
         assert f.gpus == members[0][1].gpus
         by_hand = min(members, key=lambda ic: (ic[1].fill, ic[1].zero > 2, ic[0]))[1]
         assert f.loosest() == by_hand
+        assert f.knobs == [(c.fill, c.zero) for _, c in members]
+        assert f.loosest_knobs == (by_hand.fill, by_hand.zero)
+        assert all(f.tp_of(g) == members[0][1].tp_of(g) for g in ("a", "b", "h100", "a100"))
