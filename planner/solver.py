@@ -130,6 +130,7 @@ from .solver_objective import (
     SolveResult,
     _Scorer,
     _Work,
+    rarer_collections,
 )
 from .solver_screen import (
     SHARE_EXHAUSTIVE_DP,
@@ -326,6 +327,7 @@ def _decode(
 # ---------------------------------------------------------------------------------------------
 
 
+@rarer_collections
 def solve(
     graph: Graph,
     cluster: Cluster,

@@ -164,31 +164,29 @@ def _free_bound(
     lock = math.inf if c.group_tp else m * s_min / pp + fill * s_min * (1 - 1 / pp)
     if zero > 2:
         return lock
-    rkey = raw + (pp, c.dp)  # ZeRO, schedule and m do not change the rate: memoise it
-    rate = cache.get(rkey)
-    if rate is None:
-        # `_share_rate_bound` with U_g = W_g / pp: its hosts in order, once per pp
-        hkey = raw + (pp,)
-        hosts = cache.get(hkey)
-        if hosts is None:
-            capacity = _capacities(pricer, c, groups, cache)
-            per_group = {g: w / pp for g, w in whole.items()}
-            ok = [g for g in per_group if capacity[g] >= pp and per_group[g] > 0]
-            hosts = cache[hkey] = [
-                (per_group[g], capacity[g] // pp)
-                for g in sorted(ok, key=lambda g: (per_group[g], g))
-            ] if len(ok) >= 2 else []  # fmt: skip
-        rate, left = 0.0, c.dp
-        for u, held in hosts:
-            take = min(left, held)
-            rate += take / u
-            left -= take
-            if not left:
-                break
-        if left:
-            rate = 0.0
-        cache[rkey] = rate
-    return min(lock, c.dp * m / rate) if rate > 0 else lock
+    # `_share_rate_bound` with U_g = W_g / pp: its hosts in order, once per pp (ZeRO,
+    # schedule, dp and m do not change them)
+    hkey = raw + (pp,)
+    hosts = cache.get(hkey)
+    if hosts is None:
+        capacity = _capacities(pricer, c, groups, cache)
+        per_group = {g: w / pp for g, w in whole.items()}
+        ok = [g for g in per_group if capacity[g] >= pp and per_group[g] > 0]
+        hosts = cache[hkey] = [
+            (per_group[g], capacity[g] // pp)
+            for g in sorted(ok, key=lambda g: (per_group[g], g))
+        ] if len(ok) >= 2 else []  # fmt: skip
+    dp = c.dp
+    rate, left = 0.0, dp
+    for u, held in hosts:
+        take = min(left, held)
+        rate += take / u
+        left -= take
+        if not left:
+            break
+    if left or rate <= 0:
+        return lock
+    return min(lock, dp * m / rate)
 
 
 def _capacities(

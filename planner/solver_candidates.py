@@ -258,7 +258,10 @@ def priced(c: Candidate, group: str | None = None) -> StageConfig:
     """What the search's bounds and unit costs price a rank of c in `group` at (`stage_of`):
     without AGoQ's quantize and dequantize time, which only adds to a stage's time, so one
     bound holds with quantization on or off."""
-    return dataclasses.replace(c.stage_of(group), quantize_activations=False)
+    stage = c.stage_of(group)
+    if not stage.quantize_activations:  # most candidates: no copy needed
+        return stage
+    return dataclasses.replace(stage, quantize_activations=False)
 
 
 class Family(NamedTuple):

@@ -330,7 +330,7 @@ class _ScreenMemo:
         self.order = [g.name for g in pricer.cluster.groups]
         self.n_layers = len(graph.layer_units)
         self.cache: dict = {}
-        self._groups: dict[tuple, list[str]] = {}
+        self._groups: dict[tuple, tuple[str, ...]] = {}
         self._factors: dict[tuple, float] = {}
         self._ranges: dict[tuple[int, ...], tuple[tuple[int, int], ...]] = {}
         self._splits: dict[tuple, list[tuple[int, ...]]] = {}
@@ -340,19 +340,19 @@ class _ScreenMemo:
         """m = global batch / (dp x micro-batch): micro-batches per pipeline."""
         return self.global_batch // (c.dp * c.micro_batch)
 
-    def groups(self, c: Candidate | Family) -> list[str]:
+    def groups(self, c: Candidate | Family) -> tuple[str, ...]:
         """The groups, in cluster order, that can hold a replica of c (of tp x cp GPUs); under
         per-group TP, only the groups it names."""
         key = (c.tp, c.cp, c.group_tp)
         got = self._groups.get(key)
         if got is None:
             named = dict(c.group_tp)
-            got = self._groups[key] = [
+            got = self._groups[key] = tuple(
                 g
                 for g in self.order
                 if (not named or g in named)
                 and replica_capacity(self.pricer.groups[g], c.tp_of(g), c.cp)
-            ]
+            )
         return got
 
     def capacity(self, c: Candidate | Family) -> dict[str, int]:
