@@ -125,6 +125,9 @@ def scenarios(full: bool):
         ("llama3-70b on 256+256, budget 10", "llama3-70b", lambda: mixed(512), 1024, 10),
         ("deepseek-moe-16b on 256+256", "deepseek-moe-16b", lambda: mixed(512), 1024, 5),
         ("mixtral-8x7b on 64+64", "mixtral-8x7b", lambda: mixed(128), 512, 5),
+        # `meshplan plan`'s default: collectives may be coded (`compress="auto"`)
+        ("llama3-70b on 256+256, compress auto", "llama3-70b", lambda: mixed(512), 1024, 10),
+        ("llama3-8b on 64+64, compress auto", "llama3-8b", lambda: mixed(128), 512, 5),
     ]
     return quick + more
 
@@ -134,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--full", action="store_true", help="the larger set of solves")
     args = ap.parse_args(argv)
     import meshplan
-    from meshplan.api import as_graph
+    from meshplan.api import as_graph, comm_options
     from meshplan.ir import Parallel
     from meshplan.solver import solve
     from meshplan.solver_objective import CPSAT_DETERMINISTIC_PER_WORK, WORK_COSTS
@@ -148,7 +151,10 @@ def main(argv: list[str] | None = None) -> int:
             graphs[preset] = as_graph(model, inputs, name=preset)
         before = set(traces)
         c0 = time.process_time()
-        r = solve(graphs[preset], make(), Parallel(), global_batch=batch, time_limit_s=budget)
+        comm = comm_options("auto", "off")[0] if "compress auto" in name else None
+        r = solve(
+            graphs[preset], make(), Parallel(), global_batch=batch, time_limit_s=budget, comm=comm
+        )
         cpu = time.process_time() - c0
         per_solve.append((name, budget, r.work, cpu, r.status, len(set(traces) - before)))
         print(f"{name:36s} budget {budget:4g}  charged {r.work:6.2f}  CPU {cpu:6.2f} s  "

@@ -77,7 +77,10 @@ def rarer_collections(fn: Callable) -> Callable:
 # 90th percentile of those solves (the worst, 0.06 s against 0.16, is the smallest).
 WORK_COSTS: dict[str, float] = {
     "solve": 8.0e-2,  # a solve's set-up and decoding (`pricer_for`, `predict`)
-    "candidate": 5.0e-6,  # a configuration enumerated (`enumerate_candidates`)
+    # a configuration enumerated (`enumerate_families`): measured directly, not in the fit
+    # above (the fit cannot tell it from "bound"); 403,590 of llama3-70b on 512 H100 + A100
+    # took 0.47-0.56 CPU s once the enumeration yielded families (session 21; 5.0e-6 before)
+    "candidate": 1.3e-6,
     "bound": 2.0e-5,  # a configuration's split-free bound (`_split_free_bound`)
     "split": 2.6e-5,  # a (configuration, split) pair's memory-free bound
     "memory": 8.5e-5,  # a memory check (`_split_free_memory` or `_largest_stage`)
@@ -92,8 +95,9 @@ WORK_COSTS: dict[str, float] = {
     # not in the fit above; 24,206 of llama3-70b on 512 H100 + A100 took 1.67 CPU s
     "refine": 7.0e-5,
     # one of a cluster's configurations checked against one group (`solver._one_group`):
-    # not in the fit above; 403,590 of llama3-70b on 512 H100 + A100 took 0.2 CPU s
-    "filter": 5.0e-7,
+    # not in the fit above; 403,590 of llama3-70b on 512 H100 + A100 took 0.02-0.05 CPU s
+    # per group once it checked whole families (session 21; 0.2 s and 5.0e-7 before)
+    "filter": 1.0e-7,
 }
 # CP-SAT deterministic time per work unit. Its unit "is as close as possible to a second"
 # (OR-Tools' SatParameters, `max_deterministic_time`); on the reference machine a
