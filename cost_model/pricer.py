@@ -169,6 +169,7 @@ class Pricer(
         self.groups: dict[str, DeviceGroup] = {g.name: g for g in cluster.groups}
         self._time: dict[tuple, StageTime] = {}
         self._block_time: dict[tuple, StageTime] = {}
+        self._compute_times: dict[tuple, tuple[float, float, float]] = {}
         self._mem: dict[tuple, StageMemory] = {}
         self._cross: dict[tuple, CrossPath] = {}
         self._sync: dict[tuple, float] = {}  # step_sync_time's SP gradient part
@@ -231,9 +232,15 @@ class Pricer(
         scale = micro_batch / self.costs.traced_micro_batch
         facts = self.costs.facts[bkey]
         bc = self.costs.compute(bkey, g.gpu, self.dtype, self.engine_of(group))
-        fwd, bwd, sel = bc.times(
-            tp=tp, cp=cp, sequence_parallel=sp, scale=scale, attention_div=cfg.attention_div
-        )
+        # the compute times depend on these alone, not on the rest of cfg (recompute, ep,
+        # the cp mode, ...): priced once per key (~half of a large search's pricing)
+        tkey = (bkey, group, tp, cp, sp, scale, cfg.attention_div)
+        times = self._compute_times.get(tkey)
+        if times is None:
+            times = self._compute_times[tkey] = bc.times(
+                tp=tp, cp=cp, sequence_parallel=sp, scale=scale, attention_div=cfg.attention_div
+            )
+        fwd, bwd, sel = times
         t_fwd, t_bwd = self._tp_traffic(
             facts, tp, cp, sp, scale, intra_node_path(self.cluster, g), g.gpu, ep=ep
         )

@@ -90,6 +90,12 @@ MAX_CP = 32
 
 _ZB = Schedule.ZERO_BUBBLE  # a module constant: enum attribute access is slow in hot loops
 
+# `Candidate.stage_of`'s shared StageConfigs, by the fields `Parallel.stage` reads (a
+# StageConfig is frozen, so one instance serves every candidate that has its value); cleared
+# when it reaches _STAGES_MAX entries, which bounds its memory.
+_STAGES: dict[tuple, StageConfig] = {}
+_STAGES_MAX = 200_000
+
 
 class InfeasibleError(ValueError):
     """No configuration fits; the message names the binding constraint and its numbers."""
@@ -142,10 +148,18 @@ class Candidate(Parallel):
 
     def stage_of(self, group: str | None = None) -> StageConfig:
         """What one rank of `group` runs per micro-batch (`Parallel.stage`): at the group's
-        own tp under per-group TP; None: at `tp`."""
-        if group is None or not self.group_tp:
-            return self.stage()
-        return self.stage(self.tp_of(group))
+        own tp under per-group TP; None: at `tp`. One shared instance per distinct value
+        (`_STAGES`: the search asks for ~1e6 of them, of ~1e4 distinct ones)."""
+        tp = None if group is None or not self.group_tp else self.tp_of(group)
+        key = (self.tp, self.cp, self.ep, self.sequence_parallel, self.micro_batch,
+               self.recompute, self.quantize_activations, self.cp_mode, self.cp_shares,
+               self.cp_head_shares, tp)  # fmt: skip
+        got = _STAGES.get(key)
+        if got is None:
+            if len(_STAGES) >= _STAGES_MAX:
+                _STAGES.clear()
+            got = _STAGES[key] = self.stage(tp)
+        return got
 
     def view(self, group: str) -> Candidate:
         """The homogeneous candidate `group`'s pipelines run (its tp, no per-group TP)."""
@@ -358,6 +372,13 @@ def _fill(schedule: Schedule, v: int) -> float:
     if schedule is _ZB:
         return 0.0
     return 1.0 / (v or 1) if schedule is Schedule.INTERLEAVED_1F1B else 1.0
+
+
+def _chunks(schedule: Schedule, v: int) -> int:
+    """`Candidate.chunks` of a member built with this schedule and v."""
+    if schedule is Schedule.INTERLEAVED_1F1B:
+        return v or 1
+    return 2 if schedule is _ZB else 1
 
 
 def count(families: Sequence[Family]) -> int:

@@ -42,11 +42,17 @@ class _Family:
 @dataclass(frozen=True, slots=True)
 class _Unsplit:
     """A candidate under its split-free bound (`_split_free_bound`), not yet expanded into its
-    splits."""
+    splits: member `k` of `family`, built when it reaches the front (`cand`)."""
 
-    cand: Candidate
+    family: Family
+    k: int
     factor: float  # score per second of step time at best (`_Scorer.factor`)
     floor: float = 0.0  # a bound of every split inherited from its family (`_Family.floor`)
+
+    @property
+    def cand(self) -> Candidate:
+        """The candidate (built anew at each call)."""
+        return self.family.member(self.k)
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,7 +54,7 @@ from .solver_bounds import (
     _split_free_memory,
     _stage_memory,
 )
-from .solver_candidates import Candidate, Family, count, priced
+from .solver_candidates import Candidate, Family, _chunks, count, priced
 from .solver_objective import Placement, _Scorer, _Work
 from .solver_queue import _Family, _Pair, _Queued, _Unsplit
 from .solver_splits import _splits
@@ -386,10 +386,13 @@ class _ScreenMemo:
         factor = self.factor(c)
         return lb * factor, factor
 
-    def family_bound(self, f: Family) -> tuple[float, float] | None:
-        """`free_bound` of f's loosest member (`Family.loosest`), without building it."""
+    def family_bound(
+        self, f: Family, knobs: tuple[float, int] | None = None
+    ) -> tuple[float, float] | None:
+        """`free_bound` of the member of f with these (`Candidate.fill`, ZeRO stage), without
+        building it; None: of its loosest member (`Family.loosest`)."""
         self.work.charge("bound")
-        fill, zero = f.loosest_knobs
+        fill, zero = f.loosest_knobs if knobs is None else knobs
         lb = _free_bound(
             self.pricer, f, fill, zero, self.groups(f), self.microbatches(f), self.cache
         )
@@ -429,31 +432,36 @@ class _ScreenMemo:
         multi = multi_of(family.family.knobs)
         if min(single, multi) > best * (1 + 1e-9):
             return max(bound, min(single, multi))
-        members = [m for _, m in family.members]
         # Short of the best plan: members that fit nowhere drop out, which may lift it (with
         # none left, the family is gone): `_split_free_memory` with the micro-batches every
-        # stage of the member's schedule holds (one under 1F1B, all m under GPipe).
+        # stage of the member's schedule holds (one under 1F1B, all m under GPipe). That
+        # depends on the member only through its ZeRO stage and that count, so a member is
+        # built once per distinct pair.
+        fam = family.family
         m = self.microbatches(c)
         fits = []
-        verdicts: dict[tuple, bool] = {}
-        for member in members:
-            key = (member.zero, member.schedule, member.virtual_stages)
+        verdicts: dict[tuple[int, float], bool] = {}
+        for k, (_, _, zero, sched, v) in enumerate(fam.template):
+            self.work.charge("memory")  # one per (zero, schedule, v): each member once
+            held = min(
+                in_flight_microbatches(sched.value, s, fam.pp, m, _chunks(sched, v))
+                for s in range(fam.pp)
+            )
+            key = (zero, held)
             if key not in verdicts:
-                self.work.charge("memory")
-                held = min(
-                    in_flight_microbatches(member.schedule.value, s, member.pp, m, member.chunks)
-                    for s in range(member.pp)
-                )
                 verdicts[key] = (
-                    self.too_big(member, lambda x: (self.split_free_memory(x, held), x.pp - 1))
+                    self.too_big(
+                        fam.member(k), lambda x: (self.split_free_memory(x, held), x.pp - 1)
+                    )
                     is None
                 )
             if verdicts[key]:
-                fits.append(member)
+                fits.append(k)
         if not fits:
             return math.inf
-        if len(fits) < len(members):
-            multi = multi_of([(m.fill, m.zero) for m in fits])
+        if len(fits) < len(fam.template):
+            knobs = fam.knobs
+            multi = multi_of([knobs[k] for k in fits])
         return max(bound, min(single, multi))
 
     def split_free_memory(self, c: Candidate, in_flight: float = 1) -> int:
@@ -630,17 +638,18 @@ def _screen(
                 cut = entry.bound
                 break
         match entry.item:
-            case _Family(members=members) as family:  # bound and queue its members
+            case _Family() as family:  # bound and queue its members
                 if not family.refined:
                     again = memo.refined(family, entry.bound, best)
                     if again > entry.bound * (1 + 1e-9):  # queue it again under that bound
                         family = dataclasses.replace(family, refined=True, floor=again)
                         heapq.heappush(queue, _Queued(again, entry.index, (), family))
                         continue
-                for i, member in members:
-                    got = memo.free_bound(member)
+                fam = family.family
+                for k, ((i, *_), knobs) in enumerate(zip(fam.variants, fam.knobs, strict=True)):
+                    got = memo.family_bound(fam, knobs)
                     if got is not None:
-                        unsplit = _Unsplit(member, got[1], family.floor)
+                        unsplit = _Unsplit(fam, k, got[1], family.floor)
                         heapq.heappush(queue, _Queued(max(got[0], family.floor), i, (), unsplit))
             case _Unsplit(cand=c, factor=factor, floor=floor):  # expand into its splits
                 work.charge("memory")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from meshplan.ir import Parallel
 from meshplan.solver import enumerate_candidates, enumerate_families, flatten
-from meshplan.solver_candidates import count
+from meshplan.solver_candidates import _chunks, count
 
 from tests.planner.test_multi_group_bound import mixed_cluster, transformer_graph
 
@@ -44,5 +44,6 @@ def test_families_are_the_candidates_grouped_by_every_knob_but_zero_and_schedule
         by_hand = min(members, key=lambda ic: (ic[1].fill, ic[1].zero > 2, ic[0]))[1]
         assert f.loosest() == by_hand
         assert f.knobs == [(c.fill, c.zero) for _, c in members]
+        assert [_chunks(s, v) for _, _, _, s, v in f.template] == [c.chunks for _, c in members]
         assert f.loosest_knobs == (by_hand.fill, by_hand.zero)
         assert all(f.tp_of(g) == members[0][1].tp_of(g) for g in ("a", "b", "h100", "a100"))
