@@ -134,6 +134,16 @@ def _free_bound(
     """`_split_free_bound` of a candidate with c's fields, schedule fill `fill` and ZeRO stage
     `zero`: c is that candidate, or a `Family` of candidates that share every other field it
     reads (its member is built only to price a stage config not seen before)."""
+    raw, s_min, whole = _free_terms(pricer, c, groups, cache)
+    hosts = () if zero > 2 else _free_hosts(pricer, c, groups, raw, whole, c.pp, cache)
+    return _free_value(s_min, hosts, c.pp, c.dp, m, fill, zero, bool(c.group_tp))
+
+
+def _free_terms(
+    pricer: Pricer, c: Candidate | Family, groups: Sequence[str], cache: dict
+) -> tuple[tuple, float, dict[str, float]]:
+    """(its cache key, S_min, {group: W_g}) of `_split_free_bound`: S_min the sum over units
+    of each unit's time on its fastest group, W_g the whole model's time on group g."""
     # c's priced stage configs are a function of these fields and the groups: keying on them
     # spares building and hashing the configs once per candidate (most of this bound's cost)
     raw = ("free-raw", c.tp, c.cp, c.ep, c.sequence_parallel, c.micro_batch, c.recompute,
@@ -157,15 +167,21 @@ def _free_bound(
             whole = {g: sum(n * per[(k, g)] for k, n in counts.items()) for g in groups}
             got = cache[key] = (s_min, whole)
         cache[raw] = got
-    s_min, whole = got
-    pp = c.pp
-    # m U + fill (S - U) with U >= S / pp (increasing in U since m >= fill); per-group TP
-    # has group-pure placements only (the share bound below)
-    lock = math.inf if c.group_tp else m * s_min / pp + fill * s_min * (1 - 1 / pp)
-    if zero > 2:
-        return lock
-    # `_share_rate_bound` with U_g = W_g / pp: its hosts in order, once per pp (ZeRO,
-    # schedule, dp and m do not change them)
+    return raw, got[0], got[1]
+
+
+def _free_hosts(
+    pricer: Pricer,
+    c: Candidate | Family,
+    groups: Sequence[str],
+    raw: tuple,
+    whole: Mapping[str, float],
+    pp: int,
+    cache: dict,
+) -> list[tuple[float, int]]:
+    """`_share_rate_bound`'s hosts with U_g = W_g / pp, fastest first: (U_g, pipelines g
+    holds); empty when fewer than two groups host one. Once per (`raw`, pp): ZeRO, schedule,
+    dp and m do not change them."""
     hkey = raw + (pp,)
     hosts = cache.get(hkey)
     if hosts is None:
@@ -176,7 +192,25 @@ def _free_bound(
             (per_group[g], capacity[g] // pp)
             for g in sorted(ok, key=lambda g: (per_group[g], g))
         ] if len(ok) >= 2 else []  # fmt: skip
-    dp = c.dp
+    return hosts
+
+
+def _free_value(
+    s_min: float,
+    hosts: Sequence[tuple[float, int]],
+    pp: int,
+    dp: int,
+    m: int,
+    fill: float,
+    zero: int,
+    group_tp: bool,
+) -> float:
+    """`_split_free_bound` from its terms: m U + fill (S - U) with U >= S / pp (increasing in
+    U since m >= fill), lock-step placements only without per-group TP; with ZeRO <= 2 also
+    the share bound dp m / rate over `hosts` (`_share_rate_bound`), whichever is less."""
+    lock = math.inf if group_tp else m * s_min / pp + fill * s_min * (1 - 1 / pp)
+    if zero > 2:
+        return lock
     rate, left = 0.0, dp
     for u, held in hosts:
         take = min(left, held)

@@ -47,3 +47,35 @@ def test_families_are_the_candidates_grouped_by_every_knob_but_zero_and_schedule
         assert [_chunks(s, v) for _, _, _, s, v in f.template] == [c.chunks for _, c in members]
         assert f.loosest_knobs == (by_hand.fill, by_hand.zero)
         assert all(f.tp_of(g) == members[0][1].tp_of(g) for g in ("a", "b", "h100", "a100"))
+
+
+@pytest.mark.parametrize("wan", [False, True])
+def test_the_screens_batch_bound_equals_each_familys_own(wan):
+    # `_ScreenMemo.family_bounds` (the screen's first pass) gives each family exactly the
+    # bound `family_bound` gives it alone, which is `free_bound` of its loosest member.
+    import math
+
+    from meshplan.cost_model.pricer import pricer_for
+    from meshplan.solver_objective import Objective, _Scorer, _Work
+    from meshplan.solver_screen import _ScreenMemo
+
+    graph = transformer_graph(4, 512, 8, 8, 2048, 8000, 1024, 1)
+    cluster = mixed_cluster(2, 2, wan=wan)
+    families = enumerate_families(graph, cluster, Parallel(), 16)
+    pricer = pricer_for(graph, cluster)
+
+    def memo():
+        return _ScreenMemo(
+            pricer, graph, 16, _Work.starting_now(100.0), _Scorer(Objective(), cluster), math.inf
+        )
+
+    batch = memo().family_bounds(families)
+    one, each = memo(), []
+    for f in families:
+        got = one.family_bound(f)
+        by_member = one.free_bound(f.loosest())
+        assert got == by_member
+        if got is not None:
+            each.append((got[0], f))
+    assert batch == each
+    assert len(batch) > 10
