@@ -81,7 +81,12 @@ WORK_COSTS: dict[str, float] = {
     # above (the fit cannot tell it from "bound"); 403,590 of llama3-70b on 512 H100 + A100
     # took 0.47-0.56 CPU s once the enumeration yielded families (session 21; 5.0e-6 before)
     "candidate": 1.3e-6,
-    "bound": 2.0e-5,  # a configuration's split-free bound (`_split_free_bound`)
+    # a configuration's split-free bound (`_split_free_bound`): measured directly, not in the
+    # fit above (session 21: 8.3-10.6 us per family in the screen's first pass with a cold
+    # pricer, 3.2-5.1 us per member later, on llama3-70b on 512 and llama3-8b on 16,384
+    # mixed GPUs; `benchmarks/work_costs.py` cannot tell it from the screen's other
+    # per-family work; 2.0e-5 before)
+    "bound": 1.0e-5,
     "split": 2.6e-5,  # a (configuration, split) pair's memory-free bound
     "memory": 8.5e-5,  # a memory check (`_split_free_memory` or `_largest_stage`)
     "cell": 1.1e-4,  # one (stage, group) cell of a pair's priced tables (`plan_tables`)
