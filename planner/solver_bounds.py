@@ -29,6 +29,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from meshplan.cost_model.compression import MEASURED_RATIO, CommOptions, int8_gradient_ratio
 from meshplan.cost_model.dp_traffic import CrossTraffic
 from meshplan.cost_model.memory import in_flight_microbatches
 from meshplan.cost_model.pricer import OVERLAP_EFFICIENCY, Pricer
@@ -362,9 +363,10 @@ def _multi_group_bound(
     micro-batch, plus (pp - 1) of the cheapest hand-off, plus the exposed DP traffic with every
     stage's ring crossing (pp crossing at once): max_s (c_s - OE min(c_s, w_s)) >= (1 - OE)
     c_max, c_max >= the crossing time of the least traffic of ceil(L / pp) consecutive layers
-    (some stage holds them); and on a shared GroupLink with raw traffic, >= the mean over
-    stages, (pp per_whole - OE sum_u w_u) / pp (per-stage link times add over stages; the
-    windows add over units).
+    (some stage holds them); and on a shared GroupLink, >= the mean over stages,
+    (pp per_whole - OE sum_u w_u) / pp (per-stage link times add over stages; the windows
+    add over units; with coding allowed, per_whole is the raw one over the largest ratio a
+    method may shrink bytes by, `_best_ratio`).
     Infinite when no such placement exists (e.g. dp 1 and pp 1 with one replica). `enough`:
     the terms that cost most to price (the DP traffic) are left out of a part already above
     it, so the bound may be smaller than it could be, never above what it states."""
@@ -464,15 +466,28 @@ def _share_cross(
     costs = pricer.costs
     windows = _layer_windows(pricer, -(-len(costs.graph.layer_units) // pp), cache)
     c_max = min((cross(w, a, b).time(pp) for w in windows for a, b in pairs), default=0.0)
-    per_whole = None
-    if pricer.comm is None or not pricer.comm.active:
-        whole = costs.composition(0, len(costs.unit_keys))
-        per_whole = min(
-            (t.per_stage for a, b in pairs if (t := cross(whole, a, b)).per_stage is not None),
-            default=None,
-        )
+    whole = costs.composition(0, len(costs.unit_keys))
+    per_whole = min(
+        (t.per_stage for a, b in pairs if (t := cross(whole, a, b)).per_stage is not None),
+        default=None,
+    )
+    if per_whole is not None and pricer.comm is not None and pricer.comm.active:
+        # Coded traffic (`compression.coded_cross`): a collective's bytes on the shared link
+        # shrink by its method's ratio, at most `_best_ratio`, so each stage's per-stage time
+        # is at least its raw one over that, and so is the sum over stages.
+        per_whole /= _best_ratio(pricer.comm)
     got = cache[key] = (c_max, per_whole)
     return got
+
+
+def _best_ratio(comm: CommOptions) -> float:
+    """The largest factor by which a coding method `comm` allows shrinks a collective's
+    bytes (`compression.coded_cross`: a lossless ratio of `MEASURED_RATIO`, whatever the
+    dtype and tensor, or int8 gradients' wire ratio), at least 1."""
+    ratios = [1.0, *MEASURED_RATIO.values()] if comm.lossless else [1.0]
+    if comm.int8_gradients:
+        ratios.append(int8_gradient_ratio())
+    return max(ratios)
 
 
 def _window_dp(

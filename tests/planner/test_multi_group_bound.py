@@ -62,6 +62,18 @@ CASES = [
         CommOptions(lossless=True),
         8,
     ),
+    (
+        "WAN, lossless and int8 gradients allowed",
+        lambda: mixed_cluster(1, 1, wan=True, gpus_per_node=4),
+        CommOptions(lossless=True, int8_gradients=True),
+        8,
+    ),
+    (
+        "h100x4+a100x12 over a WAN, lossless coding allowed",
+        lambda: mixed_cluster(1, 3, wan=True, gpus_per_node=4),
+        CommOptions(lossless=True),
+        16,
+    ),
     ("per-group TP", two_node_sizes_cluster, None, 8),
 ]
 
