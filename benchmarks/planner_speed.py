@@ -3,18 +3,20 @@
     python benchmarks/planner_speed.py             # all scenarios
     python benchmarks/planner_speed.py --only 8b   # scenarios whose name contains "8b"
 
-Scenarios and targets (solve time, on the 2-core development machine):
+Scenarios, work budgets and issue 17's solve-time targets (on the 2-core development
+machine; each must also be optimal):
 
-- Llama-3-8B on 64 homogeneous H100 (8 DGX H100 nodes)                     <= 2 s
+- Llama-3-8B on 64 homogeneous H100 (8 DGX H100 nodes)             budget 2,  target 2 s
 - Llama-3-70B on 512 GPUs, 256 H100 + 256 A100, over three link tiers
   (NVLink inside nodes, InfiniBand NDR / HDR between nodes of a group, 100 GbE between
-  the two groups)                                                            <= 10 s
+  the two groups)                                                    budget 10, target 5 s
 - Llama-3-405B and DeepSeekMoE-16B on 4,096 GPUs, 2,048 H100 + 2,048 A100,
-  same three tiers                                                           <= 60 s
+  same three tiers                                                   budget 60, target 20 s
 
-Tracing (fake tensors, once per model) is timed apart from the solve. Each solve runs with
-`time_limit_s` equal to its target, so a solve that needs the whole budget shows as status
-"feasible" with its proven gap.
+Tracing (fake tensors, once per model) is timed apart from the solve. The budget is the
+solver's deterministic work (`time_limit_s`), kept from earlier sessions so the plans stay
+comparable; a solve that needs all of it shows as status "feasible" with its proven gap. The
+exit status is 0 when every solve is optimal within its target.
 """
 
 from __future__ import annotations
@@ -51,11 +53,12 @@ def homogeneous(gpus: int):
     return Cluster.preset("dgx-h100", gpus=gpus)
 
 
+# (name, model preset, cluster, work budget, solve-time target in seconds: issue 17's)
 SCENARIOS = [
-    ("llama3-8b on 64 H100", "llama3-8b", lambda: homogeneous(64), 2.0),
-    ("llama3-70b on 512 H100+A100", "llama3-70b", lambda: mixed(512), 10.0),
-    ("llama3-405b on 4096 H100+A100", "llama3-405b", lambda: mixed(4096), 60.0),
-    ("deepseek-moe-16b on 4096 H100+A100", "deepseek-moe-16b", lambda: mixed(4096), 60.0),
+    ("llama3-8b on 64 H100", "llama3-8b", lambda: homogeneous(64), 2.0, 2.0),
+    ("llama3-70b on 512 H100+A100", "llama3-70b", lambda: mixed(512), 10.0, 5.0),
+    ("llama3-405b on 4096 H100+A100", "llama3-405b", lambda: mixed(4096), 60.0, 20.0),
+    ("deepseek-moe-16b on 4096 H100+A100", "deepseek-moe-16b", lambda: mixed(4096), 60.0, 20.0),
 ]
 
 
@@ -70,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 
     graphs: dict[str, object] = {}
     rows = []
-    for name, preset, make, target in SCENARIOS:
+    for name, preset, make, budget, target in SCENARIOS:
         if args.only and args.only not in name:
             continue
         t0 = time.perf_counter()
@@ -81,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         graph, cluster = graphs[preset], make()
         t1 = time.perf_counter()
         r = solve(
-            graph, cluster, Parallel(), global_batch=GLOBAL_BATCH[preset], time_limit_s=target
+            graph, cluster, Parallel(), global_batch=GLOBAL_BATCH[preset], time_limit_s=budget
         )
         solve_s = time.perf_counter() - t1
         rows.append((name, trace_s, solve_s, target, r))
@@ -89,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         mb = r.stages[0].shares
         print(
             f"{name:38s} trace {trace_s:6.2f} s  solve {solve_s:6.2f} s (target {target:4.0f} s, "
-            f"{'ok' if solve_s <= target else 'MISSED'})  {r.status} gap {r.gap * 100:.2f}%  "
+            f"{'ok' if solve_s <= target and r.status == 'optimal' else 'MISSED'}; budget "
+            f"{budget:g})  {r.status} gap {r.gap * 100:.2f}%  "
             f"{r.candidates:,} configs, {r.splits:,} (config, split) pairs bounded, "
             f"{r.explored} priced, {r.placement_models} CP-SAT models",
             flush=True,
@@ -104,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             f"MFU {r.prediction.mfu * 100:.1f}%",
             flush=True,
         )
-    return 0 if all(s <= t for _, _, s, t, _ in rows) else 1
+    return 0 if all(s <= t and r.status == "optimal" for _, _, s, t, r in rows) else 1
 
 
 if __name__ == "__main__":
