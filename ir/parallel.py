@@ -52,6 +52,16 @@ _OPTIONAL_FIELDS = frozenset(
 )
 
 
+def chunks_of(schedule: Schedule | None, virtual_stages: int | None) -> int:
+    """Model chunks per pipeline rank: `virtual_stages` under interleaved 1F1B, 2 under the
+    zero-bubble schedule (ZB-V: two chunks per rank in a V shape), else 1."""
+    if schedule == Schedule.INTERLEAVED_1F1B:
+        return virtual_stages or 1
+    if schedule == Schedule.ZERO_BUBBLE:
+        return 2
+    return 1
+
+
 @dataclass(frozen=True, slots=True)
 class Parallel:
     """A (possibly partial) parallel configuration. None = free for the planner to choose.
@@ -147,13 +157,8 @@ class Parallel:
 
     @property
     def chunks(self) -> int:
-        """Model chunks per pipeline rank: `virtual_stages` under interleaved 1F1B, 2 under the
-        zero-bubble schedule (ZB-V: two chunks per rank in a V shape), else 1."""
-        if self.schedule == Schedule.INTERLEAVED_1F1B:
-            return self.virtual_stages or 1
-        if self.schedule == Schedule.ZERO_BUBBLE:
-            return 2
-        return 1
+        """Model chunks per pipeline rank (`chunks_of`)."""
+        return chunks_of(self.schedule, self.virtual_stages)
 
     @property
     def model_parallel(self) -> int:

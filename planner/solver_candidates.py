@@ -51,6 +51,7 @@ from meshplan.ir import (
     StageConfig,
 )
 from meshplan.ir.facts import blocked_dimension, without_blocked
+from meshplan.ir.parallel import chunks_of
 from meshplan.ir.rules import (
     batch_split_problem,
     cp_heads_problem,
@@ -89,6 +90,15 @@ MAX_CP = 32
 
 
 _ZB = Schedule.ZERO_BUBBLE  # a module constant: enum attribute access is slow in hot loops
+
+
+def _tp_of(tp: int, group_tp: tuple[tuple[str, int], ...], group: str) -> int:
+    """The TP degree of `group`'s replicas: its own under per-group TP, else `tp`."""
+    for g, t in group_tp:
+        if g == group:
+            return t
+    return tp
+
 
 # `Candidate.stage_of`'s shared StageConfigs, by the fields `Parallel.stage` reads (a
 # StageConfig is frozen, so one instance serves every candidate that has its value); cleared
@@ -137,10 +147,7 @@ class Candidate(Parallel):
 
     def tp_of(self, group: str) -> int:
         """The TP degree of `group`'s replicas."""
-        for g, t in self.group_tp:
-            if g == group:
-                return t
-        return self.tp
+        return _tp_of(self.tp, self.group_tp, group)
 
     def sp_of(self, group: str) -> bool:
         """Sequence parallelism on `group`'s replicas (off where a per-group tp is 1)."""
@@ -176,7 +183,7 @@ class Candidate(Parallel):
     @property
     def fill(self) -> float:
         """Coefficient of (S - U) in the pipeline term: 1 / v, 0 under ZB-V (`PlanTables.fill`)."""
-        return 0.0 if self.schedule is _ZB else 1.0 / self.chunks
+        return _fill(self.schedule, self.virtual_stages)
 
     @property
     def gpus(self) -> int:
@@ -343,10 +350,7 @@ class Family(NamedTuple):
 
     def tp_of(self, group: str) -> int:
         """`Candidate.tp_of` of the members."""
-        for g, t in self.group_tp:
-            if g == group:
-                return t
-        return self.tp
+        return _tp_of(self.tp, self.group_tp, group)
 
     def loosest(self) -> Candidate:
         """The member whose split-free bound is least (`solver_bounds._split_free_bound` is
@@ -366,19 +370,10 @@ class Family(NamedTuple):
         return _fill(sched, v), zero
 
 
-def _fill(schedule: Schedule, v: int) -> float:
-    """`Candidate.fill` of a member built with this schedule and v (`candidate` keeps v only
-    under a chunked schedule)."""
-    if schedule is _ZB:
-        return 0.0
-    return 1.0 / (v or 1) if schedule is Schedule.INTERLEAVED_1F1B else 1.0
-
-
-def _chunks(schedule: Schedule, v: int) -> int:
-    """`Candidate.chunks` of a member built with this schedule and v."""
-    if schedule is Schedule.INTERLEAVED_1F1B:
-        return v or 1
-    return 2 if schedule is _ZB else 1
+def _fill(schedule: Schedule, v: int | None) -> float:
+    """`Candidate.fill` of a candidate with this schedule and v: 1 / its chunks per rank
+    (`ir.parallel.chunks_of`), 0 under ZB-V."""
+    return 0.0 if schedule is _ZB else 1.0 / chunks_of(schedule, v)
 
 
 def count(families: Sequence[Family]) -> int:

@@ -10,7 +10,7 @@ with their own bounds at the front; a pair is priced in full at the front (`_pri
 
 Each entry names what it holds (`_Queued.item`: a `_Family`, an `_Unsplit` candidate or a
 `_Pair`), so no slot of a tuple changes meaning with the kind of entry. The bounds they are
-queued under, `_ScreenMemo.free_bound` (`solver_bounds._split_free_bound`) and
+queued under, `_ScreenMemo.family_bound` (`solver_bounds._split_free_bound`) and
 `_ScreenMemo.pair_bound`, and `_price` are `solver_screen`'s.
 """
 

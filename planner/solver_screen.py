@@ -38,9 +38,11 @@ from meshplan.cost_model.pricer import Pricer
 from meshplan.cost_model.simulate import evaluate
 from meshplan.cost_model.tables import PlanTables, hetero_tables, plan_tables
 from meshplan.ir import Graph, Recompute, Schedule, microbatch_problem
+from meshplan.ir.parallel import chunks_of
 from meshplan.passes.partition import replica_capacity, stages_of
 
 from .solver_bounds import (
+    _capacities,
     _free_bound,
     _free_hosts,
     _free_terms,
@@ -53,11 +55,10 @@ from .solver_bounds import (
     _share_cap,
     _share_hosts,
     _share_terms,
-    _split_free_bound,
     _split_free_memory,
     _stage_memory,
 )
-from .solver_candidates import Candidate, Family, _chunks, count, priced
+from .solver_candidates import Candidate, Family, count, priced
 from .solver_objective import Placement, _Scorer, _Work
 from .solver_queue import _Family, _Pair, _Queued, _Unsplit
 from .solver_splits import _splits
@@ -359,10 +360,8 @@ class _ScreenMemo:
         return got
 
     def capacity(self, c: Candidate | Family) -> dict[str, int]:
-        """Replicas of c each of its groups holds."""
-        return {
-            g: replica_capacity(self.pricer.groups[g], c.tp_of(g), c.cp) for g in self.groups(c)
-        }
+        """Replicas of c each of its groups holds (`solver_bounds._capacities`)."""
+        return _capacities(self.pricer, c, self.groups(c), self.cache)
 
     def factor(self, c: Candidate | Family) -> float:
         """`_Scorer.factor` of c (it reads the degrees and the replica capacities only)."""
@@ -379,21 +378,13 @@ class _ScreenMemo:
             got = self._ranges[split] = stages_of(self.graph, split)
         return got
 
-    def free_bound(self, c: Candidate) -> tuple[float, float] | None:
-        """(split-free bound x factor, factor) of c, or None when it cannot win (`limit`)."""
-        self.work.charge("bound")
-        groups = self.groups(c)
-        lb = _split_free_bound(self.pricer, c, groups, self.microbatches(c), self.cache)
-        if _beyond(lb, self.limit):
-            return None
-        factor = self.factor(c)
-        return lb * factor, factor
-
     def family_bound(
         self, f: Family, knobs: tuple[float, int] | None = None
     ) -> tuple[float, float] | None:
-        """`free_bound` of the member of f with these (`Candidate.fill`, ZeRO stage), without
-        building it; None: of its loosest member (`Family.loosest`)."""
+        """(split-free bound x factor, factor) of the member of f with these
+        (`Candidate.fill`, ZeRO stage), without building it (None: its loosest member,
+        `Family.loosest`), or None when it cannot win (`limit`): `_split_free_bound` of that
+        member."""
         self.work.charge("bound")
         fill, zero = f.loosest_knobs if knobs is None else knobs
         lb = _free_bound(
@@ -480,7 +471,7 @@ class _ScreenMemo:
         for k, (_, _, zero, sched, v) in enumerate(fam.template):
             self.work.charge("memory")  # one per (zero, schedule, v): each member once
             held = min(
-                in_flight_microbatches(sched.value, s, fam.pp, m, _chunks(sched, v))
+                in_flight_microbatches(sched.value, s, fam.pp, m, chunks_of(sched, v))
                 for s in range(fam.pp)
             )
             key = (zero, held)

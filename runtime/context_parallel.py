@@ -391,18 +391,20 @@ def _seq_to_heads_uneven(x: torch.Tensor, cp: ContextParallel, heads: tuple[int,
     send = torch.cat([x[:, o : o + hj].permute(1, 0, 2, 3).reshape(-1) for o, hj in zip(at, heads)])
     mine = heads[cp.rank]
     outs = [mine * b * ni * d for ni in tokens]
-    recv = send.new_empty(sum(outs))
-    dist.all_to_all_single(
-        recv,
-        send,
-        output_split_sizes=outs,
-        input_split_sizes=[hj * b * n * d for hj in heads],
-        group=cp.group,
-    )
-    parts = recv.split(outs)
+    parts = _all_to_all_uneven(send, [hj * b * n * d for hj in heads], outs, cp.group)
     return torch.cat(
         [p.view(mine, b, ni, d).permute(1, 0, 2, 3) for p, ni in zip(parts, tokens)], dim=2
     )
+
+
+def _all_to_all_uneven(
+    send: torch.Tensor, ins: list[int], outs: list[int], group
+) -> tuple[torch.Tensor, ...]:
+    """One all-to-all of a flat `send` cut into `ins` elements per rank (in rank order); the
+    received pieces, `outs` elements from each rank."""
+    recv = send.new_empty(sum(outs))
+    dist.all_to_all_single(recv, send, output_split_sizes=outs, input_split_sizes=ins, group=group)
+    return recv.split(outs)
 
 
 def _heads_to_seq_uneven(y: torch.Tensor, cp: ContextParallel, heads: tuple[int, ...]):
@@ -415,15 +417,7 @@ def _heads_to_seq_uneven(y: torch.Tensor, cp: ContextParallel, heads: tuple[int,
         [y[:, :, o : o + nj].permute(1, 0, 2, 3).reshape(-1) for o, nj in zip(at, tokens)]
     )
     outs = [hi * b * n * d for hi in heads]
-    recv = send.new_empty(sum(outs))
-    dist.all_to_all_single(
-        recv,
-        send,
-        output_split_sizes=outs,
-        input_split_sizes=[mine * b * nj * d for nj in tokens],
-        group=cp.group,
-    )
-    parts = recv.split(outs)
+    parts = _all_to_all_uneven(send, [mine * b * nj * d for nj in tokens], outs, cp.group)
     return torch.cat(
         [p.view(hi, b, n, d).permute(1, 0, 2, 3) for p, hi in zip(parts, heads)], dim=1
     )
