@@ -592,13 +592,16 @@ FIT_GROUPS: dict[str, tuple[str, ...]] = {
 NEAREST_GROUP = {"H100-96GB-500W": "H100"}
 # Groups without FP8 rows take this group's fitted FP8/bf16 ratio times their own bf16 GEMM
 # efficiency (compute.py: "Hopper types without FP8 rows take the 500 W part's ratio").
-FP8_RATIO_FROM = {"H100": "H100-96GB-500W"}
+FP8_RATIO_FROM: dict[str, str] = {}  # H100's FP8 is measured on kernels since session 22
 # Fit groups whose bf16 GEMM efficiency is measured on GPU kernels, not fitted on step times:
 # the fit keeps the shipped value and leave-one-source-out never refits it, because no
 # published run set it. A100: 0.723 zeroes the median signed error of Vidur's 36,516 A100 80GB
 # fp16 GEMM kernels priced as the planner prices them (`benchmarks/gpu_op_latency.py`,
 # docs/op_latency.md; compute.py's comment above KERNEL_EFFICIENCY).
-KERNEL_MEASURED_GEMM = frozenset({"A100-80GB"})
+# H100 (session 22): 0.784 (FP8 0.692) zeroes it on meshplan's own H200 kernels of the same
+# GH100 die (`benchmarks/collect_gpu_ops.py`); its FP8 value is kept too (not the 500 W
+# part's ratio, `FP8_RATIO_FROM`).
+KERNEL_MEASURED_GEMM = frozenset({"A100-80GB", "H100"})
 # A field needs this many rows of its kind to be fitted.
 MIN_FIT_ROWS = 3
 # Bounds of a fitted GEMM efficiency: hardware.md's "70-90% of peak for large GEMMs" at the
@@ -647,8 +650,10 @@ def prior_efficiency(group: str):
     from meshplan.cost_model.compute import DEFAULT_EFFICIENCY
 
     base = _shipped().get(NEAREST_GROUP.get(group, group), DEFAULT_EFFICIENCY)
-    gemm = base.gemm if group in KERNEL_MEASURED_GEMM else DEFAULT_EFFICIENCY.gemm
-    return dataclasses.replace(base, gemm=gemm, gemm_fp8=None, source=f"prior ({group})")
+    measured = group in KERNEL_MEASURED_GEMM
+    gemm = base.gemm if measured else DEFAULT_EFFICIENCY.gemm
+    fp8 = base.gemm_fp8 if measured else None
+    return dataclasses.replace(base, gemm=gemm, gemm_fp8=fp8, source=f"prior ({group})")
 
 
 def _with(eff, name: str, value: float, base):

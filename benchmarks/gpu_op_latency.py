@@ -60,6 +60,9 @@ from meshplan.cost_model.kernel_data import KernelRow, as_sample, device_spec, r
 from meshplan.ir import Block, GpuSpec, OpKind
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gpu_op_latency"
+# Kernels meshplan measured itself (`benchmarks/collect_gpu_ops.py`; H200 in session 22),
+# read beside the public data. No constant is fitted on them (`fit` reads NeuSight and Vidur).
+OWN_DATA = Path(__file__).resolve().parents[1] / "data" / "gpu_op_latency"
 
 # NeuSight's reported per-op errors (Lee et al., "Forecasting GPU Performance for Deep
 # Learning Training and Inference", ASPLOS'25, per-operator table): the bar per op class.
@@ -95,14 +98,17 @@ class Priced:
     mem_s: np.ndarray  # seconds of essential bytes at the HBM bandwidth (no efficiency)
     wave: np.ndarray  # wave-quantization efficiency of a GEMM (1 otherwise)
     gemm_eff: np.ndarray  # the GPU type's tensor-core GEMM efficiency (published-run fits)
+    align: np.ndarray  # `compute.alignment_factor` (misaligned tensor-core GEMMs; 1 otherwise)
     measured: np.ndarray
 
 
-def load(root: Path) -> tuple[Priced, dict[str, GpuSpec]]:
-    """Read every row under `root` and the arrays the fit needs."""
-    rows = read_all(root)
+def load(roots: Path | list[Path]) -> tuple[Priced, dict[str, GpuSpec]]:
+    """Read every row under `roots` and the arrays the fit needs."""
+    roots = [roots] if isinstance(roots, Path) else roots
+    rows = [r for root in roots for r in read_all(root)]
     if not rows:
-        raise SystemExit(f"gpu_op_latency: no neusight/ or vidur/ files under {root}")
+        names = ", ".join(map(str, roots))
+        raise SystemExit(f"gpu_op_latency: no neusight/, vidur/ or meshplan/ files under {names}")
     specs: dict[str, GpuSpec] = {}
     for r in rows:
         if r.device not in specs:
@@ -125,6 +131,7 @@ def load(root: Path) -> tuple[Priced, dict[str, GpuSpec]]:
         sides = compute.tile_sides(g, r.dtype)
         cols["wave"].append(compute.wave_efficiency(b, m, n, g.sms, sides=sides) if matmul else 1.0)
         cols["gemm_eff"].append(compute.kernel_efficiency(g).gemm)
+        cols["align"].append(compute.alignment_factor(op, g, r.dtype) if matmul else 1.0)
         cols["measured"].append(r.seconds)
     arrays = {k: np.asarray(v) for k, v in cols.items()}
     return Priced(rows=rows, **arrays), specs
@@ -161,7 +168,7 @@ def work(p: Priced, c: Constants) -> np.ndarray:
     `check_against_planner` proves it equal to `block_compute` on every row."""
     default_mem = compute.DEFAULT_EFFICIENCY.memory
     mem_eff = np.array([c.memory.get(k, default_mem) for k in p.kind])
-    gemm = np.where(p.fp32_gemm, c.cuda_core_gemm, p.gemm_eff)
+    gemm = np.where(p.fp32_gemm, c.cuda_core_gemm, p.gemm_eff * p.align)
     tc = np.isin(p.kind, [k.value for k in compute.TENSOR_CORE_KINDS])
     flop = np.where(tc, p.flop_s / gemm / p.wave, p.flop_s)
     mem = p.mem_s / mem_eff
@@ -191,20 +198,29 @@ def check_against_planner(p: Priced, specs: dict[str, GpuSpec]) -> float:
     return float(np.max(np.abs(ours / ref[mask] - 1)))
 
 
+# Sources that time the kernel alone (no launch): they share one measurement overhead.
+KERNEL_TIME_SOURCES = ("vidur", "meshplan")
+
+
 def overheads(p: Priced, held_out: str | None) -> dict[str, float]:
     """Measurement overhead per source: median over GPU types (all but `held_out`) of each
-    type's fastest elementwise kernel."""
-    out = {}
+    type's fastest elementwise kernel. The kernel-time sources (Vidur's profiler ranges,
+    meshplan's own CUDA-graph replays: `KERNEL_TIME_SOURCES`) pool their GPU types, so a
+    source of one GPU type held out still takes the other sources' figure."""
+    fastest: dict[str, list[float]] = defaultdict(list)
     for src in np.unique(p.source):
-        fastest = []
+        pool = "kernel" if src in KERNEL_TIME_SOURCES else str(src)
         for g in np.unique(p.gpu[p.source == src]):
             if g == held_out:
                 continue
             m = (p.source == src) & (p.gpu == g) & (p.cls == "elementwise")
             if not m.any():
                 m = (p.source == src) & (p.gpu == g) & np.isin(p.cls, ["residual", "activation"])
-            fastest.append(p.measured[m].min())
-        out[str(src)] = float(np.median(fastest)) if fastest else 0.0
+            fastest[pool].append(p.measured[m].min())
+    out = {}
+    for src in np.unique(p.source):
+        pool = "kernel" if src in KERNEL_TIME_SOURCES else str(src)
+        out[str(src)] = float(np.median(fastest[pool])) if fastest[pool] else 0.0
     return out
 
 
@@ -242,7 +258,7 @@ def fit(p: Priced, exclude: str | None = None) -> Constants:
             ),
         )
         memory[kind.value] = float(best)
-    rows = keep & p.fp32_gemm
+    rows = keep & p.fp32_gemm & (p.source == "neusight")
     cuda = base.cuda_core_gemm
     if rows.any():
         cuda = float(
@@ -256,6 +272,52 @@ def fit(p: Priced, exclude: str | None = None) -> Constants:
             )
         )
     return Constants(memory, cuda)
+
+
+def _zero_median(measured: np.ndarray, price) -> float:
+    """The efficiency (bisection in 0.02-1.5) at which `price(e)` has zero median signed
+    error against `measured`."""
+    lo, hi = 0.02, 1.5
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if np.median(price(mid) / measured - 1) > 0:
+            lo = mid
+        else:
+            hi = mid
+    return round((lo + hi) / 2, 3)
+
+
+def fit_tensor_core(p: Priced) -> dict[str, dict[str, float]]:
+    """Per GPU type of meshplan's own kernel data: the tensor-core GEMM efficiency that zeroes
+    the median signed error of its aligned bf16 `F.linear` rows (the planner's pricing: wave
+    quantization, the p-norm roofline, the kernel-time sources' overhead), and the misalignment
+    factor (`compute.MISALIGNED_GEMM_FACTOR`) that does the same on its misaligned bf16 rows at that
+    efficiency. fp16, the weight-gradient layout, bmm and TF32 rows are not used (held out)."""
+    out = {}
+    names = np.array([r.op.name for r in p.rows])
+    dtypes = np.array([r.dtype for r in p.rows])
+    for g in np.unique(p.gpu[p.source == "meshplan"]):
+        base = (p.source == "meshplan") & (p.gpu == g) & (names == "linear")
+        base &= (dtypes == "bfloat16") & np.isin(p.cls, ["gemm", "gemm_misaligned"])
+        aligned, misaligned = base & (p.align == 1.0), base & (p.align < 1.0)
+        mem = p.mem_s / compute.DEFAULT_EFFICIENCY.memory
+
+        ovh = overheads(p, str(g))["meshplan"]
+
+        def price(e, rows):
+            return gemm_roofline(p.flop_s[rows] / e / p.wave[rows], mem[rows]) + ovh
+
+        eff = _zero_median(p.measured[aligned], lambda e: price(e, aligned))
+        factor = math.nan
+        if misaligned.any():
+            factor = _zero_median(p.measured[misaligned], lambda e: price(e * eff, misaligned))
+        out[str(g)] = {
+            "gemm": eff,
+            "misaligned_factor": factor,
+            "rows": int(aligned.sum()),
+            "misaligned_rows": int(misaligned.sum()),
+        }
+    return out
 
 
 def _mem(memory: dict[str, float]) -> float:
@@ -445,10 +507,10 @@ def verdicts(rep: dict) -> list[str]:
     lines = []
     for key, s in rep["by_class"].items():
         src, g, cls = key.split("/")
-        if src == "vidur" and cls == "gemm":
-            lines.append(line(f"fp16 GEMM {g}", s["mape"], "target <=", TARGET_FP16_GEMM))
-        elif src == "neusight" and cls in NEUSIGHT_ERROR:
-            lines.append(line(f"{cls} {g}", s["mape"], "NeuSight", NEUSIGHT_ERROR[cls]))
+        bar = target(src, cls)
+        if bar is not None:
+            what = f"fp16 GEMM {g}" if cls == "gemm" else f"{cls} {g}"
+            lines.append(line(f"{what} ({src})", s["mape"], *bar))
     for g, s in rep["layer"].items():
         lines.append(line(f"layer sum {g}", s["mape"], "target <=", TARGET_LAYER))
     return lines
@@ -456,11 +518,11 @@ def verdicts(rep: dict) -> list[str]:
 
 def target(src: str, cls: str) -> tuple[str, float] | None:
     """(what the bar is, % MAPE) set for a class of a source, else None."""
-    if src == "vidur" and cls == "gemm":
+    if src in ("vidur", "meshplan") and cls == "gemm":  # meshplan: bf16 and fp16 GEMMs
         return "target <=", TARGET_FP16_GEMM
     if src == "vidur" and cls == "layer":
         return "target <=", TARGET_LAYER
-    if src == "neusight" and cls in NEUSIGHT_ERROR:
+    if src in ("neusight", "meshplan") and cls in NEUSIGHT_ERROR:
         return "NeuSight", NEUSIGHT_ERROR[cls]
     return None
 
@@ -530,8 +592,10 @@ def table(title: str, rep: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
-        "--data", type=Path, default=DEFAULT_DATA, help="dataset root (neusight/, vidur/)"
-    )
+        "--data", type=Path, action="append", default=None,
+        help="dataset root (neusight/, vidur/, meshplan/); repeat for several; default: the "
+        "public data in ../shared and meshplan's own in data/gpu_op_latency",
+    )  # fmt: skip
     ap.add_argument("--json", action="store_true", help="print the JSON summary only")
     ap.add_argument("--fit", action="store_true", help="print the constants fitted on every GPU")
     ap.add_argument(
@@ -541,9 +605,11 @@ def main(argv: list[str] | None = None) -> int:
         "compare it with the analytic path",
     )
     args = ap.parse_args(argv)
-    if not args.data.is_dir():
-        print(f"gpu_op_latency: --data {args.data}: no such directory", file=sys.stderr)
-        return 2
+    args.data = args.data or [d for d in (DEFAULT_DATA, OWN_DATA) if d.is_dir()]
+    for d in args.data:
+        if not d.is_dir():
+            print(f"gpu_op_latency: --data {d}: no such directory", file=sys.stderr)
+            return 2
     t0 = time.time()
     p, specs = load(args.data)
     diff = check_against_planner(p, specs)
@@ -556,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
     shipped_pred = predict(p, shipped())
     logo_pred, fits = leave_one_gpu_out(p)
     summary = {
-        "data": str(args.data),
+        "data": [str(d) for d in args.data],
         "rows": len(p.rows),
         "gpus": {d: s.name for d, s in specs.items()},
         "overheads_s": overheads(p, None),
@@ -567,6 +633,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["verdicts"] = verdicts(summary["leave_one_gpu_out"])
     if args.fit:
         summary["fit_all"] = dataclasses.asdict(fit(p))
+        summary["fit_tensor_core"] = fit_tensor_core(p)
     if args.learned:
         t1 = time.time()
         settings = LearnedSettings()
@@ -592,7 +659,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(summary, indent=1))
         return 0
     devices = ", ".join(f"{d} -> {n}" for d, n in summary["gpus"].items())
-    print(f"{len(p.rows)} rows from {args.data}; devices: {devices}")
+    print(f"{len(p.rows)} rows from {', '.join(map(str, args.data))}; devices: {devices}")
     print(
         "measurement overhead per source (us): "
         + ", ".join(f"{k} {v * 1e6:.1f}" for k, v in summary["overheads_s"].items())
@@ -608,6 +675,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  without {g:<16} memory {c.memory}  cuda-core gemm {c.cuda_core_gemm}")
     if args.fit:
         print(f"\nfitted on every GPU type: {summary['fit_all']}")
+        for g, f in summary["fit_tensor_core"].items():
+            print(f"tensor-core GEMMs fitted on {g}'s own bf16 linears: {f}")
     print("\ntargets (leave one GPU type out):")
     for line in summary["verdicts"]:
         print("  " + line)

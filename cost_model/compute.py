@@ -101,18 +101,27 @@ class KernelEfficiency:
 #   roofline `gemm_roofline`, the source's measurement overhead taken from the other GPU
 #   types; 0.712 under the plain max before session 18): no published run set it, so
 #   `benchmarks/fidelity.py` never refits it (`KERNEL_MEASURED_GEMM`).
+#   H100 / H200 (0.784, FP8 0.692, attention 0.344 / 0.302 since session 22): meshplan's own
+#   H200 kernels (`benchmarks/collect_gpu_ops.py`, data/gpu_op_latency/meshplan/, PyTorch
+#   2.11 + CUDA 13, 700 W): the bf16 value zeroes the median signed error of the 194 aligned
+#   bf16 `F.linear` rows priced as above (`gpu_op_latency.py --fit`), FP8 likewise on the 96
+#   `torch._scaled_mm` rows (e4m3, tensorwise), attention is PyTorch SDPA's flash backend
+#   (FlashAttention-2) at the reference shape, causal head dim 128, 16k tokens (GQA 32/8):
+#   forward 340 TFLOP/s, backward 299 (the FA3 paper's FA2-on-H100 ~330-370 forward). H100
+#   SXM takes them: the same GH100 die, SM count, clocks and power limit; the H200's larger
+#   HBM bandwidth only enters through the memory term. Before: 0.667 fitted on the
+#   Megatron-Core r0.8 step times, attention 0.45 / 0.38 between FA2 and cuDNN.
 #   The others: `python benchmarks/fidelity.py --fit` (each type's value zeroes the median
 #   signed step-time error of its counted rows, bisection within 0.3-0.9; docs/fidelity.md
 #   lists the rows). The fit runs with wave quantization and the rows' own engines (fused
 #   kernels, Float8, TP overlap, fp32 gradient reduction; `cost_model.engine`), so these are
-#   the efficiencies of a perfectly tiled GEMM: H100 SXM on the Megatron-Core r0.8 table
-#   (0.667); V100 on the 2020 DGX-2 rows (0.813); H100-96GB-500W (power capped) on the
-#   torchtitan rows (0.606 bf16, 0.586 of the FP8 peak on its Float8 rows, and its attention
-#   0.208 / 0.171, fitted on the 32k-262k-token context-parallel rows: about half the
-#   FA2-on-H100 values below, through torch's context-parallel SDPA at 500 W). Hopper types
-#   without FP8 rows take the 500 W part's FP8/bf16 ratio (0.586 / 0.606 = 0.967) times their
-#   own bf16 value (extrapolation). Refitted in session 18 under the p-norm GEMM roofline
-#   (`gemm_roofline`; before: V100 0.800, H100 0.666, 500 W 0.605 / 0.585).
+#   the efficiencies of a perfectly tiled GEMM: V100 on the 2020 DGX-2 rows (0.813);
+#   H100-96GB-500W (power capped) on the torchtitan rows (0.575 bf16, 0.586 of the FP8 peak
+#   on its Float8 rows, and its attention 0.199 / 0.174, fitted on the 32k-262k-token
+#   context-parallel rows, through torch's context-parallel SDPA at 500 W). Refitted in
+#   session 18 under the p-norm GEMM roofline (`gemm_roofline`; before: V100 0.800, 500 W
+#   0.605 / 0.585) and in session 22 once unfused norms took the elementwise bandwidth and
+#   the H100's attention became the measured one (500 W was 0.606, attention 0.208 / 0.171).
 # - memory: STREAM-like kernels reach ~0.8-0.9 of HBM bandwidth on A100/H100 (NVIDIA's
 #   babelstream/nvbandwidth numbers); 0.8 is used for every type, for the kinds
 #   `MEMORY_EFFICIENCY_BY_KIND` (below, fitted on measured kernels) does not cover and for
@@ -127,14 +136,19 @@ KERNEL_EFFICIENCY: dict[str, KernelEfficiency] = {
     "A100-40GB": KernelEfficiency(0.723, 0.661, 0.586, 0.8, "as A100-80GB"),
     "A100-PCIe": KernelEfficiency(0.723, 0.661, 0.586, 0.8, "as A100-80GB"),
     "H100": KernelEfficiency(
-        0.667, 0.45, 0.38, 0.8, f"Megatron-Core r0.8 table ({_FIT})", gemm_fp8=0.645
+        0.784,
+        0.344,
+        0.302,
+        0.8,
+        "H200 kernels (collect_gpu_ops.py; same GH100 die)",
+        gemm_fp8=0.692,
     ),
     "H200": KernelEfficiency(
-        0.667, 0.45, 0.38, 0.8, "as H100 (same GH100 compute)", gemm_fp8=0.645
+        0.784, 0.344, 0.302, 0.8, "H200 kernels (collect_gpu_ops.py)", gemm_fp8=0.692
     ),
-    "H100-PCIe": KernelEfficiency(0.667, 0.45, 0.38, 0.8, "as H100", gemm_fp8=0.645),
+    "H100-PCIe": KernelEfficiency(0.784, 0.344, 0.302, 0.8, "as H100", gemm_fp8=0.692),
     "H100-96GB-500W": KernelEfficiency(
-        0.606, 0.208, 0.171, 0.8, f"torchtitan rows ({_FIT})", gemm_fp8=0.586
+        0.575, 0.199, 0.174, 0.8, f"torchtitan rows ({_FIT})", gemm_fp8=0.586
     ),
 }
 # Any other type: hardware.md's low end for large GEMMs and the FA2-on-A100 attention fraction.
@@ -177,8 +191,46 @@ def tile_sides(gpu: GpuSpec, dtype: str, *, float8: bool = False) -> tuple[int, 
     return CUDA_CORE_TILES if cuda_core else TENSOR_CORE_TILES
 
 
+# Tensor-core GEMMs need each row-major operand's leading dimension (K of the input, N of the
+# weight and the output) to be a multiple of 16 bytes (8 bf16 / fp16 elements, 4 TF32) for
+# cuBLAS's vectorised tensor-core kernels; otherwise cuBLAS runs its "align1/align2" kernels,
+# several times slower (the reason vocabularies are padded, e.g. 50257 -> 50304). Measured on
+# H200 kernels (meshplan's own, `benchmarks/collect_gpu_ops.py`; `gpu_op_latency.py --fit`):
+# the factor on the aligned efficiency that zeroes the median signed error of the misaligned
+# bf16 `F.linear` rows (118 rows; the fp16, bmm and TF32 rows are not used and are reported
+# as held out in docs/op_latency.md). The M dimension (tokens) does not matter.
+GEMM_ALIGN_BYTES = 16
+MISALIGNED_GEMM_FACTOR = 0.128
+
+
+def alignment_factor(op: Op, gpu: GpuSpec, dtype: str) -> float:
+    """Factor on the tensor-core efficiency of matmul `op`: `MISALIGNED_GEMM_FACTOR` when its
+    N or K is not a multiple of `GEMM_ALIGN_BYTES` in its element size, else 1 (also for
+    CUDA-core float32 GEMMs, the host CPU and every other kind)."""
+    if op.kind != OpKind.MATMUL or gpu.name == "CPU" or on_cuda_cores(gpu, dtype):
+        return 1.0
+    from .features import gemm_dims
+
+    _, _, n, k = gemm_dims(op)
+    if not (n and k and op.inputs):
+        return 1.0
+    elems = max(1, GEMM_ALIGN_BYTES // DTYPE_BYTES.get(op.inputs[0].dtype, 2))
+    return 1.0 if n % elems == 0 and k % elems == 0 else MISALIGNED_GEMM_FACTOR
+
+
+# Targets of fused norm kernels: the kernels `MEMORY_EFFICIENCY_BY_KIND[NORM]` was fitted on.
+# A norm written out in PyTorch (RMSNorm as pow, mean, rsqrt, mul, casts: the zoo's and HF
+# Llama's) is traced as NORM ops too, but each is a plain pointwise or reduction kernel.
+_FUSED_NORMS = ("layer_norm", "rms_norm", "group_norm", "batch_norm")
+
+
 def memory_efficiency(op: Op, gpu: GpuSpec) -> float:
-    """Fraction of `gpu`'s HBM bandwidth the kernel of `op` sustains (by op kind)."""
+    """Fraction of `gpu`'s HBM bandwidth the kernel of `op` sustains (by op kind). The pieces
+    of an unfused norm take the elementwise kernels' fraction (meshplan's H100 / H200 training
+    steps, docs/op_latency.md: priced at the fused-norm fraction they made the step's
+    memory-bound share twice too large)."""
+    if op.kind == OpKind.NORM and not any(f in op.target for f in _FUSED_NORMS):
+        return MEMORY_EFFICIENCY_BY_KIND[OpKind.ELEMENTWISE]
     return MEMORY_EFFICIENCY_BY_KIND.get(op.kind) or kernel_efficiency(gpu).memory
 
 
@@ -479,7 +531,7 @@ def roofline_time(
     if op.kind == OpKind.ATTENTION:
         eff = attention_efficiency(op, gpu, backward=backward, kernel=attention)
     elif op.kind in TENSOR_CORE_KINDS:
-        eff = gemm_efficiency(gpu, dtype)
+        eff = gemm_efficiency(gpu, dtype) * alignment_factor(op, gpu, dtype)
     else:
         eff, dtype = 1.0, VECTOR_DTYPE  # CUDA cores (TF32 and bf16 are matmul modes)
     flop_s = flops / (gpu.peak(dtype) * eff)
@@ -957,6 +1009,7 @@ def gemm_terms(
     if not (batch and m and n and k):
         return ()
     keff = kernel_efficiency(gpu)
+    align = alignment_factor(op, gpu, dtype)
     peak = gpu.peak(FLOAT8_DTYPE if float8 else dtype)
     sides = tile_sides(gpu, dtype, float8=float8)
     out: list[GemmTerm] = []
@@ -972,7 +1025,7 @@ def gemm_terms(
         elif fwd_low is not None:
             eff = keff.fp8 if fwd_low == "fp8" else gemm_efficiency(gpu, dtype)
         else:
-            eff = keff.fp8 if float8 else gemm_efficiency(gpu, dtype)
+            eff = keff.fp8 if float8 else gemm_efficiency(gpu, dtype) * align
         flop_s = flops / ((gpu.peak(HYBRID_PEAKS[fwd_low]) if fwd_low else peak) * eff)
         mem_s = nbytes * (0.5 if low else 1.0) / (gpu.hbm_bandwidth * memory_efficiency(op, gpu))
         phase = "bwd" if backward else "fwd"

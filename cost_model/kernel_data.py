@@ -9,6 +9,11 @@ projects is used:
   shapes in `B, M, N, K` (linear: (M x K) input times a (N x K) weight, B = 1; bmm: B
   batched (M x K) @ (K x N)) or `B, H` (elementwise, softmax and layer norm on a (B, H)
   tensor; an op name ending in `u` is the unary or tensor-with-scalar form).
+- meshplan (`meshplan/<device>.csv.gz`): what `benchmarks/collect_gpu_ops.py` measures on a
+  GPU at hand (bf16/fp16 GEMMs, float32 GEMMs with TF32 off and on, bmm, memory-bound kernels
+  in bf16 and float32, embeddings, and kernels priced by other paths: float8 / int8 GEMMs and
+  flash attention), kernel time of one call from CUDA-graph replays (no launch), inputs
+  rotated beyond the L2 cache; the columns are that script's docstring's.
 - Vidur (`vidur/<gpu>__<org>__<model>__mlp.csv.gz`): float16 forward ops of one LLM layer at
   `num_tokens` tokens and TP degree `num_tensor_parallel_workers`, CUDA kernel time without
   launch, one column group `time_stats.<op>.*` per op; norms, the gated activation and
@@ -299,11 +304,78 @@ def _vidur_op(name: str, row: dict) -> Op:
     raise ValueError(f"unknown Vidur op {name!r}")
 
 
+# -- meshplan's own collector ----------------------------------------------------------------
+# Classes `compute.op_time` prices as one op; the others (float8 / int8 GEMMs, fused
+# attention) are priced by their own paths and read raw by `read_meshplan_raw`.
+MESHPLAN_OP_CLASSES = frozenset(
+    {"gemm", "linear_fp32", "linear_tf32", "bmm", "elementwise", "softmax", "layernorm", "norm",
+     "embedding"}
+)  # fmt: skip
+# Report class: float32 GEMMs on CUDA cores are NeuSight's "linear" class.
+_MESHPLAN_REPORT = {"linear_fp32": "linear"}
+_DTYPE = {"tf32": "tfloat32"}
+
+
+def read_meshplan_raw(root: Path) -> Iterator[dict]:
+    """Every row of `root/meshplan/<device>.csv.gz` as the file states it (strings)."""
+    for path in sorted((Path(root) / "meshplan").glob("*.csv.gz")):
+        with gzip.open(path, "rt", newline="") as f:
+            for row in csv.DictReader(f):
+                yield {**row, "device": path.name.removesuffix(".csv.gz")}
+
+
+def read_meshplan(root: Path) -> Iterator[KernelRow]:
+    """The rows of `root/meshplan/` that one op prices (`MESHPLAN_OP_CLASSES`; kernel time)."""
+    for row in read_meshplan_raw(root):
+        cls = row["cls"]
+        if cls not in MESHPLAN_OP_CLASSES:
+            continue
+        dtype = _DTYPE.get(row["dtype"], row["dtype"])
+        op = _meshplan_op(row)
+        report = _MESHPLAN_REPORT.get(cls, cls)
+        if cls in _TENSOR_CORE_CLASSES and not _aligned(op):
+            report += "_misaligned"  # reported apart: the bars are for aligned shapes
+        yield KernelRow("meshplan", row["device"], report, op, dtype, float(row["seconds"]))
+
+
+_TENSOR_CORE_CLASSES = frozenset({"gemm", "bmm", "linear_tf32"})
+
+
+def _aligned(op: Op) -> bool:
+    """N and K multiples of 16 bytes (`compute.alignment_factor`'s rule)."""
+    from .features import gemm_dims
+
+    _, _, n, k = gemm_dims(op)
+    elems = 16 // {"float32": 4}.get(op.inputs[0].dtype, 2)
+    return n % elems == 0 and k % elems == 0
+
+
+def _meshplan_op(row: dict) -> Op:
+    name = row["op"]
+    dt = "float32" if row["dtype"] == "tf32" else row["dtype"]
+    b, m, n, k = (int(row[c] or 0) for c in ("b", "m", "n", "k"))
+    if name in ("linear", "mm_nt"):
+        return linear_op(m, n, k, dt, name)
+    if name == "bmm":
+        return bmm_op(b, m, n, k, dt)
+    if name == "embedding":
+        return embedding_op(b, m, n, dt)
+    if name == "softmax":
+        return softmax_op((b, m), dt)
+    if name in ("layer_norm", "rms_norm"):
+        return norm_op(b, m, dt, rms=name == "rms_norm")
+    if name in ("add", "mul", "gelu", "silu"):
+        return elementwise_op(name, (b, m), dt, inputs=2 if name in ("add", "mul") else 1)
+    raise ValueError(f"meshplan kernel data: unknown op {name!r}")
+
+
 def read_all(root: Path) -> list[KernelRow]:
-    """Rows of both layouts under `root` (either may be absent)."""
+    """Rows of every layout under `root` (any may be absent)."""
     rows: list[KernelRow] = []
     if (Path(root) / "neusight").is_dir():
         rows += read_neusight(root)
     if (Path(root) / "vidur").is_dir():
         rows += read_vidur(root)
+    if (Path(root) / "meshplan").is_dir():
+        rows += read_meshplan(root)
     return rows

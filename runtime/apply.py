@@ -354,8 +354,8 @@ class Runner:
         hold copies; cp peers each hold the mean over their share of the tokens)."""
         ctx = self.ctx
         contributes = self.holds_last and ctx.coord("tp") == 0
-        t = torch.tensor([local if contributes else 0.0], dtype=torch.float64)
-        dist.all_reduce(t)
+        t = torch.tensor([local if contributes else 0.0], dtype=torch.float64, device=ctx.device)
+        dist.all_reduce(t)  # on the rank's device: NCCL has no CPU tensors
         return float(t.item()) / (self.dp * ctx.size("cp"))
 
     # -- state ----------------------------------------------------------------------------

@@ -75,7 +75,7 @@ def test_large_gemm_is_compute_bound_at_gemm_efficiency():
     mem_s = op.fwd_bytes / (3350e9 * MEMORY_EFFICIENCY)
     expect = _pnorm(flop_s, mem_s) + KERNEL_FLOOR_S
     assert op_time(op, H100) == pytest.approx(expect, rel=1e-12)
-    assert expect - KERNEL_FLOOR_S == pytest.approx(flop_s, rel=1e-3)  # far from the ridge
+    assert expect - KERNEL_FLOOR_S == pytest.approx(flop_s, rel=3e-3)  # far from the ridge
     assert op_time(op, H100, backward=True) == pytest.approx(
         2 * (expect - KERNEL_FLOOR_S) + KERNEL_FLOOR_S, rel=1e-12
     )
@@ -94,7 +94,7 @@ def test_a_gemm_on_the_ridge_pays_for_memory_and_math_overlapping_only_in_part()
     # Vidur's fp16 projections near the ridge point run 12-15% slower than max(FLOP, memory)
     # (docs/op_latency.md): where both times are equal the p-norm is 2^(1/p) of either, and
     # the op is priced above the plain roofline by that factor.
-    m = 256  # 2 m n k FLOPs at 0.667 x 989 TFLOP/s ~ (2 m k + k n + 2 m n) B at 0.8 x 3.35 TB/s
+    m = 320  # 2 m n k FLOPs at 0.784 x 989 TFLOP/s ~ (2 m k + k n + 2 m n) B at 0.8 x 3.35 TB/s
     op = _matmul(m, 8192, 8192)
     flop_s = 2 * m * 8192**2 / (989e12 * GEMM_EFFICIENCY)
     mem_s = op.fwd_bytes / (3350e9 * MEMORY_EFFICIENCY)

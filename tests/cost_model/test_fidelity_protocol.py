@@ -28,10 +28,10 @@ SOURCES = {
 }
 
 
-def _case(fid, row: int, source: str, work: float, slow: float = 1.0, cluster="dgx-h100"):
-    """A counted H100 row whose step takes `work` / GEMM efficiency, measured at efficiency 0.6
-    times `slow` (an H100: the A100's GEMM efficiency is measured on kernels and never fitted,
-    `KERNEL_MEASURED_GEMM`)."""
+def _case(fid, row: int, source: str, work: float, slow: float = 1.0, cluster="dgx2-v100"):
+    """A counted V100 row whose step takes `work` / GEMM efficiency, measured at efficiency 0.6
+    times `slow` (a V100: the A100's and H100's GEMM efficiencies are measured on kernels and
+    never fitted, `KERNEL_MEASURED_GEMM`)."""
     return fid.Case(
         row=row,
         source=SOURCES[source],
@@ -39,7 +39,7 @@ def _case(fid, row: int, source: str, work: float, slow: float = 1.0, cluster="d
         metric="step",
         value=0.0,
         gpus=8,
-        gpu_type="H100",
+        gpu_type="V100",
         params=1e9,
         seq_len=2048,
         cluster=cluster,
@@ -87,11 +87,11 @@ def test_loso_prediction_of_a_source_ignores_its_own_rows(fid):
         predictions[slow_b] = steps
         held_b = fid.source_of(cases[3])
         assert held_b == "llm-foundry"
-        assert fits[held_b]["H100"].rows == (1, 2, 3, 7, 8, 9)
+        assert fits[held_b]["V100"].rows == (1, 2, 3, 7, 8, 9)
         for c in cases:
             if fid.source_of(c) == held_b:
                 assert steps[c.row] == pytest.approx(_work(c) / 0.6, rel=1e-3)
-        refit = fid.fit_constants(cases, _synthetic_predictor())["H100"].efficiency.gemm
+        refit = fid.fit_constants(cases, _synthetic_predictor())["V100"].efficiency.gemm
         assert refit == pytest.approx(0.3 if slow_b > 1 else 0.9, abs=1e-3)  # at B's bound
     assert all(predictions[10.0][r] == predictions[0.1][r] for r in B_ROWS)
     assert predictions[10.0][1] != pytest.approx(predictions[0.1][1], rel=0.1)

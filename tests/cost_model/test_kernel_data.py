@@ -140,14 +140,14 @@ def test_rows_priced_by_block_compute_equal_the_roofline_plus_wave_quantization(
     time (`compute.GEMM_OVERLAP_P`) plus the floor: what the benchmark's vectorised fit
     assumes."""
     a100 = gpu_spec("A100")
-    op = linear_op(300, 700, 512, "float16")
+    op = linear_op(300, 696, 512, "float16")  # N, K multiples of 8: aligned
     bc = compute.block_compute(Block("k", "prologue", (op,), ()), a100, "float16")
     fwd = bc.times(tp=1, cp=1, sequence_parallel=False, scale=1.0)[0]
     flop_s = op.fwd_flops / (a100.peak("float16") * compute.kernel_efficiency(a100).gemm)
     mem_s = op.fwd_bytes / (a100.hbm_bandwidth * compute.kernel_efficiency(a100).memory)
-    q = compute.wave_efficiency(1, 300, 700, a100.sms)
+    q = compute.wave_efficiency(1, 300, 696, a100.sms)
     # best of 128-tiles (3 x 6 = 18 tiles) and 64-tiles (5 x 11 = 55): one wave of 108 either way
-    assert q == pytest.approx(300 * 700 / (108 * 64 * 64))
+    assert q == pytest.approx(300 * 696 / (108 * 64 * 64))
     p = compute.GEMM_OVERLAP_P
     expect = ((flop_s / q) ** p + mem_s**p) ** (1 / p) + compute.KERNEL_FLOOR_S
     assert fwd == pytest.approx(expect, rel=1e-9)
@@ -189,3 +189,41 @@ def test_every_device_of_the_shipped_data_maps_to_a_gpu_type():
     names |= {p.name.split("__")[0] for p in (DATA / "vidur").glob("*.csv.gz")}
     assert {device_spec(n).name for n in names} == {
         "A100-PCIe-40GB", "V100-PCIe", "T4", "P100-PCIe", "P4", "A100-80GB", "A40"}  # fmt: skip
+
+
+# -- meshplan's own layout (benchmarks/collect_gpu_ops.py) ------------------------------------
+OWN = Path(__file__).resolve().parents[2] / "data" / "gpu_op_latency"
+
+
+def test_the_collector_writes_what_the_reader_reads(tmp_path):
+    """collect_gpu_ops.py's memory-bound and bmm sweeps on the host, read back as ops whose
+    bytes are what the kernels move (inputs plus output), and rows priced by other paths
+    (float8 GEMMs, attention) left to their own readers."""
+    from tests.benchmark_module import benchmark_module
+
+    col = benchmark_module("collect_gpu_ops")
+    sweep = col.Sweep(torch.device("cpu"), quick=True)
+    sweep.memory_bound("float32")
+    sweep.bmm("bfloat16")
+    sweep.add("scaled_mm", "gemm_fp8", "float8_e4m3fn", 1e-5, 1, m=64, n=64, k=64)
+    col.write(sweep.rows, tmp_path, "NVIDIA H200")
+    rows = read_all(tmp_path)
+    assert len(rows) == len(sweep.rows) - 1  # the float8 row is not one op's price
+    assert {r.device for r in rows} == {"NVIDIA H200"} and not any(r.launch_included for r in rows)
+    add = next(r for r in rows if r.op.name == "add")
+    b, w = add.op.inputs[0].shape
+    assert add.op.fwd_bytes == 3 * b * w * 4 and add.op_class == "elementwise"
+    assert {r.op_class for r in rows} == {"elementwise", "softmax", "layernorm", "norm", "bmm"}
+    bmm = next(r for r in rows if r.op_class == "bmm")
+    bb, m, k = bmm.op.inputs[0].shape
+    assert bmm.op.fwd_flops == 2 * bb * m * bmm.op.outputs[0].shape[2] * k
+
+
+@pytest.mark.skipif(not (OWN / "meshplan").is_dir(), reason="data/gpu_op_latency not present")
+def test_the_shipped_hopper_kernels_map_and_price():
+    rows = read_all(OWN)
+    assert {device_spec(r.device).name for r in rows} == {"H100", "H200"}
+    classes = {r.op_class for r in rows}
+    assert {"gemm", "linear", "linear_tf32", "bmm", "embedding", "norm"} <= classes
+    tf32 = next(r for r in rows if r.op_class == "linear_tf32")
+    assert tf32.dtype == "tfloat32" and tf32.op.inputs[0].dtype == "float32"

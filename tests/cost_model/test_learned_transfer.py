@@ -169,6 +169,7 @@ def _priced(bench, gpus: list[str], measured: float = 1.0):
         mem_s=zeros,
         wave=np.ones(n),
         gemm_eff=np.ones(n),
+        align=np.ones(n),
         measured=np.full(n, measured),
     )
 
