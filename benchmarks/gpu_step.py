@@ -103,7 +103,31 @@ def reprice(path: str) -> int:
     return 0
 
 
-def run_case(case, device: torch.device, steps: int) -> dict:
+def profile_step(runner, tokens, targets, device: torch.device) -> dict:
+    """One more step under torch.profiler: the GPU's busy time (kernels' own time), the host's
+    busy time in aten ops and how many ops it dispatched, beside the step's wall time. A step
+    whose GPU is busy for much less than its wall time is host-bound."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    t = time.perf_counter()
+    with profile(activities=acts) as prof:
+        runner.step(tokens, targets)
+        sync()
+    wall = time.perf_counter() - t
+    events = prof.key_averages()
+    # Kernels only: an op's self device time repeats the kernels it launched.
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu = sum(e.self_device_time_total for e in kernels) * 1e-6
+    ops = [e for e in events if e.key.startswith("aten::")]
+    return dict(profiled_wall_s=wall, gpu_busy_s=gpu,
+                host_aten_s=sum(e.self_cpu_time_total for e in ops) * 1e-6,
+                aten_calls=sum(e.count for e in ops))  # fmt: skip
+
+
+def run_case(case, device: torch.device, steps: int, profile: bool = False) -> dict:
     import meshplan
     import meshplan.runtime as rt
 
@@ -133,13 +157,14 @@ def run_case(case, device: torch.device, steps: int) -> dict:
         times.append(time.perf_counter() - t)
     measured = statistics.median(times[2:])
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    busy = profile_step(runner, tokens, targets, device) if profile else {}
     pred = plan.predicted
     row = dict(case=f"{name} mb{mb} gb{gb} {recompute}", gpu=gpu, params=sum(
         p.numel() for p in real.parameters()), predicted_s=pred.step_time_s,
         measured_s=measured, error=pred.step_time_s / measured - 1,
         predicted_mem_gib=pred.peak_memory_bytes / 2**30, measured_mem_gib=peak / 2**30,
         steps=steps, first_loss=losses[0], last_loss=losses[-1], plan_s=plan_s,
-        breakdown=dict(pred.breakdown), times=times)  # fmt: skip
+        breakdown=dict(pred.breakdown), times=times, **busy)  # fmt: skip
     del runner, real
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -151,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="one tiny case")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile one step: GPU busy time, host time, aten calls")  # fmt: skip
+    ap.add_argument("--cases", default="", help="comma-separated case indices (default: all)")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--reprice", metavar="JSON", help="price a stored run's cases now; run none")
     args = ap.parse_args(argv)
@@ -167,9 +195,12 @@ def main(argv: list[str] | None = None) -> int:
 
     rt.init_distributed(timeout_s=300)
     rows = []
-    for case in QUICK if args.quick else CASES:
+    cases = QUICK if args.quick else CASES
+    if args.cases:
+        cases = tuple(cases[int(i)] for i in args.cases.split(","))
+    for case in cases:
         try:
-            row = run_case(case, device, args.steps)
+            row = run_case(case, device, args.steps, args.profile)
         except Exception as e:  # report and go on: one case's failure is a finding too
             row = dict(case=" ".join(map(str, case)), error_text=f"{type(e).__name__}: {e}")
             print(f"{row['case']}: FAILED {row['error_text']}", flush=True)
