@@ -56,7 +56,13 @@ from pathlib import Path
 import numpy as np
 from meshplan.cost_model import compute, learned
 from meshplan.cost_model.features import essential_bytes, feature_names, gemm_dims
-from meshplan.cost_model.kernel_data import KernelRow, as_sample, device_spec, read_all
+from meshplan.cost_model.kernel_data import (
+    KernelRow,
+    as_sample,
+    device_spec,
+    read_all,
+    read_meshplan_raw,
+)
 from meshplan.ir import Block, GpuSpec, OpKind
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gpu_op_latency"
@@ -318,6 +324,35 @@ def fit_tensor_core(p: Priced) -> dict[str, dict[str, float]]:
             "misaligned_rows": int(misaligned.sum()),
         }
     return out
+
+
+def fit_low_precision(roots: list[Path]) -> dict[str, dict[str, float]]:
+    """Per GPU type of meshplan's own kernel data: the FP8 (`torch._scaled_mm`) and INT8
+    (`torch._int_mm`) GEMM efficiencies that zero the median signed error of its rows, priced
+    as the planner prices a one-byte GEMM (`compute.KernelEfficiency.gemm_fp8` / `gemm_int8`:
+    the p-norm roofline at that dtype's peak, wave quantization, one-byte operands, the
+    output as written, the kernel-time sources' overhead)."""
+    rows = [r for root in roots for r in read_meshplan_raw(root)]
+    out: dict[str, dict[str, float]] = defaultdict(dict)
+    peaks = {"gemm_fp8": (compute.FLOAT8_DTYPE, 2), "gemm_int8": ("int8", 4)}
+    for device in sorted({r["device"] for r in rows}):
+        g = device_spec(device)
+        for cls, (peak, out_bytes) in peaks.items():
+            mine = [r for r in rows if r["device"] == device and r["cls"] == cls]
+            if not mine:
+                continue
+            m, n, k = (np.array([int(r[c]) for r in mine]) for c in ("m", "n", "k"))
+            sides = compute.tile_sides(g, "bfloat16", float8=True)
+            wave = np.array([compute.wave_efficiency(1, a, b, g.sms, sides=sides)
+                             for a, b in zip(m, n)])  # fmt: skip
+            flop = 2 * m * n * k / g.peak(peak)
+            mem = (m * k + n * k + out_bytes * m * n) / (g.hbm_bandwidth * 0.8)
+            meas = np.array([float(r["seconds"]) for r in mine])
+            out[g.name][cls] = _zero_median(
+                meas,
+                lambda e, flop=flop, wave=wave, mem=mem: gemm_roofline(flop / e / wave, mem) + 1e-6,
+            )
+    return dict(out)
 
 
 def _mem(memory: dict[str, float]) -> float:
@@ -634,6 +669,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.fit:
         summary["fit_all"] = dataclasses.asdict(fit(p))
         summary["fit_tensor_core"] = fit_tensor_core(p)
+        summary["fit_low_precision"] = fit_low_precision(args.data)
     if args.learned:
         t1 = time.time()
         settings = LearnedSettings()
@@ -677,6 +713,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nfitted on every GPU type: {summary['fit_all']}")
         for g, f in summary["fit_tensor_core"].items():
             print(f"tensor-core GEMMs fitted on {g}'s own bf16 linears: {f}")
+        for g, f in summary["fit_low_precision"].items():
+            print(f"one-byte GEMMs fitted on {g}'s own rows: {f}")
     print("\ntargets (leave one GPU type out):")
     for line in summary["verdicts"]:
         print("  " + line)

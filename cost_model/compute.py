@@ -72,10 +72,17 @@ class KernelEfficiency:
     source: str = ""
     # FP8 GEMMs (`Engine.float8`) as a fraction of the dense FP8 peak; None: as `gemm`.
     gemm_fp8: float | None = None
+    # INT8 GEMMs (`torch._int_mm`, per-group int8 forwards) as a fraction of the dense INT8
+    # peak; None: as `gemm` (an assumption where no INT8 kernel was measured).
+    gemm_int8: float | None = None
 
     @property
     def fp8(self) -> float:
         return self.gemm if self.gemm_fp8 is None else self.gemm_fp8
+
+    @property
+    def int8(self) -> float:
+        return self.gemm if self.gemm_int8 is None else self.gemm_int8
 
 
 # Per GPU type (`GpuSpec.name`). Where each number comes from:
@@ -105,11 +112,13 @@ class KernelEfficiency:
 #   H200 kernels (`benchmarks/collect_gpu_ops.py`, data/gpu_op_latency/meshplan/, PyTorch
 #   2.11 + CUDA 13, 700 W): the bf16 value zeroes the median signed error of the 194 aligned
 #   bf16 `F.linear` rows priced as above (`gpu_op_latency.py --fit`), FP8 likewise on the 96
-#   `torch._scaled_mm` rows (e4m3, tensorwise), attention is PyTorch SDPA's flash backend
-#   (FlashAttention-2) at the reference shape, causal head dim 128, 16k tokens (GQA 32/8):
-#   forward 340 TFLOP/s, backward 299 (the FA3 paper's FA2-on-H100 ~330-370 forward). H100
-#   SXM takes them: the same GH100 die, SM count, clocks and power limit; the H200's larger
-#   HBM bandwidth only enters through the memory term. Before: 0.667 fitted on the
+#   `torch._scaled_mm` rows (e4m3, tensorwise), INT8 (0.355) on the 96 `torch._int_mm` rows
+#   (the held-out H100's own rows give 0.354; it was priced at the bf16 0.784, 2x fast);
+#   attention is PyTorch SDPA's flash backend (FlashAttention-2) at the reference shape,
+#   causal head dim 128, 16k tokens (GQA 32/8): forward 340 TFLOP/s, backward 299 (the FA3
+#   paper's FA2-on-H100 ~330-370 forward). H100 SXM takes them: the same GH100 die, SM
+#   count, clocks and power limit; the H200's larger HBM bandwidth only enters through the
+#   memory term. Before: 0.667 fitted on the
 #   Megatron-Core r0.8 step times, attention 0.45 / 0.38 between FA2 and cuDNN.
 #   The others: `python benchmarks/fidelity.py --fit` (each type's value zeroes the median
 #   signed step-time error of its counted rows, bisection within 0.3-0.9; docs/fidelity.md
@@ -142,11 +151,20 @@ KERNEL_EFFICIENCY: dict[str, KernelEfficiency] = {
         0.8,
         "H200 kernels (collect_gpu_ops.py; same GH100 die)",
         gemm_fp8=0.692,
+        gemm_int8=0.355,
     ),
     "H200": KernelEfficiency(
-        0.784, 0.344, 0.302, 0.8, "H200 kernels (collect_gpu_ops.py)", gemm_fp8=0.692
+        0.784,
+        0.344,
+        0.302,
+        0.8,
+        "H200 kernels (collect_gpu_ops.py)",
+        gemm_fp8=0.692,
+        gemm_int8=0.355,
     ),
-    "H100-PCIe": KernelEfficiency(0.784, 0.344, 0.302, 0.8, "as H100", gemm_fp8=0.692),
+    "H100-PCIe": KernelEfficiency(
+        0.784, 0.344, 0.302, 0.8, "as H100", gemm_fp8=0.692, gemm_int8=0.355
+    ),
     "H100-96GB-500W": KernelEfficiency(
         0.575, 0.199, 0.174, 0.8, f"torchtitan rows ({_FIT})", gemm_fp8=0.586
     ),
@@ -947,7 +965,7 @@ def low_forward_linear_time(op: Op, gpu: GpuSpec, dtype: str, mode: str, *, fuse
     k = kernel_efficiency(gpu)
     _, m, n, kk = gemm_dims(op)
     bw = gpu.hbm_bandwidth * k.memory
-    eff = k.fp8 if mode == "fp8" else gemm_efficiency(gpu, dtype)
+    eff = k.fp8 if mode == "fp8" else k.int8
     gemm_s = op.fwd_flops / (gpu.peak(peak_dtype) * eff)
     io_bytes = op.fwd_bytes * 0.5  # one-byte operands (the output is written either way)
     conv = FLOAT8_CAST_BYTES[fused] * m * kk  # the activation's quantizing pass
@@ -1023,7 +1041,7 @@ def gemm_terms(
         if op.kind == OpKind.ATTENTION:
             eff = attention_efficiency(op, gpu, backward=backward, kernel=attention)
         elif fwd_low is not None:
-            eff = keff.fp8 if fwd_low == "fp8" else gemm_efficiency(gpu, dtype)
+            eff = keff.fp8 if fwd_low == "fp8" else keff.int8
         else:
             eff = keff.fp8 if float8 else gemm_efficiency(gpu, dtype) * align
         flop_s = flops / ((gpu.peak(HYBRID_PEAKS[fwd_low]) if fwd_low else peak) * eff)
