@@ -110,6 +110,9 @@ class Handoff:
         last = (whole.parallel.pp or 1) - 1
         self.next = stage_side(whole, self.stage + 1, self.replica) if self.stage < last else None
         self.tp_group = ctx.group("tp") if self.mine.tp > 1 else None
+        # Every buffer this rank sends or receives lives on its device: NCCL takes no host
+        # tensors (gloo takes both).
+        self.device = ctx.device
         self.header: torch.Tensor | None = None  # the full boundary shape I receive, once
         self.sent_header = False
         self.pending: list[tuple[dist.Work, torch.Tensor]] = []
@@ -123,7 +126,7 @@ class Handoff:
             full = list(x.shape)
             full[1] *= self.mine.tp if self.mine.sharded else 1
             for dst in self._partners(self.mine, self.next, sending=True):
-                self._isend(_encode_header(x.dtype, full), dst)
+                self._isend(_encode_header(x.dtype, full).to(self.device), dst)
             self.sent_header = True
         self._send_blocks(x, self.mine, self.next)
 
@@ -131,7 +134,7 @@ class Handoff:
         """My input from the previous stage: whole, or my sequence shard under SP."""
         assert self.prev is not None
         if self.header is None:
-            buf = torch.empty(_HEADER, dtype=torch.int64)
+            buf = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
             for src in self._partners(self.prev, self.mine, sending=False):
                 dist.recv(buf, src)
             self.header = buf
@@ -200,7 +203,7 @@ class Handoff:
             if i == self.index:
                 shape = list(full)
                 shape[1] = (hi - lo) * chunk
-                t = torch.empty(shape, dtype=dtype)
+                t = torch.empty(shape, dtype=dtype, device=self.device)
                 dist.recv(t, a.ranks[j])
                 parts.append(t)
         return torch.cat(parts, dim=1)
@@ -215,7 +218,7 @@ class Handoff:
             if j == self.index:
                 shape = list(full)
                 shape[1] = (hi - lo) * chunk
-                t = torch.empty(shape, dtype=dtype)
+                t = torch.empty(shape, dtype=dtype, device=self.device)
                 dist.recv(t, b.ranks[i])
                 parts.append(t)
         return torch.cat(parts, dim=1)
