@@ -49,7 +49,8 @@ is given), and `apply` lists them one line each:
     tied weights    a weight tied across pipeline stages (input and output embeddings): its
                     copies' gradients summed over the stages holding them, after the dp
                     reduction (`pipeline_parallel.TiedGradients`)
-    optimizer       built by the caller's factory over the final (sharded) parameters
+    optimizer       built by the caller's factory over the final (sharded) parameters, or
+                    over their fp32 masters under mixed precision (`precision.MasterWeights`)
     schedule        torch.distributed.pipelining around the wrapped chunk-stages; where stages
                     run at different tp degrees or in different groups, `pipeline_handoff`'s
                     1F1B / GPipe, which hands activations between the stages' TP groups
@@ -111,7 +112,7 @@ from .pipeline_parallel import (
     model_output,
     tied_across_stages,
 )
-from .precision import apply_precision
+from .precision import apply_precision, make_optimizer
 from .quantize import apply_activation_quantization
 from .recompute import apply_checkpointing
 from .steps import Chunks, Options
@@ -423,6 +424,7 @@ def apply(
     cp_attention: str | None = None,
     ep_dispatch: str = "tokens",
     loss_parallel: bool | None = None,
+    master_weights: bool | None = None,
 ) -> Runner:
     """Prepare `model` to train under `plan` on this rank (see the module docstring).
 
@@ -435,6 +437,8 @@ def apply(
     `loss_parallel` (tp > 1): compute the loss on vocab-sharded logits under torch's
     `loss_parallel`, as the plan prices it; None (default) does so when `loss_fn` is a cross
     entropy (`tensor_parallel.is_cross_entropy`), otherwise the logits are gathered.
+    `master_weights`: step fp32 master copies of 16-bit parameters (`precision.MasterWeights`);
+    None (default) does so when the plan trains in bf16, fp16 or fp8, as the planner prices it.
     """
     check_plan(plan)
     ctx = build_mesh(plan, device)  # mesh: ctx.plan is this rank's (device-group) view
@@ -456,7 +460,8 @@ def apply(
     tied = apply_tied_gradients(dp.chunks, ctx, options)  # tied weights summed over stages
 
     params = [q for chunk in dp.chunks for q in chunk.module.parameters()]
-    optimizer = optimizer_factory(params)  # over the final (sharded) parameters
+    # over the final (sharded) parameters; fp32 masters under mixed precision (precision.py)
+    optimizer = make_optimizer(params, optimizer_factory, plan, master_weights)
     schedule = _schedule(dp.chunks, ctx, loss_fn, as_output)  # None without a pipeline
     return Runner(
         ctx,

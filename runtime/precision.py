@@ -15,9 +15,19 @@ refuses in one line before any collective:
 The model's parameters must already be in the precision's dtype (build it so, or
 `model.to(dtype)`): converting them here would hand the optimizer other tensors than the
 user's. Plans written before precision was recorded ("") are run as the model is.
+
+bf16, fp16 and fp8 are mixed precision, as the planner prices them (`cost_model.memory.MIXED`:
+2 + 2 + 12 bytes a parameter) and as the published stacks train: the optimizer steps fp32
+master copies of the 16-bit parameters (`MasterWeights`; Micikevicius et al. 2018, "Mixed
+Precision Training", section 3.1). Without them `torch.optim.AdamW` would keep its states in
+bf16 and drop updates smaller than a bf16 ulp of the weight; meshplan's first H100 / H200
+steps (session 22, docs/op_latency.md) ran that way and held 8 bytes a parameter where the
+plan priced 16.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterable
 
 import torch
 from meshplan.ir.plan import Plan
@@ -70,3 +80,74 @@ def apply_precision(model: nn.Module, plan: Plan, device: torch.device) -> None:
         from torchao.float8 import convert_to_float8_training
 
         convert_to_float8_training(model)
+
+
+# Plan precisions whose 16-bit parameters the optimizer steps through fp32 masters.
+MIXED_PRECISIONS = frozenset({"bf16", "fp16", "fp8"})
+
+
+class MasterWeights:
+    """The caller's optimizer over fp32 master copies of 16-bit parameters.
+
+    Each `step`: every parameter's gradient is cast into its master's `.grad`, the optimizer
+    steps the masters, and each parameter is set to its master rounded to the parameter's
+    dtype. A master has its parameter's layout (a DTensor's placements included: FSDP2 / TP
+    shards keep their shards), so the masters and the optimizer states are sharded wherever the
+    parameters are. `state`, `param_groups` and `state_dict` are the inner optimizer's.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter],
+        factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+    ) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.masters = [
+            nn.Parameter(p.detach().to(torch.float32), requires_grad=True) for p in self.params
+        ]
+        self.optimizer = factory(self.masters)
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p, m in zip(self.params, self.masters):
+            m.grad = None if p.grad is None else p.grad.to(torch.float32)
+        self.optimizer.step()
+        for p, m in zip(self.params, self.masters):
+            p.copy_(m)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+
+def make_optimizer(
+    params: list[nn.Parameter],
+    factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+    plan: Plan,
+    master_weights: bool | None = None,
+):
+    """The optimizer the runner steps: the caller's over fp32 masters (`MasterWeights`) when
+    the plan trains in mixed precision and some parameter is 16-bit (`master_weights`: None
+    decides so, False keeps the caller's optimizer over the parameters as they are)."""
+    low = any(p.dtype in (torch.bfloat16, torch.float16) for p in params)
+    if master_weights is None:
+        master_weights = plan.precision in MIXED_PRECISIONS and low
+    return MasterWeights(params, factory) if master_weights else factory(params)

@@ -21,6 +21,7 @@ MULTIPROCESS = (
     "runtime/test_compressed.py",
     "runtime/test_quantize.py",
     "runtime/test_hybrid_precision.py",
+    "runtime/test_master_weights.py",
     "runtime/test_edited_plans.py",
     "measure/test_calibrate.py",
     "planner/test_verify.py",

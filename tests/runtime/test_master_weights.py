@@ -1,0 +1,134 @@
+"""Mixed precision as the planner prices it: 16-bit parameters stepped through fp32 masters
+(`runtime.precision.MasterWeights`, applied by `apply` for bf16 / fp16 / fp8 plans).
+
+Oracles: an update smaller than a bf16 ulp, summed by hand in fp32; and a single process that
+keeps its fp32 masters in a few lines of its own, against 2 gloo ranks under DDP and FSDP2."""
+
+from __future__ import annotations
+
+import meshplan
+import pytest
+import torch
+from meshplan.runtime import run_local
+from meshplan.runtime.precision import MasterWeights, make_optimizer
+
+from tests.runtime.harness import CFG, SEQ, batch, loss_fn
+
+LR = 0.05
+
+
+def test_updates_below_a_bf16_ulp_accumulate_in_the_master():
+    """100 SGD steps of 1e-4 on a weight of 1.0: bf16 alone never moves (its ulp at 1 is
+    2^-7, the step rounds away), the master reaches 0.99 and the weight its bf16 rounding."""
+    w = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    plain = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    mw = MasterWeights([w], lambda ps: torch.optim.SGD(ps, lr=1e-4))
+    ref = torch.optim.SGD([plain], lr=1e-4)
+    for _ in range(100):
+        w.grad = torch.ones_like(w)
+        plain.grad = torch.ones_like(plain)
+        mw.step()
+        ref.step()
+        mw.zero_grad()
+        assert w.grad is None and mw.masters[0].grad is None
+    master = torch.ones(4, dtype=torch.float32)
+    for _ in range(100):
+        master -= 1e-4
+    assert torch.equal(mw.masters[0].detach(), master)
+    assert torch.equal(w.detach(), master.to(torch.bfloat16))
+    assert torch.equal(plain.detach(), torch.ones(4, dtype=torch.bfloat16))  # the lost updates
+
+
+def test_optimizer_states_are_fp32_and_the_choice_follows_the_plan():
+    w = torch.nn.Parameter(torch.randn(8, 8, dtype=torch.bfloat16))
+    mw = MasterWeights([w], lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    w.grad = torch.randn_like(w)
+    mw.step()
+    state = mw.state[mw.masters[0]]
+    assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
+    assert w.dtype == torch.bfloat16
+
+    class P:  # what make_optimizer reads of a plan
+        precision = "bf16"
+
+    factory = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
+    assert isinstance(make_optimizer([w], factory, P()), MasterWeights)
+    assert isinstance(make_optimizer([w], factory, P(), master_weights=False), torch.optim.SGD)
+    P.precision = "fp32"
+    assert isinstance(make_optimizer([w], factory, P()), torch.optim.SGD)
+    f32 = torch.nn.Parameter(torch.randn(2))
+    P.precision = "bf16"
+    assert isinstance(make_optimizer([f32], factory, P()), torch.optim.SGD)  # nothing 16-bit
+
+
+def _bf16_model(seed: int = 0):
+    torch.manual_seed(seed)
+    model, _ = meshplan.models.transformer(dtype="bfloat16", device="cpu", **CFG)
+    return model
+
+
+def _plan(**parallel):
+    model, _ = meshplan.models.transformer(dtype="bfloat16", micro_batch=1, **CFG)
+    example = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
+    g = meshplan.trace(model, example, example)
+    cluster = meshplan.Cluster.preset("cpu", gpus=2)
+    return meshplan.estimate_plan(g, cluster=cluster, parallel=meshplan.Parallel(**parallel))
+
+
+def _reference(global_batch: int, micro_batches: int, steps: int):
+    """One process, its own fp32 masters: grads of the bf16 model, SGD on fp32 copies, the
+    model set to their bf16 rounding."""
+    model = _bf16_model()
+    params = list(model.parameters())
+    masters = [p.detach().float() for p in params]
+    losses = []
+    for step in range(steps):
+        x, y = batch(global_batch, step)
+        total = 0.0
+        for xi, yi in zip(x.chunk(micro_batches), y.chunk(micro_batches)):
+            loss = loss_fn(model(xi), yi) / micro_batches
+            loss.backward()
+            total += loss.item()
+        with torch.no_grad():
+            for p, m in zip(params, masters):
+                m -= LR * p.grad.float()
+                p.copy_(m)
+                p.grad = None
+        losses.append(total)
+    return losses, {n: p.detach().float() for n, p in model.named_parameters()}
+
+
+def _ranks(plans, steps):
+    from meshplan.runtime import apply
+
+    out = {}
+    for name, plan in plans.items():
+        runner = apply(_bf16_model(), plan, loss_fn, lambda ps: torch.optim.SGD(ps, lr=LR))
+        losses = [
+            runner.step(*batch(plan.parallel.global_batch, s)) for s in range(steps)
+        ]  # fmt: skip
+        dtypes = {m.dtype for m in runner.optimizer.masters}
+        state = {k: v.float() for k, v in runner.full_state_dict().items()}
+        out[name] = {"losses": losses, "state": state, "master_dtypes": dtypes}
+    return out
+
+
+def test_ddp_and_fsdp2_train_as_one_process_with_fp32_masters():
+    plans = {
+        "ddp": _plan(dp=2, micro_batch=2, global_batch=8),
+        "fsdp-zero3": _plan(dp=2, zero=3, micro_batch=2, global_batch=8),
+    }
+    assert {p.precision for p in plans.values()} == {"bf16"}
+    steps = 3
+    results = run_local(_ranks, 2, plans, steps, timeout_s=240)
+    ref_losses, ref_state = _reference(8, 2, steps)
+    for name in plans:
+        for rank, r in enumerate(results):
+            got = r[name]
+            assert got["master_dtypes"] == {torch.float32}, (name, rank)
+            # bf16 activations: the ranks' micro-batches and reductions round differently
+            assert got["losses"] == pytest.approx(ref_losses, rel=2e-2), (name, rank)
+        state = results[0][name]["state"]
+        assert state.keys() == ref_state.keys()
+        for k, v in ref_state.items():
+            assert torch.allclose(state[k], v, atol=2e-2, rtol=2e-2), (name, k)
