@@ -653,7 +653,10 @@ def prior_efficiency(group: str):
     measured = group in KERNEL_MEASURED_GEMM
     gemm = base.gemm if measured else DEFAULT_EFFICIENCY.gemm
     fp8 = base.gemm_fp8 if measured else None
-    return dataclasses.replace(base, gemm=gemm, gemm_fp8=fp8, source=f"prior ({group})")
+    int8 = base.gemm_int8 if measured else None
+    return dataclasses.replace(
+        base, gemm=gemm, gemm_fp8=fp8, gemm_int8=int8, source=f"prior ({group})"
+    )
 
 
 def _with(eff, name: str, value: float, base):

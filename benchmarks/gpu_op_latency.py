@@ -222,7 +222,8 @@ def overheads(p: Priced, held_out: str | None) -> dict[str, float]:
             m = (p.source == src) & (p.gpu == g) & (p.cls == "elementwise")
             if not m.any():
                 m = (p.source == src) & (p.gpu == g) & np.isin(p.cls, ["residual", "activation"])
-            fastest[pool].append(p.measured[m].min())
+            if m.any():  # a partial file (`collect_gpu_ops.py --only gemm`) may have none
+                fastest[pool].append(p.measured[m].min())
     out = {}
     for src in np.unique(p.source):
         pool = "kernel" if src in KERNEL_TIME_SOURCES else str(src)
@@ -313,6 +314,8 @@ def fit_tensor_core(p: Priced) -> dict[str, dict[str, float]]:
         def price(e, rows):
             return gemm_roofline(p.flop_s[rows] / e / p.wave[rows], mem[rows]) + ovh
 
+        if not aligned.any():
+            continue
         eff = _zero_median(p.measured[aligned], lambda e: price(e, aligned))
         factor = math.nan
         if misaligned.any():
@@ -328,10 +331,11 @@ def fit_tensor_core(p: Priced) -> dict[str, dict[str, float]]:
 
 def fit_low_precision(roots: list[Path]) -> dict[str, dict[str, float]]:
     """Per GPU type of meshplan's own kernel data: the FP8 (`torch._scaled_mm`) and INT8
-    (`torch._int_mm`) GEMM efficiencies that zero the median signed error of its rows, priced
-    as the planner prices a one-byte GEMM (`compute.KernelEfficiency.gemm_fp8` / `gemm_int8`:
-    the p-norm roofline at that dtype's peak, wave quantization, one-byte operands, the
-    output as written, the kernel-time sources' overhead)."""
+    (`torch._int_mm`) GEMM efficiencies that zero the median signed error of its rows
+    (`compute.KernelEfficiency.gemm_fp8` / `gemm_int8`): the p-norm roofline at that dtype's
+    peak with wave quantization, the bytes the kernel moves (one-byte operands, the bf16 or
+    int32 output as written) at 0.8 of the HBM bandwidth, plus 1 us (the kernel-time sources'
+    overhead, rounded)."""
     rows = [r for root in roots for r in read_meshplan_raw(root)]
     out: dict[str, dict[str, float]] = defaultdict(dict)
     peaks = {"gemm_fp8": (compute.FLOAT8_DTYPE, 2), "gemm_int8": ("int8", 4)}

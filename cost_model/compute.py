@@ -222,9 +222,11 @@ MISALIGNED_GEMM_FACTOR = 0.128
 
 
 def alignment_factor(op: Op, gpu: GpuSpec, dtype: str) -> float:
-    """Factor on the tensor-core efficiency of matmul `op`: `MISALIGNED_GEMM_FACTOR` when its
-    N or K is not a multiple of `GEMM_ALIGN_BYTES` in its element size, else 1 (also for
-    CUDA-core float32 GEMMs, the host CPU and every other kind)."""
+    """Factor on the tensor-core efficiency of matmul `op` priced in `dtype`:
+    `MISALIGNED_GEMM_FACTOR` when its N or K is not a multiple of `GEMM_ALIGN_BYTES` in that
+    dtype's element size, else 1 (also for CUDA-core float32 GEMMs, the host CPU and every
+    other kind). Judged on the traced (unsharded) N and K: a TP shard of an aligned dimension
+    stays aligned when the degree divides it into multiples of 8, as transformer widths do."""
     if op.kind != OpKind.MATMUL or gpu.name == "CPU" or on_cuda_cores(gpu, dtype):
         return 1.0
     from .features import gemm_dims
@@ -232,7 +234,10 @@ def alignment_factor(op: Op, gpu: GpuSpec, dtype: str) -> float:
     _, _, n, k = gemm_dims(op)
     if not (n and k and op.inputs):
         return 1.0
-    elems = max(1, GEMM_ALIGN_BYTES // DTYPE_BYTES.get(op.inputs[0].dtype, 2))
+    # The priced dtype's element size (a graph traced in fp32 and planned in bf16 runs 2-byte
+    # GEMMs); TF32 keeps 4-byte storage.
+    size = 4 if dtype == "tfloat32" else DTYPE_BYTES.get(dtype, 0)
+    elems = max(1, GEMM_ALIGN_BYTES // (size or DTYPE_BYTES.get(op.inputs[0].dtype, 2)))
     return 1.0 if n % elems == 0 and k % elems == 0 else MISALIGNED_GEMM_FACTOR
 
 
@@ -943,9 +948,9 @@ def float8_linear_time(op: Op, gpu: GpuSpec, *, fused: bool, backward: bool = Fa
 # cast like Float8's (FLOAT8_CAST_BYTES per element, one byte written); the weight likewise per
 # output channel (int8) or per tensor (fp8), but once per optimizer step, its copy shared by
 # the step's micro-batches (`runtime.hybrid_precision`; `weight_quantize_time`, priced with the
-# optimizer); the result is scaled back in the GEMM's epilogue. An INT8 GEMM reaches the same
-# fraction of its peak as the GPU's 16-bit GEMMs (`gemm_efficiency`), an FP8 one
-# `KernelEfficiency.fp8`: assumptions, no INT8 kernel latencies are in the measured data
+# optimizer); the result is scaled back in the GEMM's epilogue. An INT8 GEMM reaches
+# `KernelEfficiency.int8` of its peak (measured on H100 / H200 `torch._int_mm` kernels; other
+# GPU types: their 16-bit fraction, an assumption), an FP8 one `KernelEfficiency.fp8`
 # (docs/op_latency.md). The backward GEMMs stay in the training dtype.
 
 

@@ -50,7 +50,7 @@ is given), and `apply` lists them one line each:
                     copies' gradients summed over the stages holding them, after the dp
                     reduction (`pipeline_parallel.TiedGradients`)
     optimizer       built by the caller's factory over the final (sharded) parameters, or
-                    over their fp32 masters under mixed precision (`precision.MasterWeights`)
+                    over their fp32 masters under mixed precision (`precision.with_master_weights`)
     schedule        torch.distributed.pipelining around the wrapped chunk-stages; where stages
                     run at different tp degrees or in different groups, `pipeline_handoff`'s
                     1F1B / GPipe, which hands activations between the stages' TP groups
@@ -437,7 +437,8 @@ def apply(
     `loss_parallel` (tp > 1): compute the loss on vocab-sharded logits under torch's
     `loss_parallel`, as the plan prices it; None (default) does so when `loss_fn` is a cross
     entropy (`tensor_parallel.is_cross_entropy`), otherwise the logits are gathered.
-    `master_weights`: step fp32 master copies of 16-bit parameters (`precision.MasterWeights`);
+    `master_weights`: step fp32 master copies of 16-bit parameters
+    (`precision.with_master_weights`);
     None (default) does so when the plan trains in bf16, fp16 or fp8, as the planner prices it.
     """
     check_plan(plan)

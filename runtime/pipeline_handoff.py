@@ -111,7 +111,7 @@ class Handoff:
         self.next = stage_side(whole, self.stage + 1, self.replica) if self.stage < last else None
         self.tp_group = ctx.group("tp") if self.mine.tp > 1 else None
         # Every buffer this rank sends or receives lives on its device: NCCL takes no host
-        # tensors (gloo takes both).
+        # tensors (the CPU ranks' device is the host, as gloo needs).
         self.device = ctx.device
         self.header: torch.Tensor | None = None  # the full boundary shape I receive, once
         self.sent_header = False

@@ -18,7 +18,7 @@ user's. Plans written before precision was recorded ("") are run as the model is
 
 bf16, fp16 and fp8 are mixed precision, as the planner prices them (`cost_model.memory.MIXED`:
 2 + 2 + 12 bytes a parameter) and as the published stacks train: the optimizer steps fp32
-master copies of the 16-bit parameters (`MasterWeights`; Micikevicius et al. 2018, "Mixed
+master copies of the 16-bit parameters (`with_master_weights`; Micikevicius et al. 2018, "Mixed
 Precision Training", section 3.1). Without them `torch.optim.AdamW` would keep its states in
 bf16 and drop updates smaller than a bf16 ulp of the weight; meshplan's first H100 / H200
 steps (session 22, docs/op_latency.md) ran that way and held 8 bytes a parameter where the
@@ -86,56 +86,51 @@ def apply_precision(model: nn.Module, plan: Plan, device: torch.device) -> None:
 MIXED_PRECISIONS = frozenset({"bf16", "fp16", "fp8"})
 
 
-class MasterWeights:
-    """The caller's optimizer over fp32 master copies of 16-bit parameters.
-
-    Each `step`: every parameter's gradient is cast into its master's `.grad`, the optimizer
-    steps the masters, and each parameter is set to its master rounded to the parameter's
-    dtype. A master has its parameter's layout (a DTensor's placements included: FSDP2 / TP
-    shards keep their shards), so the masters and the optimizer states are sharded wherever the
-    parameters are. `state`, `param_groups` and `state_dict` are the inner optimizer's.
-    """
-
-    def __init__(
-        self,
-        params: Iterable[nn.Parameter],
-        factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
-    ) -> None:
-        self.params = [p for p in params if p.requires_grad]
-        self.masters = [
-            nn.Parameter(p.detach().to(torch.float32), requires_grad=True) for p in self.params
-        ]
-        self.optimizer = factory(self.masters)
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)
+def with_master_weights(
+    params: Iterable[nn.Parameter],
+    factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+) -> torch.optim.Optimizer:
+    """The caller's optimizer, built over fp32 master copies of `params`, with two step hooks:
+    before its step every parameter's gradient is cast into its master's `.grad` (and the
+    16-bit gradient freed), after it every parameter is set to its master rounded to the
+    parameter's dtype. What is returned is the caller's own optimizer (LR schedulers, hooks and
+    `state_dict` work as usual); `optimizer.meshplan_masters` holds the (parameter, master)
+    pairs. A master has its parameter's layout (a DTensor's placements included: FSDP2 / TP
+    shards keep their shards), so the masters and the optimizer states are sharded wherever
+    the parameters are. During the step the fp32 gradients replace the 16-bit ones: 2 bytes a
+    parameter above the 2 + 2 + 12 the plan prices, for the step's duration."""
+    unique: dict[int, nn.Parameter] = {}  # a tied parameter listed twice gets one master
+    for p in params:
+        if p.requires_grad:
+            unique.setdefault(id(p), p)
+    params = list(unique.values())
+    masters = [nn.Parameter(p.detach().to(torch.float32), requires_grad=True) for p in params]
+    optimizer = factory(masters)
+    given = {id(q) for group in optimizer.param_groups for q in group["params"]}
+    if given != {id(m) for m in masters}:
+        raise RuntimePlanError(
+            "runtime: the optimizer factory must build its optimizer over the parameters it is "
+            "given (fp32 master copies under the plan's mixed precision), not the model's; or "
+            "pass apply(..., master_weights=False) to step the 16-bit parameters themselves"
+        )
+    pairs = tuple(zip(params, masters))
 
     @torch.no_grad()
-    def step(self) -> None:
-        for p, m in zip(self.params, self.masters):
+    def cast_in(_optimizer, _args, _kwargs) -> None:
+        for p, m in pairs:
             m.grad = None if p.grad is None else p.grad.to(torch.float32)
-        self.optimizer.step()
-        for p, m in zip(self.params, self.masters):
-            p.copy_(m)
+            p.grad = None
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-        for p in self.params:
-            if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.zero_()
+    @torch.no_grad()
+    def copy_out(_optimizer, _args, _kwargs) -> None:
+        for p, m in pairs:
+            p.copy_(m)
+            m.grad = None
+
+    optimizer.register_step_pre_hook(cast_in)
+    optimizer.register_step_post_hook(copy_out)
+    optimizer.meshplan_masters = pairs
+    return optimizer
 
 
 def make_optimizer(
@@ -143,11 +138,11 @@ def make_optimizer(
     factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
     plan: Plan,
     master_weights: bool | None = None,
-):
-    """The optimizer the runner steps: the caller's over fp32 masters (`MasterWeights`) when
-    the plan trains in mixed precision and some parameter is 16-bit (`master_weights`: None
-    decides so, False keeps the caller's optimizer over the parameters as they are)."""
+) -> torch.optim.Optimizer:
+    """The optimizer the runner steps: the caller's over fp32 masters (`with_master_weights`)
+    when the plan trains in mixed precision and some parameter is 16-bit (`master_weights`:
+    None decides so, False keeps the caller's optimizer over the parameters as they are)."""
     low = any(p.dtype in (torch.bfloat16, torch.float16) for p in params)
     if master_weights is None:
         master_weights = plan.precision in MIXED_PRECISIONS and low
-    return MasterWeights(params, factory) if master_weights else factory(params)
+    return with_master_weights(params, factory) if master_weights else factory(params)

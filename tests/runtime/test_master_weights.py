@@ -1,5 +1,5 @@
 """Mixed precision as the planner prices it: 16-bit parameters stepped through fp32 masters
-(`runtime.precision.MasterWeights`, applied by `apply` for bf16 / fp16 / fp8 plans).
+(`runtime.precision.with_master_weights`, applied by `apply` for bf16 / fp16 / fp8 plans).
 
 Oracles: an update smaller than a bf16 ulp, summed by hand in fp32; and a single process that
 keeps its fp32 masters in a few lines of its own, against 2 gloo ranks under DDP and FSDP2."""
@@ -9,8 +9,8 @@ from __future__ import annotations
 import meshplan
 import pytest
 import torch
-from meshplan.runtime import run_local
-from meshplan.runtime.precision import MasterWeights, make_optimizer
+from meshplan.runtime import RuntimePlanError, run_local
+from meshplan.runtime.precision import make_optimizer, with_master_weights
 
 from tests.runtime.harness import CFG, SEQ, batch, loss_fn
 
@@ -22,43 +22,53 @@ def test_updates_below_a_bf16_ulp_accumulate_in_the_master():
     2^-7, the step rounds away), the master reaches 0.99 and the weight its bf16 rounding."""
     w = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
     plain = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
-    mw = MasterWeights([w], lambda ps: torch.optim.SGD(ps, lr=1e-4))
+    opt = with_master_weights([w], lambda ps: torch.optim.SGD(ps, lr=1e-4))
     ref = torch.optim.SGD([plain], lr=1e-4)
+    ((_, master),) = opt.meshplan_masters
     for _ in range(100):
         w.grad = torch.ones_like(w)
         plain.grad = torch.ones_like(plain)
-        mw.step()
+        opt.step()
         ref.step()
-        mw.zero_grad()
-        assert w.grad is None and mw.masters[0].grad is None
-    master = torch.ones(4, dtype=torch.float32)
+        assert w.grad is None and master.grad is None  # both freed by the step's hooks
+    expect = torch.ones(4, dtype=torch.float32)
     for _ in range(100):
-        master -= 1e-4
-    assert torch.equal(mw.masters[0].detach(), master)
-    assert torch.equal(w.detach(), master.to(torch.bfloat16))
+        expect -= 1e-4
+    assert torch.equal(master.detach(), expect)
+    assert torch.equal(w.detach(), expect.to(torch.bfloat16))
     assert torch.equal(plain.detach(), torch.ones(4, dtype=torch.bfloat16))  # the lost updates
 
 
-def test_optimizer_states_are_fp32_and_the_choice_follows_the_plan():
+def test_the_callers_optimizer_is_what_the_runner_steps():
     w = torch.nn.Parameter(torch.randn(8, 8, dtype=torch.bfloat16))
-    mw = MasterWeights([w], lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    opt = with_master_weights([w, w], lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    assert isinstance(opt, torch.optim.AdamW) and len(opt.meshplan_masters) == 1  # tied: once
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5)
     w.grad = torch.randn_like(w)
-    mw.step()
-    state = mw.state[mw.masters[0]]
+    opt.step()
+    sched.step()
+    ((_, master),) = opt.meshplan_masters
+    state = opt.state[master]
     assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
-    assert w.dtype == torch.bfloat16
+    assert w.dtype == torch.bfloat16 and opt.param_groups[0]["lr"] == pytest.approx(5e-4)
+    with pytest.raises(RuntimePlanError, match="optimizer factory"):
+        with_master_weights([w], lambda ps: torch.optim.SGD([w], lr=0.1))  # ignores its input
+
+
+def test_the_choice_follows_the_plan():
+    w = torch.nn.Parameter(torch.randn(8, 8, dtype=torch.bfloat16))
 
     class P:  # what make_optimizer reads of a plan
         precision = "bf16"
 
     factory = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
-    assert isinstance(make_optimizer([w], factory, P()), MasterWeights)
-    assert isinstance(make_optimizer([w], factory, P(), master_weights=False), torch.optim.SGD)
+    assert hasattr(make_optimizer([w], factory, P()), "meshplan_masters")
+    assert not hasattr(make_optimizer([w], factory, P(), master_weights=False), "meshplan_masters")
     P.precision = "fp32"
-    assert isinstance(make_optimizer([w], factory, P()), torch.optim.SGD)
+    assert not hasattr(make_optimizer([w], factory, P()), "meshplan_masters")
     f32 = torch.nn.Parameter(torch.randn(2))
     P.precision = "bf16"
-    assert isinstance(make_optimizer([f32], factory, P()), torch.optim.SGD)  # nothing 16-bit
+    assert not hasattr(make_optimizer([f32], factory, P()), "meshplan_masters")  # no 16-bit
 
 
 def _bf16_model(seed: int = 0):
@@ -107,7 +117,7 @@ def _ranks(plans, steps):
         losses = [
             runner.step(*batch(plan.parallel.global_batch, s)) for s in range(steps)
         ]  # fmt: skip
-        dtypes = {m.dtype for m in runner.optimizer.masters}
+        dtypes = {m.dtype for _, m in runner.optimizer.meshplan_masters}
         state = {k: v.float() for k, v in runner.full_state_dict().items()}
         out[name] = {"losses": losses, "state": state, "master_dtypes": dtypes}
     return out
