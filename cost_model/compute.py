@@ -229,16 +229,21 @@ def alignment_factor(op: Op, gpu: GpuSpec, dtype: str) -> float:
     stays aligned when the degree divides it into multiples of 8, as transformer widths do."""
     if op.kind != OpKind.MATMUL or gpu.name == "CPU" or on_cuda_cores(gpu, dtype):
         return 1.0
+    return 1.0 if gemm_aligned(op, dtype) else MISALIGNED_GEMM_FACTOR
+
+
+def gemm_aligned(op: Op, dtype: str) -> bool:
+    """The GEMM-shaped `op`'s N and K are multiples of `GEMM_ALIGN_BYTES` in `dtype`'s element
+    size (True for an op without GEMM dimensions). The priced dtype decides the size (a graph
+    traced in fp32 and planned in bf16 runs 2-byte GEMMs); TF32 keeps 4-byte storage."""
     from .features import gemm_dims
 
     _, _, n, k = gemm_dims(op)
     if not (n and k and op.inputs):
-        return 1.0
-    # The priced dtype's element size (a graph traced in fp32 and planned in bf16 runs 2-byte
-    # GEMMs); TF32 keeps 4-byte storage.
+        return True
     size = 4 if dtype == "tfloat32" else DTYPE_BYTES.get(dtype, 0)
     elems = max(1, GEMM_ALIGN_BYTES // (size or DTYPE_BYTES.get(op.inputs[0].dtype, 2)))
-    return 1.0 if n % elems == 0 and k % elems == 0 else MISALIGNED_GEMM_FACTOR
+    return n % elems == 0 and k % elems == 0
 
 
 # Targets of fused norm kernels: the kernels `MEMORY_EFFICIENCY_BY_KIND[NORM]` was fitted on.

@@ -44,6 +44,7 @@ from pathlib import Path
 from meshplan.ir import GpuSpec, Op, OpKind, TensorMeta
 from meshplan.ir.hardware import UnknownGpuError, gpu_spec, variant_spec
 
+from . import compute
 from .dataset import DeviceDescriptor, Sample
 
 MS = 1e-3  # both datasets state times in milliseconds
@@ -333,21 +334,12 @@ def read_meshplan(root: Path) -> Iterator[KernelRow]:
         dtype = _DTYPE.get(row["dtype"], row["dtype"])
         op = _meshplan_op(row)
         report = _MESHPLAN_REPORT.get(cls, cls)
-        if cls in _TENSOR_CORE_CLASSES and not _aligned(op):
+        if cls in _TENSOR_CORE_CLASSES and not compute.gemm_aligned(op, dtype):
             report += "_misaligned"  # reported apart: the bars are for aligned shapes
         yield KernelRow("meshplan", row["device"], report, op, dtype, float(row["seconds"]))
 
 
 _TENSOR_CORE_CLASSES = frozenset({"gemm", "bmm", "linear_tf32"})
-
-
-def _aligned(op: Op) -> bool:
-    """N and K multiples of 16 bytes (`compute.alignment_factor`'s rule)."""
-    from .features import gemm_dims
-
-    _, _, n, k = gemm_dims(op)
-    elems = 16 // {"float32": 4}.get(op.inputs[0].dtype, 2)
-    return n % elems == 0 and k % elems == 0
 
 
 def _meshplan_op(row: dict) -> Op:
