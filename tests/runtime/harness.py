@@ -120,11 +120,13 @@ def reference(
     return sgd_reference(model, batch, loss_fn, global_batch, micro_batches, steps)
 
 
-def sgd_reference(model, batch_fn, loss_fn_, global_batch: int, micro_batches: int, steps: int):
-    """`model` trained by one process with SGD (`LR`) on `batch_fn(global_batch, step)`, each
-    global batch as `micro_batches` accumulated micro-batches: (losses, parameter snapshots
-    before and after every step)."""
-    opt = sgd(model.parameters())
+def sgd_reference(
+    model, batch_fn, loss_fn_, global_batch: int, micro_batches: int, steps: int, opt=None
+):
+    """`model` trained by one process with SGD (`LR`; `opt`: another object with `step` and
+    `zero_grad`) on `batch_fn(global_batch, step)`, each global batch as `micro_batches`
+    accumulated micro-batches: (losses, parameter snapshots before and after every step)."""
+    opt = sgd(model.parameters()) if opt is None else opt
     losses, states = [], [{k: v.detach().clone() for k, v in model.named_parameters()}]
     for step in range(steps):
         x, y = batch_fn(global_batch, step)

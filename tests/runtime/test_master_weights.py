@@ -12,7 +12,7 @@ import torch
 from meshplan.runtime import RuntimePlanError, run_local
 from meshplan.runtime.precision import make_optimizer, with_master_weights
 
-from tests.runtime.harness import CFG, SEQ, batch, loss_fn
+from tests.runtime.harness import CFG, SEQ, batch, loss_fn, sgd_reference
 
 LR = 0.05
 
@@ -85,27 +85,31 @@ def _plan(**parallel):
     return meshplan.estimate_plan(g, cluster=cluster, parallel=meshplan.Parallel(**parallel))
 
 
+class _HandMasters:
+    """One process's own fp32 masters, in a few lines: SGD on fp32 copies of the bf16 model's
+    parameters from its gradients, the model set to their bf16 rounding."""
+
+    def __init__(self, model):
+        self.params = list(model.parameters())
+        self.masters = [p.detach().float() for p in self.params]
+
+    @torch.no_grad()
+    def step(self):
+        for p, m in zip(self.params, self.masters):
+            m -= LR * p.grad.float()
+            p.copy_(m)
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+
 def _reference(global_batch: int, micro_batches: int, steps: int):
-    """One process, its own fp32 masters: grads of the bf16 model, SGD on fp32 copies, the
-    model set to their bf16 rounding."""
     model = _bf16_model()
-    params = list(model.parameters())
-    masters = [p.detach().float() for p in params]
-    losses = []
-    for step in range(steps):
-        x, y = batch(global_batch, step)
-        total = 0.0
-        for xi, yi in zip(x.chunk(micro_batches), y.chunk(micro_batches)):
-            loss = loss_fn(model(xi), yi) / micro_batches
-            loss.backward()
-            total += loss.item()
-        with torch.no_grad():
-            for p, m in zip(params, masters):
-                m -= LR * p.grad.float()
-                p.copy_(m)
-                p.grad = None
-        losses.append(total)
-    return losses, {n: p.detach().float() for n, p in model.named_parameters()}
+    losses, states = sgd_reference(
+        model, batch, loss_fn, global_batch, micro_batches, steps, opt=_HandMasters(model)
+    )
+    return losses, {n: v.float() for n, v in states[-1].items()}
 
 
 def _ranks(plans, steps):
