@@ -118,8 +118,8 @@ class KernelEfficiency:
 #   causal head dim 128, 16k tokens (GQA 32/8): forward 340 TFLOP/s, backward 299 (the FA3
 #   paper's FA2-on-H100 ~330-370 forward). H100 SXM takes them: the same GH100 die, SM
 #   count, clocks and power limit; the H200's larger HBM bandwidth only enters through the
-#   memory term. Before: 0.667 fitted on the
-#   Megatron-Core r0.8 step times, attention 0.45 / 0.38 between FA2 and cuDNN.
+#   memory term. Before: 0.667 fitted on the Megatron-Core r0.8 step times, attention
+#   0.45 / 0.38 between FA2 and cuDNN.
 #   The others: `python benchmarks/fidelity.py --fit` (each type's value zeroes the median
 #   signed step-time error of its counted rows, bisection within 0.3-0.9; docs/fidelity.md
 #   lists the rows). The fit runs with wave quantization and the rows' own engines (fused
@@ -136,6 +136,10 @@ class KernelEfficiency:
 #   `MEMORY_EFFICIENCY_BY_KIND` (below, fitted on measured kernels) does not cover and for
 #   fused kernels.
 _FIT = "benchmarks/fidelity.py --fit"
+# The GH100 parts' values, measured on H200 kernels (above).
+_GH100 = KernelEfficiency(
+    0.784, 0.344, 0.302, 0.8, "H200 kernels (collect_gpu_ops.py)", gemm_fp8=0.692, gemm_int8=0.355
+)
 KERNEL_EFFICIENCY: dict[str, KernelEfficiency] = {
     "V100": KernelEfficiency(0.813, 0.50, 0.45, 0.8, f"2020 Megatron DGX-2 rows ({_FIT})"),
     "V100-16GB": KernelEfficiency(0.813, 0.50, 0.45, 0.8, "as V100 (same GV100 compute)"),
@@ -144,27 +148,9 @@ KERNEL_EFFICIENCY: dict[str, KernelEfficiency] = {
     ),
     "A100-40GB": KernelEfficiency(0.723, 0.661, 0.586, 0.8, "as A100-80GB"),
     "A100-PCIe": KernelEfficiency(0.723, 0.661, 0.586, 0.8, "as A100-80GB"),
-    "H100": KernelEfficiency(
-        0.784,
-        0.344,
-        0.302,
-        0.8,
-        "H200 kernels (collect_gpu_ops.py; same GH100 die)",
-        gemm_fp8=0.692,
-        gemm_int8=0.355,
-    ),
-    "H200": KernelEfficiency(
-        0.784,
-        0.344,
-        0.302,
-        0.8,
-        "H200 kernels (collect_gpu_ops.py)",
-        gemm_fp8=0.692,
-        gemm_int8=0.355,
-    ),
-    "H100-PCIe": KernelEfficiency(
-        0.784, 0.344, 0.302, 0.8, "as H100", gemm_fp8=0.692, gemm_int8=0.355
-    ),
+    "H100": dataclasses.replace(_GH100, source="H200 kernels (collect_gpu_ops.py; same GH100 die)"),
+    "H200": _GH100,
+    "H100-PCIe": dataclasses.replace(_GH100, source="as H100"),
     "H100-96GB-500W": KernelEfficiency(
         0.575, 0.199, 0.174, 0.8, f"torchtitan rows ({_FIT})", gemm_fp8=0.586
     ),
