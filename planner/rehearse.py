@@ -31,15 +31,12 @@ from meshplan.ir import Graph, OpKind
 from meshplan.ir.facts import is_hf_decoder, is_zoo_model, pipeline_cut
 from meshplan.ir.trace import TraceError, trace
 from meshplan.passes.sharding import tp_param_placements
-from meshplan.runtime.errors import RuntimePlanError
-from meshplan.runtime.graph_stages import graph_cut
-from meshplan.runtime.tensor_parallel import (
-    HEAD_COUNT_ATTRS,
-    localise_head_counts,
-    placement_of,
-    tp_styles,
-)
 from torch import nn
+
+# The runtime modules used below are imported where they are used: importing
+# `meshplan.runtime` loads torch.distributed's tensor and pipelining packages (about 1.5 s),
+# which `meshplan plan` needs only for models it rehearses (module docstring: not the zoo's
+# decoder or a HuggingFace Llama-shaped one).
 
 
 def rehearsal_degree(graph: Graph) -> int:
@@ -59,6 +56,8 @@ def shard_shapes(model: nn.Module, view, tp: int) -> dict[str, tuple[int, ...]]:
     features anywhere; a column-parallel one hands on a share of its output features inside
     the repeated layers, while outside them (an LM head, a projection before the layers) the
     runtime gathers its output, so the code sees the whole width there."""
+    from meshplan.runtime.tensor_parallel import placement_of
+
     placements = dict(view.placements)
     shapes: dict[str, tuple[int, ...]] = {}
     for path, mod in model.named_modules():
@@ -94,6 +93,9 @@ def rehearse_tensor_parallel(
 
 
 def _rehearse(model: nn.Module, graph: Graph, inputs: tuple, kwargs: dict, tp: int) -> str:
+    from meshplan.runtime.errors import RuntimePlanError
+    from meshplan.runtime.tensor_parallel import HEAD_COUNT_ATTRS, localise_head_counts, tp_styles
+
     view = types.SimpleNamespace(  # the parts of a Plan `tp_styles` reads
         parallel=types.SimpleNamespace(tp=tp, sequence_parallel=False),
         placements=tp_param_placements(graph),
@@ -123,6 +125,8 @@ def _rehearse(model: nn.Module, graph: Graph, inputs: tuple, kwargs: dict, tp: i
 
 def _compare_attention(whole: Graph, rank: Graph, tp: int) -> str:
     """Every attention of the rehearsed rank must see heads / tp heads of full head_dim."""
+    from meshplan.runtime.tensor_parallel import HEAD_COUNT_ATTRS
+
     want = [op for _, b in whole.unit_blocks() for op in b.ops if op.kind is OpKind.ATTENTION]
     got = [
         (u.name, op) for u, b in rank.unit_blocks() for op in b.ops if op.kind is OpKind.ATTENTION
@@ -154,6 +158,9 @@ def rehearse_pipeline_cut(model: nn.Module, graph: Graph, example_inputs: tuple)
     if first is None:
         why = "the model takes no tensor input to export it with"
     else:
+        from meshplan.runtime.errors import RuntimePlanError
+        from meshplan.runtime.graph_stages import graph_cut
+
         half = len(layers) // 2
         try:
             graph_cut(model, first, {u: int(i >= half) for i, u in enumerate(layers)}, 2)
