@@ -51,7 +51,7 @@ free) to the layer's inputs, and the layer's own nodes are never reached. Anythi
 stand-in cannot see (a layer called twice, an activation read from outside its arguments,
 a backward that still reaches the layer some other way) makes the tracer run the step again
 without it (`DEDUPE_BACKWARD`); `tests/ir/test_trace_dedupe.py` checks the graphs are equal.
-This halves tracing a deep model (70B: 4.4 -> 2.4 s on a 2-core CPU, benchmarks/trace_speed.py).
+This halves tracing a deep model (70B: 4.4 -> 2.1 s on a 2-core CPU, benchmarks/trace_speed.py).
 """
 
 from __future__ import annotations
