@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import os
 import re
 import site
@@ -1164,6 +1165,11 @@ def whatif(
         axes[axis] = values
     prices = dict(parse_price(p) for p in price or [])
     n_tokens = parse_tokens(tokens) if tokens else None
+    # Inputs every configuration shares are checked once here, not reported per row.
+    if gpus is not None and gpus < 1:
+        raise ValueError(f"--gpus must be a positive integer, got {gpus}")
+    if not (math.isfinite(time_limit) and time_limit > 0):
+        raise ValueError(f"--time-limit must be a positive number of seconds, got {time_limit}")
     if mix and cluster:
         raise ValueError("--mix builds its own clusters from GPU types; leave out --cluster")
     if mix and gpus is None and "gpus" not in axes:

@@ -352,6 +352,13 @@ def solve(
     groups under the throughput objective also the cp groups that span them (step 5 of the
     module docstring, `cp_shares.spanning_search`); the faster plan that fits wins. The
     arguments are `_solve_in_groups`'."""
+    if not (isinstance(time_limit_s, int | float) and math.isfinite(time_limit_s)) or (
+        time_limit_s <= 0
+    ):
+        raise ValueError(
+            f"time_limit_s (--time-limit) must be a positive number of work seconds, got "
+            f"{time_limit_s!r}"
+        )
     objective = objective or Objective()
     spans = objective.kind == "throughput" and len(cluster.groups) > 1 and candidates is None
     try:

@@ -289,6 +289,20 @@ def test_whatif_mix_without_a_gpu_count_is_a_usage_error():
     assert_user_error(run("whatif", "--mix", "H100:A100=1:3"), "--mix needs a total GPU count")
 
 
+@pytest.mark.parametrize("limit", ["0", "-1", "nan", "inf"])
+def test_a_budget_that_is_not_a_positive_number_is_refused(limit):
+    """Found in session 23: 0 and -1 planned as if no budget was given, nan stopped at once."""
+    r = run("plan", "--model", "tiny", "--time-limit", limit)
+    assert_user_error(r, "must be a positive number")
+    r = run("whatif", "--model", "tiny", "--gpus", "8", "--time-limit", limit)
+    assert_user_error(r, "--time-limit must be a positive number")
+
+
+def test_whatif_gpu_count_is_checked_once_not_reported_per_row():
+    """`--gpus 0` was an "infeasible" row of the table with exit status 0."""
+    assert_user_error(run("whatif", "--model", "tiny", "--gpus", "0"), "--gpus must be a positive")
+
+
 def test_cost_objective_prints_the_dollar_figure():
     r = run("plan", "--model", "tiny", "--cluster", "dgx-h100", "--gpus", "8",
             "--objective", "cost", "--price", "H100=2.5")  # fmt: skip
