@@ -704,6 +704,11 @@ def _load_megatron(
 ) -> FrameworkConfig:
     r = _Reader(path)
     opts, _ = _cli_options(r, _program_args(_cli_tokens(r, text)))
+    if not opts:  # a wrong file, not a run with every default: Megatron needs its sizes
+        raise ConfigError(
+            f"{path}: no Megatron-LM arguments (--name value) found; give the arguments of "
+            "pretrain_gpt.py (or its command line), e.g. --tensor-model-parallel-size 8"
+        )
     r.sort_options("megatron", opts.items())
 
     def num(name: str, default: int | None = None) -> int | None:

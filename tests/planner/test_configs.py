@@ -435,6 +435,15 @@ def test_megatron_uneven_first_last_with_virtual_stages_priced_as_read(tmp_path,
     assert configs.stage_layer_counts(plan) == (6, 10, 10, 6)
 
 
+@pytest.mark.parametrize("text", ["", "not: [valid\n", "# only a comment\npretrain_gpt.py\n"])
+def test_a_megatron_file_without_arguments_is_refused(tmp_path, text):
+    """Found in session 23: a YAML file given as Megatron arguments read as every default."""
+    path = tmp_path / "args.txt"
+    path.write_text(text)
+    with pytest.raises(configs.ConfigError, match="no Megatron-LM arguments"):
+        configs.load(f"megatron:{path}", world_size=16)
+
+
 def test_megatron_fsdp_flags_read_as_zero_stages(tmp_path):
     cases = {
         "--use-distributed-optimizer": 1,
