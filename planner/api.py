@@ -139,14 +139,32 @@ def default_global_batch(
     return per_step * -(-target // per_step)
 
 
+def as_cluster(cluster: Cluster | str | Path | None) -> Cluster:
+    """`cluster` as a Cluster: None is the default preset; a string or path is a YAML/JSON
+    cluster file (by its suffix) or a preset name / GPU type, as `--cluster` reads it."""
+    if cluster is None:
+        return Cluster.preset("default")
+    if isinstance(cluster, Cluster):
+        return cluster
+    if isinstance(cluster, str | Path):
+        if Path(cluster).suffix.lower() in (".yaml", ".yml", ".json"):
+            return Cluster.load(cluster)
+        return Cluster.preset(str(cluster))
+    raise TypeError(
+        f"cluster must be a meshplan Cluster, a preset name or a cluster file, got "
+        f"{type(cluster).__name__}"
+    )
+
+
 def as_graph(
-    model: torch.nn.Module | Graph,
+    model: torch.nn.Module | Graph | str,
     example_inputs: tuple | torch.Tensor | None = (),
     *,
     name: str | None = None,
     progress: Progress = None,
 ) -> Graph:
-    """Trace `model` unless it already is a Graph. A Cluster given as the second argument
+    """Trace `model` unless it already is a Graph (a string: the preset or model file the
+    CLI's --model takes, `load_model`). A Cluster given as the second argument
     (where the example inputs go) is refused: it would be ignored for a Graph and planned on
     the default cluster."""
     if isinstance(example_inputs, Cluster):
@@ -156,6 +174,13 @@ def as_graph(
         )
     if isinstance(model, Graph):
         return model
+    if isinstance(model, str) and not example_inputs:  # a preset name or file.py:factory
+        model, example_inputs = load_model(model)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"model must be a torch.nn.Module (with its example inputs), a traced meshplan "
+            f"Graph, or a preset name / path/to/file.py:factory, got {type(model).__name__}"
+        )
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     return trace(model, *(example_inputs or ()), name=name, progress=progress)
@@ -317,7 +342,7 @@ def check_config(
 def estimate(
     model: torch.nn.Module | Graph,
     example_inputs: tuple | torch.Tensor | None = (),
-    cluster: Cluster | None = None,
+    cluster: Cluster | str | None = None,
     parallel: Parallel | None = None,
     *,
     progress: Progress = None,
@@ -407,7 +432,7 @@ def with_chunks(
 def estimate_plan(
     model: torch.nn.Module | Graph,
     example_inputs: tuple | torch.Tensor | None = (),
-    cluster: Cluster | None = None,
+    cluster: Cluster | str | None = None,
     parallel: Parallel | None = None,
     *,
     progress: Progress = None,
@@ -430,7 +455,7 @@ def estimate_plan(
     `split`: the layers of each pipeline stage, or under interleaved 1F1B / ZB-V of each of
     the pp * chunks model chunks in model order (a framework's uneven split, as
     `meshplan.configs` reads it); () = the even split or the default chunk layout."""
-    cluster = cluster or Cluster.preset("default")
+    cluster = as_cluster(cluster)
     graph = as_graph(model, example_inputs, progress=progress)
     precision, dtype, engine, note = resolve_precision(graph, cluster, precision, engine)
     if engine.hybrid:  # each group named exists and has that precision's tensor cores
@@ -653,7 +678,7 @@ def _hybrid_search(
 def plan(
     model: torch.nn.Module | Graph,
     example_inputs: tuple | torch.Tensor | None = (),
-    cluster: Cluster | None = None,
+    cluster: Cluster | str | None = None,
     *,
     global_batch: int | None = None,
     parallel: Parallel | None = None,
@@ -705,7 +730,7 @@ def plan(
     Raises `InfeasibleError` with the binding constraint when no plan fits.
     """
     comm, quant_acts = comm_options(compress, quantize, codec)
-    cluster = cluster or Cluster.preset("default")
+    cluster = as_cluster(cluster)
     graph = as_graph(model, example_inputs, progress=progress)
     precision, dtype, engine, note = resolve_precision(graph, cluster, precision, EAGER)
     pinned = parallel or Parallel()
