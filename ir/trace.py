@@ -374,6 +374,7 @@ class _Capture:
         self.dedupe = dedupe
         self.suppress = False  # the stand-in's own ops: not part of the traced step
         self.layer_start: dict[int, int] = {}  # layer -> forward position it was entered at
+        self.layer_end: dict[int, int] = {}  # layer -> forward position after its exit
         self.templates: dict[tuple, int] = {}  # forward signature -> first layer with it
         self.skipped: dict[int, int] = {}  # layer -> the earlier layer its backward copies
         self.grad_inputs: dict[int, tuple[int, ...]] = {}  # layer -> keys of inputs with grad
@@ -580,10 +581,13 @@ class _Capture:
 
     # -- repeated layers ----------------------------------------------------------------------
     def layer_records(self, layer: int) -> list[OpRecord]:
+        """The forward records of `layer`'s call, in order (positions from its entry to its
+        exit, once `skip_backward` has seen it exit; else to now)."""
         start = self.layer_start.get(layer, self.n_fwd)
+        end = self.layer_end.get(layer, self.n_fwd)
         return [
             r
-            for p in range(start, self.n_fwd)
+            for p in range(start, end)
             if (r := self.records.get(p)) is not None and r.layer == layer
         ]
 
@@ -631,8 +635,11 @@ class _Capture:
         return its output behind a stand-in node (`_SkipBackward`) so that backward never
         reaches this layer's ops; `copy_skipped` fills in their backward costs afterwards.
         None (output unchanged) otherwise."""
+        if not self.dedupe:
+            return None
+        self.layer_end[layer] = self.n_fwd
         recs = self.layer_records(layer)
-        if not self.dedupe or not recs:
+        if not recs:
             return None
         by_key: dict[int, torch.Tensor] = {}
         for t in tree_flatten((args, kwargs))[0]:
