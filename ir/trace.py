@@ -6,9 +6,11 @@ How it works (the capture half; `lower.py` is the IR half):
    shapes and dtypes, no data), so a 405B model on `torch.device("meta")` traces in a few
    hundred MB. CPU rather than meta, so that SDPA dispatches to the fused CPU flash-attention
    op instead of decomposing into bmm/softmax.
-2. `torch.func.functional_call` runs the forward; a scalar loss is taken from the output (the
-   output itself, `.loss`, or `.sum()` of the first output) and `torch.autograd.grad` runs the
-   backward with respect to the parameters.
+2. The model runs its forward with the fake parameters swapped in (the context manager behind
+   `torch.func.functional_call`, held through the backward so that checkpointed regions
+   recompute with them); a scalar loss is taken from the output (the output itself, `.loss`,
+   or `.sum()` of the first output) and `torch.autograd.grad` runs the backward with respect
+   to the parameters.
 3. A `TorchDispatchMode` (`_Recorder`) sees every aten op of forward and backward:
    - forward ops are recorded with shapes, FLOPs, bytes and the module they ran in (a stack kept
      by global module pre/post forward hooks);
@@ -37,9 +39,11 @@ assumption is written into `ModelInfo.assumptions` (plans print it among their n
 Everywhere else, and for data-dependent *values* (`.item()`, `if mask.any():`), tracing
 stops with a one-line `TraceError` naming the op and the module.
 
-Activation checkpointing inside the model is traced as it runs (its recomputation lands in
-the backward costs), but ops under someone else's saved-tensor hooks report no saved bytes:
-trace models without checkpointing and let the planner decide recomputation.
+Activation checkpointing inside the model (non-reentrant: `use_reentrant=False`, HF's
+`gradient_checkpointing_enable` with it) is traced as it runs (its recomputation lands in the
+backward costs), but ops under someone else's saved-tensor hooks report no saved bytes: trace
+models without checkpointing and let the planner decide recomputation. Reentrant
+checkpointing cannot run under `torch.autograd.grad` and is refused in one line.
 
 The whole forward is traced, every layer, so layers that really differ are never assumed
 equal. The backward of a layer whose forward is identical to an earlier layer's (same ops,
@@ -72,6 +76,7 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
 )
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -1277,10 +1282,15 @@ def _trace(
     log_level = fake_log.level
     fake_log.setLevel(logging.CRITICAL)  # failures become one-line TraceErrors below
     try:
-        with _fake_tensor_attributes(model, fake_like), fake_mode, recorder:
+        # The fake parameters stay in place through the backward too (what
+        # `torch.func.functional_call` does for the forward alone): activation checkpointing
+        # inside the model recomputes in backward and must see them, not the model's own
+        # (meta) tensors. `tie_weights` as functional_call's default.
+        swap = _reparametrize_module(model, {**params, **buffers}, tie_weights=True)
+        with _fake_tensor_attributes(model, fake_like), fake_mode, recorder, swap:
             # The sequence counter is per thread and keeps counting across autograd graphs.
             cap.next_seq = torch._C._autograd._get_sequence_nr()
-            out = torch.func.functional_call(model, {**params, **buffers}, args, fkwargs)
+            out = model(*args, **fkwargs)
             cap.phase = _LOSS
             cap.module_stack.clear()
             cap.layer_stack.clear()
@@ -1517,6 +1527,13 @@ def _trace_error(exc: Exception, cap: _Capture, classes: dict[str, str]) -> Trac
             f"op {op} in {where} runs only in bfloat16 (HF MoE experts default to "
             "'grouped_mm'): build the model with torch_dtype=torch.bfloat16, or pass "
             "experts_implementation='batched_mm' to from_config/from_pretrained"
+        )
+    if "use_reentrant=True" in first_line:
+        return TraceError(
+            f"{where} uses reentrant activation checkpointing (torch.utils.checkpoint with "
+            "use_reentrant=True), which cannot be traced: switch it off for planning "
+            "(model.gradient_checkpointing_disable() for HuggingFace models) and let the plan "
+            "choose recomputation (--recompute), or use use_reentrant=False"
         )
     if (
         isinstance(exc, UnsupportedOperatorException)

@@ -270,3 +270,32 @@ def test_hf_shapes_the_runtime_cannot_run_are_blocked_with_their_reason(traced):
         assert "c_attn" in blocked["tp"] and "tied" in blocked["zb"]
     else:
         assert set(blocked) == {"tp"} and "MixtralExperts" in blocked["tp"]
+
+
+def test_gradient_checkpointing_inside_the_model_is_traced_as_it_runs():
+    """Found in session 23: an HF model with gradient checkpointing on, built on meta, failed
+    to trace (its recomputation ran outside the tracer's parameter swap: meta and fake
+    tensors mixed), and the tp rehearsal of such models failed the same way. Non-reentrant
+    checkpointing now traces: the recomputed forward lands in the backward (at most the
+    layers' forward FLOPs more; torch stops the replay once the saved tensors are back),
+    fewer activations are saved, and nothing is blocked. Reentrant checkpointing is refused
+    in one line with what to do."""
+    from tests.runtime.user_models import MODELS
+
+    um = MODELS["hf-llama"]
+    model = um.build("meta")
+    args, kwargs = um.example(model)
+    plain = trace(model, *args, kwargs=kwargs)
+    layer_fwd = sum(
+        op.fwd_flops for u, b in plain.unit_blocks() if not u.name.startswith("<") for op in b.ops
+    )
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ckpt = trace(model, *args, kwargs=kwargs)
+    extra = ckpt.total_flops() - plain.total_flops()
+    assert 0 < extra <= layer_fwd
+    assert ckpt.saved_activation_bytes() < plain.saved_activation_bytes()
+    assert ckpt.info.blockers == plain.info.blockers
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    with pytest.raises(TraceError, match="reentrant activation checkpointing"):
+        trace(model, *args, kwargs=kwargs)
