@@ -147,6 +147,14 @@ class Dataflow:
     _keep: list[torch.Tensor] = field(default_factory=list)
     unit_calls: list[str] = field(default_factory=list)  # repeated layers, in call order
 
+    def alias(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """`new` stands for `old` (the tracer's stand-in for a layer's output): it carries
+        the same position, score and feature tags."""
+        for tags in (self._positions, self._scores, self._features):
+            if id(old) in tags:
+                tags[id(new)] = tags[id(old)]
+        self._keep.append(new)
+
     def on_unit(self, path: str) -> None:
         """The forward entered repeated layer `path` (a unit)."""
         self.unit_calls.append(path)

@@ -668,8 +668,15 @@ class _Capture:
             if not isinstance(t, torch.Tensor) or not t.requires_grad:
                 return t
             new = _SkipBackward.apply(self, t.detach(), *grad_inputs)
+            # Later ops read it as this layer's output: same info, the views it was made by
+            # (folded into its readers), its origin and its data-flow tags.
             if (info := self.info.get(id(t))) is not None:
-                self.info[id(new)] = info  # later ops read it as this layer's output
+                self.info[id(new)] = info
+            if id(t) in self.view_chain:
+                self.view_chain[id(new)] = self.view_chain[id(t)]
+            if id(t) in self.origin:
+                self.origin[id(new)] = self.origin[id(t)]
+            self.flow.alias(t, new)
             self.keep.append(new)
             return new
 

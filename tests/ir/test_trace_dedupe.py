@@ -127,3 +127,42 @@ def test_first_layer_without_input_gradient_keeps_its_own_backward(monkeypatch):
     fast, full, n = _both(model, torch.empty(4, 8, device="meta"), monkeypatch=monkeypatch)
     assert fast == full
     assert n == 1  # layer 2 copies layer 1, layer 0 is its own
+
+
+def _hf_model(kind: str):
+    tf = pytest.importorskip("transformers")
+    small = dict(vocab_size=128)
+    configs = {
+        # OPT's layers end in a view: the stand-in must carry the views behind its output
+        # (found in session 23: the final norm's folded node names moved).
+        "opt": (tf.OPTConfig, tf.OPTForCausalLM, dict(num_hidden_layers=4, hidden_size=64,
+                num_attention_heads=4, ffn_dim=128, max_position_embeddings=64,
+                word_embed_proj_dim=64)),
+        "falcon": (tf.FalconConfig, tf.FalconForCausalLM, dict(num_hidden_layers=4,
+                   hidden_size=64, num_attention_heads=4)),
+        "gptj": (tf.GPTJConfig, tf.GPTJForCausalLM, dict(n_layer=4, n_embd=64, n_head=4,
+                 n_positions=64, rotary_dim=8)),
+        "t5": (tf.T5Config, tf.T5ForConditionalGeneration, dict(num_layers=4,
+               num_decoder_layers=4, d_model=64, d_kv=16, num_heads=4, d_ff=128)),
+        "bert": (tf.BertConfig, tf.BertForMaskedLM, dict(num_hidden_layers=4, hidden_size=64,
+                 num_attention_heads=4, intermediate_size=128)),
+    }  # fmt: skip
+    config_cls, model_cls, kw = configs[kind]
+    config = config_cls(**small, **kw)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = model_cls(config)
+    x = torch.zeros(1, 16, dtype=torch.long, device="meta")
+    kwargs = {"labels": x}
+    if kind == "t5":
+        kwargs["decoder_input_ids"] = x
+    if kind in ("opt", "falcon", "gptj"):
+        kwargs["use_cache"] = False
+    return model, x, kwargs
+
+
+@pytest.mark.parametrize("kind", ["opt", "falcon", "gptj", "t5", "bert"])
+def test_hf_families_beyond_the_matrix_trace_the_same(kind, monkeypatch):
+    model, x, kwargs = _hf_model(kind)
+    fast, full, _ = _both(model, x, kwargs=kwargs, monkeypatch=monkeypatch)
+    assert fast == full
