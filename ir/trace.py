@@ -1135,6 +1135,19 @@ def _numel(shape) -> int:
     return n
 
 
+@contextlib.contextmanager
+def quiet_fake_tensor_log() -> Iterator[None]:
+    """Hold back the tracebacks torch logs when an op fails on fake tensors: meshplan turns
+    such failures into one-line reasons (a `TraceError`, a blocker, a `RuntimePlanError`)."""
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        fake_log.setLevel(level)
+
+
 class _SkipBackward(torch.autograd.Function):
     """Stand-in for a skipped layer (`_Capture.skip_backward`): its output, and in backward a
     zero (fake) gradient for each input the layer read, so the backward upstream runs as
@@ -1285,9 +1298,8 @@ def _trace(
         nn.modules.module.register_module_forward_pre_hook(pre_hook),
         nn.modules.module.register_module_forward_hook(post_hook, with_kwargs=True),
     ]
-    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
-    log_level = fake_log.level
-    fake_log.setLevel(logging.CRITICAL)  # failures become one-line TraceErrors below
+    quiet = quiet_fake_tensor_log()  # failures become one-line TraceErrors below
+    quiet.__enter__()
     try:
         # The fake parameters stay in place through the backward too (what
         # `torch.func.functional_call` does for the forward alone): activation checkpointing
@@ -1312,7 +1324,7 @@ def _trace(
     except Exception as exc:
         raise _trace_error(exc, cap, module_classes) from exc
     finally:
-        fake_log.setLevel(log_level)
+        quiet.__exit__(None, None, None)
         for h in handles:
             h.remove()
 

@@ -46,6 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from meshplan.ir.trace import quiet_fake_tensor_log
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -84,7 +85,10 @@ def graph_cut(
     key = (tuple(sorted(unit_chunk.items())), num_chunks, epi, tuple(example.shape), example.dtype)
     per_model = _CACHE.setdefault(model, {})
     if key not in per_model:
-        per_model[key] = _cut(model, example, unit_chunk, num_chunks, epi)
+        # torch logs a traceback when an op fails on fake tensors; the failure itself becomes
+        # the one-line RuntimePlanError `_cut` raises
+        with quiet_fake_tensor_log():
+            per_model[key] = _cut(model, example, unit_chunk, num_chunks, epi)
     return per_model[key]
 
 

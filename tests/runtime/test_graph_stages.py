@@ -173,3 +173,33 @@ class _ObjectArgument(nn.Module):
         for layer in self.layers:
             x = layer(x, ctx)
         return x
+
+
+def test_an_export_that_fails_on_fake_tensors_logs_nothing():
+    """Found in session 23: planning HF BLOOM (its alibi `baddbmm` fails on the export's fake
+    tensors) printed torch's 15-line traceback before the plan; the failure is a one-line pp
+    blocker, so torch's own log of it is held back."""
+    import logging
+
+    import meshplan
+
+    tf = pytest.importorskip("transformers")
+    config = tf.BloomConfig(n_layer=2, hidden_size=32, n_head=4, vocab_size=64)
+    with torch.device("meta"):
+        model = tf.BloomForCausalLM(config)
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    handler = Keep(level=logging.ERROR)
+    log.addHandler(handler)
+    try:
+        x = torch.zeros(1, 16, dtype=torch.long, device="meta")
+        graph = meshplan.trace(model, x, kwargs={"labels": x, "use_cache": False})
+    finally:
+        log.removeHandler(handler)
+    assert "torch.export failed" in graph.info.blocker("pp")
+    assert not records, records[0].getMessage()
