@@ -379,6 +379,27 @@ def is_hf_decoder(model: nn.Module) -> bool:
     )
 
 
+# HuggingFace decoder families whose forward `runtime.pipeline_parallel.HFDecoderStage`
+# (embed, rotary tables, layers without a mask, norm, head) reproduces exactly, checked
+# against one process under pp and tp (tests/runtime/test_model_matrix.py and
+# test_parity_hf_families.py). Others of the same module shape do more in their own forward
+# (Gemma 2: logit soft-capping, per-layer sliding-window masks; an eager attention needs
+# the mask the stage does not pass): they are cut from their exported graph instead, and
+# their tensor parallelism is rehearsed like any user model's.
+HF_DECODER_FAMILIES = ("llama", "mistral", "qwen2", "phi3", "qwen2_moe", "mixtral")
+
+
+def is_verified_hf_decoder(model: nn.Module) -> bool:
+    """`is_hf_decoder` of a family in `HF_DECODER_FAMILIES` built with SDPA attention (HF's
+    SDPA path is causal without a mask; its eager path is not)."""
+    config = getattr(model, "config", None)
+    return (
+        is_hf_decoder(model)
+        and getattr(config, "model_type", None) in HF_DECODER_FAMILIES
+        and getattr(config, "_attn_implementation", None) == "sdpa"
+    )
+
+
 def pipeline_cut(model: nn.Module) -> str:
     """How the runtime cuts `model` into pipeline stages: "hook" (the model's own
     `pipeline_stage`), "hf_decoder", "zoo", or "graph" (any other model: cut from its exported
@@ -386,7 +407,7 @@ def pipeline_cut(model: nn.Module) -> str:
     order: `Dataflow.unit_calls`)."""
     if hasattr(model, "pipeline_stage"):
         return "hook"
-    if is_hf_decoder(model):
+    if is_verified_hf_decoder(model):
         return "hf_decoder"
     if is_zoo_model(model):
         return "zoo"

@@ -17,7 +17,8 @@ heads / tp heads of the unsharded head_dim. A failure or a mismatch becomes the 
 blocker (`ModelInfo.blockers`), which the planner honours like any other (`ir.facts`).
 
 Skipped, as already covered by the runtime's parity tests: the zoo's decoder and HuggingFace
-decoders of the Llama shape. A model whose TP is already blocked is not rehearsed.
+decoders of the families checked there (`ir.facts.is_verified_hf_decoder`). A model whose TP
+is already blocked is not rehearsed.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import types
 
 import torch
 from meshplan.ir import Graph, OpKind
-from meshplan.ir.facts import is_hf_decoder, is_zoo_model, pipeline_cut
+from meshplan.ir.facts import is_verified_hf_decoder, is_zoo_model, pipeline_cut
 from meshplan.ir.trace import TraceError, trace
 from meshplan.passes.sharding import tp_param_placements
 from torch import nn
@@ -80,7 +81,7 @@ def rehearse_tensor_parallel(
     """`graph` with a "tp" blocker when one tensor-parallel rank cannot run the model's code
     correctly (module docstring); `graph` unchanged otherwise."""
     info = graph.info
-    if info.blocker("tp") or is_zoo_model(model) or is_hf_decoder(model):
+    if info.blocker("tp") or is_zoo_model(model) or is_verified_hf_decoder(model):
         return graph
     tp = rehearsal_degree(graph)
     if not tp:
