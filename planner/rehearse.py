@@ -103,9 +103,11 @@ def _rehearse(model: nn.Module, graph: Graph, inputs: tuple, kwargs: dict, tp: i
         model=types.SimpleNamespace(units=tuple(u.name for u in graph.units)),
     )
     try:
-        _, regions = tp_styles(model, view)  # type: ignore[arg-type]
+        styles, regions = tp_styles(model, view)  # type: ignore[arg-type]
     except RuntimePlanError as exc:
         return str(exc).removeprefix("runtime: ")
+    if why := _unsharded_inside_region(model, styles, regions):
+        return why
     saved = [
         (model.get_submodule(path), attr, getattr(model.get_submodule(path), attr))
         for path in regions
@@ -122,6 +124,26 @@ def _rehearse(model: nn.Module, graph: Graph, inputs: tuple, kwargs: dict, tp: i
         for mod, attr, value in saved:
             setattr(mod, attr, value)
     return _compare_attention(graph, rank, tp)
+
+
+def _unsharded_inside_region(model: nn.Module, styles: dict, regions: dict[str, int]) -> str:
+    """A module with parameters of its own inside a TP region (the parent of a row- and
+    column-parallel projection, whose input the runtime turns into a replicated DTensor)
+    that the runtime does not shard: its plain parameters would meet that DTensor. OPT's
+    decoder layer holds its MLP projections itself, so the layer is the region and its
+    layer norms sit inside it (session 23: tp failed inside the ranks)."""
+    for region in regions:
+        for path, mod in model.get_submodule(region).named_modules():
+            full = f"{region}.{path}" if path else region
+            if full in styles or not any(True for _ in mod.parameters(recurse=False)):
+                continue
+            return (
+                f"{full} ({type(mod).__name__}) has parameters inside the tensor-parallel "
+                f"region {region} (the parent of its row- and column-parallel projections), "
+                "where the runtime hands modules replicated DTensors; it shards only the "
+                "projections: plan without tp, or move the projections into their own module"
+            )
+    return ""
 
 
 def _compare_attention(whole: Graph, rank: Graph, tp: int) -> str:

@@ -40,6 +40,20 @@ def _config(kind: str):
     if kind == "gemma":
         head = dict(head_dim=um.HIDDEN // um.HEADS)
         return transformers.GemmaConfig(**common, **head), transformers.GemmaForCausalLM, "sdpa"
+    if kind == "opt":
+        config = transformers.OPTConfig(
+            num_hidden_layers=um.LAYERS,
+            hidden_size=um.HIDDEN,
+            num_attention_heads=um.HEADS,
+            ffn_dim=64,
+            vocab_size=um.VOCAB,
+            max_position_embeddings=64,
+            word_embed_proj_dim=um.HIDDEN,
+            dropout=0.0,
+            attention_dropout=0.0,
+            use_cache=False,
+        )
+        return config, transformers.OPTForCausalLM, "sdpa"
     head = dict(head_dim=um.HIDDEN // um.HEADS, sliding_window=8)
     return transformers.Gemma2Config(**common, **head), transformers.Gemma2ForCausalLM, "eager"
 
@@ -67,6 +81,10 @@ def _register(monkeypatch, kind: str) -> str:
         ("gemma", "pp", "OK"),  # outside the list: cut from its exported graph
         ("gemma2", "pp", "OK"),  # was WRONG
         ("gemma2", "tp", "REFUSED"),  # was RUNTIME-FAIL
+        ("opt", "pp", "OK"),
+        # was RUNTIME-FAIL: its decoder layer holds the MLP projections itself, so the layer
+        # is the TP region and its layer norms met replicated DTensors
+        ("opt", "tp", "REFUSED"),
     ],
 )
 def test_hf_family_matches_one_process_or_is_refused_at_plan_time(
