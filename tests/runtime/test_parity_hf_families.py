@@ -35,6 +35,8 @@ def _config(kind: str):
         max_position_embeddings=64,
         use_cache=False,
     )
+    if kind == "llama-eager":
+        return transformers.LlamaConfig(**common), transformers.LlamaForCausalLM, "eager"
     if kind == "mistral":
         return transformers.MistralConfig(**common), transformers.MistralForCausalLM, "sdpa"
     if kind == "gemma":
@@ -81,6 +83,10 @@ def _register(monkeypatch, kind: str) -> str:
         ("gemma", "pp", "OK"),  # outside the list: cut from its exported graph
         ("gemma2", "pp", "OK"),  # was WRONG
         ("gemma2", "tp", "REFUSED"),  # was RUNTIME-FAIL
+        # a checked family with eager attention: its pipeline stage needs SDPA (no mask is
+        # passed), so it is cut from its graph; its tp failed on the ranks, now refused
+        ("llama-eager", "pp", "OK"),
+        ("llama-eager", "tp", "REFUSED"),
         ("opt", "pp", "OK"),
         # was RUNTIME-FAIL: its decoder layer holds the MLP projections itself, so the layer
         # is the TP region and its layer norms met replicated DTensors
