@@ -39,6 +39,7 @@ import json
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from .devices import (
     GpuSpec,
@@ -332,6 +333,8 @@ _OMITTED_WHEN_UNSET = frozenset({"profile", "gemm_efficiency", "codec_speed", "n
 # (it builds Clusters), so it installs them when `meshplan.ir` is imported instead of this
 # module importing it back.
 READERS: dict[str, Callable[..., Cluster]] = {}
+# File names `Cluster.named` reads as cluster files rather than preset names.
+CLUSTER_FILE_SUFFIXES = (".yaml", ".yml", ".json")
 
 
 @dataclass(frozen=True, slots=True)
@@ -506,6 +509,18 @@ class Cluster:
         8-GPU nodes of a GPU type from the spec table (`H100`, `A100-80GB`; `GB200`, `GB300`:
         4-GPU trays in 72-GPU NVLink domains)."""
         return READERS["preset"](name, gpus)
+
+    @classmethod
+    def named(cls, spec: str | Path, gpus: int | None = None) -> Cluster:
+        """What `--cluster` names: a YAML/JSON cluster file (by its suffix; `gpus` must then
+        be None, the file sets its counts) or a preset / GPU type (`preset`)."""
+        if Path(spec).suffix.lower() in CLUSTER_FILE_SUFFIXES:
+            if gpus is not None:
+                raise ValueError(
+                    "--gpus applies to preset clusters; a cluster file sets its own counts"
+                )
+            return cls.load(str(spec))
+        return cls.preset(str(spec), gpus)
 
     def summary(self) -> str:
         parts = [

@@ -147,9 +147,7 @@ def as_cluster(cluster: Cluster | str | Path | None) -> Cluster:
     if isinstance(cluster, Cluster):
         return cluster
     if isinstance(cluster, str | Path):
-        if Path(cluster).suffix.lower() in (".yaml", ".yml", ".json"):
-            return Cluster.load(cluster)
-        return Cluster.preset(str(cluster))
+        return Cluster.named(cluster)
     raise TypeError(
         f"cluster must be a meshplan Cluster, a preset name or a cluster file, got "
         f"{type(cluster).__name__}"

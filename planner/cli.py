@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import math
 import os
 import re
 import site
@@ -297,15 +296,7 @@ def _load_cluster(cluster: str | None, gpus: int | None, profile: Path | None = 
     """The cluster named by --cluster/--gpus (a preset or a file), with --profile applied."""
     from meshplan.ir import Cluster
 
-    cluster_spec = cluster or "default"
-    if Path(cluster_spec).suffix.lower() in (".yaml", ".yml", ".json"):
-        if gpus is not None:
-            raise ValueError(
-                "--gpus applies to preset clusters; a cluster file sets its own counts"
-            )
-        c = Cluster.load(cluster_spec)
-    else:
-        c = Cluster.preset(cluster_spec, gpus=gpus)
+    c = Cluster.named(cluster or "default", gpus)
     if profile is not None:  # measured by `meshplan calibrate`
         from meshplan.ir.cluster_io import load_profile
 
@@ -1134,6 +1125,7 @@ def whatif(
     from rich.progress import Progress
 
     from .api import load_model
+    from .solver import check_budget
     from .whatif import (
         parse_price,
         parse_tokens,
@@ -1168,8 +1160,7 @@ def whatif(
     # Inputs every configuration shares are checked once here, not reported per row.
     if gpus is not None and gpus < 1:
         raise ValueError(f"--gpus must be a positive integer, got {gpus}")
-    if not (math.isfinite(time_limit) and time_limit > 0):
-        raise ValueError(f"--time-limit must be a positive number of seconds, got {time_limit}")
+    check_budget(time_limit, "--time-limit")
     if mix and cluster:
         raise ValueError("--mix builds its own clusters from GPU types; leave out --cluster")
     if mix and gpus is None and "gpus" not in axes:

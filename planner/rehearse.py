@@ -37,7 +37,7 @@ from torch import nn
 # The runtime modules used below are imported where they are used: importing
 # `meshplan.runtime` loads torch.distributed's tensor and pipelining packages (about 1.5 s),
 # which `meshplan plan` needs only for models it rehearses (module docstring: not the zoo's
-# decoder or a HuggingFace Llama-shaped one).
+# decoder or a HuggingFace decoder of a checked family).
 
 
 def rehearsal_degree(graph: Graph) -> int:

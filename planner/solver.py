@@ -327,6 +327,13 @@ def _decode(
 # ---------------------------------------------------------------------------------------------
 
 
+def check_budget(value: object, name: str) -> None:
+    """A solver budget (work seconds) must be a positive finite number: ValueError naming
+    `name` otherwise (0 or -1 would plan as if unbudgeted, nan stop at once)."""
+    if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a positive number of work seconds, got {value!r}")
+
+
 @rarer_collections
 def solve(
     graph: Graph,
@@ -352,13 +359,7 @@ def solve(
     groups under the throughput objective also the cp groups that span them (step 5 of the
     module docstring, `cp_shares.spanning_search`); the faster plan that fits wins. The
     arguments are `_solve_in_groups`'."""
-    if not (isinstance(time_limit_s, int | float) and math.isfinite(time_limit_s)) or (
-        time_limit_s <= 0
-    ):
-        raise ValueError(
-            f"time_limit_s (--time-limit) must be a positive number of work seconds, got "
-            f"{time_limit_s!r}"
-        )
+    check_budget(time_limit_s, "time_limit_s (--time-limit)")
     objective = objective or Objective()
     spans = objective.kind == "throughput" and len(cluster.groups) > 1 and candidates is None
     try:
