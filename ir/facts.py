@@ -155,6 +155,65 @@ class Dataflow:
                 tags[id(new)] = tags[id(old)]
         self._keep.append(new)
 
+    # -- copied layers (the tracer's `_Capture.forward_or_copy`) --------------------------------
+    def tags(self, t: torch.Tensor) -> tuple:
+        """`t`'s position, score and feature tags, hashable (None where it has none)."""
+        f = self._features.get(id(t))
+        features = None if f is None else (f.weight, f.module, f.dims, f.sizes)
+        return self._positions.get(id(t)), self._scores.get(id(t)), features
+
+    def tag(self, t: torch.Tensor, tags: tuple) -> None:
+        """Give `t` the tags `tags` (as `tags` returns them)."""
+        position, score, features = tags
+        if position is not None:
+            self._positions[id(t)] = position
+        if score is not None:
+            self._scores[id(t)] = score
+        if features is not None:
+            self._features[id(t)] = _Features(*features)
+        self._keep.append(t)
+
+    _LISTS = ("position_reads", "token_embeddings", "eager_attention", "attention_modules")
+
+    def mark(self) -> tuple:
+        """Where the facts stand now, for `since`."""
+        return (
+            tuple(len(getattr(self, n)) for n in self._LISTS),
+            dict(self.fused),
+            dict(self.position_tables),
+        )
+
+    def since(self, mark: tuple) -> tuple:
+        """The facts added since `mark` (a layer's forward), for `replay`."""
+        lengths, fused, tables = mark
+        lists = tuple(tuple(getattr(self, n)[k:]) for n, k in zip(self._LISTS, lengths))
+        new_fused = tuple((w, why) for w, why in self.fused.items() if fused.get(w) != why)
+        new_tables = tuple((w, m) for w, m in self.position_tables.items() if tables.get(w) != m)
+        return lists, new_fused, new_tables
+
+    def replay(self, added: tuple, rename: Callable[[str], str]) -> None:
+        """Add the facts `since` returned for another layer, its module and parameter names
+        renamed to this layer's by `rename`. What `on_op` adds only when missing is added
+        only when missing; the rest is appended (the readers use the first entry of a list,
+        or whether it holds something, never how often)."""
+        (reads, embeddings, eager, attention), fused, tables = added
+        for module, what, n in reads:
+            if (entry := (rename(module), what, n)) not in self.position_reads:
+                self.position_reads.append(entry)
+        for weight in embeddings:
+            if rename(weight) not in self.token_embeddings:
+                self.token_embeddings.append(rename(weight))
+        for module in eager:
+            if rename(module) not in self.eager_attention:
+                self.eager_attention.append(rename(module))
+        for stack in attention:
+            self.attention_modules.append(tuple(rename(p) for p in stack))
+        for weight, why in fused:
+            module, sep, rest = why.partition(": ")
+            self.fused.setdefault(rename(weight), rename(module) + sep + rest)
+        for weight, module in tables:
+            self.position_tables[rename(weight)] = rename(module)
+
     def on_unit(self, path: str) -> None:
         """The forward entered repeated layer `path` (a unit)."""
         self.unit_calls.append(path)

@@ -45,18 +45,32 @@ backward costs), but ops under someone else's saved-tensor hooks report no saved
 models without checkpointing and let the planner decide recomputation. Reentrant
 checkpointing cannot run under `torch.autograd.grad` and is refused in one line.
 
-The whole forward is traced, every layer, so layers that really differ are never assumed
-equal. The backward of a layer whose forward is identical to an earlier layer's (same ops,
+Repeated layers are traced once per distinct call. A layer called the same way as an earlier
+one (`_Capture._call_key`: the same module classes, attributes, parameter and buffer metadata,
+the plain class attributes and module globals its code could read, the same argument
+structure, plain values and tensor metadata, the same gradient mode, autocast and saved-tensor
+hooks) gets a copy of that layer's recorded forward ops, renamed to its own modules and
+parameters and reading its own arguments (`forward_or_copy`). A layer is only copied from if
+its own forward changed none of that state, routed no experts, read only activations it was
+handed, changed no argument in place and returned tensors it made; anything else (an
+attribute holding the layer index, an object argument such as a cache) makes every such layer
+run its own forward. What the key cannot see is assumed not to matter: a forward that reads a
+closure or a global of another module that changes between layers would be copied wrongly
+(`DEDUPE_FORWARD = False` traces every forward).
+
+The backward of a layer whose forward is identical to an earlier layer's (same ops,
 shapes, attributes, costs and data flow inside it, parameters named alike relative to the
-layer) is not run again: autograd's backward is a function of the forward graph, so the
-earlier layer's backward costs and saved bytes are copied (`_Capture.skip_backward`). Its
-output reaches the loss through a stand-in autograd node that hands zero gradients (fake, so
-free) to the layer's inputs, and the layer's own nodes are never reached. A layer that reads
-an activation it was not handed keeps its own backward; anything else the stand-in cannot
-vouch for (a layer called twice, an input whose gradient other readers sum, a backward that
-still reaches the layer some other way) makes the tracer run the step again without it
-(`DEDUPE_BACKWARD`); `tests/ir/test_trace_dedupe.py` checks the graphs are equal.
-This halves tracing a deep model (70B: 4.4 -> 2.1 s on a 2-core CPU, benchmarks/trace_speed.py).
+layer, the same gradient mode) is not run again: autograd's backward is a function of the
+forward graph, so the earlier layer's backward costs and saved bytes are copied
+(`_Capture.skip_backward`). Its output reaches the loss through a stand-in autograd node
+that hands zero gradients (fake, so free) to the layer's inputs, and the layer's own nodes
+are never reached. A layer that reads an activation it was not handed keeps its own
+backward; anything else the stand-in cannot vouch for (a layer called twice, an input whose
+gradient other readers sum, a backward that still reaches the layer some other way) makes
+the tracer run the step again without copies (`DEDUPE_BACKWARD`);
+`tests/ir/test_trace_dedupe.py` checks the graphs are equal op for op, on models written to
+defeat both copies among others. Llama 3 70B traces in 0.6 s instead of 4.4 s on a 2-core
+CPU (benchmarks/trace_speed.py).
 """
 
 from __future__ import annotations
@@ -64,7 +78,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fnmatch
+import functools
 import logging
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -79,7 +95,7 @@ from torch._subclasses.fake_tensor import (
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .facts import (
     _HF_DECODER_PARTS,
@@ -125,6 +141,8 @@ _FORWARD, _LOSS, _BACKWARD = "forward", "loss", "backward"
 # Copy the backward of a layer identical to an earlier one instead of running it (module
 # docstring). False traces every backward (the tests compare both).
 DEDUPE_BACKWARD = True
+# Copy the forward of a layer called like an earlier one too (needs DEDUPE_BACKWARD).
+DEDUPE_FORWARD = True
 
 
 class _Retrace(Exception):
@@ -288,6 +306,68 @@ def _structure(module: nn.Module) -> tuple:
     return mods, params
 
 
+# Values compared as themselves in a layer's call key and module state (`_plain`).
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+
+
+def _plain(v: object, depth: int = 0) -> object:
+    """A hashable stand-in for `v` that is equal when a layer's forward could not tell the
+    two apart: plain values themselves, tensors by metadata, containers element by element,
+    other objects by identity and (near the top) their attributes, functions and modules by
+    identity."""
+    if isinstance(v, _PLAIN):
+        return type(v).__name__, v
+    if isinstance(v, torch.Tensor):
+        return "tensor", tuple(v.shape), tuple(v.stride()), v.dtype, v.requires_grad
+    if depth < 4 and isinstance(v, (tuple, list)):
+        return type(v).__name__, tuple(_plain(x, depth + 1) for x in v)
+    if depth < 4 and isinstance(v, (set, frozenset)):
+        return type(v).__name__, tuple(sorted((_plain(x, depth + 1) for x in v), key=repr))
+    if depth < 4 and isinstance(v, dict):
+        return "dict", tuple((_plain(k, depth + 1), _plain(x, depth + 1)) for k, x in v.items())
+    if depth < 2 and not callable(v) and not isinstance(v, nn.Module) and hasattr(v, "__dict__"):
+        # an object a forward may read and change (a config, a cache holder): its own
+        # attributes too, one level down
+        return "object", id(v), tuple((k, _plain(x, 3)) for k, x in vars(v).items())
+    return "object", id(v)
+
+
+def _module_state(layer: nn.Module) -> tuple:
+    """Everything of `layer`'s modules a forward could read besides its arguments: per
+    module its class, every attribute (`_plain`; the tracer's own `forward` on the layer
+    and state-dict hooks left out), parameters and buffers by metadata; and the plain class
+    attributes and module globals of their classes (a counter a forward bumps shows here)."""
+    mods = []
+    classes: dict[type, None] = {}
+    for name, m in layer.named_modules():
+        classes.setdefault(type(m))
+        attrs = tuple(
+            (k, _plain(v))
+            for k, v in vars(m).items()
+            if k not in ("_parameters", "_buffers", "_modules")
+            and "state_dict" not in k
+            and not (k == "forward" and name == "")
+        )
+        tensors = tuple(
+            (kind, k, None if t is None else _plain(t))
+            for kind, held in (("p", m._parameters), ("b", m._buffers))
+            for k, t in held.items()
+        )
+        mods.append((name, type(m), attrs, tensors))
+    shared = []
+    for cls in classes:
+        for klass in cls.__mro__:
+            if klass.__module__.startswith("torch."):
+                continue
+            plain = tuple((k, v) for k, v in vars(klass).items() if isinstance(v, _PLAIN))
+            module = sys.modules.get(klass.__module__)
+            glob = vars(module) if module is not None else {}
+            shared.append(
+                (klass, plain, tuple((k, v) for k, v in glob.items() if isinstance(v, _PLAIN)))
+            )
+    return tuple(mods), tuple(shared)
+
+
 # -- progress -------------------------------------------------------------------------------
 class _Progress:
     """Progress reporting: a user callback, a rich progress bar (`True`), or nothing."""
@@ -338,6 +418,33 @@ class _MetaOp:
     fx_name: str
     producer: int | None  # real op that produced its input, if any
     fold: int | None = None  # real op it folds into
+    packet: str = ""  # its overload packet (a copied layer names its copy from it)
+
+
+@dataclass
+class _Pending:
+    """A layer running its own forward that may become a `_ForwardTemplate`."""
+
+    key: tuple  # its call (`_call_key`)
+    flow: tuple  # the data-flow facts before it (`Dataflow.mark`)
+    dispatch: tuple  # the MoE dispatch state before it
+    inputs: list[torch.Tensor]  # its tensor arguments, flattened
+    infos: tuple[tuple[int, int | None] | None, ...]  # their (key, producer) when called
+
+
+@dataclass
+class _ForwardTemplate:
+    """A layer's recorded forward, for the later layers called the same way to copy."""
+
+    layer: int
+    path: str
+    start: int  # its forward positions: [start, end)
+    end: int
+    inputs: tuple[tuple[int, int | None] | None, ...]  # (key, producer) per tensor argument
+    out_spec: object  # the pytree spec of its output
+    out_leaves: tuple  # ("v", value) or ("t", key, producer, meta, shape, stride, dtype,
+    #                    requires_grad, view chain, origin packet, data-flow tags)
+    flow: tuple  # the data-flow facts it added (`Dataflow.since`)
 
 
 class _Capture:
@@ -385,6 +492,12 @@ class _Capture:
         self.skipped: dict[int, int] = {}  # layer -> the earlier layer its backward copies
         self.grad_inputs: dict[int, tuple[int, ...]] = {}  # layer -> keys of inputs with grad
         self.frozen: set[str] = set()  # parameters without requires_grad
+        # Forward of repeated identical layers (`forward_or_copy`)
+        self.copy_forward = dedupe and DEDUPE_FORWARD
+        self.make_fake: Callable[[TensorMeta, tuple[int, ...]], torch.Tensor] | None = None
+        self.pending: dict[int, _Pending] = {}  # layer running for real -> what it started as
+        self.fwd_templates: dict[tuple, _ForwardTemplate] = {}  # call key -> layer to copy
+        self.fwd_copied: dict[int, int] = {}  # layer -> the earlier layer its forward copies
 
     # -- helpers ----------------------------------------------------------------------------
     def tensor_meta(self, t: torch.Tensor) -> TensorMeta:
@@ -489,7 +602,9 @@ class _Capture:
         if is_metadata_op(func):
             src = self.info.get(id(first_in)) if first_in is not None else None
             producer = src.producer if src is not None and src.producer is not None else None
-            self.meta_ops[pos] = _MetaOp(self.fx_name(packet), producer if producer != -1 else None)
+            self.meta_ops[pos] = _MetaOp(
+                self.fx_name(packet), producer if producer != -1 else None, packet=packet
+            )
             chain = (
                 (*self.view_chain.get(id(first_in), ()), pos) if first_in is not None else (pos,)
             )
@@ -634,16 +749,32 @@ class _Capture:
                     r.pos in self.foreign_saved,
                 )
             )
-        return tuple(ops), external
+        # Under torch.no_grad the same ops record no backward (a frozen first layer).
+        return (torch.is_grad_enabled(), tuple(ops)), external
+
+    def after_layer(
+        self, layer: int, path: str, module: nn.Module, args: object, kwargs: object, out: object
+    ):
+        """After a layer's forward: remember it for later layers to copy (`remember_forward`)
+        and put its output behind the stand-in when its backward can be copied
+        (`skip_backward`). A copied forward must be: its own ops are never run, so nothing
+        else could give its inputs their gradients."""
+        if not self.dedupe:
+            return None
+        self.layer_end[layer] = self.n_fwd
+        self.remember_forward(layer, path, module, out)
+        new = self.skip_backward(layer, path, args, kwargs, out)
+        if new is None and layer in self.fwd_copied:
+            flat, _ = tree_flatten(out)
+            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat):
+                raise _Retrace(f"{path}: a copied forward whose backward is not copied")
+        return new
 
     def skip_backward(self, layer: int, path: str, args: object, kwargs: object, out: object):
         """After a layer's forward: when an earlier layer had the same forward (`_signature`),
         return its output behind a stand-in node (`_SkipBackward`) so that backward never
         reaches this layer's ops; `copy_skipped` fills in their backward costs afterwards.
         None (output unchanged) otherwise."""
-        if not self.dedupe:
-            return None
-        self.layer_end[layer] = self.n_fwd
         recs = self.layer_records(layer)
         if not recs:
             return None
@@ -718,6 +849,271 @@ class _Capture:
             for r, t in zip(recs, src, strict=True):
                 r.bwd_flops, r.bwd_bytes, r.saved_bytes = t.bwd_flops, t.bwd_bytes, t.saved_bytes
             self.report(f"backward: layer {layer + 1}/{self.n_layers} (as {template + 1})", 1)
+
+    # -- repeated layers: forward -------------------------------------------------------------
+    def forward_or_copy(
+        self, layer: int, path: str, module: nn.Module, original: Callable, *args, **kwargs
+    ) -> object:
+        """The forward of repeated layer `layer` (installed as its `forward` while tracing):
+        a copy of an earlier layer's recorded forward when that layer was called the same
+        way (`_call_key`: same modules, attributes, parameter and argument metadata), else
+        the layer's own forward, remembered for later layers to copy (`remember_forward`)."""
+        if self.phase != _FORWARD or not self.copy_forward or self.suppress:
+            return original(*args, **kwargs)
+        key = self._call_key(module, args, kwargs)
+        template = self.fwd_templates.get(key) if key is not None else None
+        if template is not None:
+            return self._copy_forward(layer, path, template, args, kwargs)
+        inside_moe = any(s == path or s.startswith(path + ".") for s in self.dispatch.scopes)
+        if key is not None and not inside_moe:
+            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            infos = tuple(
+                None if (info := self.info.get(id(t))) is None else (info.key, info.producer)
+                for t in tensors
+            )
+            self.pending[layer] = _Pending(
+                key, self.flow.mark(), self.dispatch.mark(), tensors, infos
+            )
+        return original(*args, **kwargs)
+
+    def _call_key(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+        """What decides a layer's forward ops: its modules' classes, attributes, parameters
+        and buffers (`_module_state`), the plain globals and class attributes its code could
+        read, and its arguments: structure, plain values, and per tensor its metadata,
+        whether it needs a gradient, what the trace knows of it (parameter, state, which
+        arguments share its base or producer), its data-flow tags and the repeat_kv ops
+        behind it (`kv_heads` walks them); plus grad mode, autocast and saved-tensor hooks.
+        None when an argument is an object the layer could change (a cache, a list)."""
+        flat, spec = tree_flatten((args, kwargs))
+        leaves: list[tuple] = []
+        first: dict[int, int] = {}
+        base: dict[int, int] = {}
+        made_by: dict[int, int] = {}
+        for i, x in enumerate(flat):
+            if not isinstance(x, torch.Tensor):
+                if not isinstance(x, _PLAIN):
+                    return None
+                leaves.append(("v", type(x).__name__, x))
+                continue
+            if id(x) in first:
+                leaves.append(("same", first[id(x)]))
+                continue
+            first[id(x)] = i
+            info = self.info.get(id(x))
+            known: tuple = ("constant",)
+            if info is not None:
+                producer = info.producer
+                if producer is not None and producer >= 0:
+                    producer = ("op", made_by.setdefault(producer, i))
+                known = (info.param, info.is_state, base.setdefault(info.key, i), producer)
+            chain: list[tuple] = []
+            t: torch.Tensor | None = x
+            for _ in range(8):
+                origin = self.origin.get(id(t)) if t is not None else None
+                if origin is None or origin[0] not in _REPEAT_KV_OPS:
+                    break
+                chain.append((origin[0], None if t is None else tuple(t.shape)))
+                t = origin[1]
+            leaves.append(
+                (
+                    "t",
+                    tuple(x.shape),
+                    tuple(x.stride()),
+                    x.dtype,
+                    x.requires_grad,
+                    known,
+                    self.flow.tags(x),
+                    tuple(chain),
+                )
+            )
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
+        context = (
+            torch.is_grad_enabled(),
+            torch.is_autocast_enabled("cpu"),
+            torch.is_autocast_enabled("cuda"),
+            hooks,
+        )
+        return str(spec), tuple(leaves), _module_state(module), context
+
+    def remember_forward(self, layer: int, path: str, module: nn.Module, out: object) -> None:
+        """After `layer` ran its own forward (`forward_or_copy`): keep it as the template of
+        its call key if a copy of it can stand for a layer called the same way: it changed
+        no attribute, class attribute or global of its modules, routed no experts, every op
+        in its span is its own, it read only activations it was handed, and its outputs are
+        plain values or tensors it made (no argument handed back, no repeat_kv view)."""
+        pending = self.pending.pop(layer, None)
+        if pending is None or _module_state(module) != pending.key[2]:
+            return
+        if self.dispatch.mark() != pending.dispatch:
+            return
+        start, end = self.layer_start[layer], self.layer_end[layer]
+        inside = range(start, end)
+        recs = [r for p in inside if (r := self.records.get(p)) is not None]
+        if any(r.layer != layer for r in recs):
+            return
+        inputs: list[tuple[int, int | None] | None] = []
+        for t in pending.inputs:
+            info = self.info.get(id(t))
+            inputs.append(None if info is None else (info.key, info.producer))
+        if tuple(inputs) != pending.infos:
+            return  # changed an argument in place: its readers after the layer see the change
+        handed = {k for k, _ in filter(None, inputs)}
+        handed_producers = {p for _, p in filter(None, inputs)}
+        if any(s.key not in handed for r in recs for s in r.sources if s.producer not in inside):
+            return
+        for p in inside:
+            m = self.meta_ops.get(p)
+            if m is not None and m.producer is not None and m.producer not in inside:
+                if m.producer not in handed_producers:
+                    return
+        flat, spec = tree_flatten(out)
+        leaves: list[tuple] = []
+        seen: set[int] = set()
+        for x in flat:
+            if not isinstance(x, torch.Tensor):
+                if not isinstance(x, _PLAIN):
+                    return
+                leaves.append(("v", x))
+                continue
+            info = self.info.get(id(x))
+            chain = self.view_chain.get(id(x), ())
+            origin = self.origin.get(id(x))
+            if (
+                id(x) in seen
+                or info is None
+                or info.param is not None
+                or info.is_state
+                or info.producer not in inside
+                or any(c not in inside for c in chain)
+                or (origin is not None and origin[0] in _REPEAT_KV_OPS)
+            ):
+                return
+            seen.add(id(x))
+            leaves.append(
+                (
+                    "t",
+                    info.key,
+                    info.producer,
+                    info.meta,
+                    tuple(x.shape),
+                    tuple(x.stride()),
+                    x.dtype,
+                    x.requires_grad,
+                    chain,
+                    origin[0] if origin is not None else None,
+                    self.flow.tags(x),
+                )
+            )
+        added = self.flow.since(pending.flow)
+        template = _ForwardTemplate(
+            layer, path, start, end, tuple(inputs), spec, tuple(leaves), added
+        )
+        self.fwd_templates.setdefault(pending.key, template)
+
+    def _copy_forward(
+        self, layer: int, path: str, tpl: _ForwardTemplate, args: tuple, kwargs: dict
+    ) -> object:
+        """Record `tpl`'s forward ops again as `layer`'s (module and parameter names moved
+        to `path`, positions and tensor keys its own, sources its arguments) and return
+        fresh fake outputs of the template's metadata; `skip_backward` then puts them behind
+        the stand-in node, so backward reaches the layer's arguments as before."""
+        assert self.make_fake is not None
+        old = tpl.path
+
+        def rename(name: str) -> str:
+            if name == old or name.startswith(old + "."):
+                return path + name[len(old) :]
+            return name
+
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        handed: dict[int, _TensorInfo] = {}  # template key -> this call's argument
+        producers: dict[int | None, int | None] = {}  # template producer -> this call's
+        for was, t in zip(tpl.inputs, tensors, strict=True):
+            info = self.info.get(id(t))
+            if was is None or info is None:
+                continue
+            handed[was[0]] = info
+            producers[was[1]] = info.producer
+        shift = self.n_fwd - tpl.start
+        keys: dict[int, int] = {}
+        for p in range(tpl.start, tpl.end):
+            r = self.records.get(p)
+            if r is not None:
+                sources = []
+                for src in r.sources:
+                    if tpl.start <= src.producer < tpl.end:
+                        sources.append(Source(src.producer + shift, keys[src.key], src.meta))
+                    else:
+                        info = handed[src.key]
+                        producer = info.producer if info.producer is not None else -1
+                        sources.append(Source(producer, info.key, info.meta))
+                out_keys = []
+                for k in r.output_keys:
+                    keys[k] = self.new_key()
+                    out_keys.append(keys[k])
+                self.records[p + shift] = OpRecord(
+                    pos=p + shift,
+                    target=r.target,
+                    packet=r.packet,
+                    fx_name=self.fx_name(r.packet),
+                    module=rename(r.module),
+                    module_stack=tuple(rename(m) for m in r.module_stack),
+                    layer=layer,
+                    inputs=r.inputs,
+                    outputs=r.outputs,
+                    sources=tuple(sources),
+                    output_keys=tuple(out_keys),
+                    params=tuple(rename(n) for n in r.params),
+                    attrs=dict(r.attrs),
+                    fwd_flops=r.fwd_flops,
+                    fwd_bytes=r.fwd_bytes,
+                )
+            m = self.meta_ops.get(p)
+            if m is not None:
+                producer = m.producer
+                if producer is not None:
+                    if tpl.start <= producer < tpl.end:
+                        producer += shift
+                    else:
+                        producer = producers[producer]
+                        producer = producer if producer != -1 else None
+                fold = (
+                    m.fold + shift if m.fold is not None and tpl.start <= m.fold < tpl.end else None
+                )
+                self.meta_ops[p + shift] = _MetaOp(self.fx_name(m.packet), producer, fold, m.packet)
+            if p in self.foreign_saved:
+                self.foreign_saved.add(p + shift)
+        self.n_fwd += tpl.end - tpl.start
+        outs: list[object] = []
+        self.suppress = True
+        try:
+            for leaf in tpl.out_leaves:
+                if leaf[0] == "v":
+                    outs.append(leaf[1])
+                    continue
+                _, k, producer, meta, shape, stride, dtype, grad, chain, origin, tags = leaf
+                t = self.make_fake(shape, stride, dtype)
+                if grad:
+                    t.requires_grad_(True)
+                self.info[id(t)] = _TensorInfo(keys[k], producer + shift, meta)
+                if chain:
+                    self.view_chain[id(t)] = tuple(c + shift for c in chain)
+                if origin is not None:
+                    self.origin[id(t)] = (origin, None)
+                position, score, features = tags
+                if position is not None:
+                    position = (rename(position[0]), *position[1:])
+                if features is not None:
+                    features = (rename(features[0]), rename(features[1]), *features[2:])
+                self.flow.tag(t, (position, rename(score) if score else score, features))
+                self.keep.append(t)
+                outs.append(t)
+        finally:
+            self.suppress = False
+        self.flow.replay(tpl.flow, rename)
+        self.fwd_copied[layer] = tpl.layer
+        self.report(f"forward: layer {layer + 1}/{self.n_layers} (as {tpl.layer + 1})")
+        return tree_unflatten(outs, tpl.out_spec)
 
     # -- between forward and backward -------------------------------------------------------
     def end_forward(self, loss: torch.Tensor, params_and_buffers: list[torch.Tensor]) -> None:
@@ -992,6 +1388,10 @@ class _ExpertDispatch:
         self.keep: list[torch.Tensor] = []  # masks whose ids `rows` holds
         # (tokens, top_k, experts, source) -> (scopes, ops) it was applied in
         self.used: dict[tuple[int, int, int, str], tuple[list[str], list[str]]] = {}
+
+    def mark(self) -> tuple:
+        """How much dispatch state there is (a layer that changed it routed experts)."""
+        return len(self.routes), len(self.tokens), len(self.rows), len(self.used)
 
     def on_enter(self, path: str, args: object) -> None:
         if path not in self.scopes:
@@ -1290,15 +1690,32 @@ def _trace(
         cap.exit_module()
         path = module_names.get(id(module))
         if cap.phase == _FORWARD and path in layer_of_path:
-            return cap.skip_backward(layer_of_path[path], path, args, kwargs, out)
+            return cap.after_layer(layer_of_path[path], path, module, args, kwargs, out)
         return None
 
+    def make_fake(shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype):
+        with fake_mode:
+            return torch.empty_strided(shape, stride, dtype=dtype, device="cpu")
+
+    cap.make_fake = make_fake
     state = [*params.values(), *buffers.values()]
     recorder = _Recorder(cap)
     handles = [
         nn.modules.module.register_module_forward_pre_hook(pre_hook),
         nn.modules.module.register_module_forward_hook(post_hook, with_kwargs=True),
     ]
+    # Repeated layers run through `forward_or_copy` (a layer with a `forward` of its own
+    # instance keeps it and is traced as it is).
+    wrapped: list[nn.Module] = []
+    if cap.copy_forward:
+        for i, lpath in enumerate(layer_names):
+            layer_mod = model.get_submodule(lpath)
+            if "forward" in vars(layer_mod):
+                continue
+            layer_mod.forward = functools.partial(
+                cap.forward_or_copy, i, lpath, layer_mod, layer_mod.forward
+            )
+            wrapped.append(layer_mod)
     try:
         # The fake parameters stay in place through the backward too (what
         # `torch.func.functional_call` does for the forward alone): activation checkpointing
@@ -1332,6 +1749,8 @@ def _trace(
     finally:
         for h in handles:
             h.remove()
+        for layer_mod in wrapped:
+            del layer_mod.forward
 
     loss_info = cap.info.get(id(loss))
     record = TraceRecord(

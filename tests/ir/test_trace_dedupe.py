@@ -20,21 +20,25 @@ from tests.runtime.user_models import MODELS
 T = importlib.import_module("meshplan.ir.trace")
 
 
-def _both(model, *args, kwargs=None, monkeypatch):
-    """(graph with the copy, graph without, layers skipped in the first trace run)."""
+def _both(model, *args, kwargs=None, monkeypatch, forward=None):
+    """(graph with the copies, graph without, layers whose backward the first trace run
+    copied). `forward`, a list, gets the number of layers whose forward it copied."""
     skipped: list[int] = []
     copy = T._Capture.copy_skipped
 
     def counting(self):
         skipped.append(len(self.skipped))
+        if forward is not None and len(forward) == 0:
+            forward.append(len(self.fwd_copied))
         return copy(self)
 
     monkeypatch.setattr(T._Capture, "copy_skipped", counting)
     monkeypatch.setattr(T, "DEDUPE_BACKWARD", True)
-    fast = meshplan.trace(model, *args, kwargs=kwargs)
+    fresh = model if not isinstance(model, nn.Module) else (lambda: model)
+    fast = meshplan.trace(fresh(), *args, kwargs=kwargs)
     n = skipped[0] if skipped else 0
     monkeypatch.setattr(T, "DEDUPE_BACKWARD", False)
-    full = meshplan.trace(model, *args, kwargs=kwargs)
+    full = meshplan.trace(fresh(), *args, kwargs=kwargs)
     return fast, full, n
 
 
@@ -50,10 +54,13 @@ def test_users_models_trace_the_same(name, monkeypatch):
 @pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
 def test_zoo_presets_trace_the_same_and_skip(preset, monkeypatch):
     model, inputs = meshplan.models.get(preset)
-    fast, full, n = _both(model, *inputs, monkeypatch=monkeypatch)
+    forward: list[int] = []
+    fast, full, n = _both(model, *inputs, monkeypatch=monkeypatch, forward=forward)
     assert fast == full
     layers = sum(1 for u in full.units if not u.name.startswith("<"))
     assert n == layers - 1  # every layer after the first copies its backward
+    # ... and its forward, but for MoE layers (their routing is never copied)
+    assert forward == [0 if preset == "tiny-moe" else layers - 1]
 
 
 class _Block(nn.Module):
@@ -166,3 +173,130 @@ def test_hf_families_beyond_the_matrix_trace_the_same(kind, monkeypatch):
     model, x, kwargs = _hf_model(kind)
     fast, full, _ = _both(model, x, kwargs=kwargs, monkeypatch=monkeypatch)
     assert fast == full
+
+
+# -- forward copies ---------------------------------------------------------------------------
+# A layer's forward is copied from an earlier layer called the same way (`_Capture._call_key`).
+# These models make layers that look alike run differently, through what the key must see.
+_MODE = 0  # a global the "global" style's layers read, set by the model before each call
+
+
+class _Holder:
+    """A plain object shared by every layer (not a module): a cache of sorts."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+
+_ARGUMENT = _Holder()  # handed to every layer by the "object" style
+
+
+class _Same(nn.Module):
+    """A block with no per-layer attribute: its forward can be copied unless `style` says."""
+
+    calls = 0  # bumped by the "class" style
+
+    def __init__(self, d: int, style: str, holder: _Holder):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+        self.style, self.holder = style, holder
+
+    def forward(self, x, scale=None, log=None):
+        if self.style == "inplace":
+            x.mul_(0.5)  # changes its argument in place
+        y = self.fc2(torch.relu(self.fc1(self.norm(x))))
+        if self.style == "class":
+            type(self).calls += 1
+            if type(self).calls % 2 == 0:
+                y = y * 0.5
+        if self.style == "global" and _MODE:
+            y = y.tanh()
+        if self.style == "holder":
+            self.holder.calls += 1
+            if self.holder.calls == 1:
+                y = y.sigmoid()
+        if self.style == "cache" and getattr(self, "table", None) is None:
+            self.table = torch.ones(x.shape[-1], device=x.device)  # built on first call
+        if self.style == "cache":
+            y = y * self.table
+        if scale is not None:
+            y = y * scale
+        if self.style == "param-shape":
+            y = y * self.gain
+        if log is not None:
+            log.calls += 1
+        if self.style == "returns-input":
+            return x + y, x
+        return x + y
+
+
+class _SameNet(nn.Module):
+    def __init__(self, style: str, d: int = 16, n: int = 4):
+        super().__init__()
+        holder = _Holder()
+        self.style = style
+        self.emb = nn.Embedding(32, d)
+        self.layers = nn.ModuleList(_Same(d, style, holder) for _ in range(n))
+        self.head = nn.Linear(d, 32)
+        if style == "frozen":  # one layer frozen: no weight gradients
+            self.layers[2].requires_grad_(False)
+        if style == "param-shape":  # a gain per feature on odd layers, one scalar on even
+            for i, layer in enumerate(self.layers):
+                layer.gain = nn.Parameter(torch.ones(d if i % 2 else 1))
+
+    def forward(self, tokens):
+        global _MODE
+        h = self.emb(tokens)
+        for i, layer in enumerate(self.layers):
+            if self.style == "global":
+                _MODE = i % 2
+            if self.style == "kwarg":
+                h = layer(h, scale=2.0 if i % 2 else None)
+            elif self.style == "no-grad" and i == 0:
+                with torch.no_grad():
+                    h = layer(h)
+            elif self.style == "checkpoint-some" and i % 2 == 0:
+                h = checkpoint(layer, h, use_reentrant=False, preserve_rng_state=False)
+            elif self.style == "object":
+                h = layer(h, log=_ARGUMENT)
+            elif self.style == "returns-input":
+                h = layer(h)[0]
+            else:
+                h = layer(h)
+        _MODE = 0
+        return self.head(h).float().logsumexp(-1).mean()
+
+
+@pytest.mark.parametrize(
+    ("style", "copied"),
+    [
+        ("plain", 3),
+        ("inplace", 0),  # changes its argument in place: never copied
+        ("frozen", None),  # a frozen layer among trainable ones
+        ("param-shape", None),  # parameters of another shape, no attribute saying so
+        ("class", None),  # a class attribute the forward bumps and branches on
+        ("global", None),  # a module global the model sets before each call
+        ("holder", None),  # a shared plain object the forward changes
+        ("cache", None),  # a tensor attribute built on the first call
+        ("kwarg", None),  # some layers called with another keyword argument
+        ("no-grad", None),  # the first layer under torch.no_grad
+        ("checkpoint-some", None),  # every other layer checkpointed by the model
+        ("object", 0),  # an object argument the layer may change: never copied
+        ("returns-input", 0),  # hands its argument back: never copied
+    ],
+)
+def test_forward_copies_only_where_the_call_is_the_same(style, copied, monkeypatch):
+    def fresh():  # state the forward changes starts over for each trace
+        _Same.calls = 0
+        with torch.device("meta"):
+            return _SameNet(style)
+
+    tokens = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    forward: list[int] = []
+    fast, full, _ = _both(fresh, tokens, monkeypatch=monkeypatch, forward=forward)
+    assert fast == full
+    if copied is not None:
+        assert forward == [copied]
+    else:
+        assert forward[0] < 3  # something differed between the calls
