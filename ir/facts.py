@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 # Dimensions a blocker can name (`ModelInfo.blockers` keys); "zb": the zero-bubble (ZB-V)
 # schedule, which puts a pipeline's first and last chunks on one rank.
@@ -146,6 +147,12 @@ class Dataflow:
     _scores: dict[int, str] = field(default_factory=dict)  # id -> module of q @ k^T
     _keep: list[torch.Tensor] = field(default_factory=list)
     unit_calls: list[str] = field(default_factory=list)  # repeated layers, in call order
+    # Tensors a forward makes of its own inside a module: (module, how, shape) of every
+    # creation op (no tensor input: arange, zeros, ...) and every tensor the trace does not
+    # know that an op reads (one made from Python values, `torch.tensor([...])`). The tp
+    # rehearsal compares them with the rank's (`planner.rehearse`): one whose shape follows
+    # the head count holds per-head values each rank would compute for the first heads.
+    made: list[tuple[str, str, tuple[int, ...]]] = field(default_factory=list)
 
     def alias(self, old: torch.Tensor, new: torch.Tensor) -> None:
         """`new` stands for `old` (the tracer's stand-in for a layer's output): it carries
@@ -173,7 +180,7 @@ class Dataflow:
             self._features[id(t)] = _Features(*features)
         self._keep.append(t)
 
-    _LISTS = ("position_reads", "token_embeddings", "eager_attention", "attention_modules")
+    _LISTS = ("position_reads", "token_embeddings", "eager_attention", "attention_modules", "made")
 
     def mark(self) -> tuple:
         """Where the facts stand now, for `since`."""
@@ -196,7 +203,7 @@ class Dataflow:
         renamed to this layer's by `rename`. What `on_op` adds only when missing is added
         only when missing; the rest is appended (the readers use the first entry of a list,
         or whether it holds something, never how often)."""
-        (reads, embeddings, eager, attention), fused, tables = added
+        (reads, embeddings, eager, attention, made), fused, tables = added
         for module, what, n in reads:
             if (entry := (rename(module), what, n)) not in self.position_reads:
                 self.position_reads.append(entry)
@@ -208,6 +215,8 @@ class Dataflow:
                 self.eager_attention.append(rename(module))
         for stack in attention:
             self.attention_modules.append(tuple(rename(p) for p in stack))
+        for module, how, shape in made:
+            self.made.append((rename(module), how, shape))
         for weight, why in fused:
             module, sep, rest = why.partition(": ")
             self.fused.setdefault(rename(weight), rename(module) + sep + rest)
@@ -233,6 +242,11 @@ class Dataflow:
         ins = [t for t in _tensors(args)] + [t for t in _tensors(kwargs)]
         if not outs:
             return
+        if not ins:
+            self.made.append((module, packet, tuple(outs[0].shape)))
+        for t in ins:
+            if param_of(t) is None and not isinstance(t, FakeTensor) and is_state(t):
+                self.made.append((module, "a tensor of Python values", tuple(t.shape)))
         self._keep.extend(outs)
         first = args[0] if args and isinstance(args[0], torch.Tensor) else None
         # Positions: aranges, and slices of state to some length (lengths judged later,

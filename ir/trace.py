@@ -157,6 +157,7 @@ def trace(
     name: str | None = None,
     progress: ProgressArg = None,
     param_shapes: dict[str, tuple[int, ...]] | None = None,
+    flow_out: list[Dataflow] | None = None,
 ) -> Graph:
     """Trace one training step (forward + backward) of `model` into a `meshplan.ir.Graph`.
 
@@ -173,14 +174,15 @@ def trace(
 
     `progress` is a callback taking one-line messages, or True for a rich progress bar.
     `param_shapes` gives some parameters another shape for this trace (their shards on one
-    tensor-parallel rank: `meshplan.rehearse`).
+    tensor-parallel rank: `meshplan.rehearse`); `flow_out`, a list, gets the trace's data-flow
+    facts (`ir.facts.Dataflow`, the rehearsal compares them).
     Raises `TraceError` for data-dependent control flow, ops fake tensors cannot run, and
     models with no differentiable output. Data-dependent output shapes are refused too,
     except in an MoE's expert dispatch, which is sized at its balanced load and noted in
     `ModelInfo.assumptions` (module docstring).
     """
     report = _Progress(progress)
-    args = (model, example_inputs, dict(kwargs or {}), name, report, param_shapes or {})
+    args = (model, example_inputs, dict(kwargs or {}), name, report, param_shapes or {}, flow_out)
     try:
         try:
             graph = _trace(*args, dedupe=DEDUPE_BACKWARD)
@@ -1615,6 +1617,7 @@ def _trace(
     name: str | None,
     report: _Progress,
     param_shapes: dict[str, tuple[int, ...]],
+    flow_out: list[Dataflow] | None,
     dedupe: bool = False,
 ) -> Graph:
     container, layer_names = find_layer_container(model)
@@ -1785,6 +1788,8 @@ def _trace(
         )
         graph = dataclasses.replace(graph, info=info)
     report(graph.summary())
+    if flow_out is not None:
+        flow_out.append(cap.flow)
     return graph
 
 

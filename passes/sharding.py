@@ -64,7 +64,8 @@ def row_parallel_ops(block: Block, hidden: int) -> tuple[Op, ...]:
     """The parameterised projections of `block` that are row-parallel under Megatron TP.
 
     Data flow is not in the IR, so the rule reads op order and widths: the first projection
-    after an attention op (the attention output projection) and any projection whose input
+    after an attention op or an unfused attention's product of activations
+    (`_activation_product`: the attention output projection) and any projection whose input
     width is not the model width (the MLP down projection, fed by the FFN width) are
     row-parallel. Each needs one all-reduce of its output in forward and one of its input
     gradient's counterpart in backward.
@@ -72,7 +73,7 @@ def row_parallel_ops(block: Block, hidden: int) -> tuple[Op, ...]:
     rows: list[Op] = []
     after_attention = False
     for op in block.ops:
-        if op.kind is OpKind.ATTENTION:
+        if op.kind is OpKind.ATTENTION or _activation_product(op):
             after_attention = True
             continue
         if op.kind not in (OpKind.MATMUL, OpKind.EXPERTS) or not op.params:
@@ -81,6 +82,16 @@ def row_parallel_ops(block: Block, hidden: int) -> tuple[Op, ...]:
             rows.append(op)
         after_attention = False
     return tuple(rows)
+
+
+def _activation_product(op: Op) -> bool:
+    """A matmul of two activations (no parameter, both at least 3-D): the scores (q @ k^T)
+    or the context (probabilities @ v) of an attention written out instead of fused (HF's
+    eager attention, a user's own), which runs on the heads a tp rank holds like a fused
+    one, so the next projection closes the parallel region."""
+    if op.kind is not OpKind.MATMUL or op.params:
+        return False
+    return sum(1 for t in op.inputs if len(t.shape) >= 3) >= 2
 
 
 def _input_width(op: Op, hidden: int) -> int:

@@ -29,7 +29,7 @@ import types
 
 import torch
 from meshplan.ir import Graph, OpKind
-from meshplan.ir.facts import is_verified_hf_decoder, is_zoo_model, pipeline_cut
+from meshplan.ir.facts import Dataflow, is_verified_hf_decoder, is_zoo_model, pipeline_cut
 from meshplan.ir.trace import TraceError, trace
 from meshplan.passes.sharding import tp_param_placements
 from torch import nn
@@ -114,16 +114,37 @@ def _rehearse(model: nn.Module, graph: Graph, inputs: tuple, kwargs: dict, tp: i
         for attr in HEAD_COUNT_ATTRS
         if isinstance(getattr(model.get_submodule(path), attr, None), int)
     ]
+    flows: list[Dataflow] = []
     try:
+        trace(model, *inputs, kwargs=kwargs, flow_out=flows)  # the whole model's facts
         localise_head_counts(model, regions)
-        rank = trace(model, *inputs, kwargs=kwargs, param_shapes=shard_shapes(model, view, tp))
+        shapes = shard_shapes(model, view, tp)
+        rank = trace(model, *inputs, kwargs=kwargs, param_shapes=shapes, flow_out=flows)
     except (RuntimePlanError, TraceError) as exc:
         first = str(exc).removeprefix("runtime: ")
         return f"one tp={tp} rank cannot run the model's code on its shards: {first}"
     finally:
         for mod, attr, value in saved:
             setattr(mod, attr, value)
-    return _compare_attention(graph, rank, tp)
+    return _compare_attention(graph, rank, tp) or _compare_made(flows[0], flows[1], tp)
+
+
+def _compare_made(whole: Dataflow, rank: Dataflow, tp: int) -> str:
+    """The tensors the forward makes of its own (`Dataflow.made`) must not change shape on the
+    rehearsed rank: one that does was sized from a head count the runtime divided by tp, so
+    its values are per head (ALiBi slopes from `self.n_heads`), and each rank would compute
+    those of the first heads instead of its own: wrong numbers, not a failure."""
+    for (module, how, shape), (_, _, got) in zip(whole.made, rank.made):
+        if shape != got:
+            return (
+                f"{module or '<root>'} makes a tensor of its own ({how.removeprefix('aten.')}, "
+                f"shape {list(shape)}) whose shape follows its head count ({list(got)} under "
+                f"tp={tp}): its values are per head, and each rank would compute those of the "
+                "first heads, not its own"
+            )
+    if len(whole.made) != len(rank.made):
+        return f"under tp={tp} the forward makes other tensors of its own than on one rank"
+    return ""
 
 
 def _unsharded_inside_region(model: nn.Module, styles: dict, regions: dict[str, int]) -> str:

@@ -171,6 +171,54 @@ class FullWidthHeads(UnknownHeadCount):
         return self.o_proj(y.transpose(1, 2).reshape(b, t, c))
 
 
+class PerHeadSlopes(UnknownHeadCount):
+    """ALiBi-style per-head values made from the head count at every forward, from Python
+    numbers (`torch.tensor([...])`) or an arange: under tp the runtime divides `heads`, so
+    each rank would compute the first heads' values, not its own (silently wrong)."""
+
+    def __init__(self, how: str = "python"):
+        super().__init__()
+        self.heads, self.how = HEADS, how
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (
+            p(x).view(b, t, self.heads, -1).transpose(1, 2)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        if self.how == "python":
+            slopes = torch.tensor([2.0 ** (-(i + 1)) for i in range(self.heads)], device=x.device)
+        else:
+            slopes = 2.0 ** -torch.arange(1, self.heads + 1, device=x.device).float()
+        y = F.scaled_dot_product_attention(q * slopes[:, None, None], k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class SlopesByArange(PerHeadSlopes):
+    def __init__(self):
+        super().__init__("arange")
+
+
+class EagerHeads(UnknownHeadCount):
+    """Attention written out (q @ k^T, mask, softmax, @ v) with a head count the runtime
+    divides: its output projection closes the heads' region (row-parallel)."""
+
+    def __init__(self):
+        super().__init__()
+        self.heads = HEADS
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (
+            p(x).view(b, t, self.heads, -1).transpose(1, 2)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        scores = (q @ k.transpose(-2, -1)).masked_fill(~mask, float("-inf"))
+        y = scores.softmax(-1) @ v
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
 # -- MLP styles ---------------------------------------------------------------------------------
 class MLP(nn.Module):
     def __init__(self):
@@ -387,6 +435,9 @@ def test_pipeline_cut_needs_layers_that_run_once_in_order_and_untied_weights_for
         (UnknownHeadCount, "would run 4 heads of 4 features instead of 2 of 8"),
         (FullWidthHeads, "one tp=2 rank cannot run the model's code on its shards"),
         (RopeAttention, ""),
+        (PerHeadSlopes, "(a tensor of Python values, shape [4]) whose shape follows its head"),
+        (SlopesByArange, "(arange, shape [4]) whose shape follows its head count ([2] under"),
+        (EagerHeads, ""),
     ],
 )
 def test_rehearsed_tensor_parallel_rank_catches_head_counts_the_runtime_cannot_localise(
@@ -397,6 +448,23 @@ def test_rehearsed_tensor_parallel_rank_catches_head_counts_the_runtime_cannot_l
     at plan time. A head count under a known name (`heads`) rehearses cleanly."""
     why = facts(meta(LM, attention=attention)).get("tp", "")
     assert (expected in why) if expected else why == ""
+
+
+def test_an_attention_written_out_closes_the_heads_region():
+    """q @ k^T and probabilities @ v (matmuls of two activations) stand for the attention op
+    an unfused attention lacks: the output projection after them is row-parallel, as after
+    SDPA (`passes.sharding.row_parallel_ops`); the MLP keeps its column / row pair."""
+    from meshplan.passes.sharding import tp_param_placements
+
+    for attention in (EagerHeads, RopeAttention):
+        graph = meshplan.trace(
+            meta(LM, attention=attention), torch.zeros(1, SEQ, dtype=torch.long, device="meta")
+        )
+        placements = dict(tp_param_placements(graph))
+        o_proj = [v for k, v in placements.items() if k.endswith("attn.o_proj.weight")]
+        q_proj = [v for k, v in placements.items() if k.endswith("attn.q_proj.weight")]
+        assert o_proj and set(o_proj) == {"S(1)"}, (attention, placements)
+        assert q_proj and set(q_proj) == {"S(0)"}
 
 
 def test_the_zoo_keeps_every_dimension():

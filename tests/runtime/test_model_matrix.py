@@ -197,9 +197,9 @@ KNOWN: dict[tuple[str, str], str] = {}
 # A representative slice that runs by default (< 70 s on 2 shared cores): the HF Llama
 # control, users' models that train (FSDP, TP + SP, DP on images, PP cut from the exported
 # graph with an encoder's output skipping stages, and BART's in-place writes and tied
-# embeddings) and refusals that guard against wrong numbers (fused qkv under TP, positions by
-# local length under CP, EP of a user's MoE, TP of ALiBi attention whose heads the trace
-# cannot see).
+# embeddings, an attention written out under TP + SP) and refusals that guard against wrong
+# numbers (fused qkv under TP, positions by local length under CP, EP of a user's MoE, TP of
+# ALiBi attention whose per-head slopes follow the head count).
 DEFAULT_SLICE: tuple[tuple[str, str], ...] = (
     ("hf-llama", "tp"),
     ("llama-ref", "fsdp"),
@@ -211,6 +211,7 @@ DEFAULT_SLICE: tuple[tuple[str, str], ...] = (
     ("rope-qproj", "cp"),
     ("user-moe", "ep"),
     ("alibi", "tp"),
+    ("eager-attn", "tp"),
     ("hf-mixtral", "ep"),
     ("convnet", "fsdp"),
 )

@@ -295,7 +295,7 @@ def test_hf_models_that_cannot_be_sharded_are_refused_and_not_planned():
     """What the runtime cannot give positions to is refused in one line naming the fix (here:
     eager attention, which would build a mask for the sharded length and which CP cannot
     redirect; a sliding window shorter than the sequence); the tracer records it
-    (`ModelInfo.no_sequence_sharding`), and its tensor parallelism is refused at plan time."""
+    (`ModelInfo.no_sequence_sharding`), and its tensor parallelism is planned without SP."""
     from meshplan.runtime.context_parallel import check_sequence_sharding, reposition_hf_decoder
 
     eager = build(attn="eager")
@@ -312,13 +312,16 @@ def test_hf_models_that_cannot_be_sharded_are_refused_and_not_planned():
 
     graph = trace_hf(build("meta", attn="eager"))
     assert "'eager'" in graph.info.no_sequence_sharding
-    # Tensor parallelism of the eager attention is refused at plan time since session 23: the
-    # tp rehearsal now runs for HF decoders not built with SDPA, and finds what the ranks hit
-    # (the eager attention is not traced as one attention op, so its output projection is
-    # not planned row-parallel; this test used to plan tp=2 here, which failed on the ranks).
+    # Tensor parallelism of the eager attention: its output projection is row-parallel
+    # (the product of activations before it closes the heads' region, `passes.sharding`),
+    # planned without SP. Session 23 refused it at plan time (the projection was planned
+    # column-parallel and the ranks failed); tests/runtime/test_parity_hf_families.py runs
+    # it against one process.
     cluster = meshplan.Cluster.preset("cpu", gpus=2)
-    with pytest.raises(ValueError, match="tp=2 cannot run on this model"):
-        meshplan.estimate_plan(graph, cluster=cluster, parallel=meshplan.Parallel(tp=2))
+    plan = meshplan.estimate_plan(graph, cluster=cluster, parallel=meshplan.Parallel(tp=2))
+    assert plan.parallel.tp == 2 and not plan.parallel.sequence_parallel
+    rows = [k for k, v in plan.placements if k.endswith("self_attn.o_proj.weight")]
+    assert rows and all(dict(plan.placements)[k] == "S(1)" for k in rows)  # row-parallel
 
     # The sequence a step really runs is checked against a sliding window too.
     torch.manual_seed(0)

@@ -82,11 +82,15 @@ def _register(monkeypatch, kind: str) -> str:
         ("mistral", "pp", "OK"),
         ("gemma", "pp", "OK"),  # outside the list: cut from its exported graph
         ("gemma2", "pp", "OK"),  # was WRONG
-        ("gemma2", "tp", "REFUSED"),  # was RUNTIME-FAIL
+        # eager attention with logit soft-capping: was RUNTIME-FAIL, refused in session 23;
+        # its output projection is row-parallel since session 24
+        ("gemma2", "tp", "OK"),
         # a checked family with eager attention: its pipeline stage needs SDPA (no mask is
-        # passed), so it is cut from its graph; its tp failed on the ranks, now refused
+        # passed), so it is cut from its graph; its tp failed on the ranks (session 23:
+        # refused), and runs since session 24 (the output projection row-parallel)
         ("llama-eager", "pp", "OK"),
-        ("llama-eager", "tp", "REFUSED"),
+        ("llama-eager", "tp", "OK"),
+        ("llama-eager", "tp-nosp", "OK"),
         ("opt", "pp", "OK"),
         # was RUNTIME-FAIL: its decoder layer holds the MLP projections itself, so the layer
         # is the TP region and its layer norms met replicated DTensors

@@ -20,6 +20,7 @@ Sizes are tiny fp32 CPU configs (2 layers, hidden 32, 4 heads, sequence 8, vocab
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
 import torch
@@ -455,6 +456,56 @@ class AlibiLM(nn.Module):
         return _loss_or_logits(self.head(self.ln_f(x)), targets)
 
 
+# -- 4c'. attention written out (q @ k^T, causal mask, softmax, @ v), no SDPA ----------------
+
+
+class EagerAttention(nn.Module):
+    """Separate biased projections and the attention product written out in Python, as many
+    research codebases (and HF's `eager` implementation) do: the trace sees two matmuls of
+    activations and a softmax, no attention op."""
+
+    def __init__(self, dim: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = n_heads, dim // n_heads
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(dim, dim) for _ in "qkvo")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (
+            p(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+        return self.o_proj((probs @ v).transpose(1, 2).reshape(b, t, -1))
+
+
+class EagerBlock(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(dim), EagerAttention(dim, heads)
+        self.ln_2, self.mlp = nn.LayerNorm(dim), FeedForward(dim, 2 * dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class EagerLM(nn.Module):
+    def __init__(self, vocab=VOCAB, dim=HIDDEN, heads=HEADS, layers=LAYERS):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(EagerBlock(dim, heads) for _ in range(layers))
+        self.ln_f, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
+        x = self.wte(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return _loss_or_logits(self.head(self.ln_f(x)), targets)
+
+
 # -- 4d. multi-query attention with raw parameters and einsum (PaLM / Falcon-7B style) --------
 
 
@@ -868,6 +919,7 @@ MODELS: dict[str, UserModel] = {
         UserModel("fused-qkv", lambda: RopeLM(fused=True), token_batch),
         UserModel("rope-qproj", lambda: RopeLM(fused=False), token_batch),
         UserModel("alibi", AlibiLM, token_batch),
+        UserModel("eager-attn", EagerLM, token_batch),
         UserModel("einsum-mqa", MQALM, token_batch),
         UserModel("enc-dec", EncoderDecoder, lambda r, s: token_batch(r, s, src_len=SEQ)),
         UserModel("shared-block", SharedBlockLM, token_batch),
