@@ -47,10 +47,11 @@ checkpointing cannot run under `torch.autograd.grad` and is refused in one line.
 
 Repeated layers are traced once per distinct call. A layer called the same way as an earlier
 one (`_Capture._call_key`: the same module classes, attributes, parameter and buffer metadata,
-the plain class attributes and module globals its code could read, the same argument
-structure, plain values and tensor metadata, the same gradient mode, autocast and saved-tensor
-hooks) gets a copy of that layer's recorded forward ops, renamed to its own modules and
-parameters and reading its own arguments (`forward_or_copy`). A layer is only copied from if
+the class attributes and module globals its code could read (plain values, and the sizes of
+caches: dicts, lists, sets), the same argument structure, plain values and tensor metadata,
+the same gradient mode, autocast and saved-tensor hooks) gets a copy of that layer's recorded
+forward ops, renamed to its own modules and parameters and reading its own arguments
+(`forward_or_copy`). A layer is only copied from if
 its own forward changed none of that state, routed no experts, read only activations it was
 handed, changed no argument in place and returned tensors it made; anything else (an
 attribute holding the layer index, an object argument such as a cache) makes every such layer
@@ -337,8 +338,9 @@ def _plain(v: object, depth: int = 0) -> object:
 def _module_state(layer: nn.Module) -> tuple:
     """Everything of `layer`'s modules a forward could read besides its arguments: per
     module its class, every attribute (`_plain`; the tracer's own `forward` on the layer
-    and state-dict hooks left out), parameters and buffers by metadata; and the plain class
-    attributes and module globals of their classes (a counter a forward bumps shows here)."""
+    and state-dict hooks left out), parameters and buffers by metadata; and the class
+    attributes and module globals of their classes (`_shared_state`: a counter a forward
+    bumps, a cache it fills show here)."""
     mods = []
     classes: dict[type, None] = {}
     for name, m in layer.named_modules():
@@ -361,13 +363,24 @@ def _module_state(layer: nn.Module) -> tuple:
         for klass in cls.__mro__:
             if klass.__module__.startswith("torch."):
                 continue
-            plain = tuple((k, v) for k, v in vars(klass).items() if isinstance(v, _PLAIN))
             module = sys.modules.get(klass.__module__)
             glob = vars(module) if module is not None else {}
-            shared.append(
-                (klass, plain, tuple((k, v) for k, v in glob.items() if isinstance(v, _PLAIN)))
-            )
+            shared.append((klass, _shared_state(vars(klass)), _shared_state(glob)))
     return tuple(mods), tuple(shared)
+
+
+def _shared_state(names: dict) -> tuple:
+    """The plain values of a class's or module's namespace, and the sizes of its dicts, lists
+    and sets (a cache that a first call fills, e.g. masks by length)."""
+    out = []
+    for k, v in names.items():
+        if k.startswith("__"):
+            continue
+        if isinstance(v, _PLAIN):
+            out.append((k, v))
+        elif isinstance(v, (dict, list, set)):
+            out.append((k, type(v).__name__, len(v)))
+    return tuple(out)
 
 
 # -- progress -------------------------------------------------------------------------------

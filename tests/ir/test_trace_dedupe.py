@@ -179,6 +179,7 @@ def test_hf_families_beyond_the_matrix_trace_the_same(kind, monkeypatch):
 # A layer's forward is copied from an earlier layer called the same way (`_Capture._call_key`).
 # These models make layers that look alike run differently, through what the key must see.
 _MODE = 0  # a global the "global" style's layers read, set by the model before each call
+_MASKS: dict = {}  # a module-level cache the "global-cache" style fills on its first call
 
 
 class _Holder:
@@ -212,6 +213,10 @@ class _Same(nn.Module):
                 y = y * 0.5
         if self.style == "global" and _MODE:
             y = y.tanh()
+        if self.style == "global-cache":
+            if x.shape[1] not in _MASKS:  # built once, by the first layer
+                _MASKS[x.shape[1]] = torch.ones(x.shape[1], 1, device=x.device).cumsum(0)
+            y = y * _MASKS[x.shape[1]]
         if self.style == "holder":
             self.holder.calls += 1
             if self.holder.calls == 1:
@@ -277,6 +282,7 @@ class _SameNet(nn.Module):
         ("param-shape", None),  # parameters of another shape, no attribute saying so
         ("class", None),  # a class attribute the forward bumps and branches on
         ("global", None),  # a module global the model sets before each call
+        ("global-cache", None),  # a module-level cache the first layer fills
         ("holder", None),  # a shared plain object the forward changes
         ("cache", None),  # a tensor attribute built on the first call
         ("kwarg", None),  # some layers called with another keyword argument
@@ -289,6 +295,7 @@ class _SameNet(nn.Module):
 def test_forward_copies_only_where_the_call_is_the_same(style, copied, monkeypatch):
     def fresh():  # state the forward changes starts over for each trace
         _Same.calls = 0
+        _MASKS.clear()
         with torch.device("meta"):
             return _SameNet(style)
 
