@@ -875,7 +875,10 @@ class _Capture:
         the layer's own forward, remembered for later layers to copy (`remember_forward`)."""
         if self.phase != _FORWARD or not self.copy_forward or self.suppress:
             return original(*args, **kwargs)
-        key = self._call_key(module, args, kwargs)
+        try:
+            key = self._call_key(module, args, kwargs)
+        except Exception:  # an attribute or argument the key cannot read: run it, no copy
+            key = None
         template = self.fwd_templates.get(key) if key is not None else None
         if template is not None:
             return self._copy_forward(layer, path, template, args, kwargs)
@@ -957,7 +960,12 @@ class _Capture:
         in its span is its own, it read only activations it was handed, and its outputs are
         plain values or tensors it made (no argument handed back, no repeat_kv view)."""
         pending = self.pending.pop(layer, None)
-        if pending is None or _module_state(module) != pending.key[2]:
+        if pending is None:
+            return
+        try:
+            if _module_state(module) != pending.key[2]:
+                return
+        except Exception:
             return
         if self.dispatch.mark() != pending.dispatch:
             return

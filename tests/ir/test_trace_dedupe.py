@@ -307,3 +307,19 @@ def test_forward_copies_only_where_the_call_is_the_same(style, copied, monkeypat
         assert forward == [copied]
     else:
         assert forward[0] < 3  # something differed between the calls
+
+
+def test_a_call_key_that_cannot_be_read_runs_the_layer(monkeypatch):
+    """Whatever `_call_key` cannot read (here: every value) makes the layer run its own
+    forward: the trace is the full one, never an error."""
+
+    def unreadable(v, depth=0):
+        raise RuntimeError("unreadable")
+
+    monkeypatch.setattr(T, "_plain", unreadable)
+    with torch.device("meta"):
+        model = _SameNet("plain")
+    tokens = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    forward: list[int] = []
+    fast, full, _ = _both(model, tokens, monkeypatch=monkeypatch, forward=forward)
+    assert fast == full and forward == [0]
