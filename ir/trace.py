@@ -51,13 +51,13 @@ the class attributes and module globals its code could read (plain values, and t
 caches: dicts, lists, sets), the same argument structure, plain values and tensor metadata,
 the same gradient mode, autocast and saved-tensor hooks) gets a copy of that layer's recorded
 forward ops, renamed to its own modules and parameters and reading its own arguments
-(`forward_or_copy`). A layer is only copied from if
-its own forward changed none of that state, routed no experts, read only activations it was
-handed, changed no argument in place and returned tensors it made; anything else (an
-attribute holding the layer index, an object argument such as a cache) makes every such layer
-run its own forward. What the key cannot see is assumed not to matter: a forward that reads a
-closure or a global of another module that changes between layers would be copied wrongly
-(`DEDUPE_FORWARD = False` traces every forward).
+(`forward_or_copy`; an MoE layer's routing, priced at its balanced load, is copied with it).
+A layer is only copied from if its own forward changed none of that state, read only
+activations it was handed, changed no argument in place and returned tensors it made;
+anything else (an attribute holding the layer index, an object argument such as a cache)
+makes every such layer run its own forward. What the key cannot see is assumed not to
+matter: a forward that reads a closure or a global of another module that changes between
+layers would be copied wrongly (`DEDUPE_FORWARD = False` traces every forward).
 
 The backward of a layer whose forward is identical to an earlier layer's (same ops,
 shapes, attributes, costs and data flow inside it, parameters named alike relative to the
@@ -460,6 +460,7 @@ class _ForwardTemplate:
     out_leaves: tuple  # ("v", value) or ("t", key, producer, meta, shape, stride, dtype,
     #                    requires_grad, view chain, origin packet, data-flow tags)
     flow: tuple  # the data-flow facts it added (`Dataflow.since`)
+    routed: tuple  # the MoE routings it found and priced (`_ExpertDispatch.since`)
 
 
 class _Capture:
@@ -882,8 +883,7 @@ class _Capture:
         template = self.fwd_templates.get(key) if key is not None else None
         if template is not None:
             return self._copy_forward(layer, path, template, args, kwargs)
-        inside_moe = any(s == path or s.startswith(path + ".") for s in self.dispatch.scopes)
-        if key is not None and not inside_moe:
+        if key is not None:
             tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
             infos = tuple(
                 None if (info := self.info.get(id(t))) is None else (info.key, info.producer)
@@ -956,9 +956,10 @@ class _Capture:
     def remember_forward(self, layer: int, path: str, module: nn.Module, out: object) -> None:
         """After `layer` ran its own forward (`forward_or_copy`): keep it as the template of
         its call key if a copy of it can stand for a layer called the same way: it changed
-        no attribute, class attribute or global of its modules, routed no experts, every op
+        no attribute, class attribute or global of its modules, every op
         in its span is its own, it read only activations it was handed, and its outputs are
-        plain values or tensors it made (no argument handed back, no repeat_kv view)."""
+        plain values or tensors it made (no argument handed back, no repeat_kv view). The MoE
+        routings it priced are copied with it (`_ExpertDispatch.since`)."""
         pending = self.pending.pop(layer, None)
         if pending is None:
             return
@@ -966,8 +967,6 @@ class _Capture:
             if _module_state(module) != pending.key[2]:
                 return
         except Exception:
-            return
-        if self.dispatch.mark() != pending.dispatch:
             return
         start, end = self.layer_start[layer], self.layer_end[layer]
         inside = range(start, end)
@@ -1028,8 +1027,9 @@ class _Capture:
                 )
             )
         added = self.flow.since(pending.flow)
+        routed = self.dispatch.since(pending.dispatch)
         template = _ForwardTemplate(
-            layer, path, start, end, tuple(inputs), spec, tuple(leaves), added
+            layer, path, start, end, tuple(inputs), spec, tuple(leaves), added, routed
         )
         self.fwd_templates.setdefault(pending.key, template)
 
@@ -1134,6 +1134,7 @@ class _Capture:
         finally:
             self.suppress = False
         self.flow.replay(tpl.flow, rename)
+        self.dispatch.replay(tpl.routed, rename)
         self.fwd_copied[layer] = tpl.layer
         self.report(f"forward: layer {layer + 1}/{self.n_layers} (as {tpl.layer + 1})")
         return tree_unflatten(outs, tpl.out_spec)
@@ -1413,8 +1414,43 @@ class _ExpertDispatch:
         self.used: dict[tuple[int, int, int, str], tuple[list[str], list[str]]] = {}
 
     def mark(self) -> tuple:
-        """How much dispatch state there is (a layer that changed it routed experts)."""
-        return len(self.routes), len(self.tokens), len(self.rows), len(self.used)
+        """The dispatch state now (for `since`)."""
+        return (
+            dict(self.routes),
+            dict(self.tokens),
+            {k: (len(scopes), len(ops)) for k, (scopes, ops) in self.used.items()},
+        )
+
+    def since(self, mark: tuple) -> tuple:
+        """What a layer's forward added since `mark`: routings and token counts by MoE module,
+        and the modules and ops each priced routing was applied in (for `replay`)."""
+        routes, tokens, used = mark
+        new_routes = tuple(r for s, r in self.routes.items() if routes.get(s) != r)
+        new_tokens = tuple((s, n) for s, n in self.tokens.items() if tokens.get(s) != n)
+        new_used = []
+        for key, (scopes, ops) in self.used.items():
+            ns, no = used.get(key, (0, 0))
+            if len(scopes) > ns or len(ops) > no:
+                new_used.append((key, tuple(scopes[ns:]), tuple(ops[no:])))
+        return new_routes, new_tokens, tuple(new_used)
+
+    def replay(self, added: tuple, rename: Callable[[str], str]) -> None:
+        """Add what `since` returned for another layer, its module names renamed to this
+        layer's: a copied MoE layer routes as its template did. (Masks' rows are not copied:
+        a copied layer's backward never runs.)"""
+        routes, tokens, used = added
+        for r in routes:
+            self.routes[rename(r.scope)] = dataclasses.replace(r, scope=rename(r.scope))
+        for scope, n in tokens:
+            self.tokens[rename(scope)] = n
+        for key, scopes, ops in used:
+            have_scopes, have_ops = self.used.setdefault(key, ([], []))
+            for scope in scopes:
+                if rename(scope) not in have_scopes:
+                    have_scopes.append(rename(scope))
+            for op in ops:
+                if op not in have_ops:
+                    have_ops.append(op)
 
     def on_enter(self, path: str, args: object) -> None:
         if path not in self.scopes:

@@ -59,8 +59,8 @@ def test_zoo_presets_trace_the_same_and_skip(preset, monkeypatch):
     assert fast == full
     layers = sum(1 for u in full.units if not u.name.startswith("<"))
     assert n == layers - 1  # every layer after the first copies its backward
-    # ... and its forward, but for MoE layers (their routing is never copied)
-    assert forward == [0 if preset == "tiny-moe" else layers - 1]
+    # ... and its forward (an MoE layer's priced routing with it)
+    assert forward == [layers - 1]
 
 
 class _Block(nn.Module):
@@ -323,3 +323,16 @@ def test_a_call_key_that_cannot_be_read_runs_the_layer(monkeypatch):
     forward: list[int] = []
     fast, full, _ = _both(model, tokens, monkeypatch=monkeypatch, forward=forward)
     assert fast == full and forward == [0]
+
+
+def test_moe_layers_copy_their_routing(monkeypatch):
+    """Mixtral's original per-expert loop (`torch.where`, sized at the balanced load): the
+    second layer copies the first's forward, routing included, and the graph (its note
+    naming both MoE modules among them) equals the one traced layer by layer."""
+    um = MODELS["sparse-moe"]
+    model = um.build("meta")
+    args, kwargs = um.example(model)
+    forward: list[int] = []
+    fast, full, _ = _both(model, *args, kwargs=kwargs, monkeypatch=monkeypatch, forward=forward)
+    assert fast == full and forward == [1]
+    assert fast.info.assumptions and "2 MoE modules" in fast.info.assumptions[0]
