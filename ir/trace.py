@@ -701,20 +701,24 @@ class _Capture:
         """KV heads of an attention's key, looking through a `repeat_kv` (expand + reshape)
         that widened grouped-query keys to the query's head count before SDPA."""
         heads = int(key.shape[1])
-        t: torch.Tensor | None = key
-        for _ in range(8):
+        for _, t in self.repeat_kv_origins(key):
             if t is None:
-                break
-            origin = self.origin.get(id(t))
-            if origin is None:
-                break
-            packet, t = origin
-            if packet not in _REPEAT_KV_OPS or t is None:
                 break
             # (batch, heads, [n_rep,] seq, head_dim) layouts only: same seq and head_dim
             if t.dim() >= 4 and t.shape[-1] == head_dim and t.shape[-2] == key.shape[-2]:
                 heads = min(heads, int(t.shape[1]))
         return heads
+
+    def repeat_kv_origins(self, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """(packet, its input) of the ops `t` was made by, walking back while they are
+        `_REPEAT_KV_OPS` (at most 8; an input the trace did not keep ends the walk)."""
+        src: torch.Tensor | None = t
+        for _ in range(8):
+            origin = self.origin.get(id(src)) if src is not None else None
+            if origin is None or origin[0] not in _REPEAT_KV_OPS:
+                return
+            yield origin
+            src = origin[1]
 
     # -- repeated layers ----------------------------------------------------------------------
     def layer_records(self, layer: int) -> list[OpRecord]:
@@ -924,14 +928,10 @@ class _Capture:
                 if producer is not None and producer >= 0:
                     producer = ("op", made_by.setdefault(producer, i))
                 known = (info.param, info.is_state, base.setdefault(info.key, i), producer)
-            chain: list[tuple] = []
-            t: torch.Tensor | None = x
-            for _ in range(8):
-                origin = self.origin.get(id(t)) if t is not None else None
-                if origin is None or origin[0] not in _REPEAT_KV_OPS:
-                    break
-                chain.append((origin[0], None if t is None else tuple(t.shape)))
-                t = origin[1]
+            chain = [
+                (packet, None if src is None else tuple(src.shape))
+                for packet, src in self.repeat_kv_origins(x)
+            ]
             leaves.append(
                 (
                     "t",

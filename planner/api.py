@@ -52,7 +52,7 @@ from meshplan.ir.devices import (
     default_precision,
     precision_problem,
 )
-from meshplan.ir.facts import DIMENSIONS, blocked_dimension
+from meshplan.ir.facts import DIMENSIONS, Dataflow, blocked_dimension
 from meshplan.ir.plan import (
     CompressionPlan,
     ModelRef,
@@ -195,8 +195,11 @@ def trace(
     one tensor-parallel rank rehearsed on the model's own code (`rehearse`): the graph's
     `ModelInfo.blockers` name every parallel dimension the runtime cannot run on it; a model
     the runtime cuts from its exported graph is cut once (`rehearse_pipeline_cut`)."""
-    graph = trace_ir(model, *example_inputs, kwargs=kwargs, name=name, progress=progress)
-    graph = rehearse_tensor_parallel(model, graph, example_inputs, kwargs)
+    flows: list[Dataflow] = []
+    graph = trace_ir(
+        model, *example_inputs, kwargs=kwargs, name=name, progress=progress, flow_out=flows
+    )
+    graph = rehearse_tensor_parallel(model, graph, example_inputs, kwargs, flows[0])
     return rehearse_pipeline_cut(model, graph, example_inputs)
 
 

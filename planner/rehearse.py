@@ -76,24 +76,31 @@ def shard_shapes(model: nn.Module, view, tp: int) -> dict[str, tuple[int, ...]]:
 
 
 def rehearse_tensor_parallel(
-    model: nn.Module, graph: Graph, example_inputs: tuple, kwargs: dict | None = None
+    model: nn.Module,
+    graph: Graph,
+    example_inputs: tuple,
+    kwargs: dict | None,
+    flow: Dataflow,
 ) -> Graph:
     """`graph` with a "tp" blocker when one tensor-parallel rank cannot run the model's code
-    correctly (module docstring); `graph` unchanged otherwise."""
+    correctly (module docstring); `graph` unchanged otherwise. `graph` and `flow` are the
+    whole model's trace and its data-flow facts (`trace(..., flow_out=)`)."""
     info = graph.info
     if info.blocker("tp") or is_zoo_model(model) or is_verified_hf_decoder(model):
         return graph
     tp = rehearsal_degree(graph)
     if not tp:
         return graph
-    why = _rehearse(model, graph, example_inputs, kwargs or {}, tp)
+    why = _rehearse(model, graph, flow, example_inputs, kwargs or {}, tp)
     if not why:
         return graph
     blockers = tuple(sorted((*info.blockers, ("tp", why))))
     return dataclasses.replace(graph, info=dataclasses.replace(info, blockers=blockers))
 
 
-def _rehearse(model: nn.Module, graph: Graph, inputs: tuple, kwargs: dict, tp: int) -> str:
+def _rehearse(
+    model: nn.Module, graph: Graph, flow: Dataflow, inputs: tuple, kwargs: dict, tp: int
+) -> str:
     from meshplan.runtime.errors import RuntimePlanError
     from meshplan.runtime.tensor_parallel import HEAD_COUNT_ATTRS, localise_head_counts, tp_styles
 
@@ -116,7 +123,6 @@ def _rehearse(model: nn.Module, graph: Graph, inputs: tuple, kwargs: dict, tp: i
     ]
     flows: list[Dataflow] = []
     try:
-        trace(model, *inputs, kwargs=kwargs, flow_out=flows)  # the whole model's facts
         localise_head_counts(model, regions)
         shapes = shard_shapes(model, view, tp)
         rank = trace(model, *inputs, kwargs=kwargs, param_shapes=shapes, flow_out=flows)
@@ -126,7 +132,7 @@ def _rehearse(model: nn.Module, graph: Graph, inputs: tuple, kwargs: dict, tp: i
     finally:
         for mod, attr, value in saved:
             setattr(mod, attr, value)
-    return _compare_attention(graph, rank, tp) or _compare_made(flows[0], flows[1], tp)
+    return _compare_attention(graph, rank, tp) or _compare_made(flow, flows[0], tp)
 
 
 def _compare_made(whole: Dataflow, rank: Dataflow, tp: int) -> str:
