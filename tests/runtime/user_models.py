@@ -431,10 +431,12 @@ class AlibiAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
-class AlibiBlock(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
+class PreNormBlock(nn.Module):
+    """LayerNorm -> attention (a class of this section) -> residual, LayerNorm -> SwiGLU."""
+
+    def __init__(self, dim: int, heads: int, attention: type[nn.Module]) -> None:
         super().__init__()
-        self.ln_1, self.attn = nn.LayerNorm(dim), AlibiAttention(dim, heads)
+        self.ln_1, self.attn = nn.LayerNorm(dim), attention(dim, heads)
         self.ln_2, self.mlp = nn.LayerNorm(dim), FeedForward(dim, 2 * dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -442,11 +444,15 @@ class AlibiBlock(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class AlibiLM(nn.Module):
+class PreNormLM(nn.Module):
+    """Token embedding (no positions), `PreNormBlock`s of the subclass's `attention`, a head."""
+
+    attention: type[nn.Module]
+
     def __init__(self, vocab=VOCAB, dim=HIDDEN, heads=HEADS, layers=LAYERS):
         super().__init__()
         self.wte = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(AlibiBlock(dim, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(PreNormBlock(dim, heads, self.attention) for _ in range(layers))
         self.ln_f, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
@@ -454,6 +460,10 @@ class AlibiLM(nn.Module):
         for block in self.blocks:
             x = block(x)
         return _loss_or_logits(self.head(self.ln_f(x)), targets)
+
+
+class AlibiLM(PreNormLM):
+    attention = AlibiAttention
 
 
 # -- 4c'. attention written out (q @ k^T, causal mask, softmax, @ v), no SDPA ----------------
@@ -481,29 +491,8 @@ class EagerAttention(nn.Module):
         return self.o_proj((probs @ v).transpose(1, 2).reshape(b, t, -1))
 
 
-class EagerBlock(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.ln_1, self.attn = nn.LayerNorm(dim), EagerAttention(dim, heads)
-        self.ln_2, self.mlp = nn.LayerNorm(dim), FeedForward(dim, 2 * dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
-
-class EagerLM(nn.Module):
-    def __init__(self, vocab=VOCAB, dim=HIDDEN, heads=HEADS, layers=LAYERS):
-        super().__init__()
-        self.wte = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(EagerBlock(dim, heads) for _ in range(layers))
-        self.ln_f, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
-        x = self.wte(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return _loss_or_logits(self.head(self.ln_f(x)), targets)
+class EagerLM(PreNormLM):
+    attention = EagerAttention
 
 
 # -- 4d. multi-query attention with raw parameters and einsum (PaLM / Falcon-7B style) --------
