@@ -36,6 +36,14 @@ class ContextParallelTraffic:
           (h/kv + f) / cp times what the all-gather does: less for full multi-head attention
           and large cp, more for a few K/V heads at small cp.
 
+        - "usp" (USP / LoongTrain's two-level split; u = `cfg.cp_head_degree` ranks per head
+          group, r = cp / u head groups): the four all-to-alls of "heads" over u ranks (of
+          the same local tensors; K/V heads repeated u / gcd(kv heads per tp rank, u)
+          times), then K/V of the rank's h/u heads all-gathered over the r ranks holding
+          the same heads in forward and reduce-scattered in backward: 1/u of "allgather"'s
+          size (times the repetition). The all-to-alls run on the head group's path, the
+          all-gather on the K/V group's (`_cp_traffic`).
+
         Asymmetric shares (`cfg.cp_shares`, `cp_head_shares`; HexiSeq): the all-gather is
         padded to the largest token share, as the runtime runs it (cp x the largest share
         over the sequence times the K/V bytes). Under "heads" the all-to-alls have uneven
@@ -43,6 +51,8 @@ class ContextParallelTraffic:
         cp, tp = cfg.cp, cfg.tp
         if cp <= 1 or not facts.kv_bytes:
             return ()
+        if cfg.cp_mode == "usp":
+            return self._usp_collectives(facts, cfg, scale)
         if cfg.cp_mode != "heads":
             size = facts.kv_bytes * scale / tp
             if cfg.cp_shares:
@@ -57,6 +67,24 @@ class ContextParallelTraffic:
         sizes = (q, kv, kv, q)  # q, k, v in; the output (q's size) back
         a2a = Collective.ALL_TO_ALL
         return tuple((phase, a2a, s) for phase in ("fwd", "bwd") for s in sizes)
+
+    def _usp_collectives(
+        self, facts: BlockFacts, cfg: StageConfig, scale: float
+    ) -> tuple[tuple[str, Collective, float], ...]:
+        """ "usp"'s collectives (see `cp_collectives`): all-to-alls over the head group, the
+        K/V all-gather / reduce-scatter over the K/V group."""
+        cp, tp, u = cfg.cp, cfg.tp, cfg.cp_head_degree
+        kv_heads = self.costs.graph.info.kv_heads // tp  # per tp rank; 0: not known
+        repeat = u // math.gcd(kv_heads, u) if kv_heads else 1
+        q = facts.q_bytes * scale / (tp * cp)
+        kv = facts.kv_bytes * scale / (tp * cp) * repeat / 2  # K, and V alike (local)
+        gathered = facts.kv_bytes * scale / tp * repeat / u  # K and V of h/u heads, all S
+        a2a = Collective.ALL_TO_ALL
+        out: list[tuple[str, Collective, float]] = []
+        for phase, kv_kind in (("fwd", Collective.ALL_GATHER), ("bwd", Collective.REDUCE_SCATTER)):
+            out += [(phase, a2a, s) for s in (q, kv, kv, q)]
+            out.append((phase, kv_kind, gathered))
+        return tuple(out)
 
     def _uneven_a2a(
         self, facts: BlockFacts, cfg: StageConfig, scale: float
@@ -128,7 +156,25 @@ class ContextParallelTraffic:
         else:
             path = group_path(self.cluster, g, cfg.cp, max(1, g.domain_gpus // cfg.tp))
             gpu = g.gpu
+        ranks = {kind: cfg.cp for _, kind, _ in collectives}
+        paths = {kind: path for kind in ranks}
+        if cfg.cp_mode == "usp":
+            # Head groups: u consecutive cp ranks (strided by tp); K/V groups: r ranks
+            # strided by tp x u (`runtime.mesh.usp_groups`).
+            u = cfg.cp_head_degree
+            r = cfg.cp // u
+            ranks = {Collective.ALL_TO_ALL: u, Collective.ALL_GATHER: r}
+            ranks[Collective.REDUCE_SCATTER] = r
+            paths = {
+                Collective.ALL_TO_ALL: group_path(
+                    self.cluster, g, u, max(1, g.domain_gpus // cfg.tp)
+                ),
+                Collective.ALL_GATHER: group_path(
+                    self.cluster, g, r, max(1, g.domain_gpus // (cfg.tp * u))
+                ),
+            }
+            paths[Collective.REDUCE_SCATTER] = paths[Collective.ALL_GATHER]
         for phase, kind, size in collectives:
-            ch = self.comm_choice(kind, size, cfg.cp, path, gpu, "activations", "cp")
+            ch = self.comm_choice(kind, size, ranks[kind], paths[kind], gpu, "activations", "cp")
             out[phase] += ch.time_s
         return out["fwd"], out["bwd"]

@@ -43,12 +43,21 @@ class Schedule(enum.StrEnum):
 # How context-parallel attention exchanges the sequence (`runtime.context_parallel`):
 # "allgather" (K/V all-gathered over cp, the default), "ring" (K/V passed around the cp ring;
 # priced as "allgather") and "heads" (DeepSpeed-Ulysses head-parallel attention: all-to-alls
-# to heads / cp whole heads over the whole sequence and back).
-CP_MODES = ("allgather", "ring", "heads")
+# to heads / cp whole heads over the whole sequence and back) and "usp" (the two-level split of
+# USP / LoongTrain where cp does not divide the heads: head-parallel over `cp_head_degree`
+# ranks, K/V all-gathered over the cp / cp_head_degree groups of them).
+CP_MODES = ("allgather", "ring", "heads", "usp")
 
 # Fields `Parallel.is_complete` does not require.
 _OPTIONAL_FIELDS = frozenset(
-    {"virtual_stages", "quantize_activations", "cp_mode", "cp_shares", "cp_head_shares"}
+    {
+        "virtual_stages",
+        "quantize_activations",
+        "cp_mode",
+        "cp_shares",
+        "cp_head_shares",
+        "cp_head_degree",
+    }
 )
 
 
@@ -85,6 +94,11 @@ class Parallel:
     rank holds, in cp-rank order (even, summing to the sequence length; `ir.rules.
     cp_shares_problem`); None: equal shares. `cp_head_shares`: under "heads", the query heads
     (of a tp rank's) each cp rank attends; None: equal. Neither is needed for `is_complete`.
+    `cp_head_degree`: under "usp" (Fang and Zhao's USP, 2024; LoongTrain's 2D attention, Gu
+    et al. 2024), how many consecutive cp ranks share the heads by all-to-alls (u, dividing
+    cp and each tp rank's query heads, 1 < u < cp); the cp / u such groups all-gather K/V
+    between them. None under the other modes; `complete_parallel` sets the largest u the
+    heads allow (`ir.rules.usp_degree`).
     """
 
     dp: int | None = None
@@ -103,9 +117,20 @@ class Parallel:
     cp_mode: str | None = None
     cp_shares: tuple[int, ...] | None = None
     cp_head_shares: tuple[int, ...] | None = None
+    cp_head_degree: int | None = None
 
     def __post_init__(self) -> None:
-        for f in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "global_batch", "virtual_stages"):
+        for f in (
+            "dp",
+            "tp",
+            "pp",
+            "cp",
+            "ep",
+            "micro_batch",
+            "global_batch",
+            "virtual_stages",
+            "cp_head_degree",
+        ):
             v = getattr(self, f)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"Parallel.{f} must be a positive integer, got {v!r}")
@@ -187,6 +212,7 @@ class Parallel:
             cp_mode=(self.cp_mode or "allgather") if (self.cp or 1) > 1 else "allgather",
             cp_shares=self.cp_shares if (self.cp or 1) > 1 else None,
             cp_head_shares=self.cp_head_shares if (self.cp or 1) > 1 else None,
+            cp_head_degree=(self.cp_head_degree or 1) if self.cp_mode == "usp" else 1,
         )
 
     def pinned(self) -> dict[str, object]:
@@ -224,6 +250,9 @@ class StageConfig:
     cp_shares: tuple[int, ...] | None = None
     cp_head_shares: tuple[int, ...] | None = None
     cp_ranks: tuple[int, ...] | None = None
+    # Under "usp": the head-parallel degree inside the cp group (`Parallel.cp_head_degree`);
+    # 1 otherwise.
+    cp_head_degree: int = 1
     # A cp group spanning device groups (`StagePlacement.cp_groups`): its (group, cp ranks)
     # and how many such cp groups cross the groups' link at once (tp x dp).
     cp_span: tuple[tuple[str, int], ...] | None = None

@@ -20,7 +20,8 @@ bytes, so the solver's wall time is deliberately not recorded):
                   "microbatches", "chunks", "tp" (per-group tp degrees, [] = degrees.tp)}],
       "schedule", "micro_batch", "global_batch", "num_microbatches", "recompute", "zero",
       "sequence_parallel", "virtual_stages" (interleaved 1F1B chunks per rank, or null),
-      "cp_mode" (with cp > 1: allgather, ring or heads; absent reads as allgather),
+      "cp_mode" (with cp > 1: allgather, ring, heads or usp; absent reads as allgather),
+      "cp_head_degree" (under usp: the head-parallel ranks of a cp group),
       "placements", "quantization", "compression", "precision" (fp32, tf32, bf16, fp16, fp8),
       "predicted": {"step_time_s", "tokens_per_s", "mfu", "peak_memory_bytes", "fits",
                     "breakdown": {...}, "memory": [...]},
@@ -73,6 +74,7 @@ from .parallel import (
 )
 from .rules import (
     batch_split_problem,
+    cp_head_degree_problem,
     cp_split_problem,
     ep_dp_problem,
     microbatch_problem,
@@ -293,6 +295,8 @@ class Plan:
             # asymmetric CP (HexiSeq): tokens / query heads per cp rank; only when set
             **({"cp_shares": list(p.cp_shares)} if p.cp_shares else {}),
             **({"cp_head_shares": list(p.cp_head_shares)} if p.cp_head_shares else {}),
+            # under "usp": the head-parallel ranks inside each cp group
+            **({"cp_head_degree": p.cp_head_degree} if p.cp_head_degree else {}),
             "placements": {k: v for k, v in self.placements},
             # v1 records the decisions explicitly even while they are always off.
             # "none" when off: the v1 form, so plans without these decisions read as before.
@@ -372,6 +376,11 @@ class Plan:
             cp_mode += f" tokens per cp rank {list(p.cp_shares)}"
         if p.cp_head_shares:
             cp_mode += f" heads per cp rank {list(p.cp_head_shares)}"
+        if p.cp_head_degree:
+            cp_mode = (
+                f" (usp attention: heads over {p.cp_head_degree} ranks, K/V all-gathered "
+                f"over {(p.cp or 1) // p.cp_head_degree})"
+            )
         lines = [
             f"Plan for {self.model.name} ({self.model.num_params / 1e9:.2f}B params) on "
             f"{self.cluster.name} ({self.world_size} of {self.cluster.world_size} GPUs)",
@@ -674,6 +683,7 @@ PLAN_SCHEMA: dict = {
         "cp_mode": {"enum": list(CP_MODES)},
         "cp_shares": {"type": "array", "items": _POS_INT, "minItems": 2},
         "cp_head_shares": {"type": "array", "items": _POS_INT, "minItems": 2},
+        "cp_head_degree": {"type": "integer", "minimum": 2},
         "predicted": {
             "type": "object",
             "required": [
@@ -1081,6 +1091,7 @@ def plan_problem(plan: Plan) -> str | None:
         lambda: batch_problem(p, plan.stages),
         lambda: schedule_problem(p),
         lambda: cp_split_problem(p, plan.model.seq_len, 0),
+        lambda: cp_head_degree_problem(p, 0),
         lambda: cp_span_problem(p, plan.stages),
         lambda: group_tp_problem(p, plan.stages) if tps else None,
         lambda: blocked_dimension(plan.model, widest),
@@ -1258,6 +1269,7 @@ def _plan_of(data: dict, plan_cluster: Cluster) -> Plan:
             cp_mode=data.get("cp_mode"),
             cp_shares=tuple(data["cp_shares"]) if "cp_shares" in data else None,
             cp_head_shares=tuple(data["cp_head_shares"]) if "cp_head_shares" in data else None,
+            cp_head_degree=data.get("cp_head_degree"),
             quantize_activations=(
                 True
                 if isinstance((data.get("quantization") or {}).get("activations"), dict)

@@ -20,6 +20,8 @@ and checks each layer named here against the rule's words):
     zero_bubble_zero3_problem      x                          x  (a runtime rule)
     schedule_problem               x        x                 x
     cp_heads_problem               x        x                 (at apply: the first forward)
+    cp_usp_problem                 x        x                 x (and at the first forward)
+    cp_head_degree_problem                  x                 x
     cp_split_problem                        x         x       x
 
 Rules that need more than degrees live beside what they read, one function each as well:
@@ -30,6 +32,8 @@ inside an NVLink domain) and `ir.devices.precision_problem` (a precision the GPU
 """
 
 from __future__ import annotations
+
+import math
 
 from .parallel import Parallel, Schedule
 
@@ -175,6 +179,11 @@ def cp_split_problem(p: Parallel, seq_len: int, heads: int) -> str | None:
             )
         if why := cp_shares_problem(p.cp_shares, cp, seq_len):
             return why
+    if p.cp_mode == "usp" and (p.cp_shares or p.cp_head_shares):
+        return (
+            "cp_shares / cp_head_shares under cp attention 'usp' are not run; use cp attention "
+            "'allgather' or 'heads' for asymmetric shares"
+        )
     if p.cp_head_shares is not None:
         if p.cp_mode != "heads":
             return "cp_head_shares need cp attention 'heads' (head-parallel)"
@@ -278,8 +287,50 @@ def cp_heads_problem(heads: int, cp: int) -> str | None:
     rank heads / cp whole query heads over the whole sequence: cp must divide the query heads
     a rank holds (`heads`: h / tp under tensor parallelism)."""
     if heads % cp:
+        usp = usp_degree(heads, cp)
+        also = f", or 'usp' (cp_head_degree {usp})" if usp > 1 else ""
         return (
             f"cp attention 'heads' needs the query heads divisible by cp, got heads={heads}, "
-            f"cp={cp}; use cp attention 'allgather' or 'ring'"
+            f"cp={cp}; use cp attention 'allgather' or 'ring'{also}"
         )
     return None
+
+
+def usp_degree(heads: int, cp: int) -> int:
+    """The head-parallel degree of the two-level "usp" split (USP, Fang and Zhao 2024): the
+    largest u dividing both cp and the query heads a rank holds (`heads`: h / tp), so the
+    all-to-alls move as much of the attention as whole heads allow and the all-gather only
+    the rest. 1 means no head parallelism is possible ("allgather"), cp means "heads"."""
+    return math.gcd(heads, cp) if heads else 1
+
+
+def cp_usp_problem(heads: int, cp: int, degree: int | None) -> str | None:
+    """The two-level context attention "usp": u = `degree` consecutive cp ranks split the
+    heads by all-to-alls (DeepSpeed-Ulysses inside the group) and the cp / u groups
+    all-gather K/V of their heads between them. u must divide cp and the query heads a rank
+    holds (`heads`: h / tp under tensor parallelism; 0 = not known) and lie strictly
+    between 1 and cp (u = 1 is "allgather", u = cp is "heads")."""
+    if degree is None:
+        return "cp attention 'usp' needs cp_head_degree (the head-parallel ranks inside cp)"
+    if not 1 < degree < cp or cp % degree:
+        return (
+            f"cp_head_degree={degree} must divide cp={cp} and lie strictly between 1 and cp "
+            "(1 is cp attention 'allgather', cp is 'heads')"
+        )
+    if heads and heads % degree:
+        return (
+            f"cp attention 'usp' needs the query heads divisible by cp_head_degree, got "
+            f"heads={heads}, cp_head_degree={degree}; use cp_head_degree "
+            f"{usp_degree(heads, cp)} or cp attention 'allgather'"
+        )
+    return None
+
+
+def cp_head_degree_problem(p: Parallel, heads: int) -> str | None:
+    """`Parallel.cp_head_degree` only under "usp", and there as `cp_usp_problem` (`heads`:
+    the model's query heads, divided here by tp; 0 = not known)."""
+    if p.cp_head_degree is not None and p.cp_mode != "usp":
+        return "cp_head_degree needs cp attention 'usp' (the two-level head x all-gather split)"
+    if p.cp_mode != "usp" or (p.cp or 1) == 1:
+        return None
+    return cp_usp_problem(heads // (p.tp or 1) if heads else 0, p.cp or 1, p.cp_head_degree)

@@ -64,6 +64,7 @@ from meshplan.ir.plan import (
 )
 from meshplan.ir.rules import (
     batch_split_problem,
+    cp_head_degree_problem,
     cp_heads_problem,
     cp_sequence_problem,
     cp_split_problem,
@@ -74,6 +75,7 @@ from meshplan.ir.rules import (
     pp_layers_problem,
     schedule_problem,
     tp_heads_problem,
+    usp_degree,
     zero_bubble_problem,
 )
 from meshplan.ir.trace import trace as trace_ir
@@ -271,6 +273,11 @@ def complete_parallel(graph: Graph, cluster: Cluster, parallel: Parallel) -> Par
         cp_mode=p.cp_mode or ("allgather" if cp > 1 else None),  # complete: the mode stated
         cp_shares=p.cp_shares,
         cp_head_shares=p.cp_head_shares,
+        cp_head_degree=(
+            p.cp_head_degree or usp_degree(graph.info.heads // tp, cp)
+            if p.cp_mode == "usp" and cp > 1 and graph.info.heads
+            else p.cp_head_degree
+        ),
     )
 
 
@@ -304,6 +311,7 @@ def check_config(
         lambda: cp_sequence_problem(p.cp, info.seq_len),
         lambda: _cp_mode_problem(p, info.heads),
         lambda: cp_split_problem(p, info.seq_len, info.heads),
+        lambda: cp_head_degree_problem(p, info.heads),
         lambda: ep_dp_problem(p.ep, p.dp),
         lambda: ep_tp_problem(p.ep, p.tp, p.sequence_parallel),
         lambda: blocked_dimension(info, p),  # the runtime cannot run it (`ir.facts`)

@@ -353,6 +353,7 @@ def _pins(
     cp_mode=None,
     cp_shares=None,
     cp_head_shares=None,
+    cp_head_degree=None,
 ):
     """The pinned choices as a `Parallel`, which checks them (call it before tracing); its
     one-line error names the flag (`--micro-batch`, not `Parallel.micro_batch`)."""
@@ -385,6 +386,7 @@ def _pins(
             schedule=schedule,
             virtual_stages=virtual,
             cp_mode=cp_mode,
+            cp_head_degree=cp_head_degree,
             **shares,
         )
     except ValueError as e:
@@ -418,8 +420,17 @@ CpModeOpt = Annotated[
     typer.Option(
         "--cp-mode",
         help="How context-parallel attention exchanges the sequence: allgather (K/V "
-        "all-gathered), ring, or heads (DeepSpeed-Ulysses all-to-all); default: the planner "
-        "chooses allgather or heads.",
+        "all-gathered), ring, heads (DeepSpeed-Ulysses all-to-all), or usp (heads over "
+        "--cp-head-degree ranks, K/V all-gathered over the rest, where cp does not divide the "
+        "heads); default: the planner chooses allgather, heads or usp.",
+    ),
+]
+CpHeadDegreeOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--cp-head-degree",
+        help="With --cp-mode usp: the cp ranks that split the heads (dividing cp and the "
+        "heads); default the largest that does.",
     ),
 ]
 VirtualOpt = Annotated[
@@ -515,6 +526,11 @@ def _print_plan(plan, as_json: bool) -> None:
     out.print(t)
     if p.cp > 1:
         how = {"allgather": "K/V all-gathered", "ring": "ring", "heads": "head-parallel, Ulysses"}
+        if p.cp_head_degree:
+            how["usp"] = (
+                f"heads over {p.cp_head_degree} ranks, K/V all-gathered over "
+                f"{p.cp // p.cp_head_degree}; USP"
+            )
         mode = p.cp_mode or "allgather"
         out.print(f"context-parallel attention: {mode} ({how[mode]})")
         if p.cp_shares:
@@ -604,6 +620,7 @@ def plan(
     schedule: ScheduleOpt = None,
     virtual_stages: VirtualOpt = None,
     cp_mode: CpModeOpt = None,
+    cp_head_degree: CpHeadDegreeOpt = None,
     time_limit: Annotated[
         float,
         typer.Option(
@@ -721,7 +738,7 @@ def plan(
     hybrid = _hybrid_option(hybrid_precision, max_quantized_fraction)
     pins = _pins(
         dp, tp, pp, cp, ep, micro_batch, global_batch, recompute, zero, schedule, virtual_stages,
-        cp_mode,
+        cp_mode, cp_head_degree=cp_head_degree,
     )  # fmt: skip
     prices = dict(parse_price(x) for x in price or [])
     if export_fmt is not None:
@@ -842,6 +859,7 @@ def estimate(
     cp_mode: CpModeOpt = None,
     cp_shares: CpSharesOpt = None,
     cp_head_shares: CpHeadSharesOpt = None,
+    cp_head_degree: CpHeadDegreeOpt = None,
     output: Annotated[
         Path | None, typer.Option("--output", "-o", help="Write plan JSON here.")
     ] = None,
@@ -920,7 +938,7 @@ def estimate(
     balance_cp = cp_shares == "auto"
     pins = _pins(
         dp, tp, pp, cp, ep, micro_batch, global_batch, recompute, zero, schedule, virtual_stages,
-        cp_mode, None if balance_cp else cp_shares, cp_head_shares,
+        cp_mode, None if balance_cp else cp_shares, cp_head_shares, cp_head_degree,
     )  # fmt: skip
     if from_config is not None and layout is not None:
         raise ValueError("--from and --layout both set the configuration; give one of them")

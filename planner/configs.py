@@ -565,6 +565,10 @@ def _program_args(tokens: list[str]) -> list[str]:
     return tokens
 
 
+# Command-line options that take several values (Megatron-LM's argparse nargs="+").
+_LIST_OPTIONS = frozenset({"hierarchical-context-parallel-sizes"})
+
+
 def _cli_options(r: _Reader, tokens: list[str]) -> tuple[dict[str, object], list[str]]:
     """`--name value`, `--name=value` and bare `--flag` (True) / `--no-flag` options; the rest
     (a program, `torchrun` options before it, tyro subcommands) returned as positional."""
@@ -577,6 +581,12 @@ def _cli_options(r: _Reader, tokens: list[str]) -> tuple[dict[str, object], list
             name, eq, value = t[2:].partition("=")
             if eq:
                 opts[name] = value
+            elif name in _LIST_OPTIONS:  # every value up to the next option
+                values = []
+                while i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
+                    values.append(tokens[i + 1])
+                    i += 1
+                opts[name] = values
             elif (
                 i + 1 < len(tokens)
                 and not tokens[i + 1].startswith("--")
@@ -840,15 +850,42 @@ def _load_megatron(
         dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, micro_batch=micro, global_batch=global_batch,
         recompute=recompute, zero=zero, schedule=schedule or Schedule.ONE_F_ONE_B,
         sequence_parallel=sp, virtual_stages=virtual,
-        cp_mode=_MEGATRON_CP_MODES.get(str(opts.get("cp-comm-type", "p2p"))) if cp > 1 else None,
+        **_megatron_cp(r, opts, cp),
     )  # fmt: skip
 
 
 # Megatron-LM's --cp-comm-type (default p2p) as meshplan's CP attention modes
 # (`ir.parallel.CP_MODES`): p2p is ring attention, a2a DeepSpeed-Ulysses head-parallel
-# attention; a2a+p2p (hierarchical) is priced as a2a and reported (configs_options).
-_MEGATRON_CP_MODES = {"p2p": "ring", "all_gather": "allgather", "a2a": "heads", "a2a+p2p": "heads"}
-_CP_MODE_TO_MEGATRON = {"ring": "p2p", "allgather": "all_gather", "heads": "a2a"}
+# attention, a2a+p2p the two-level split ("usp": a2a inside the first level of
+# --hierarchical-context-parallel-sizes, p2p across the second; its ring priced as an
+# all-gather, as p2p's is; configs_options).
+_MEGATRON_CP_MODES = {"p2p": "ring", "all_gather": "allgather", "a2a": "heads", "a2a+p2p": "usp"}
+_CP_MODE_TO_MEGATRON = {"ring": "p2p", "allgather": "all_gather", "heads": "a2a", "usp": "a2a+p2p"}
+
+
+def _megatron_cp(r: _Reader, opts: dict[str, object], cp: int) -> dict[str, object]:
+    """`cp_mode` (and under a2a+p2p `cp_head_degree`) from Megatron-LM's --cp-comm-type and
+    --hierarchical-context-parallel-sizes (Megatron-LM arguments.py: "every two adjacent gpus
+    forms the first level of cp groups" for sizes 2 4, the a2a level; its product is cp)."""
+    if cp <= 1:
+        return {"cp_mode": None}
+    kind = str(opts.get("cp-comm-type", "p2p"))
+    mode = _MEGATRON_CP_MODES.get(kind)
+    if mode != "usp":
+        return {"cp_mode": mode}
+    raw = opts.get("hierarchical-context-parallel-sizes")
+    sizes = raw if isinstance(raw, list) else str(raw or "").split()
+    try:
+        levels = [int(x) for x in sizes]
+    except ValueError:
+        levels = []
+    if len(levels) != 2 or levels[0] * levels[1] != cp:
+        raise r.error(
+            "hierarchical-context-parallel-sizes",
+            "--cp-comm-type a2a+p2p needs two levels A P with A x P = --context-parallel-size "
+            f"({cp}), got {' '.join(map(str, sizes)) or 'none'}",
+        )
+    return {"cp_mode": "usp", "cp_head_degree": levels[0]}
 
 
 def megatron_chunk_layers(
@@ -1752,6 +1789,9 @@ def _write_megatron(plan: Plan, engine: Engine) -> str:
     args += [f"--context-parallel-size {p.cp}", f"--expert-model-parallel-size {p.ep}"]
     if (p.cp or 1) > 1:
         args.append(f"--cp-comm-type {_CP_MODE_TO_MEGATRON[p.cp_mode or 'allgather']}")
+        if p.cp_mode == "usp" and p.cp_head_degree:
+            u = p.cp_head_degree
+            args.append(f"--hierarchical-context-parallel-sizes {u} {p.cp // u}")
     if p.zero == 1:
         args.append("--use-distributed-optimizer")
     elif p.zero in (2, 3):

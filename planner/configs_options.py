@@ -232,6 +232,7 @@ _MEGATRON_PRICED = _names(
     {
         "read into the Parallel": """
             tensor-model-parallel-size pipeline-model-parallel-size context-parallel-size
+            hierarchical-context-parallel-sizes
             expert-model-parallel-size micro-batch-size global-batch-size sequence-parallel
             use-distributed-optimizer use-torch-fsdp2 torch-fsdp2-no-reshard-after-forward
             use-megatron-fsdp data-parallel-sharding-strategy
@@ -381,11 +382,9 @@ _MEGATRON_NOT_PRICED: dict[str, NotPriced] = {
     ),
     "use-tp-pp-dp-mapping": NotPriced("TP-PP-DP rank order: priced with meshplan's placement"),
     "cp-comm-type": NotPriced(
-        "context-parallel exchange: p2p (ring) priced as K/V all-gather, a2a+p2p as a2a",
+        "context-parallel exchange: p2p (ring) priced as K/V all-gather; a2a+p2p as usp, "
+        "its outer p2p ring priced as an all-gather too",
         ("all_gather", "a2a"),
-    ),
-    "hierarchical-context-parallel-sizes": NotPriced(
-        "hierarchical context parallelism: priced flat", ()
     ),
     # mixture of experts
     "expert-tensor-parallel-size": NotPriced(

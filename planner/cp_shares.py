@@ -325,7 +325,8 @@ def spanning_search(
                 continue
             if not stages[0].cp_groups:
                 continue  # the replicas fit groups whole: the main search has them
-            modes = cp_mode_options(pinned.cp_mode, info.heads, tp, cp)
+            # "usp" runs equal shares only (`cp_split_problem`)
+            modes = [m for m in cp_mode_options(pinned.cp_mode, info.heads, tp, cp) if m != "usp"]
             for mode, rc, zero in itertools.product(modes, recomputes, zeros):
                 p = dataclasses.replace(base, recompute=rc, zero=zero, cp_mode=mode)
                 if fixed:

@@ -56,6 +56,7 @@ from meshplan.ir.rules import (
     batch_split_problem,
     cp_heads_problem,
     cp_sequence_problem,
+    cp_usp_problem,
     ep_dp_problem,
     ep_experts_problem,
     ep_tp_problem,
@@ -63,6 +64,7 @@ from meshplan.ir.rules import (
     pp_layers_problem,
     schedule_problem,
     tp_heads_problem,
+    usp_degree,
     zero_bubble_problem,
     zero_bubble_zero3_problem,
 )
@@ -160,7 +162,7 @@ class Candidate(Parallel):
         tp = None if group is None or not self.group_tp else self.tp_of(group)
         key = (self.tp, self.cp, self.ep, self.sequence_parallel, self.micro_batch,
                self.recompute, self.quantize_activations, self.cp_mode, self.cp_shares,
-               self.cp_head_shares, tp)  # fmt: skip
+               self.cp_head_shares, self.cp_head_degree, tp)  # fmt: skip
         got = _STAGES.get(key)
         if got is None:
             if len(_STAGES) >= _STAGES_MAX:
@@ -200,7 +202,10 @@ class Candidate(Parallel):
             tp = "tp " + "/".join(f"{g}={t}" for g, t in self.group_tp)
         parts = [tp, f"pp={self.pp}", f"dp={self.dp}"]
         if self.cp > 1:
-            parts.append(f"cp={self.cp}" + (f" ({self.cp_mode})" if self.cp_mode else ""))
+            mode = self.cp_mode or ""
+            if self.cp_head_degree:
+                mode += f" u={self.cp_head_degree}"
+            parts.append(f"cp={self.cp}" + (f" ({mode})" if mode else ""))
         parts += [f"ep={self.ep}"] if self.ep > 1 else []
         parts += [f"micro_batch={self.micro_batch}", rc, f"ZeRO-{self.zero}"]
         if self.schedule == Schedule.INTERLEAVED_1F1B:
@@ -249,6 +254,7 @@ def candidate(
     global_batch: int,
     group_tp: tuple[tuple[str, int], ...] = (),
     cp_mode: str | None = None,
+    cp_head_degree: int | None = None,
 ) -> Candidate:
     """A Candidate with its fields written as `Parallel` writes them: `virtual_stages` only
     under interleaved 1F1B or ZB-V, `quantize_activations` only when on."""
@@ -271,6 +277,7 @@ def candidate(
         cp_mode,
         None,  # cp_shares: the search gives equal shares
         None,  # cp_head_shares
+        cp_head_degree,
         group_tp,
     )
 
@@ -314,6 +321,7 @@ class Family(NamedTuple):
     base: int
     step: int
     loose: int  # the place in `template` of the loosest member (`loosest`)
+    cp_head_degree: int | None = None  # under cp_mode "usp" (`candidate`)
 
     @property
     def variants(self) -> tuple[tuple[int, int, Schedule, int], ...]:
@@ -328,7 +336,7 @@ class Family(NamedTuple):
         return candidate(
             self.tp, self.pp, self.dp, self.cp, self.ep, self.micro_batch, zero,
             self.recompute, sched, self.sequence_parallel, v, self.quantize_activations,
-            self.global_batch, self.group_tp, self.cp_mode,
+            self.global_batch, self.group_tp, self.cp_mode, self.cp_head_degree,
         )  # fmt: skip
 
     @property
@@ -456,19 +464,28 @@ def cp_options(seq_len: int) -> list[int]:
     ]
 
 
-def cp_mode_options(pinned: str | None, heads: int, tp: int, cp: int) -> list[str | None]:
+def cp_mode_options(
+    pinned: str | None, heads: int, tp: int, cp: int, degree: int | None = None
+) -> list[str | None]:
     """How context-parallel attention may exchange the sequence for tp and cp
     (`ir.parallel.CP_MODES`): None without CP; the pinned mode, if it can run; else
     "allgather" and, where cp divides each tp rank's query heads (`cp_heads_problem`),
     "heads" (DeepSpeed-Ulysses: the cheaper one where the K/V heads are few against cp x the
-    heads they serve, `Pricer.cp_collectives`). "ring" only when pinned: it is priced as
-    "allgather"."""
+    heads they serve, `Pricer.cp_collectives`), or where it does not but shares a factor
+    with them, "usp" (heads over that factor, K/V all-gathered over the rest; its degree
+    `ir.rules.usp_degree`). "ring" only when pinned: it is priced as "allgather"."""
     if cp == 1:
         return [None]
-    heads_ok = bool(heads) and heads % tp == 0 and cp_heads_problem(heads // tp, cp) is None
+    per_rank = heads // tp if heads and heads % tp == 0 else 0
+    heads_ok = bool(per_rank) and cp_heads_problem(per_rank, cp) is None
+    usp_ok = not heads_ok and 1 < usp_degree(per_rank, cp) < cp
     if pinned is not None:
-        return [pinned] if pinned != "heads" or heads_ok else []
-    return ["allgather", "heads"] if heads_ok else ["allgather"]
+        if pinned == "usp":  # a pinned `degree` (`Parallel.cp_head_degree`) or the largest
+            ok = cp_usp_problem(per_rank, cp, degree or usp_degree(per_rank, cp)) is None
+        else:
+            ok = pinned != "heads" or heads_ok
+        return [pinned] if ok else []
+    return ["allgather", "heads"] if heads_ok else ["allgather", "usp"] if usp_ok else ["allgather"]
 
 
 def schedule_options(
@@ -631,10 +648,18 @@ def enumerate_families(
     n = 0  # enumeration index of the next member
     funnel = _Funnel()
     for tp, cp, pp in itertools.product(tps, cps, pps):
-        modes = cp_mode_options(p.cp_mode, info.heads, tp, cp)
+        modes = cp_mode_options(p.cp_mode, info.heads, tp, cp, p.cp_head_degree)
         if not modes:
-            funnel.reject("cp attention", cp_heads_problem(info.heads // tp, cp) or "")
+            why = (
+                cp_usp_problem(
+                    info.heads // tp, cp, p.cp_head_degree or usp_degree(info.heads // tp, cp)
+                )
+                if p.cp_mode == "usp"
+                else cp_heads_problem(info.heads // tp, cp)
+            )
+            funnel.reject("cp attention", why or "")
             continue
+        degree = p.cp_head_degree or usp_degree(info.heads // tp, cp) if "usp" in modes else None
         funnel.keep("cp attention")
         sp = p.sequence_parallel if p.sequence_parallel is not None else tp > 1
         replicas = sum(replica_capacity(g, tp, cp) for g in cluster.groups)
@@ -704,7 +729,9 @@ def enumerate_families(
                             valid.append((zero, sched, v))
                     funnel.keep("zb without zero3", len(valid) * len(rcs) * len(qas) * len(modes))
                     head = (tp, pp, dp, cp, ep, mb)
-                    out += _block_families(head, rcs, sp, qas, modes, global_batch, (), valid, n)
+                    out += _block_families(
+                        head, rcs, sp, qas, modes, global_batch, (), valid, n, degree
+                    )
                     n += len(valid) * len(rcs) * len(qas) * len(modes)
     if per_group_tp and len(cluster.groups) > 1:
         out += _per_group_tp_candidates(
@@ -725,6 +752,7 @@ def _block_families(
     group_tp: tuple[tuple[str, int], ...],
     valid: Sequence[tuple[int, Schedule, int]],
     n: int,
+    degree: int | None = None,
 ) -> list[Family]:
     """The families of one block of the enumeration ((tp, pp, dp, cp, ep, micro_batch) =
     `head`): its members are product(zeros, rcs, scheds, qas, modes) in that order, numbered
@@ -732,7 +760,8 @@ def _block_families(
     product order (each family's first member comes in that order), holding every valid
     (zero, schedule, v). A member's index is n + (its zero's offset) + r * V_z * A +
     j * A + q, with A = len(qas) * len(modes), V_z the valid schedules of its zero, j its
-    schedule's place among them, r and q the places of its rc and its (qa, mode)."""
+    schedule's place among them, r and q the places of its rc and its (qa, mode). `degree`:
+    the head-parallel degree of the "usp" families."""
     if not valid:
         return []
     a = len(qas) * len(modes)
@@ -740,7 +769,7 @@ def _block_families(
     tp, pp, dp, cp, ep, mb = head
     return [
         Family(tp, pp, dp, cp, ep, mb, rc, sp, qa, global_batch, group_tp, mode, shared,
-               n + q + r * a, r * a, loose)
+               n + q + r * a, r * a, loose, degree if mode == "usp" else None)
         for r, rc in enumerate(rcs)
         for q, (qa, mode) in enumerate(itertools.product(qas, modes))
     ]  # fmt: skip

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from meshplan import models
 from meshplan.ir import Cluster, Graph, Parallel, Recompute, Schedule
 from meshplan.ir.plan import Plan
-from meshplan.ir.rules import cp_heads_problem
+from meshplan.ir.rules import cp_heads_problem, cp_usp_problem, usp_degree
 from meshplan.passes.sharding import tp_param_placements
 from torch import nn
 
@@ -261,6 +261,24 @@ def _reduced_cp(p: Parallel, cp: int, tp: int, info, notes: list[str]) -> dict:
         notes.append(f"cp attention 'heads' verified as 'allgather' (heads {info.heads}, cp {cp})")
         mode = "allgather"
     out: dict = {"cp_mode": mode}
+    if mode == "usp":
+        heads = info.heads // tp if info.heads else 0
+        degree = next(
+            (
+                u
+                for u in (p.cp_head_degree, usp_degree(heads, cp))
+                if not cp_usp_problem(heads, cp, u)
+            ),
+            None,
+        )
+        if degree is None:
+            notes.append(
+                f"cp attention 'usp' verified as 'allgather' (heads {info.heads}, cp {cp})"
+            )
+            return {"cp_mode": "allgather"}
+        if degree != p.cp_head_degree:
+            notes.append(f"cp attention 'usp' verified with heads over {degree} ranks")
+        return {"cp_mode": "usp", "cp_head_degree": degree}
     if cp != 2:
         return out
 

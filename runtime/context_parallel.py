@@ -35,6 +35,23 @@ one process within fp32 rounding):
                  copies that cp divides, rather than all the way to h; f divides h/kv because
                  cp divides h). Needs cp to divide the query heads a rank holds (h/tp under
                  tensor parallelism): refused otherwise (`ir.rules.cp_heads_problem`).
+    "usp"        the two-level split of USP (Fang and Zhao 2024) and LoongTrain's 2D
+                 attention (Gu et al. 2024), for heads that cp does not divide: cp = u x r
+                 with u = `Parallel.cp_head_degree` dividing the heads. cp rank c = j*u + i
+                 is rank i of head group j (the u consecutive cp ranks j*u .. j*u+u-1) and
+                 rank j of K/V group i (the r ranks i, u+i, 2u+i, ...). Inside its head group
+                 a rank runs "heads" (4 all-to-alls per attention and direction over u ranks:
+                 afterwards it holds h/u heads of the group's u shares of tokens, which are
+                 themselves zig-zag shares, so causal work stays balanced); then it
+                 all-gathers K/V of those heads over its K/V group (each of the r members holds
+                 its head group's tokens of the same heads) and runs SDPA of its group's
+                 queries against the whole sequence with the causal mask by absolute
+                 positions, as "allgather"; backward reduce-scatters the K/V gradients.
+                 Communication per attention and direction: the 4 all-to-alls of "heads"
+                 over u ranks (each sending (u-1)/u of the local tensor) and one K/V
+                 all-gather (reduce-scatter) over r ranks of 1/u of "allgather"'s size.
+                 GQA K/V heads are repeated u/gcd(kv, u) times first, as under "heads"
+                 with u for cp.
 
 Sequence layout. A sequence of S tokens is cut into 2*cp chunks and rank r holds chunks r and
 2*cp-1-r ("zig-zag", Megatron-LM / Llama 3 CP): under a causal mask every rank then does the
@@ -96,6 +113,7 @@ from meshplan.ir.rules import (
     cp_heads_problem,
     cp_sequence_problem,
     cp_shares_problem,
+    cp_usp_problem,
     kv_expansion,
 )
 from meshplan.ir.trace import hf_models, sequence_sharding_blocker, sliding_window
@@ -103,10 +121,10 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .errors import RuntimePlanError
-from .mesh import RankContext
+from .mesh import RankContext, UspGroups, usp_groups
 from .steps import Chunks, Options
 
-MODES = ("allgather", "ring", "heads")
+MODES = ("allgather", "ring", "heads", "usp")
 
 
 # -- sequence layout ---------------------------------------------------------------------------
@@ -491,6 +509,36 @@ def _head_parallel_attention(q, k, v, cp: ContextParallel, causal: bool, scale: 
     return _SwapSharding.apply(out, cp.group, cp.size, False)
 
 
+def _usp_attention(q, k, v, cp: ContextParallel, causal: bool, scale: float):
+    """Exact attention split two ways: heads over the head group, K/V all-gathered over the
+    K/V group ("usp", see the module docstring)."""
+    heads, kv_heads, local = q.shape[1], k.shape[1], q.shape[2]
+    u = cp.head_degree
+    if why := cp_usp_problem(heads, cp.size, u):
+        raise RuntimePlanError(f"runtime: {why}")
+    assert cp.usp is not None
+    r = cp.size // u
+    # K/V heads repeated to the fewest copies u divides (as `_head_parallel_attention`).
+    k, v = (_expand(t, u // math.gcd(kv_heads, u)) for t in (k, v))
+    q, k, v = (_SwapSharding.apply(t, cp.usp.heads_group, u, True) for t in (q, k, v))
+    # (b, h/u, u*local, d): the tokens of cp ranks j*u .. j*u+u-1 in order. Gathered over
+    # the K/V group in its rank order j' = 0 .. r-1, K/V then hold every cp rank's tokens in
+    # cp-rank order (`all_positions`).
+    hk = k.shape[1]
+    kv = torch.cat([k, v], dim=1).permute(2, 0, 1, 3)
+    kv = _GatherSeq.apply(kv, cp.usp.ring_group, r).permute(1, 2, 0, 3)
+    k_all, v_all = kv[:, :hk], kv[:, hk:]
+    mask = None
+    if causal:
+        pos = cp.all_positions(local, q.device)
+        j = cp.rank // u
+        mask = _causal_mask(torch.cat(pos[j * u : (j + 1) * u]), torch.cat(pos))
+    out = F.scaled_dot_product_attention(
+        q, k_all, v_all, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != hk
+    )
+    return _SwapSharding.apply(out, cp.usp.heads_group, u, False)
+
+
 def _causal_mask(pos_q: torch.Tensor, pos_k: torch.Tensor) -> torch.Tensor:
     """(local queries, keys) bool: query at position i may attend keys at positions <= i."""
     return pos_q.unsqueeze(1) >= pos_k.unsqueeze(0)
@@ -512,11 +560,20 @@ class ContextParallel:
     # Query heads (of a tp rank's) per cp rank under "heads" (`Parallel.cp_head_shares`;
     # None: equal).
     head_shares: tuple[int, ...] | None = None
+    # Under "usp": the head-parallel degree u (`Parallel.cp_head_degree`) and this rank's
+    # head and K/V groups (`mesh.usp_groups`).
+    head_degree: int = 1
+    usp: UspGroups | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise RuntimePlanError(
                 f"runtime: cp attention must be one of {MODES}, got {self.mode!r}"
+            )
+        if self.mode == "usp" and (self.shares is not None or self.head_shares is not None):
+            raise RuntimePlanError(
+                "runtime: cp attention 'usp' over uneven cp shares is not written; plan "
+                "cp_mode allgather or heads with cp_shares"
             )
         if self.mode == "ring" and self.shares is not None:
             raise RuntimePlanError(
@@ -603,6 +660,8 @@ class ContextParallel:
             return _head_parallel_uneven(query, key, value, self, bool(is_causal), scale)
         if self.mode == "heads":
             return _head_parallel_attention(query, key, value, self, bool(is_causal), scale)
+        if self.mode == "usp":
+            return _usp_attention(query, key, value, self, bool(is_causal), scale)
         b, hk, local, d = key.shape
         # (seq, b, 2*hk, d): gathering along dim 0 concatenates the ranks' tokens.
         kv = torch.cat([key, value], dim=1).permute(2, 0, 1, 3)
@@ -721,6 +780,12 @@ def apply_context_parallel(
 
     Returns the handle the runner uses to shard inputs and targets (None when cp == 1)."""
     cp = None
+    usp = None
+    if options.cp_attention == "usp" and ctx.size("cp") > 1:
+        degree = ctx.plan.parallel.cp_head_degree
+        if why := cp_usp_problem(0, ctx.size("cp"), degree):
+            raise RuntimePlanError(f"runtime: {why}")
+        usp = usp_groups(ctx, degree)  # type: ignore[arg-type]
     for chunk in chunks:
         mine = _shard_attention(
             chunk.module,
@@ -728,6 +793,7 @@ def apply_context_parallel(
             options.cp_attention,
             has_layers=bool(chunk.units),
             units=chunk.units,
+            usp=usp,
         )
         cp = mine or cp
         if options.reposition and not reposition_hf_decoder(
@@ -747,6 +813,7 @@ def _shard_attention(
     *,
     has_layers: bool,
     units: tuple[str, ...],
+    usp: UspGroups | None = None,
 ) -> ContextParallel | None:
     """Make `module`'s attention work on this rank's sequence share (see module docstring).
 
@@ -759,7 +826,14 @@ def _shard_attention(
         return None
     p = ctx.plan.parallel
     cp = ContextParallel(
-        ctx.group("cp"), ctx.coord("cp"), size, mode, p.cp_shares, p.cp_head_shares
+        ctx.group("cp"),
+        ctx.coord("cp"),
+        size,
+        mode,
+        p.cp_shares,
+        p.cp_head_shares,
+        head_degree=(p.cp_head_degree or 1) if mode == "usp" else 1,
+        usp=usp,
     )
     hooked = wrapped = 0
     taken: list[str] = []  # paths of modules whose attention is handled

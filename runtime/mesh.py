@@ -509,6 +509,38 @@ def expert_groups(ctx: RankContext, ep: int) -> ExpertGroups:
     )
 
 
+USP_MESH_AXES = ("pp", "dp", "ring", "heads", "tp")
+
+
+@dataclass(frozen=True)
+class UspGroups:
+    """This rank's two groups under the two-level context attention "usp"
+    (`runtime.context_parallel`): cp rank c = j * u + i is rank i of the head-parallel
+    group j (u consecutive cp ranks, all-to-alls) and rank j of the all-gather group i (the
+    cp / u ranks holding the same heads)."""
+
+    heads_group: dist.ProcessGroup
+    ring_group: dist.ProcessGroup
+
+
+def usp_groups(ctx: RankContext, degree: int) -> UspGroups:
+    """Create the "usp" groups of the plan's cp axis split into (cp / degree, degree) (every
+    rank must call it, in the same order: creating a mesh's process groups is collective).
+    Refused where the rank's mesh is one device group's or one stage's view (per-group or
+    per-stage TP): their cp groups are not all in one mesh here."""
+    pp, dp, cp, tp = ctx.plan.mesh_shape
+    if ctx.whole is not None or ctx.mesh.mesh.numel() != pp * dp * cp * tp:
+        raise RuntimePlanError(
+            "runtime: cp attention 'usp' with per-group or per-stage TP degrees is not run; "
+            "plan cp attention 'allgather' or 'heads'"
+        )
+    if degree < 2 or cp % degree:
+        raise RuntimePlanError(f"runtime: cp_head_degree={degree} must divide cp={cp}")
+    grid = ctx.mesh.mesh.reshape(pp, dp, cp // degree, degree, tp)
+    mesh = DeviceMesh(ctx.device.type, grid, mesh_dim_names=USP_MESH_AXES)
+    return UspGroups(heads_group=mesh.get_group("heads"), ring_group=mesh.get_group("ring"))
+
+
 # -- counting collectives -----------------------------------------------------------------------
 
 # Dispatcher op name -> collective kind. Functional collectives (DTensor, TP) and the c10d

@@ -477,6 +477,31 @@ def test_megatron_cp_comm_type_read_as_the_cp_attention_mode_and_written_back(tm
         assert round_trip(tmp_path, plan, "megatron").parallel.cp_mode == mode
 
 
+def test_megatron_hierarchical_cp_is_usp_both_ways(tmp_path, llama8b):
+    """--cp-comm-type a2a+p2p with --hierarchical-context-parallel-sizes A P (Megatron-LM's
+    two-level CP: a2a among A adjacent cp ranks, p2p across the P groups) is cp attention
+    "usp" with cp_head_degree A; export writes both flags back; a missing or inconsistent
+    level list is refused naming the flag."""
+    path = tmp_path / "args.txt"
+    path.write_text(
+        "--context-parallel-size 4 --cp-comm-type a2a+p2p "
+        "--hierarchical-context-parallel-sizes 2 2 --tensor-model-parallel-size 2\n"
+    )
+    read = configs.load(f"megatron:{path}", world_size=16)
+    assert (read.parallel.cp_mode, read.parallel.cp_head_degree) == ("usp", 2)
+    assert not read.unknown
+    assert not any("hierarchical" in n for n in read.unpriced)
+    for bad in ("", "--hierarchical-context-parallel-sizes 2 4"):
+        path.write_text(f"--context-parallel-size 4 --cp-comm-type a2a+p2p {bad}\n")
+        with pytest.raises(configs.ConfigError, match="hierarchical-context-parallel-sizes"):
+            configs.load(f"megatron:{path}", world_size=16)
+    cluster = meshplan.Cluster.preset("dgx-h100", gpus=16)
+    pins = Parallel(tp=2, cp=4, global_batch=32, cp_mode="usp", cp_head_degree=2)
+    plan = meshplan.plan(llama8b, cluster=cluster, parallel=pins)
+    back = round_trip(tmp_path, plan, "megatron").parallel
+    assert (back.cp_mode, back.cp_head_degree) == ("usp", 2)
+
+
 @pytest.mark.parametrize(
     "key", ["mics_shard_size", "mics_hierarchical_params_gather", "zeropp_loco_param"]
 )

@@ -86,10 +86,74 @@ def test_a_pinned_mode_is_kept_and_an_impossible_one_refused():
         meshplan.plan(
             six, cluster=CLUSTER, global_batch=8, parallel=Parallel(cp=8, cp_mode="heads")
         )
-    with pytest.raises(ValueError, match="cp_mode must be one of allgather, ring, heads"):
+    with pytest.raises(ValueError, match="cp_mode must be one of allgather, ring, heads, usp"):
         Parallel(cp_mode="ulysses")
 
 
 def test_without_cp_no_mode_is_recorded():
     plan = meshplan.plan(MHA, cluster=CLUSTER, global_batch=8, parallel=Parallel(cp=1))
     assert plan.parallel.cp_mode is None and "cp_mode" not in plan.to_dict()
+
+
+# -- "usp": heads that cp does not divide (USP / LoongTrain's two-level split) -------------------
+
+TWELVE = transformer_graph(4, 1536, 12, 12, 6144, 32000, SEQ, 1, name="twelve")  # 12 heads
+
+
+def test_usp_traffic_is_the_hand_derived_one():
+    """12 heads at cp = 8: u = gcd(12, 8) = 4 ranks share the heads, r = 2 groups all-gather.
+    Per rank and direction: the four all-to-alls of "heads" over 4 ranks (q, k, v, the output:
+    each 12 heads x S/8 tokens), and K and V of 12/4 heads over the whole sequence."""
+    pricer = pricer_for(TWELVE, CLUSTER, "bfloat16")
+    facts = pricer.costs.facts[
+        next(k for k in pricer.costs.unit_keys if pricer.costs.facts[k].kind == "layer")
+    ]
+    p = Parallel(dp=1, tp=1, pp=1, cp=8, ep=1, micro_batch=1, global_batch=1, recompute="none")
+    p = dataclasses.replace(
+        p, zero=0, schedule="1f1b", sequence_parallel=False, cp_mode="usp", cp_head_degree=4
+    )
+    d, b = 1536 // 12, 2
+    local = SEQ // 8 * d * b
+    got = pricer.cp_collectives(facts, p.stage(), 1.0)
+    gathered = 2 * 3 * SEQ * d * b  # K and V of 3 heads, every token
+    assert [(ph, k.value, s) for ph, k, s in got] == [
+        (ph, kind, size)
+        for ph, rs in (("fwd", "all_gather"), ("bwd", "reduce_scatter"))
+        for kind, size in [("all_to_all", 12 * local)] * 4 + [(rs, gathered)]
+    ]
+
+
+def test_the_planner_takes_usp_where_heads_do_not_divide_cp():
+    """On one 8-GPU node, 12 heads at cp = 8 ("heads" refused): "usp" moves 60 of the
+    all-gather's 168 head-shares (hand count in test_usp_traffic_is_the_hand_derived_one's
+    terms: 4 x 12 x 3/4 + 24 x 1/2 against 2 x 12 x 8 x 7/8), so the planner takes it, with
+    the degree the heads allow, and prices what `estimate` prices for it."""
+    plan = meshplan.plan(TWELVE, cluster=CLUSTER, global_batch=8, parallel=Parallel(tp=1, cp=8))
+    p = plan.parallel
+    assert (p.cp_mode, p.cp_head_degree) == ("usp", 4)
+    assert "usp attention: heads over 4 ranks, K/V all-gathered over 2" in plan.explain()
+    times = {}
+    for mode, degree in (("allgather", None), ("usp", 4), ("usp", 2)):
+        q = dataclasses.replace(p, cp_mode=mode, cp_head_degree=degree)
+        times[(mode, degree)] = meshplan.estimate(TWELVE, cluster=CLUSTER, parallel=q).step_time_s
+    assert times[("usp", 4)] < times[("usp", 2)] < times[("allgather", None)]
+    assert plan.predicted.step_time_s == pytest.approx(times[("usp", 4)], rel=1e-9)
+
+
+def test_a_pinned_usp_degree_is_kept():
+    plan = meshplan.plan(
+        TWELVE,
+        cluster=CLUSTER,
+        global_batch=8,
+        parallel=Parallel(tp=1, cp=8, cp_mode="usp", cp_head_degree=2),
+    )
+    assert (plan.parallel.cp_mode, plan.parallel.cp_head_degree) == ("usp", 2)
+    kept = meshplan.Plan.from_json(plan.to_json()).parallel
+    assert (kept.cp_mode, kept.cp_head_degree) == ("usp", 2)
+    with pytest.raises(InfeasibleError, match="heads=12, cp_head_degree=8"):
+        meshplan.plan(
+            TWELVE,
+            cluster=h100_cluster(2),
+            global_batch=8,
+            parallel=Parallel(cp=16, cp_mode="usp", cp_head_degree=8),
+        )

@@ -119,6 +119,47 @@ ROWS = [
         ),
     ),
     dict(
+        rule=lambda: rules.cp_usp_problem(6, 4, 4),
+        reason="cp_head_degree=4 must divide cp=4 and lie strictly between 1 and cp",
+        plan=(SIX, Parallel(cp=4, cp_mode="usp", cp_head_degree=4)),
+        estimate=(
+            SIX,
+            Parallel(
+                global_batch=GLOBAL_BATCH,
+                cp=4,
+                dp=2,
+                tp=1,
+                pp=1,
+                cp_mode="usp",
+                cp_head_degree=4,
+            ),
+        ),
+    ),
+    dict(
+        rule=lambda: rules.cp_usp_problem(0, 4, 3),
+        reason="cp_head_degree=3 must divide cp=4",
+        runtime=(Parallel(cp=4, dp=2, tp=1), False, dict(cp_mode="usp", cp_head_degree=3)),
+    ),
+    dict(
+        rule=lambda: rules.cp_head_degree_problem(
+            Parallel(cp=4, cp_mode="heads", cp_head_degree=2), 8
+        ),
+        reason="cp_head_degree needs cp attention 'usp'",
+        estimate=(
+            DENSE,
+            Parallel(
+                global_batch=GLOBAL_BATCH,
+                cp=4,
+                dp=2,
+                tp=1,
+                pp=1,
+                cp_mode="heads",
+                cp_head_degree=2,
+            ),
+        ),
+        runtime=(Parallel(cp=4, dp=2, tp=1), False, dict(cp_mode="heads", cp_head_degree=2)),
+    ),
+    dict(
         rule=lambda: rules.cp_shares_problem((600, 400), 2, 1024),
         reason="cp_shares [600, 400] sum to 1000 tokens, not the sequence length (1024)",
         estimate=(
