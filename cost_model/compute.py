@@ -824,7 +824,11 @@ def block_compute(block: Block, gpu: GpuSpec, dtype: str, engine: Engine = EAGER
         if i in fused:
             continue
         f8 = engine.float8 is not None and is_float8_linear(op, block)
-        low = engine.forward_precision if not f8 and is_float8_linear(op, block) else None
+        low = (
+            engine.forward_precision
+            if not f8 and is_float8_linear(op, block) and lowered(op, engine.hybrid_linears)
+            else None
+        )
         terms = gemm_terms(
             op, gpu, dtype, cls, row_parallel=id(op) in rows, float8=f8, attention=engine.attention,
             forward=low,
@@ -903,6 +907,19 @@ FLOAT8_CAST_KERNELS = 2  # per direction: the two casts (forward) / cast + trans
 FLOAT8_DTYPE = "float8_e4m3fn"
 
 
+def linear_role(op: Op) -> str:
+    """The path of a linear op's module inside its repeated unit: its weight's name without
+    ".weight" ("attn.q_proj"), as `runtime.hybrid_precision` names the module (its path
+    relative to the unit)."""
+    return op.params[0].rsplit(".", 1)[0] if op.params else ""
+
+
+def lowered(op: Op, linears: tuple[str, ...]) -> bool:
+    """Whether per-group precision lowers this linear: every one when `linears` is empty
+    (`Engine.hybrid_linears`), else those whose `linear_role` it names."""
+    return not linears or linear_role(op) in linears
+
+
 def is_float8_linear(op: Op, block: Block) -> bool:
     """A linear layer Float8 training converts: a parameterised 2-D matmul inside a
     transformer layer (torchtitan leaves the output head and the embedding in bf16)."""
@@ -968,15 +985,18 @@ def low_forward_linear_time(op: Op, gpu: GpuSpec, dtype: str, mode: str, *, fuse
     return gemm_roofline(gemm_s, io_bytes / bw) + conv / bw
 
 
-def weight_quantize_time(block: Block, gpu: GpuSpec, *, fused: bool) -> float:
+def weight_quantize_time(
+    block: Block, gpu: GpuSpec, *, fused: bool, linears: tuple[str, ...] = ()
+) -> float:
     """Seconds to make the low-precision copies of `block`'s forward-quantized linears'
-    weights, once per optimizer step (above): an amax pass and a cast of each K x N weight."""
+    weights (those `linears` names, every one when empty: `lowered`), once per optimizer
+    step (above): an amax pass and a cast of each K x N weight."""
     from .features import gemm_dims
 
     bw = gpu.hbm_bandwidth * kernel_efficiency(gpu).memory
     total = 0
     for op in block.ops:
-        if is_float8_linear(op, block):
+        if is_float8_linear(op, block) and lowered(op, linears):
             _, _, n, kk = gemm_dims(op)
             total += FLOAT8_CAST_BYTES[fused] * kk * n
     return total / bw

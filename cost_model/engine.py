@@ -43,6 +43,10 @@ price a step as another stack would run it:
   groups run their transformer-block linears with that `forward_precision`, the other groups
   as the rest of the engine says (`Pricer.engine_of`). The plan records it
   (`Plan.hybrid_precision`) and the runtime applies it to those ranks only.
+- `hybrid_linears`: which of those linears, by their path inside the repeated unit
+  (`linear_role`: "attn.q_proj", "mlp.down_proj"); () = every one. Chosen from a measured
+  per-linear sensitivity (`planner.api.chosen_linears`, `measure.sensitivity`), QSync's
+  answer to which operators to lower.
 - `reduce_fp32`: gradients are reduced across data-parallel (and the SP norm gradients across
   tensor-parallel) ranks in fp32, 4 bytes a parameter, although the model computes in
   bf16/fp16. torchtitan's default (`training.mixed_precision_reduce = "float32"`, FSDP2's
@@ -98,6 +102,7 @@ class Engine:
     selective: str | None = None
     forward_precision: str | None = None
     hybrid: tuple[tuple[str, str], ...] = ()
+    hybrid_linears: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.selective is not None and self.selective not in set(SelectivePolicy):
@@ -135,6 +140,10 @@ class Engine:
                 )
         if len({g for g, _ in self.hybrid}) != len(self.hybrid):
             raise EngineError("hybrid precision names a device group twice")
+        if not all(isinstance(r, str) and r for r in self.hybrid_linears):
+            raise EngineError(
+                f"hybrid_linears must be linear paths inside a layer, got {self.hybrid_linears!r}"
+            )
 
     @property
     def is_eager(self) -> bool:
@@ -163,6 +172,8 @@ class Engine:
             parts.append(f"selective {self.selective}")
         if self.forward_precision:
             parts.append(f"{self.forward_precision}-forward-linears")
+        if self.hybrid_linears:
+            parts.append("linears " + ",".join(self.hybrid_linears))
         if self.hybrid:
             parts.append("hybrid " + ",".join(f"{g}={m}" for g, m in self.hybrid))
         return "+".join(parts) or "eager"

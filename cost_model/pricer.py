@@ -361,8 +361,10 @@ class Pricer(
         if not engine.forward_precision:
             return 0.0
         gpu = self.groups[group].gpu
+        lin = engine.hybrid_linears
         return sum(
-            n * weight_quantize_time(self.costs.blocks[k], gpu, fused=engine.fused) for k, n in comp
+            n * weight_quantize_time(self.costs.blocks[k], gpu, fused=engine.fused, linears=lin)
+            for k, n in comp
         )
 
     def optimizer_time(

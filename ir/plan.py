@@ -209,6 +209,9 @@ class Plan:
     # that precision, priced so and applied by the runtime to those ranks only
     # (`runtime.hybrid_precision`); backward and gradients stay full precision. () = none.
     hybrid_precision: tuple[tuple[str, str], ...] = ()
+    # Which linears of the repeated units it lowers, by path inside the unit ("mlp.up_proj";
+    # `cost_model.engine.Engine.hybrid_linears`); () = every one.
+    hybrid_linears: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.parallel.is_complete:
@@ -304,6 +307,7 @@ class Plan:
             "compression": _compression_json(self.compression),
             **({"precision": self.precision} if self.precision else {}),
             **({"hybrid_precision": dict(self.hybrid_precision)} if self.hybrid_precision else {}),
+            **({"hybrid_linears": list(self.hybrid_linears)} if self.hybrid_linears else {}),
             "predicted": {
                 "step_time_s": pr.step_time_s,
                 "tokens_per_s": pr.tokens_per_s,
@@ -396,6 +400,7 @@ class Plan:
             + (
                 "; per-group precision "
                 + ", ".join(f"{g} {m} linears" for g, m in self.hybrid_precision)
+                + (f" ({', '.join(self.hybrid_linears)})" if self.hybrid_linears else "")
                 if self.hybrid_precision
                 else ""
             ),
@@ -723,6 +728,12 @@ PLAN_SCHEMA: dict = {
             "description": "device group -> int8 or fp8 (the transformer blocks' linears)",
             "additionalProperties": {"enum": ["int8", "fp8"]},
         },
+        "hybrid_linears": {
+            "type": "array",
+            "description": "the linears per-group precision lowers, by path inside a layer",
+            "items": {"type": "string", "minLength": 1},
+            "minItems": 1,
+        },
         "solver": {
             "type": "object",
             "required": ["status", "gap", "candidates"],
@@ -1041,6 +1052,8 @@ def hybrid_problem(plan: Plan) -> str | None:
     cluster lacks, a GPU without that precision's tensor cores, or a group whose replicas run
     tensor parallelism (the runtime's quantized linears take whole weights)."""
     groups = {g.name: g for g in plan.cluster.groups}
+    if plan.hybrid_linears and not plan.hybrid_precision:
+        return "hybrid_linears without hybrid_precision: name the groups to lower, or drop it"
     for group, mode in plan.hybrid_precision:
         where = f"hybrid_precision.{group}"
         if group not in groups:
@@ -1351,4 +1364,5 @@ def _plan_of(data: dict, plan_cluster: Cluster) -> Plan:
         quantization=_quantization_from_json(data.get("quantization")),
         precision=data.get("precision", ""),
         hybrid_precision=tuple(sorted((data.get("hybrid_precision") or {}).items())),
+        hybrid_linears=tuple(data.get("hybrid_linears") or ()),
     )

@@ -5,7 +5,9 @@
 - `profile`: every op the IR emits replayed on real tensors and timed (`meshplan profile`),
   appended to the op-latency dataset the learned latency model trains on
   (`meshplan.cost_model.dataset`);
-- `codec_speed`: the lossless codec's throughput and per-call cost on this device.
+- `codec_speed`: the lossless codec's throughput and per-call cost on this device;
+- `sensitivity`: how much the user's loss rises with each linear of the layers lowered to
+  int8 / fp8 (`linear_sensitivity`), which per-group precision lowers first.
 
 This floor stands on the runtime (to start ranks, to run the codec) and on the cost model (the
 types it fills); the cost model only prices, from numbers measured here or written down, and

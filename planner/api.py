@@ -34,7 +34,7 @@ from meshplan.cost_model.compression import (
     plan_decisions,
     quantization_plan,
 )
-from meshplan.cost_model.compute import is_float8_linear
+from meshplan.cost_model.compute import is_float8_linear, linear_role, lowered
 from meshplan.cost_model.engine import EAGER, Engine
 from meshplan.cost_model.pricer import compute_dtype
 from meshplan.ir import (
@@ -507,6 +507,7 @@ def estimate_plan(
         quantization=quant or QuantizationPlan(),
         precision=precision,
         hybrid_precision=engine.hybrid,
+        hybrid_linears=engine.hybrid_linears if engine.hybrid else (),
     )
 
 
@@ -515,6 +516,13 @@ def estimate_plan(
 # measured constant: QSync bounds its quantized operators by a sensitivity indicator instead
 # (Zhao et al., IPDPS'24), which meshplan does not compute yet (docs/hybrid_precision.md).
 DEFAULT_MAX_QUANTIZED_FRACTION = 0.25
+# With a measured per-linear sensitivity (`measure.sensitivity`): the largest summed relative
+# loss increase of the linears the planner may lower, unless told otherwise. A user's accuracy
+# budget, not a measured constant.
+DEFAULT_MAX_LOSS_INCREASE = 0.01
+# Up to this many distinct linears per layer `chosen_linears` tries every subset (2^16 sums);
+# beyond, it adds them by FLOPs per unit of loss increase.
+EXACT_LINEARS = 16
 # Per-group precision changes numerics, so "auto" keeps it only when it makes the step at
 # least this much faster than the best plan without it (a choice, not a measured constant).
 HYBRID_MIN_GAIN = 0.01
@@ -583,13 +591,78 @@ def hybrid_problem_of(
     return None
 
 
+def linear_flops(graph: Graph) -> dict[str, float]:
+    """Forward FLOPs per micro-batch of each linear of the repeated units, summed over the units
+    and keyed by its path inside the unit (`linear_role`: "mlp.up_proj"), in model order."""
+    blocks = dict(graph.blocks)
+    out: dict[str, float] = {}
+    for u in graph.units:
+        b = blocks[u.block]
+        for op in b.ops:
+            if is_float8_linear(op, b):
+                role = linear_role(op)
+                out[role] = out.get(role, 0.0) + op.fwd_flops
+    return out
+
+
+def chosen_linears(
+    graph: Graph, sensitivity: Mapping[str, float], max_loss_increase: float
+) -> tuple[str, ...]:
+    """The linears per-group precision lowers, from a measured per-linear sensitivity (the
+    relative loss increase with that linear lowered in every layer, `measure.sensitivity`):
+    the set with the most forward FLOPs (`linear_flops`) whose summed sensitivity (an additive
+    approximation; negative values count 0) is at most `max_loss_increase`. Exact over every
+    subset up to EXACT_LINEARS linears (a knapsack: taking the best FLOPs per unit of loss
+    first can miss it), greedy by that ratio beyond; ties go to the smaller summed
+    sensitivity, then to model order. A linear the measurement leaves out is not lowered;
+    one it names that the layers lack is refused in one line."""
+    flops = linear_flops(graph)
+    unknown = sorted(set(sensitivity) - set(flops))
+    if unknown:
+        raise ValueError(
+            f"sensitivity: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} no "
+            f"linear of the model's layers (its linears: {', '.join(flops) or 'none'})"
+        )
+    if not max_loss_increase >= 0:
+        raise ValueError(f"max_loss_increase must be at least 0, got {max_loss_increase!r}")
+    roles = [r for r in flops if r in sensitivity]
+    cost = {r: max(0.0, float(sensitivity[r])) for r in roles}
+    limit = max_loss_increase * (1 + 1e-12)
+    if len(roles) <= EXACT_LINEARS:
+        best: tuple[float, float, tuple[int, ...]] = (0.0, 0.0, ())
+        for mask in range(1, 1 << len(roles)):
+            take = tuple(i for i in range(len(roles)) if mask >> i & 1)
+            c = sum(cost[roles[i]] for i in take)
+            if c > limit:
+                continue
+            f = sum(flops[roles[i]] for i in take)
+            # most FLOPs, then least loss, then the earliest linears in model order
+            if (f, -c, [-i for i in take]) > (best[0], -best[1], [-i for i in best[2]]):
+                best = (f, c, take)
+        return tuple(roles[i] for i in best[2])
+    order = sorted(
+        roles, key=lambda r: (cost[r] / flops[r] if flops[r] else math.inf, roles.index(r))
+    )
+    out, used = [], 0.0
+    for r in order:
+        if used + cost[r] <= limit:
+            out.append(r)
+            used += cost[r]
+    return tuple(r for r in roles if r in out)
+
+
 def quantized_fraction(
-    graph: Graph, p: Parallel, stages: Sequence[StagePlacement], hybrid: Sequence[tuple[str, str]]
+    graph: Graph,
+    p: Parallel,
+    stages: Sequence[StagePlacement],
+    hybrid: Sequence[tuple[str, str]],
+    linears: Sequence[str] = (),
 ) -> float:
     """The share of a step's training FLOPs (`Graph.total_flops`, recomputation excluded) that
     `hybrid` runs in low precision: per stage and hybrid group, its replicas x their
-    micro-batches x the forward FLOPs of the stage's transformer-block linears (the backward
-    stays in the training dtype, `runtime.hybrid_precision`)."""
+    micro-batches x the forward FLOPs of the stage's transformer-block linears (those
+    `linears` names, every one when empty; the backward stays in the training dtype,
+    `runtime.hybrid_precision`)."""
     if not hybrid:
         return 0.0
     modes = dict(hybrid)
@@ -597,8 +670,8 @@ def quantized_fraction(
     per_unit = []
     for u in graph.units:
         b = blocks[u.block]
-        linears = [op for op in b.ops if is_float8_linear(op, b)]
-        per_unit.append(sum(op.fwd_flops for op in linears))
+        linears_ = [op for op in b.ops if is_float8_linear(op, b) and lowered(op, tuple(linears))]
+        per_unit.append(sum(op.fwd_flops for op in linears_))
     quantized = 0.0
     for st in stages:
         fwd = sum(per_unit[st.first_unit : st.last_unit])
@@ -651,7 +724,7 @@ def _hybrid_search(
                         raise
                     continue
             tps = {widest(r)}
-            frac = quantized_fraction(graph, r.parallel, r.stages, hybrid)
+            frac = quantized_fraction(graph, r.parallel, r.stages, hybrid, eng.hybrid_linears)
             why = ""
             if tps == {0}:
                 why = "its plan does not use the group"
@@ -704,6 +777,8 @@ def plan(
     equal_shares: bool = False,
     hybrid_precision: str | Mapping[str, str] = "off",
     max_quantized_fraction: float = DEFAULT_MAX_QUANTIZED_FRACTION,
+    sensitivity: Mapping[str, float] | None = None,
+    max_loss_increase: float = DEFAULT_MAX_LOSS_INCREASE,
 ) -> Plan:
     """The fastest plan for `model` on `cluster` that fits in memory.
 
@@ -736,6 +811,11 @@ def plan(
     (where its GPU has it) or int8 forward GEMMs (`hybrid_options`), keeping the fastest plan
     whose quantized share of the step's FLOPs (`quantized_fraction`) is at most
     `max_quantized_fraction`; a mapping {group: "int8" | "fp8"} pins it.
+    `sensitivity` ({linear path inside a layer: relative loss increase}, as
+    `meshplan.measure.linear_sensitivity` measures it on the user's model and data): lower
+    only the linears `chosen_linears` picks within `max_loss_increase` (their summed
+    sensitivity), recorded in the plan (`hybrid_linears`); None lowers every linear of the
+    layers.
     Raises `InfeasibleError` with the binding constraint when no plan fits.
     """
     comm, quant_acts = comm_options(compress, quantize, codec)
@@ -795,6 +875,18 @@ def plan(
         )
 
     options = hybrid_options(cluster, hybrid_precision, dtype)
+    if options != [()] and sensitivity is not None:
+        linears = chosen_linears(graph, sensitivity, max_loss_increase)
+        say = progress or (lambda _m: None)
+        if not linears:
+            say(
+                f"per-group precision: no linear within the {max_loss_increase:.2%} loss budget; "
+                "planned without it"
+            )
+            options = [()]
+        else:
+            say(f"per-group precision on {', '.join(linears)} (within {max_loss_increase:.2%})")
+            engine = dataclasses.replace(engine, hybrid_linears=linears)
     if options == [()]:
         result = solved(engine)
     else:
@@ -825,6 +917,7 @@ def plan(
         placements=_placements(graph, result.parallel, result.stages),
         compression=CompressionPlan(compress, source, decisions),
         hybrid_precision=engine.hybrid,
+        hybrid_linears=engine.hybrid_linears if engine.hybrid else (),
         quantization=quantization_plan(result.parallel, result.stages, quantize, decisions),
         precision=precision,
     )

@@ -539,8 +539,11 @@ def _print_plan(plan, as_json: bool) -> None:
             out.print(f"  query heads per cp rank: {list(p.cp_head_shares)}")
     if plan.hybrid_precision:
         what = {"int8": "int8 forward GEMMs", "fp8": "fp8 forward GEMMs"}
+        which = (
+            ", ".join(plan.hybrid_linears) if plan.hybrid_linears else "transformer-block linears"
+        )
         out.print(
-            "per-group precision (transformer-block linears): "
+            f"per-group precision ({which}): "
             + ", ".join(f"{g} {what[m]}" for g, m in plan.hybrid_precision)
         )
     s = Table(title="pipeline stages and memory per rank")
@@ -693,6 +696,23 @@ def plan(
             help="With --hybrid-precision: the largest share of a step's FLOPs run in int8/fp8.",
         ),
     ] = 0.25,
+    sensitivity: Annotated[
+        Path | None,
+        typer.Option(
+            "--sensitivity",
+            help="With --hybrid-precision: a per-linear sensitivity file "
+            "(meshplan.measure.sensitivity.save_sensitivity, measured on your model and data); "
+            "lower only the linears with the most FLOPs within --max-loss-increase.",
+        ),
+    ] = None,
+    max_loss_increase: Annotated[
+        float,
+        typer.Option(
+            "--max-loss-increase",
+            help="With --sensitivity: the largest summed relative loss increase of the lowered "
+            "linears.",
+        ),
+    ] = 0.01,
     as_json: Annotated[bool, typer.Option("--json", help="Print plan JSON.")] = False,
     baseline: Annotated[
         str | None,
@@ -736,6 +756,13 @@ def plan(
     Objective(objective, target_tokens_per_s)
     comm_options(compress, quantize)
     hybrid = _hybrid_option(hybrid_precision, max_quantized_fraction)
+    sens = None
+    if sensitivity is not None:
+        if hybrid == "off":
+            raise ValueError("--sensitivity needs --hybrid-precision auto or GROUP=MODE")
+        from meshplan.measure.sensitivity import load_sensitivity
+
+        sens = load_sensitivity(sensitivity)
     pins = _pins(
         dp, tp, pp, cp, ep, micro_batch, global_batch, recompute, zero, schedule, virtual_stages,
         cp_mode, cp_head_degree=cp_head_degree,
@@ -777,6 +804,8 @@ def plan(
             equal_shares=equal_shares,
             hybrid_precision=hybrid,
             max_quantized_fraction=max_quantized_fraction,
+            sensitivity=sens,
+            max_loss_increase=max_loss_increase,
         )
     _print_plan(result, as_json)
     if objective == "cost" and not as_json:

@@ -275,7 +275,9 @@ def _under(path: str, prefix: str) -> bool:
     return not prefix or path == prefix or path.startswith(prefix + ".")
 
 
-def quantize_linears(module: nn.Module, mode: str, prefixes: Sequence[str]) -> int:
+def quantize_linears(
+    module: nn.Module, mode: str, prefixes: Sequence[str], roles: Sequence[str] = ()
+) -> int:
     """Make every `nn.Linear` inside `module` whose path (as in `module.named_modules()`) is
     under one of `prefixes` compute its forward with `hybrid_linear` in `mode`; returns how
     many it changed.
@@ -287,7 +289,8 @@ def quantize_linears(module: nn.Module, mode: str, prefixes: Sequence[str]) -> i
     after, optimizers and checkpoints see no change. Linear subclasses that define their own
     forward are left alone, and so are linears their parent never calls (the `out_proj` of
     `nn.MultiheadAttention`, whose weights it reads directly, would count but not change).
-    Calling it again sets the new mode."""
+    Calling it again sets the new mode. `roles` (`Plan.hybrid_linears`): only the linears
+    whose path inside their unit (after "<prefix>.") it names; () = every one."""
     _check_mode(mode)
     if isinstance(prefixes, str):
         raise TypeError("quantize_linears: prefixes must be a sequence of module paths, not a str")
@@ -295,10 +298,14 @@ def quantize_linears(module: nn.Module, mode: str, prefixes: Sequence[str]) -> i
     for path, m in module.named_modules():
         if not isinstance(m, nn.Linear) or type(m).forward is not nn.Linear.forward:
             continue
-        if any(_under(path, p) for p in prefixes):
-            setattr(m, MODE_ATTR, mode)
-            m.forward = types.MethodType(_hybrid_forward, m)
-            changed += 1
+        unit = next((p for p in prefixes if _under(path, p)), None)
+        if unit is None:
+            continue
+        if roles and (path[len(unit) + 1 :] if unit else path) not in roles:
+            continue
+        setattr(m, MODE_ATTR, mode)
+        m.forward = types.MethodType(_hybrid_forward, m)
+        changed += 1
     return changed
 
 
@@ -316,4 +323,4 @@ def apply_hybrid_precision(chunks: Chunks, ctx: RankContext, options: Options) -
     mode = dict(plan.hybrid_precision).get(group)
     if mode is None:
         return 0
-    return sum(quantize_linears(c.module, mode, c.units) for c in chunks)
+    return sum(quantize_linears(c.module, mode, c.units, plan.hybrid_linears) for c in chunks)

@@ -421,6 +421,9 @@ def _plan_run(plans):
     return out
 
 
+SOME_LINEARS = ("attn.q_proj", "mlp.down_proj")
+
+
 @pytest.mark.multiprocess
 def test_a_plans_per_group_precision_reaches_that_groups_ranks_only():
     # The plan as the planner writes it (`estimate_plan` with the engine's per-group
@@ -438,8 +441,14 @@ def test_a_plans_per_group_precision_reaches_that_groups_ranks_only():
     pins = Parallel(dp=2, tp=1, pp=1, micro_batch=2, global_batch=4, zero=0)
     plans = {
         name: meshplan.estimate_plan(graph(), cluster=cluster, parallel=pins, engine=engine)
-        for name, engine in (("plain", Engine()), ("hybrid", Engine(hybrid=(("slow", "int8"),))))
+        for name, engine in (
+            ("plain", Engine()),
+            ("hybrid", Engine(hybrid=(("slow", "int8"),))),
+            # two of each layer's seven linears (`Plan.hybrid_linears`, from a sensitivity)
+            ("some", Engine(hybrid=(("slow", "int8"),), hybrid_linears=SOME_LINEARS)),
+        )
     }
+    assert plans["some"].hybrid_linears == SOME_LINEARS
     assert plans["hybrid"].hybrid_precision == (("slow", "int8"),)
     assert plan_problem(Plan.from_json(plans["hybrid"].to_json())) is None
     results = run_local(_plan_run, 2, plans, timeout_s=180)
@@ -447,6 +456,9 @@ def test_a_plans_per_group_precision_reaches_that_groups_ranks_only():
     assert by_group["fast"]["hybrid"]["quantized"] == 0
     assert by_group["slow"]["hybrid"]["quantized"] > 0
     assert by_group["slow"]["plain"]["quantized"] == 0
+    layers = by_group["slow"]["hybrid"]["quantized"] // 7  # the tiny model's 7 linears a layer
+    assert by_group["slow"]["some"]["quantized"] == len(SOME_LINEARS) * layers
+    assert by_group["fast"]["some"]["quantized"] == 0
     plain, hybrid = by_group["fast"]["plain"], by_group["fast"]["hybrid"]
     # the slow replica's forward differs, so the averaged loss does, a little
     assert hybrid["losses"][0] != plain["losses"][0]
