@@ -239,13 +239,15 @@ def evaluate(
         stage_u.append(times[s][g].total)
     s_star = max(range(pp), key=lambda s: stage_u[s])
     big_u = stage_u[s_star]
-    # Layout tables (`layout_tables`) hold only the hand-offs the placement's pipelines make.
+    # Layout tables (`layout_tables`) hold only the hand-offs the placement's pipelines make;
+    # under spanning cp groups each cp rank's hand-off stays inside its group.
     p2p = max(
         (
             tables.p2p[s].get((a, b), 0.0)
             for s in range(pp - 1)
             for a in used_pipe[s]
             for b in used_pipe[s + 1]
+            if not tables.cp_span or a == b
         ),
         default=0.0,
     )
@@ -400,17 +402,21 @@ def check_parallel(
     known = {g.name: g for g in cluster.groups}
     if why := cp_span_problem(p, tuple(stages)):
         raise ValueError(why)
+    spanned: dict[str, int] = {}  # GPUs the spanning stages take from each group
     for st in stages:
-        if st.cp_groups:  # one stage (`cp_span_problem`): its cp ranks group by group
-            for g, need in st.gpus(p.tp, p.cp).items():
+        if st.cp_groups:  # every stage alike (`cp_span_problem`): its cp ranks group by group
+            for g, n in st.gpus(p.tp, p.cp).items():
+                spanned[g] = spanned.get(g, 0) + n
+            for g, need in spanned.items():
                 if g not in known:
                     raise ValueError(f"stage {st.index}: unknown device group {g!r}")
                 if (why := tp_domain_problem((known[g],), p.tp)) is not None:
                     raise ValueError(why)
                 if need > known[g].num_gpus:
                     raise ValueError(
-                        f"group {g}: {st.dp} replicas of {dict(st.cp_groups)[g]} cp ranks x "
-                        f"tp={p.tp} need {need} GPUs, it has {known[g].num_gpus}"
+                        f"group {g}: {st.index + 1} stage(s) of {st.dp} replicas of "
+                        f"{dict(st.cp_groups)[g]} cp ranks x tp={p.tp} need {need} GPUs, it "
+                        f"has {known[g].num_gpus}"
                     )
             continue
         for g, n in st.replicas:
@@ -470,7 +476,7 @@ def predict(
     dtype = pricer.dtype
     ranges = [(st.first_unit, st.last_unit) for st in stages]
     names = tuple(g.name for g in cluster.groups if any(g.name in st.groups for st in stages))
-    span = stages[0].cp_groups  # cp groups spanning device groups (one stage: cp_span_problem)
+    span = stages[0].cp_groups  # cp groups spanning device groups (alike in every stage)
     shares = stages[0].shares
     most = max(shares.values()) if shares else None
     layout = any(st.group_tp for st in stages)

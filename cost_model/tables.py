@@ -74,6 +74,9 @@ class PlanTables:
     # one group. `time[s][g]` of a group that cannot hold a whole ep group already holds the
     # cheapest span (`_ep_floor`); `evaluate` prices the placement's own spans with this.
     ep_span: Callable[[int, str, EpSpan], StageTime] | None = None
+    # cp groups spanning device groups (`StagePlacement.cp_groups`, alike in every stage):
+    # each cp rank's stages sit in one group, so `evaluate` prices hand-offs inside groups.
+    cp_span: tuple[tuple[str, int], ...] = ()
 
     @property
     def pp(self) -> int:
@@ -113,12 +116,13 @@ def plan_tables(
 ) -> PlanTables:
     """Price every (stage, group) and (boundary, group pair) of a complete configuration.
 
-    `cp_span` (one stage whose replicas' cp groups span device groups,
+    `cp_span` (stages whose replicas' cp groups span device groups alike,
     `StagePlacement.cp_groups`): a rank in group g is priced at the largest share of the cp
     ranks there (`StageConfig.cp_ranks`), its cp collectives on the spanning path
-    (`StageConfig.cp_span`, tp x dp such cp groups crossing at once); the stage runs at the
-    slowest group's time (`evaluate`, the groups in lock-step). Each group's memory is its
-    own ranks' largest share's (`group_memory`).
+    (`StageConfig.cp_span`, tp x dp x pp such cp groups crossing at once); each stage runs at
+    the slowest group's time (`evaluate`, the groups in lock-step). Each group's memory is its
+    own ranks' largest share's (`group_memory`); the stages' hand-offs stay inside each group
+    (cp rank r of every stage sits in the same one), at its ranks' largest share.
 
     `max_microbatches` (uneven DP shares: the largest per-replica share) sizes the in-flight
     activations of the memory check; default the configuration's num_microbatches. `chunks`
@@ -134,12 +138,13 @@ def plan_tables(
     plain = dataclasses.replace(cfg, quantize_activations=False)  # memory: quantized per stage
     spanned = dict(cp_span)
 
-    def cfg_of(g: str) -> StageConfig:
-        """The configuration a rank of group g runs (its cp ranks' largest share)."""
-        return span_config(cfg, cp_span, g, tp * dp) if g in spanned else cfg
-
     m = p.global_batch // (dp * mb)
     pp = len(ranges)
+
+    def cfg_of(g: str) -> StageConfig:
+        """The configuration a rank of group g runs (its cp ranks' largest share)."""
+        return span_config(cfg, cp_span, g, tp * dp * pp) if g in spanned else cfg
+
     world = pp * dp * cp * tp
     rep = m if zero == 3 else 1  # gradient reductions (and ZeRO-3 gathers) per step
     reductions = rep if dp * cp > 1 else 1  # of the SP norm gradients (`sp_grad_sync`)
@@ -233,9 +238,19 @@ def plan_tables(
             # Megatron's scatter/gather optimisation (Narayanan et al. SC'21, sec. 4.1; also what
             # a sequence-parallel boundary sends): each TP rank sends 1/tp of the activation.
             size = costs.facts[bkey].output_bytes * scale / (cp * tp)
-            row = by_boundary[bkey] = {
-                (a, b): pricer.p2p(size, a, b, streams) for a in names for b in names
-            }
+            if cp_span:
+                # cp rank r of every stage sits in the same group: each group's hand-off at
+                # the largest token share among its cp ranks, inside the group
+                sizes = _span_token_fractions(p, cp_span)
+                out_b = costs.facts[bkey].output_bytes * scale / tp
+                row = {(a, b): math.inf for a in names for b in names}
+                for g, frac in sizes.items():
+                    row[(g, g)] = pricer.p2p(out_b * frac, g, g, streams)
+                by_boundary[bkey] = row
+            else:
+                row = by_boundary[bkey] = {
+                    (a, b): pricer.p2p(size, a, b, streams) for a in names for b in names
+                }
         p2p.append(row)
     span_memory = _span_memory(pricer, p, comps, cp_span, cfg_of, m, max_microbatches)
     for s, row in enumerate(span_memory):  # each group at its own ranks' shares
@@ -263,14 +278,28 @@ def plan_tables(
         zero_bubble=p.schedule == Schedule.ZERO_BUBBLE and pp > 1,
         ep_span=ep_span,
         group_memory=span_memory,
+        cp_span=tuple(cp_span),
     )
+
+
+def _span_token_fractions(p: Parallel, cp_span) -> dict[str, float]:
+    """Per group a spanning cp group takes part in: the largest fraction of a sequence's
+    tokens one of its cp ranks holds (`Parallel.cp_shares`; 1/cp under equal shares)."""
+    out, at = {}, 0
+    for g, c in cp_span:
+        ranks = range(at, at + c)
+        if p.cp_shares:
+            out[g] = max(p.cp_shares[r] for r in ranks) / sum(p.cp_shares)
+        else:
+            out[g] = 1 / p.cp
+        at += c
+    return out
 
 
 def _span_memory(pricer, p, comps, cp_span, cfg_of, m, max_microbatches) -> list:
     """Per (stage, group) memory of a stage whose cp groups span device groups: each group's
     ranks at their own largest share (`StageConfig.cp_ranks`); [] without a span (the
-    stage's one row holds). One stage (`cp_span_problem`); quantized activations are
-    priced at stage 0's widths, as `plan_tables` does for a one-stage plan."""
+    stage's one row holds)."""
     if not cp_span:
         return []
     rows = []

@@ -445,8 +445,10 @@ def span_config(
 
 def cp_span_problem(parallel: Parallel, stages: tuple[StagePlacement, ...]) -> str | None:
     """What keeps cp groups that span device groups (`StagePlacement.cp_groups`) from being
-    priced and run, or None: the counts add up to cp, one pipeline stage (the hand-off of a
-    spanning cp group between stages is not priced yet) and no expert parallelism."""
+    priced and run, or None: the counts add up to cp; under pipeline parallelism every stage
+    spans the groups alike (the same cp ranks in each group, so cp rank r of every stage sits
+    in one group and the stages' hand-offs stay inside it, as they are priced); no expert
+    parallelism."""
     spans = [st for st in stages if st.cp_groups]
     if not spans:
         return None
@@ -455,10 +457,10 @@ def cp_span_problem(parallel: Parallel, stages: tuple[StagePlacement, ...]) -> s
         total = sum(c for _, c in st.cp_groups)
         if total != cp:
             return f"stages[{st.index}].cp_groups hold {total} cp ranks but cp={cp}"
-    if len(stages) > 1:
+    if len(stages) > 1 and any(st.cp_groups != stages[0].cp_groups for st in stages):
         return (
-            "a cp group spanning device groups (cp_groups) needs pp = 1 (not priced across "
-            "stages yet)"
+            "cp groups spanning device groups (cp_groups) need every pipeline stage to span "
+            "them alike (the same cp ranks in each group)"
         )
     if (parallel.ep or 1) > 1:
         return "a cp group spanning device groups (cp_groups) with ep > 1 is not priced yet"

@@ -339,14 +339,15 @@ def balanced_counts(
     return tuple(counts)
 
 
-def _spanning_stage(
-    cluster: Cluster, tp: int, cp: int, dp: int, units: tuple[int, int]
-) -> StagePlacement | None:
-    """The one stage of dp replicas whose cp groups span device groups, when no group holds
-    the dp replicas whole but the cluster holds them with each replica's cp ranks taken
-    group by group (tp GPUs per cp rank, each group giving every replica the same count);
-    None otherwise."""
-    if sum(replica_capacity(g, tp, cp) for g in cluster.groups) >= dp:
+def _spanning_stages(
+    cluster: Cluster, tp: int, cp: int, dp: int, ranges: Sequence[tuple[int, int]]
+) -> tuple[StagePlacement, ...] | None:
+    """The stages of dp replicas each whose cp groups span device groups, when no group
+    holds a stage's dp replicas whole but the cluster holds the pp stages with each replica's
+    cp ranks taken group by group (tp GPUs per cp rank, each group giving every replica of
+    every stage the same count, so cp rank r of each stage is in one group); None otherwise."""
+    pp = len(ranges)
+    if sum(replica_capacity(g, tp, cp) for g in cluster.groups) >= dp * pp:
         return None
     split, left = [], cp
     for g in cluster.groups:
@@ -354,14 +355,16 @@ def _spanning_stage(
             break
         if tp_domain_problem((g,), tp) is not None:
             continue
-        take = min(left, g.num_gpus // (tp * dp))
+        take = min(left, g.num_gpus // (tp * dp * pp))
         if take:
             split.append((g.name, take))
             left -= take
     if left or len(split) < 2:
         return None
-    first, last = units
-    return StagePlacement(0, first, last, ((split[0][0], dp),), cp_groups=tuple(split))
+    return tuple(
+        StagePlacement(s, first, last, ((split[0][0], dp),), cp_groups=tuple(split))
+        for s, (first, last) in enumerate(ranges)
+    )
 
 
 def place_stages(
@@ -376,10 +379,10 @@ def place_stages(
     tp*pp*cp*dp exceeds the world size, tp divides no group's domain (gpus_per_node unless
     nvlink_domain is set), or the replicas do not fit the groups whole.
 
-    One exception: with cp > 1 and one pipeline stage whose dp replicas fit no group whole,
-    every replica's cp group spans the groups (`StagePlacement.cp_groups`, HexiSeq's
-    setting): each group gives each replica as many cp ranks as its GPUs allow, in group
-    order (`_spanning_stage`).
+    One exception: with cp > 1 and replicas that fit no group whole, every replica's cp
+    group spans the groups (`StagePlacement.cp_groups`, HexiSeq's setting): each group gives
+    each replica of every stage as many cp ranks as its GPUs allow, in group order
+    (`_spanning_stages`).
     """
     p = parallel
     tp, cp, dp = p.tp or 1, p.cp or 1, p.dp or 1
@@ -394,8 +397,8 @@ def place_stages(
         )
     if (why := tp_domain_problem(cluster.groups, tp)) is not None:
         raise ValueError(why)
-    if cp > 1 and pp == 1 and (span := _spanning_stage(cluster, tp, cp, dp, ranges[0])):
-        return (span,)
+    if cp > 1 and (span := _spanning_stages(cluster, tp, cp, dp, ranges)):
+        return span
     free = [[g.name, replica_capacity(g, tp, cp)] for g in cluster.groups]  # replicas left
     gi = 0
     stages = []

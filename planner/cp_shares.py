@@ -84,7 +84,9 @@ def balanced_cp_shares(
 ) -> Parallel:
     """`parallel` with `cp_shares` (and, under "heads", `cp_head_shares`) that equalise the
     cp ranks' times on `stage`, whose cp groups span device groups (`stage.cp_groups`); see
-    the module docstring. `parallel` is complete and its shares unset."""
+    the module docstring. `parallel` is complete and its shares unset. Under pipeline
+    parallelism (every stage spanning alike) `stage` is the first, which holds the most
+    micro-batches in flight: its memory caps the shares."""
     if not stage.cp_groups:
         raise ValueError("asymmetric cp shares need a cp group spanning device groups")
     p = parallel
@@ -94,7 +96,8 @@ def balanced_cp_shares(
     pricer = pricer_for(graph, cluster, dtype, None, engine)
     comp = pricer.costs.composition(stage.first_unit, stage.last_unit)
     span = stage.cp_groups
-    streams = p.tp * p.dp  # cp groups crossing the groups' link at once
+    pp = p.pp or 1
+    streams = p.tp * p.dp * pp  # cp groups crossing the groups' link at once
 
     def config(i: int, shares: list[float], heads: list[float] | None = None) -> StageConfig:
         """A rank of group i under token `shares` (per cp rank, summing to seq) and head
@@ -123,9 +126,10 @@ def balanced_cp_shares(
         rest = (seq - c * x) / (cp - c)  # the shares add up to the sequence
         shares = [x if r in ranks[i] else rest for r in range(cp)]
         cfg = config(i, shares)
-        return pricer.stage_memory(comp, cfg, dp=p.dp, zero=p.zero).peak(in_flight)[0]
+        mem = pricer.stage_memory(comp, cfg, dp=p.dp, zero=p.zero, stage=stage.index, num_stages=pp)
+        return mem.peak(in_flight)[0]
 
-    in_flight = in_flight_microbatches(p.schedule, 0, 1, p.num_microbatches, p.chunks)
+    in_flight = in_flight_microbatches(p.schedule, stage.index, pp, p.num_microbatches, p.chunks)
     caps = []
     for i, (g, c) in enumerate(span):
         x0, x1 = seq / cp, seq / cp * (1 + (cp - c) / (2 * cp))
@@ -261,7 +265,9 @@ def spanning_search(
     the cluster has one group.
 
     Enumerated exactly (each priced by `predict` with its balanced shares, `balanced_cp_shares`,
-    or equal shares where those do not fit or `balance` is off): one pipeline stage and no EP;
+    or equal shares where those do not fit or `balance` is off): pp 1, 2, 4 and 8 (at most
+    the layers; the even split, 1F1B, or GPipe with fewer micro-batches than stages; every
+    stage spanning the groups alike) and no EP;
     tp every degree that divides the heads and every group's NVLink domain; cp every
     `solver_candidates.cp_options` degree above 1; dp every divisor of the global batch with
     dp x tp x cp GPUs in the cluster and replicas that fit no single group whole (otherwise
@@ -269,16 +275,19 @@ def spanning_search(
     recompute none, selective and full; ZeRO 1 and 3; every cp mode `cp_mode_options`
     allows. Pinned fields restrict each; pinned shares are used as given."""
     from meshplan.ir.facts import blocked_dimension
-    from meshplan.ir.rules import cp_split_problem, tp_heads_problem
-    from meshplan.passes.partition import tp_domain_problem
+    from meshplan.ir.rules import cp_split_problem, microbatch_problem, tp_heads_problem
+    from meshplan.passes.partition import even_stages, tp_domain_problem
 
     from .solver_candidates import cp_mode_options, cp_options
 
     info = graph.info
     if len(cluster.groups) < 2 or not info.seq_len:
         return None
-    if (pinned.pp or 1) > 1 or (pinned.ep or 1) > 1 or info.experts:
+    if (pinned.ep or 1) > 1 or info.experts:
         return None
+    if pinned.schedule not in (None, Schedule.ONE_F_ONE_B) or pinned.virtual_stages:
+        return None
+    n_layers = len(graph.layer_units) or info.layers or 1
     trial = dataclasses.replace(pinned, cp=2, pp=1, ep=1)
     if blocked_dimension(info, trial) is not None:
         return None
@@ -298,29 +307,36 @@ def spanning_search(
     micro = pinned.micro_batch or 1
     best: SpanningBest | None = None
     priced = 0
-    for tp, cp in itertools.product(tps, cps):
-        most = cluster.world_size // (tp * cp)
-        whole = sum(replica_capacity(g, tp, cp) for g in cluster.groups)
+    pps = [pinned.pp] if pinned.pp else [q for q in (1, 2, 4, 8) if q <= n_layers]
+    for tp, cp, pp in itertools.product(tps, cps, pps):
+        most = cluster.world_size // (tp * cp * pp)
+        whole = sum(replica_capacity(g, tp, cp) for g in cluster.groups) // pp
         dps = [pinned.dp] if pinned.dp else list(range(whole + 1, most + 1))
         for dp in dps:
             # more replicas than the groups hold whole (else the main search has them)
             if global_batch % (dp * micro) or not whole < dp <= most:
                 continue
+            # 1F1B, or GPipe where there are fewer micro-batches than stages (as
+            # `complete_parallel` picks; the two then take the same time)
+            m = global_batch // (dp * micro)
+            sched = Schedule.ONE_F_ONE_B
+            if microbatch_problem(sched, pp, m):
+                sched = Schedule.GPIPE
             base = Parallel(
                 dp=dp,
                 tp=tp,
-                pp=1,
+                pp=pp,
                 cp=cp,
                 ep=1,
                 micro_batch=micro,
                 global_batch=global_batch,
                 recompute=Recompute.NONE,
                 zero=1,
-                schedule=Schedule.ONE_F_ONE_B,
+                schedule=sched,
                 sequence_parallel=tp > 1 and not info.blocker("sp"),
             )
             try:
-                stages = place_stages(cluster, base, [(0, len(graph.units))])
+                stages = place_stages(cluster, base, even_stages(graph, pp))
             except ValueError:
                 continue
             if not stages[0].cp_groups:

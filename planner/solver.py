@@ -43,9 +43,12 @@ order instead of building one model over all of them:
    no group whole, each replica's cp group taking cp ranks from several groups
    (`StagePlacement.cp_groups`, `passes.partition.place_stages`), are priced exhaustively
    with balanced token (and head) shares (`cp_shares.balanced_cp_shares`; equal shares
-   with `equal_shares`, or where the balanced ones do not fit). Constraints: pp = 1, ep = 1
-   (`ir.parallel.cp_span_problem`); tp divides the heads and every group's NVLink domain;
-   cp from `cp_options`; whole groups hold fewer than dp replicas <= world / (tp cp); dp x
+   with `equal_shares`, or where the balanced ones do not fit). Constraints: pp in 1, 2, 4,
+   8 (at most the layers; the even split; every stage spanning the groups alike, so each cp
+   rank's hand-offs stay in its group; 1F1B, or GPipe with fewer micro-batches than
+   stages), ep = 1 (`ir.parallel.cp_span_problem`); tp divides the heads and every group's
+   NVLink domain; cp from `cp_options`; whole groups hold fewer than dp x pp replicas,
+   dp <= world / (tp cp pp); dp x
    micro-batch divides the global batch, micro-batch 1 unless pinned; recompute any; ZeRO 1
    or 3 unless pinned; the cp modes `cp_mode_options` allows. The faster of this family's
    best and step 4's plan is returned; its bound is the smaller of the two (the family has

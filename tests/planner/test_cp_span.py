@@ -250,3 +250,38 @@ def test_frameworks_cannot_express_asymmetric_shares():
         export(plan, "megatron")
     near = export(plan, "megatron", closest=True, graph=GRAPH)
     assert near.plan.parallel.cp_shares is None and near.plan.parallel.cp == 16
+
+
+def test_pipeline_stages_span_alike_and_hand_off_inside_groups():
+    """cp 16 in 3 pipeline stages over 24 H100 + 24 A100: no group holds a stage's cp group
+    beside the others' (1 + 1 replicas of 16 for 3 stages), so every stage spans both alike,
+    8 cp ranks in each group, cp rank r of every stage in the same group. Its hand-offs stay
+    inside each group: the pipeline sends cost the slower of the two groups' own, which a
+    cluster of that group alone (6 nodes) prices for the same configuration."""
+    mixed = mixed_cluster(3, 3)
+    p = _p(pp=3, dp=1, global_batch=3)
+    plan = meshplan.estimate_plan(GRAPH, cluster=mixed, parallel=p)
+    assert [st.cp_groups for st in plan.stages] == [(("h100", 8), ("a100", 8))] * 3
+    for r in plan.ranks:
+        assert r.group == ("h100" if r.coords[2] < 8 else "a100"), r
+    alone = []
+    for g in mixed.groups:
+        cluster = dataclasses.replace(mixed, groups=(dataclasses.replace(g, nodes=6),))
+        one = meshplan.estimate_plan(GRAPH, cluster=cluster, parallel=p)
+        assert not any(st.cp_groups for st in one.stages)
+        alone.append(_part(one, "pp_p2p"))
+    assert _part(plan, "pp_p2p") == pytest.approx(max(alone), rel=1e-12)
+    # the planner finds it when asked for 3 stages (no in-groups plan has room for them)
+    planned = meshplan.plan(GRAPH, cluster=mixed, global_batch=3, parallel=Parallel(pp=3, cp=16))
+    assert all(st.cp_groups for st in planned.stages)
+    # GPUs counted over all stages: 4 stages of 8 + 8 cp ranks need 32 of each group's 24
+    too_many = dataclasses.replace(plan.stages[0], index=3)
+    with pytest.raises(ValueError, match="group h100: 4 stage"):
+        from meshplan.cost_model.simulate import check_parallel
+
+        ranges = [(0, 1), (1, 2), (2, 3), (3, len(GRAPH.units))]
+        stages = tuple(
+            dataclasses.replace(st, first_unit=a, last_unit=b)
+            for (a, b), st in zip(ranges, (*plan.stages, too_many))
+        )
+        check_parallel(GRAPH, mixed, dataclasses.replace(plan.parallel, pp=4), stages)

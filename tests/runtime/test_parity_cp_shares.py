@@ -99,6 +99,17 @@ CONFIGS_4 = {
 }
 
 
+# A pipeline of 3 stages, each stage's cp group spanning both groups alike (cp rank 0 on
+# "fast", 1 on "slow" in every stage: the hand-offs stay inside each group), 6 + 2 tokens.
+CONFIGS_6 = {
+    "pp3-cp2-span": (
+        dict(pp=3, cp=2, micro_batch=1, global_batch=3, cp_shares=(6, 2)),
+        {},
+        {"fast": 3, "slow": 3},
+    ),
+}
+
+
 def _plan(world, fields, model_kw, groups=None):
     """The plan of `fields`; `groups`: on CPU device groups of these sizes, where the cp
     group spans them (`StagePlacement.cp_groups`)."""
@@ -109,7 +120,9 @@ def _plan(world, fields, model_kw, groups=None):
     plan = meshplan.estimate_plan(graph(**model_kw), cluster=cluster, parallel=Parallel(**fields))
     if groups:
         cp_groups = plan.stages[0].cp_groups
-        assert cp_groups == tuple((g, n // fields.get("tp", 1)) for g, n in groups.items())
+        per_rank = fields.get("tp", 1) * fields.get("pp", 1)  # every stage spans alike
+        assert cp_groups == tuple((g, n // per_rank) for g, n in groups.items())
+        assert all(st.cp_groups == cp_groups for st in plan.stages)
         # cp rank r of the replica sits in the group cp_groups gives it
         for r in plan.ranks:
             assert r.group == ("fast" if r.coords[2] == 0 else "slow"), r
@@ -167,7 +180,7 @@ def _check_all(world, configs):
                 plan,
                 graph(**configs[name][1]),
                 r[name],
-                extra={"cp": _cp_want(plan, cp_rank, configs[name][1])},
+                extra={"cp": _cp_want(plan, cp_rank, configs[name][1], r[name]["coords"][0])},
             )
     return results
 
@@ -182,10 +195,17 @@ def test_cp_shares_parity_four_ranks():
     assert len(results[0]["attention"]) == 48
 
 
+def test_cp_spanning_groups_in_a_pipeline_six_ranks():
+    results = _check_all(6, CONFIGS_6)
+    # cp rank 0 of every stage on "fast", cp rank 1 on "slow"
+    coords = sorted(r["pp3-cp2-span"]["coords"] for r in results)
+    assert coords == [(s, 0, c, 0) for s in range(3) for c in range(2)]
+
+
 # -- collectives --------------------------------------------------------------------------------
 
 
-def _cp_want(plan, cp_rank, model_kw) -> Counter:
+def _cp_want(plan, cp_rank, model_kw, pp_rank: int = 0) -> Counter:
     """(kind, elements) -> calls of the cp group's collectives in one step of cp rank
     `cp_rank`, counted by hand from the shares.
 
@@ -198,7 +218,9 @@ def _cp_want(plan, cp_rank, model_kw) -> Counter:
     cfg = {**CFG, **model_kw}
     d = cfg["hidden"] // cfg["heads"]
     h, kv = cfg["heads"] // p.tp, cfg["kv_heads"] // p.tp
-    b, n = p.micro_batch, cfg["layers"] * p.num_microbatches
+    st = plan.stages[pp_rank]  # the layers of this rank's pipeline stage
+    layers = sum(not u.startswith("<") for u in plan.model.units[st.first_unit : st.last_unit])
+    b, n = p.micro_batch, layers * p.num_microbatches
     forwards = 2 if p.recompute == "full" else 1
     want = Counter()
     if (p.cp_mode or "allgather") == "allgather":
@@ -229,7 +251,7 @@ def _check_cp_collectives(plan, results, name, model_kw):
     p = plan.parallel
     kinds = {"all_to_all", "all_gather", "reduce_scatter", "send", "recv"}
     for rank, r in enumerate(results):
-        want = _cp_want(plan, r[name]["coords"][2], model_kw)
+        want = _cp_want(plan, r[name]["coords"][2], model_kw, r[name]["coords"][0])
         group = r[name]["groups"]["cp"]
         got = Counter(
             (c.kind, c.numel) for c in r[name]["records"] if c.group == group and c.kind in kinds
@@ -262,6 +284,8 @@ def _attention_checks():
     import torch.nn.functional as F
 
     rank, size, cases = dist.get_rank(), dist.get_world_size(), []
+    if size not in (2, 4):  # the 6-rank launch runs a pipeline: its cp groups are of 2
+        return []
     token_shares = {2: [(6, 2), (2, 10)], 4: [(10, 2, 8, 4), (6, 6, 6, 6)]}[size]
     head_shares = {2: [(3, 1), (1, 7)], 4: [(4, 1, 2, 1), (2, 2, 2, 2)]}[size]
     for shares in token_shares:
