@@ -84,13 +84,24 @@ class ExpertParallelTraffic:
         return min(factor, max(1.0, facts.capacity_factor))
 
     def _ep_traffic(
-        self, facts, g: DeviceGroup, tp, cp, ep, sp, scale, span: EpSpan | None = None
+        self,
+        facts,
+        g: DeviceGroup,
+        tp,
+        cp,
+        ep,
+        sp,
+        scale,
+        span: EpSpan | None = None,
+        stride: int | None = None,
     ) -> tuple[float, float]:
         """Expert parallelism: dispatch + combine all-to-alls of top_k * tokens * hidden in
-        forward and again in backward, over ep ranks strided by tp * cp, at the busiest rank's
+        forward and again in backward, over ep ranks strided by tp * cp (`stride` GPUs where
+        given: tp x the cp ranks a spanning cp group has in g), at the busiest rank's
         load: the mean times the routing imbalance (`Engine.moe_imbalance`, else the balanced
-        router's bound `moe_imbalance`, capped by the capacity factor). Inside group g, or,
-        with `span`, over the groups the ep group spans (`ep_span_all_to_all`, raw)."""
+        router's bound `moe_imbalance`, capped by the capacity factor). `cp`: what a rank's
+        share of a sequence divides it by (`StageConfig.seq_div`). Inside group g, or, with
+        `span`, over the groups the ep group spans (`ep_span_all_to_all`, raw)."""
         if ep <= 1 or not facts.a2a_bytes:
             return 0.0, 0.0
         share = scale / (cp * (tp if sp else 1))
@@ -99,7 +110,7 @@ class ExpertParallelTraffic:
         if span is not None:
             t = self.ep_span_all_to_all(size, span, tp=tp, cp=cp)
             return 2 * t, 2 * t
-        path = group_path(self.cluster, g, ep, max(1, g.domain_gpus // (tp * cp)))
+        path = group_path(self.cluster, g, ep, max(1, int(g.domain_gpus // (stride or tp * cp))))
         t = self.comm_choice(
             Collective.ALL_TO_ALL, size, ep, path, g.gpu, "activations", "ep"
         ).time_s

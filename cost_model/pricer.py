@@ -248,7 +248,9 @@ class Pricer(
             g_fwd, g_bwd = bc.gemm_times(tp=tp, cp=cp, scale=scale)
             t_fwd, t_bwd = exposed(t_fwd, g_fwd), exposed(t_bwd, g_bwd)
         c_fwd, c_bwd = self._cp_traffic(facts, g, cfg, scale)
-        e_fwd, e_bwd = self._ep_traffic(facts, g, tp, cp, ep, sp, scale, span)
+        # a spanning cp group's ranks in g are its ep ranks' stride there (`span_config`)
+        stride = tp * len(cfg.cp_ranks) if cfg.cp_span and cfg.cp_ranks else None
+        e_fwd, e_bwd = self._ep_traffic(facts, g, tp, cp, ep, sp, scale, span, stride)
         rc = 0.0
         policy = self.selective_policy
         if facts.kind == "layer" and recompute == Recompute.SELECTIVE:

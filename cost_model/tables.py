@@ -190,6 +190,8 @@ def plan_tables(
             "mem": pricer.stage_memory(comp, plain, dp=dp, zero=zero),
         }
     capacity = {g: replica_capacity(pricer.groups[g], tp, cp) for g in names}
+    if cp_span:  # every ep group lies in the group of its cp index: none spans groups
+        capacity = {g: dp for g in names}
     ep_span = None
     moe = any(costs.facts[k].a2a_bytes for comp in comps for k, _ in comp)
     if ep > 1 and len(names) > 1 and moe:

@@ -447,8 +447,9 @@ def cp_span_problem(parallel: Parallel, stages: tuple[StagePlacement, ...]) -> s
     """What keeps cp groups that span device groups (`StagePlacement.cp_groups`) from being
     priced and run, or None: the counts add up to cp; under pipeline parallelism every stage
     spans the groups alike (the same cp ranks in each group, so cp rank r of every stage sits
-    in one group and the stages' hand-offs stay inside it, as they are priced); no expert
-    parallelism."""
+    in one group and the stages' hand-offs stay inside it, as they are priced). Expert
+    parallelism needs nothing more: an ep group is ep data-parallel replicas at one cp index,
+    all in the group that holds that cp rank."""
     spans = [st for st in stages if st.cp_groups]
     if not spans:
         return None
@@ -462,8 +463,6 @@ def cp_span_problem(parallel: Parallel, stages: tuple[StagePlacement, ...]) -> s
             "cp groups spanning device groups (cp_groups) need every pipeline stage to span "
             "them alike (the same cp ranks in each group)"
         )
-    if (parallel.ep or 1) > 1:
-        return "a cp group spanning device groups (cp_groups) with ep > 1 is not priced yet"
     return None
 
 

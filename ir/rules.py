@@ -169,8 +169,6 @@ def cp_split_problem(p: Parallel, seq_len: int, heads: int) -> str | None:
     cp = p.cp or 1
     if cp == 1 and (p.cp_shares or p.cp_head_shares):
         return "cp_shares / cp_head_shares need cp > 1"
-    if (p.cp_shares or p.cp_head_shares) and (p.ep or 1) > 1:
-        return "cp_shares / cp_head_shares with ep > 1 are not priced yet; use equal shares"
     if p.cp_shares is not None:
         if (p.cp_mode or "allgather") == "ring":
             return (

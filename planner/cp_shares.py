@@ -267,7 +267,7 @@ def spanning_search(
     Enumerated exactly (each priced by `predict` with its balanced shares, `balanced_cp_shares`,
     or equal shares where those do not fit or `balance` is off): pp 1, 2, 4 and 8 (at most
     the layers; the even split, 1F1B, or GPipe with fewer micro-batches than stages; every
-    stage spanning the groups alike) and no EP;
+    stage spanning the groups alike); ep every degree dividing dp and the experts (MoE);
     tp every degree that divides the heads and every group's NVLink domain; cp every
     `solver_candidates.cp_options` degree above 1; dp every divisor of the global batch with
     dp x tp x cp GPUs in the cluster and replicas that fit no single group whole (otherwise
@@ -275,7 +275,14 @@ def spanning_search(
     recompute none, selective and full; ZeRO 1 and 3; every cp mode `cp_mode_options`
     allows. Pinned fields restrict each; pinned shares are used as given."""
     from meshplan.ir.facts import blocked_dimension
-    from meshplan.ir.rules import cp_split_problem, microbatch_problem, tp_heads_problem
+    from meshplan.ir.rules import (
+        cp_split_problem,
+        ep_dp_problem,
+        ep_experts_problem,
+        ep_tp_problem,
+        microbatch_problem,
+        tp_heads_problem,
+    )
     from meshplan.passes.partition import even_stages, tp_domain_problem
 
     from .solver_candidates import cp_mode_options, cp_options
@@ -283,7 +290,7 @@ def spanning_search(
     info = graph.info
     if len(cluster.groups) < 2 or not info.seq_len:
         return None
-    if (pinned.ep or 1) > 1 or info.experts:
+    if (pinned.ep or 1) > 1 and not info.experts:
         return None
     if pinned.schedule not in (None, Schedule.ONE_F_ONE_B) or pinned.virtual_stages:
         return None
@@ -343,8 +350,22 @@ def spanning_search(
                 continue  # the replicas fit groups whole: the main search has them
             # "usp" runs equal shares only (`cp_split_problem`)
             modes = [m for m in cp_mode_options(pinned.cp_mode, info.heads, tp, cp) if m != "usp"]
-            for mode, rc, zero in itertools.product(modes, recomputes, zeros):
-                p = dataclasses.replace(base, recompute=rc, zero=zero, cp_mode=mode)
+            # experts: every ep dividing dp and the experts (an ep group is ep replicas at
+            # one cp index, inside one device group: `cp_span_problem`)
+            eps = [pinned.ep] if pinned.ep else [1]
+            if info.experts and not pinned.ep:
+                eps = [
+                    e
+                    for e in range(1, dp + 1)
+                    if dp % e == 0
+                    and ep_experts_problem(e, info.experts) is None
+                    and ep_tp_problem(e, tp, base.sequence_parallel) is None
+                    and blocked_dimension(info, dataclasses.replace(base, ep=e)) is None
+                ]
+            for ep, mode, rc, zero in itertools.product(eps, modes, recomputes, zeros):
+                if ep_dp_problem(ep, dp):
+                    continue
+                p = dataclasses.replace(base, ep=ep, recompute=rc, zero=zero, cp_mode=mode)
                 if fixed:
                     p = dataclasses.replace(
                         p, cp_shares=pinned.cp_shares, cp_head_shares=pinned.cp_head_shares

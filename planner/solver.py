@@ -46,7 +46,8 @@ order instead of building one model over all of them:
    with `equal_shares`, or where the balanced ones do not fit). Constraints: pp in 1, 2, 4,
    8 (at most the layers; the even split; every stage spanning the groups alike, so each cp
    rank's hand-offs stay in its group; 1F1B, or GPipe with fewer micro-batches than
-   stages), ep = 1 (`ir.parallel.cp_span_problem`); tp divides the heads and every group's
+   stages); ep any degree dividing dp and the experts (an ep group is ep replicas at one cp
+   index, inside one group: `ir.parallel.cp_span_problem`); tp divides the heads and every group's
    NVLink domain; cp from `cp_options`; whole groups hold fewer than dp x pp replicas,
    dp <= world / (tp cp pp); dp x
    micro-batch divides the global batch, micro-batch 1 unless pinned; recompute any; ZeRO 1

@@ -107,6 +107,14 @@ CONFIGS_6 = {
         {},
         {"fast": 3, "slow": 3},
     ),
+    # 3 replicas of a cp group of 2 spanning both groups, experts over the 3 replicas (ep 3):
+    # each ep group is the replicas' cp rank 0 (all on "fast") or cp rank 1 (all on "slow").
+    # Capacity factor E / top_k drops no choice, so the shares route as one process does.
+    "dp3-cp2-ep3-span": (
+        dict(dp=3, cp=2, ep=3, micro_batch=1, global_batch=3, cp_shares=(6, 2)),
+        dict(experts=6, top_k=2, capacity_factor=3.0),
+        {"fast": 3, "slow": 3},
+    ),
 }
 
 
@@ -120,7 +128,8 @@ def _plan(world, fields, model_kw, groups=None):
     plan = meshplan.estimate_plan(graph(**model_kw), cluster=cluster, parallel=Parallel(**fields))
     if groups:
         cp_groups = plan.stages[0].cp_groups
-        per_rank = fields.get("tp", 1) * fields.get("pp", 1)  # every stage spans alike
+        # every stage spans alike; each replica takes its cp ranks from every group
+        per_rank = fields.get("tp", 1) * fields.get("pp", 1) * fields.get("dp", 1)
         assert cp_groups == tuple((g, n // per_rank) for g, n in groups.items())
         assert all(st.cp_groups == cp_groups for st in plan.stages)
         # cp rank r of the replica sits in the group cp_groups gives it
@@ -195,11 +204,14 @@ def test_cp_shares_parity_four_ranks():
     assert len(results[0]["attention"]) == 48
 
 
-def test_cp_spanning_groups_in_a_pipeline_six_ranks():
+def test_cp_spanning_groups_in_a_pipeline_and_with_experts_six_ranks():
     results = _check_all(6, CONFIGS_6)
     # cp rank 0 of every stage on "fast", cp rank 1 on "slow"
     coords = sorted(r["pp3-cp2-span"]["coords"] for r in results)
     assert coords == [(s, 0, c, 0) for s in range(3) for c in range(2)]
+    # each ep group is the 3 replicas' ranks at one cp index
+    ep_groups = {r["dp3-cp2-ep3-span"]["groups"]["ep"] for r in results}
+    assert len(ep_groups) == 2 and all(len(g.split(",")) == 3 for g in ep_groups)
 
 
 # -- collectives --------------------------------------------------------------------------------
