@@ -469,6 +469,16 @@ def estimate_plan(
     precision, dtype, engine, note = resolve_precision(graph, cluster, precision, engine)
     if engine.hybrid:  # each group named exists and has that precision's tensor cores
         hybrid_options(cluster, dict(engine.hybrid), dtype)
+    if engine.hybrid_linears:
+        if not engine.hybrid:
+            raise ValueError("hybrid_linears needs per-group precision (hybrid) to lower them")
+        known = linear_flops(graph)
+        unknown = [r for r in engine.hybrid_linears if r not in known]
+        if unknown:
+            raise ValueError(
+                f"hybrid_linears: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} "
+                f"no linear of the model's layers (its linears: {', '.join(known) or 'none'})"
+            )
     if layout is not None:
         if split:
             raise ValueError("give the stages' layers in the layout, not as a split")

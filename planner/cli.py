@@ -922,6 +922,14 @@ def estimate(
             "(that group's transformer linears run their forward GEMMs so), or off.",
         ),
     ] = "off",
+    hybrid_linears: Annotated[
+        str | None,
+        typer.Option(
+            "--hybrid-linears",
+            help="With --hybrid-precision: only these linears of each layer, by their path "
+            "inside it, comma-separated (attn.q_proj,mlp.up_proj); default every one.",
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print plan JSON.")] = False,
     from_config: Annotated[
         str | None,
@@ -955,12 +963,16 @@ def estimate(
     hybrid = _hybrid_option(hybrid_precision, 1.0)
     if hybrid == "auto":
         raise ValueError("--hybrid-precision auto is for `meshplan plan`; give GROUP=MODE here")
+    linears = tuple(x.strip() for x in (hybrid_linears or "").split(",") if x.strip())
+    if linears and not isinstance(hybrid, dict):
+        raise ValueError("--hybrid-linears needs --hybrid-precision GROUP=MODE")
     engine = Engine(  # checked before tracing
         compiled,
         float8,
         float8_all_gather,
         tp_overlap,
         hybrid=tuple(sorted(hybrid.items())) if isinstance(hybrid, dict) else (),
+        hybrid_linears=linears,
     )
     _check_output(output)
     _check_precision(precision)

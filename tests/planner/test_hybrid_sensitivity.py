@@ -20,6 +20,7 @@ import torch
 from meshplan.api import chosen_linears, linear_flops, quantized_fraction
 from meshplan.cost_model import predict
 from meshplan.cost_model.engine import Engine
+from meshplan.ir import Parallel
 from meshplan.ir.plan import Plan, plan_problem
 from meshplan.measure.sensitivity import (
     linear_sensitivity,
@@ -214,3 +215,16 @@ def test_sensitivity_file_round_trip_and_cli(tmp_path):
     assert r.exit_code == 2 and "none.json: no such file" in r.output
     r = run("plan", "--sensitivity", str(path))
     assert r.exit_code == 2 and "--sensitivity needs --hybrid-precision" in r.output
+
+
+def test_estimate_prices_a_given_set_of_linears_or_refuses_it():
+    cluster = _cluster("T4")
+    pins = Parallel(dp=40, tp=1, pp=1, micro_batch=1, global_batch=80)
+    some = Engine(hybrid=(("slow", "int8"),), hybrid_linears=("up_proj",))
+    plan = meshplan.estimate_plan(GRAPH, cluster=cluster, parallel=pins, engine=some)
+    assert plan.hybrid_linears == ("up_proj",)
+    bad = Engine(hybrid=(("slow", "int8"),), hybrid_linears=("gate_proj",))
+    with pytest.raises(ValueError, match="gate_proj is no linear of the model's layers"):
+        meshplan.estimate_plan(GRAPH, cluster=cluster, parallel=pins, engine=bad)
+    r = run("estimate", "--hybrid-linears", "up_proj")
+    assert r.exit_code == 2 and "--hybrid-linears needs --hybrid-precision" in r.output
