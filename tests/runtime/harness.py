@@ -199,6 +199,45 @@ def distributed_run(
     }
 
 
+def attention_checks(cp, layouts) -> list[tuple]:
+    """`cp.attention` (a `ContextParallel` over the whole world) against SDPA on the whole
+    sequence: outputs and q/k/v gradients, causal and not, zig-zag (2 tokens per chunk) and
+    contiguous (3 per rank) splits, for each (query heads, K/V heads) of `layouts`. Returns
+    the cases checked. Run inside every rank of a launch."""
+    import torch.distributed as dist
+
+    size, cases = dist.get_world_size(), []
+    for causal in (True, False):
+        for seq in (4 * size, 3 * size):
+            for heads, kv_heads in layouts:
+                g = torch.Generator().manual_seed(seq * 10 + heads + kv_heads)
+                q, k, v = (
+                    torch.randn(2, n, seq, 8, generator=g) for n in (heads, kv_heads, kv_heads)
+                )
+                w = torch.randn(2, heads, seq, 8, generator=g)
+                full = [t.clone().requires_grad_() for t in (q, k, v)]
+                ref = F.scaled_dot_product_attention(
+                    *full, is_causal=causal, scale=0.3, enable_gqa=True
+                )
+                (ref * w).sum().backward()
+                pos = cp.positions(seq // size)
+                mine = [cp.shard(t, dim=2).requires_grad_() for t in (q, k, v)]
+                got = cp.attention(*mine, is_causal=causal, scale=0.3, enable_gqa=True)
+                (got * cp.shard(w, dim=2)).sum().backward()
+                case = f"causal={causal} seq={seq} heads={heads} kv={kv_heads}"
+                torch.testing.assert_close(
+                    got, ref.detach().index_select(2, pos), msg=lambda m, c=case: f"{c}: {m}"
+                )
+                for x, a, b in zip("qkv", mine, full):
+                    torch.testing.assert_close(
+                        a.grad,
+                        b.grad.index_select(2, pos),
+                        msg=lambda m, c=case, x=x: f"{c}: d{x}: {m}",
+                    )
+                cases.append((causal, seq, heads, kv_heads))
+    return cases
+
+
 def rank_key(group) -> str:
     """A process group (or its name) as the global ranks it spans ("0,1"): torch names groups
     by creation order, and a DeviceMesh may reuse an earlier mesh's group for the same ranks

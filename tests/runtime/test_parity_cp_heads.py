@@ -37,6 +37,7 @@ from tests.runtime.harness import (
     CFG,
     SEQ,
     assert_parity,
+    attention_checks,
     build_model,
     check_step_collectives,
     graph,
@@ -181,45 +182,14 @@ def _check_cp_collectives(plan, results, name, model_kw):
 
 
 def _attention_checks():
-    """`ContextParallel.attention` in "heads" mode against SDPA on the whole sequence, output
-    and q/k/v gradients, causal and not, zig-zag (2 tokens per chunk) and contiguous (3 per
-    rank) splits, query/K/V heads (4, 4), (4, 2), (4, 1), (8, 2) and (12, 3): cp divides the
-    K/V heads or not, and then they are repeated up to the query heads or fewer times (12, 3
-    over cp=2: 6 K/V heads). Returns the cases checked."""
+    """`ContextParallel.attention` in "heads" mode against SDPA on the whole sequence
+    (`harness.attention_checks`): query/K/V heads (4, 4), (4, 2), (4, 1), (8, 2) and (12, 3):
+    cp divides the K/V heads or not, and then they are repeated up to the query heads or
+    fewer times (12, 3 over cp=2: 6 K/V heads). Returns the cases checked."""
     import torch.distributed as dist
-    import torch.nn.functional as F
 
-    rank, size, cases = dist.get_rank(), dist.get_world_size(), []
-    cp = ContextParallel(dist.group.WORLD, rank, size, "heads")
-    for causal in (True, False):
-        for seq in (4 * size, 3 * size):
-            for heads, kv_heads in ((4, 4), (4, 2), (4, 1), (8, 2), (12, 3)):
-                g = torch.Generator().manual_seed(seq * 10 + heads + kv_heads)
-                q, k, v = (
-                    torch.randn(2, n, seq, 8, generator=g) for n in (heads, kv_heads, kv_heads)
-                )
-                w = torch.randn(2, heads, seq, 8, generator=g)
-                full = [t.clone().requires_grad_() for t in (q, k, v)]
-                ref = F.scaled_dot_product_attention(
-                    *full, is_causal=causal, scale=0.3, enable_gqa=True
-                )
-                (ref * w).sum().backward()
-                pos = cp.positions(seq // size)
-                mine = [cp.shard(t, dim=2).requires_grad_() for t in (q, k, v)]
-                got = cp.attention(*mine, is_causal=causal, scale=0.3, enable_gqa=True)
-                (got * cp.shard(w, dim=2)).sum().backward()
-                case = f"causal={causal} seq={seq} heads={heads} kv={kv_heads}"
-                torch.testing.assert_close(
-                    got, ref.detach().index_select(2, pos), msg=lambda m, c=case: f"{c}: {m}"
-                )
-                for x, a, b in zip("qkv", mine, full):
-                    torch.testing.assert_close(
-                        a.grad,
-                        b.grad.index_select(2, pos),
-                        msg=lambda m, c=case, x=x: f"{c}: d{x}: {m}",
-                    )
-                cases.append((causal, seq, heads, kv_heads))
-    return cases
+    cp = ContextParallel(dist.group.WORLD, dist.get_rank(), dist.get_world_size(), "heads")
+    return attention_checks(cp, ((4, 4), (4, 2), (4, 1), (8, 2), (12, 3)))
 
 
 # -- refusals (no processes) ----------------------------------------------------------------------

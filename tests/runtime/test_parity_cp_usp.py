@@ -35,6 +35,7 @@ from tests.runtime.harness import (
     CFG,
     SEQ,
     assert_parity,
+    attention_checks,
     build_model,
     check_step_collectives,
     graph,
@@ -172,48 +173,18 @@ def _check_usp_collectives(plan, results, name, model_kw):
 
 
 def _attention_checks():
-    """ "usp" attention (u = 2 over 4 ranks) against SDPA on the whole sequence: outputs and
-    q/k/v gradients, causal and not, zig-zag (2 tokens per chunk) and contiguous (3 per rank)
-    splits, query/K/V heads (6, 6), (6, 3), (6, 2), (6, 1), (2, 2) and (10, 5)."""
+    """ "usp" attention (u = 2 over 4 ranks) against SDPA on the whole sequence
+    (`harness.attention_checks`), query/K/V heads (6, 6), (6, 3), (6, 2), (6, 1), (2, 2) and
+    (10, 5)."""
     import torch.distributed as dist
-    import torch.nn.functional as F
     from meshplan.runtime.mesh import UspGroups
 
-    rank, size, cases = dist.get_rank(), dist.get_world_size(), []
-    u = 2
+    rank, size, u = dist.get_rank(), dist.get_world_size(), 2
     heads_groups = [dist.new_group([j * u + i for i in range(u)]) for j in range(size // u)]
     kv_groups = [dist.new_group(list(range(i, size, u))) for i in range(u)]
     usp = UspGroups(heads_group=heads_groups[rank // u], ring_group=kv_groups[rank % u])
     cp = ContextParallel(dist.group.WORLD, rank, size, "usp", head_degree=u, usp=usp)
-    for causal in (True, False):
-        for seq in (4 * size, 3 * size):
-            for heads, kv_heads in ((6, 6), (6, 3), (6, 2), (6, 1), (2, 2), (10, 5)):
-                g = torch.Generator().manual_seed(seq * 10 + heads + kv_heads)
-                q, k, v = (
-                    torch.randn(2, n, seq, 8, generator=g) for n in (heads, kv_heads, kv_heads)
-                )
-                w = torch.randn(2, heads, seq, 8, generator=g)
-                full = [t.clone().requires_grad_() for t in (q, k, v)]
-                ref = F.scaled_dot_product_attention(
-                    *full, is_causal=causal, scale=0.3, enable_gqa=True
-                )
-                (ref * w).sum().backward()
-                pos = cp.positions(seq // size)
-                mine = [cp.shard(t, dim=2).requires_grad_() for t in (q, k, v)]
-                got = cp.attention(*mine, is_causal=causal, scale=0.3, enable_gqa=True)
-                (got * cp.shard(w, dim=2)).sum().backward()
-                case = f"causal={causal} seq={seq} heads={heads} kv={kv_heads}"
-                torch.testing.assert_close(
-                    got, ref.detach().index_select(2, pos), msg=lambda m, c=case: f"{c}: {m}"
-                )
-                for x, a, b in zip("qkv", mine, full):
-                    torch.testing.assert_close(
-                        a.grad,
-                        b.grad.index_select(2, pos),
-                        msg=lambda m, c=case, x=x: f"{c}: d{x}: {m}",
-                    )
-                cases.append((causal, seq, heads, kv_heads))
-    return cases
+    return attention_checks(cp, ((6, 6), (6, 3), (6, 2), (6, 1), (2, 2), (10, 5)))
 
 
 # -- the rule, the planner's choice and refusals (no processes) ------------------------------------
