@@ -83,10 +83,14 @@ def build(
     wrapped: bool = False,
     kind: str = "llama",
     layers: int = CONFIG["num_hidden_layers"],
+    heads: int | None = None,
 ):
     torch.manual_seed(0)
     config_cls, model_cls = (getattr(transformers, n) for n in KINDS[kind])
-    cfg = config_cls(**{**CONFIG, "num_hidden_layers": layers})
+    shape = {}
+    if heads is not None:  # head_dim 8 as in CONFIG (hidden / heads), 2 K/V heads
+        shape = {"num_attention_heads": heads, "hidden_size": 8 * heads}
+    cfg = config_cls(**{**CONFIG, "num_hidden_layers": layers, **shape})
     with torch.device(device):
         lm = model_cls._from_config(cfg, attn_implementation=attn)
     return Wrapped(lm) if wrapped else lm
@@ -157,6 +161,12 @@ CONFIGS_4_TP = {
         dict(dp=2, tp=2, zero=3, recompute="full", micro_batch=1, global_batch=4),
         {},
     ),
+}
+# 6 query heads, which cp 4 does not divide: the two-level "usp" split (heads over 2 cp
+# ranks, K/V all-gathered over the other 2) on an HF decoder, its rotary positions given by
+# `reposition_hf_decoder`.
+CONFIGS_4_USP = {
+    "hf-usp": (dict(cp=4, micro_batch=1, global_batch=2, cp_mode="usp"), {}, {"heads": 6}),
 }
 CONFIGS_4_PP = {
     "hf-tpxpp-sp": (dict(tp=2, pp=2, micro_batch=1, global_batch=4), {}),
@@ -252,7 +262,7 @@ def _check_all(world, configs):
         graph = hf_graph(**_model_kw(configs[name]))
         for rank, r in enumerate(results):
             extra = {}
-            if plan.parallel.cp > 1 and not ring:
+            if plan.parallel.cp > 1 and not ring and plan.parallel.cp_mode != "usp":
                 extra["cp"] = _cp_expected(plan, graph, r[name]["coords"][0])
             check_step_collectives(f"{name} rank {rank}", plan, graph, r[name], extra=extra)
     return plans, results
@@ -281,6 +291,11 @@ def test_hf_llama_tp_parity_four_ranks():
     assert plans["hf-dpxtp-sp"].parallel.sequence_parallel
     for name in ("hf-dpxtp", "hf-dpxtp-sp"):
         assert results[0][name]["sharded"] == 7 * 2 + 2
+
+
+def test_hf_llama_usp_parity_four_ranks():
+    plans, _ = _check_all(4, CONFIGS_4_USP)
+    assert plans["hf-usp"].parallel.cp_head_degree == 2  # gcd(6, 4)
 
 
 def test_hf_llama_pipeline_parity_four_ranks():
