@@ -270,7 +270,8 @@ def complete_parallel(graph: Graph, cluster: Cluster, parallel: Parallel) -> Par
         ),
         virtual_stages=p.virtual_stages,
         quantize_activations=p.quantize_activations,
-        cp_mode=p.cp_mode or ("allgather" if cp > 1 else None),  # complete: the mode stated
+        # complete: the mode stated (a head-parallel degree given alone means "usp")
+        cp_mode=p.cp_mode or ("usp" if p.cp_head_degree else "allgather" if cp > 1 else None),
         cp_shares=p.cp_shares,
         cp_head_shares=p.cp_head_shares,
         cp_head_degree=(

@@ -429,8 +429,8 @@ CpHeadDegreeOpt = Annotated[
     int | None,
     typer.Option(
         "--cp-head-degree",
-        help="With --cp-mode usp: the cp ranks that split the heads (dividing cp and the "
-        "heads); default the largest that does.",
+        help="With --cp-mode usp (which it implies): the cp ranks that split the heads "
+        "(dividing cp and the heads); default the largest that does.",
     ),
 ]
 VirtualOpt = Annotated[

@@ -476,6 +476,8 @@ def cp_mode_options(
     `ir.rules.usp_degree`). "ring" only when pinned: it is priced as "allgather"."""
     if cp == 1:
         return [None]
+    if pinned is None and degree is not None:  # a pinned head-parallel degree means "usp"
+        pinned = "usp"
     per_rank = heads // tp if heads and heads % tp == 0 else 0
     heads_ok = bool(per_rank) and cp_heads_problem(per_rank, cp) is None
     usp_ok = not heads_ok and 1 < usp_degree(per_rank, cp) < cp

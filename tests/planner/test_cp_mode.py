@@ -150,6 +150,13 @@ def test_a_pinned_usp_degree_is_kept():
     assert (plan.parallel.cp_mode, plan.parallel.cp_head_degree) == ("usp", 2)
     kept = meshplan.Plan.from_json(plan.to_json()).parallel
     assert (kept.cp_mode, kept.cp_head_degree) == ("usp", 2)
+    # a degree given alone means "usp", for plan and estimate alike
+    alone = Parallel(tp=1, cp=8, cp_head_degree=2)
+    planned = meshplan.plan(TWELVE, cluster=CLUSTER, global_batch=8, parallel=alone)
+    assert (planned.parallel.cp_mode, planned.parallel.cp_head_degree) == ("usp", 2)
+    full = dataclasses.replace(planned.parallel, cp_mode=None)
+    priced = meshplan.estimate(TWELVE, cluster=CLUSTER, parallel=full)
+    assert priced.step_time_s == pytest.approx(planned.predicted.step_time_s, rel=1e-9)
     with pytest.raises(InfeasibleError, match="heads=12, cp_head_degree=8"):
         meshplan.plan(
             TWELVE,
