@@ -8,6 +8,7 @@ rank's load, inside one device group or over an ep group that spans several (`Ep
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -96,8 +97,8 @@ class ExpertParallelTraffic:
         stride: int | None = None,
     ) -> tuple[float, float]:
         """Expert parallelism: dispatch + combine all-to-alls of top_k * tokens * hidden in
-        forward and again in backward, over ep ranks strided by tp * cp (`stride` GPUs where
-        given: tp x the cp ranks a spanning cp group has in g), at the busiest rank's
+        forward and again in backward, over ep ranks strided by `stride` GPUs (tp x cp; tp x
+        the cp ranks a spanning cp group has in g), at the busiest rank's
         load: the mean times the routing imbalance (`Engine.moe_imbalance`, else the balanced
         router's bound `moe_imbalance`, capped by the capacity factor). `cp`: what a rank's
         share of a sequence divides it by (`StageConfig.seq_div`). Inside group g, or, with
@@ -107,10 +108,12 @@ class ExpertParallelTraffic:
         share = scale / (cp * (tp if sp else 1))
         factor = self.moe_load_factor(facts, tp=tp, cp=cp, ep=ep, sp=sp, scale=scale)
         size = facts.a2a_bytes * share * factor
+        # the ranks' stride is tp x the cp ranks between them (`stride`), not the share divisor
+        stride = stride or tp * math.ceil(cp)
         if span is not None:
-            t = self.ep_span_all_to_all(size, span, tp=tp, cp=cp)
+            t = self.ep_span_all_to_all(size, span, tp=tp, cp=stride // tp)
             return 2 * t, 2 * t
-        path = group_path(self.cluster, g, ep, max(1, int(g.domain_gpus // (stride or tp * cp))))
+        path = group_path(self.cluster, g, ep, max(1, g.domain_gpus // stride))
         t = self.comm_choice(
             Collective.ALL_TO_ALL, size, ep, path, g.gpu, "activations", "ep"
         ).time_s

@@ -183,8 +183,12 @@ class Pricer(
         got = self._engines.get(group)
         if got is None:
             mode = dict(self.engine.hybrid).get(group)
+            low = mode or self.engine.forward_precision
             got = dataclasses.replace(
-                self.engine, hybrid=(), forward_precision=mode or self.engine.forward_precision
+                self.engine,
+                hybrid=(),
+                forward_precision=low,
+                hybrid_linears=self.engine.hybrid_linears if low else (),
             )
             self._engines[group] = got
         return got
@@ -248,8 +252,9 @@ class Pricer(
             g_fwd, g_bwd = bc.gemm_times(tp=tp, cp=cp, scale=scale)
             t_fwd, t_bwd = exposed(t_fwd, g_fwd), exposed(t_bwd, g_bwd)
         c_fwd, c_bwd = self._cp_traffic(facts, g, cfg, scale)
-        # a spanning cp group's ranks in g are its ep ranks' stride there (`span_config`)
-        stride = tp * len(cfg.cp_ranks) if cfg.cp_span and cfg.cp_ranks else None
+        # the ep ranks' stride: tp x the cp degree, or x the cp ranks a spanning cp group has
+        # in g (`span_config`); `cp` above is the share divisor, not a rank count
+        stride = tp * (len(cfg.cp_ranks) if cfg.cp_span and cfg.cp_ranks else cfg.cp)
         e_fwd, e_bwd = self._ep_traffic(facts, g, tp, cp, ep, sp, scale, span, stride)
         rc = 0.0
         policy = self.selective_policy

@@ -458,6 +458,11 @@ def cp_span_problem(parallel: Parallel, stages: tuple[StagePlacement, ...]) -> s
         total = sum(c for _, c in st.cp_groups)
         if total != cp:
             return f"stages[{st.index}].cp_groups hold {total} cp ranks but cp={cp}"
+    if parallel.cp_mode == "usp":
+        return (
+            "cp attention 'usp' with a cp group spanning device groups (cp_groups) is not "
+            "priced; use cp attention 'allgather' or 'heads'"
+        )
     if len(stages) > 1 and any(st.cp_groups != stages[0].cp_groups for st in stages):
         return (
             "cp groups spanning device groups (cp_groups) need every pipeline stage to span "

@@ -327,8 +327,10 @@ def cp_usp_problem(heads: int, cp: int, degree: int | None) -> str | None:
 def cp_head_degree_problem(p: Parallel, heads: int) -> str | None:
     """`Parallel.cp_head_degree` only under "usp", and there as `cp_usp_problem` (`heads`:
     the model's query heads, divided here by tp; 0 = not known)."""
-    if p.cp_head_degree is not None and p.cp_mode != "usp":
+    if p.cp_head_degree is not None and p.cp_mode not in ("usp", None):
         return "cp_head_degree needs cp attention 'usp' (the two-level head x all-gather split)"
-    if p.cp_mode != "usp" or (p.cp or 1) == 1:
+    if p.cp_head_degree is not None and (p.cp or 1) == 1:
+        return "cp_head_degree needs cp > 1 (it splits the cp ranks)"
+    if (p.cp_mode or ("usp" if p.cp_head_degree else None)) != "usp" or (p.cp or 1) == 1:
         return None
     return cp_usp_problem(heads // (p.tp or 1) if heads else 0, p.cp or 1, p.cp_head_degree)

@@ -496,7 +496,7 @@ def estimate_plan(
         if not stages[0].cp_groups:
             raise ValueError(
                 "balanced cp shares (auto) need cp groups that span device groups: a cp "
-                "degree whose replicas fit no single group (one pipeline stage)"
+                "degree whose replicas fit no single group"
             )
         from .cp_shares import balanced_cp_shares
 
@@ -637,7 +637,11 @@ def chosen_linears(
     if not max_loss_increase >= 0:
         raise ValueError(f"max_loss_increase must be at least 0, got {max_loss_increase!r}")
     roles = [r for r in flops if r in sensitivity]
-    cost = {r: max(0.0, float(sensitivity[r])) for r in roles}
+    # negative (noise that helped) counts 0; a loss that became nan or inf never fits
+    cost = {
+        r: max(0.0, float(sensitivity[r])) if math.isfinite(sensitivity[r]) else math.inf
+        for r in roles
+    }
     limit = max_loss_increase * (1 + 1e-12)
     if len(roles) <= EXACT_LINEARS:
         best: tuple[float, float, tuple[int, ...]] = (0.0, 0.0, ())
@@ -715,7 +719,10 @@ def _hybrid_search(
     best: tuple[float, int, SolveResult, Engine] | None = None
     last_error: Exception | None = None
     for i, hybrid in enumerate(options):
-        eng = dataclasses.replace(engine, hybrid=hybrid)
+        # the chosen linears only with a precision to lower them (the plain engine otherwise,
+        # which prices with the learned latency model where it covers the GPU)
+        lin = engine.hybrid_linears if hybrid else ()
+        eng = dataclasses.replace(engine, hybrid=hybrid, hybrid_linears=lin)
         try:
             r = solved(eng)
         except InfeasibleError as e:
@@ -886,6 +893,11 @@ def plan(
         )
 
     options = hybrid_options(cluster, hybrid_precision, dtype)
+    if sensitivity is not None and options == [()]:
+        raise ValueError(
+            "sensitivity chooses the linears per-group precision lowers: pass "
+            "hybrid_precision='auto' or a mapping of groups to int8/fp8"
+        )
     if options != [()] and sensitivity is not None:
         linears = chosen_linears(graph, sensitivity, max_loss_increase)
         say = progress or (lambda _m: None)

@@ -292,6 +292,8 @@ def spanning_search(
         return None
     if (pinned.ep or 1) > 1 and not info.experts:
         return None
+    if pinned.cp_mode == "usp" or pinned.cp_head_degree:  # "usp" runs equal shares in groups
+        return None
     if pinned.schedule not in (None, Schedule.ONE_F_ONE_B) or pinned.virtual_stages:
         return None
     n_layers = len(graph.layer_units) or info.layers or 1

@@ -148,7 +148,7 @@ def _free_terms(
     # c's priced stage configs are a function of these fields and the groups: keying on them
     # spares building and hashing the configs once per candidate (most of this bound's cost)
     raw = ("free-raw", c.tp, c.cp, c.ep, c.sequence_parallel, c.micro_batch, c.recompute,
-           c.cp_mode, c.group_tp, tuple(groups))  # fmt: skip
+           c.cp_mode, c.cp_head_degree, c.group_tp, tuple(groups))  # fmt: skip
     got = cache.get(raw)
     if got is None:
         member = c.loosest() if isinstance(c, Family) else c

@@ -54,6 +54,7 @@ from meshplan.ir.facts import blocked_dimension, without_blocked
 from meshplan.ir.parallel import chunks_of
 from meshplan.ir.rules import (
     batch_split_problem,
+    cp_head_degree_problem,
     cp_heads_problem,
     cp_sequence_problem,
     cp_usp_problem,
@@ -475,7 +476,7 @@ def cp_mode_options(
     with them, "usp" (heads over that factor, K/V all-gathered over the rest; its degree
     `ir.rules.usp_degree`). "ring" only when pinned: it is priced as "allgather"."""
     if cp == 1:
-        return [None]
+        return [None] if degree is None else []  # a pinned degree needs cp > 1
     if pinned is None and degree is not None:  # a pinned head-parallel degree means "usp"
         pinned = "usp"
     per_rank = heads // tp if heads and heads % tp == 0 else 0
@@ -599,6 +600,8 @@ def enumerate_families(
         )
     if p.schedule is not None and (why := schedule_problem(p)):
         raise InfeasibleError(f"no plan: {why}")
+    if p.cp_head_degree is not None and p.cp_mode not in (None, "usp"):
+        raise InfeasibleError(f"no plan: {cp_head_degree_problem(p, 0)}")
     if p.cp_shares is not None or p.cp_head_shares is not None:
         # Replicas inside one group run equal shares; `cp_shares.spanning_search` plans them.
         raise InfeasibleError(
@@ -656,7 +659,7 @@ def enumerate_families(
                 cp_usp_problem(
                     info.heads // tp, cp, p.cp_head_degree or usp_degree(info.heads // tp, cp)
                 )
-                if p.cp_mode == "usp"
+                if p.cp_mode == "usp" or p.cp_head_degree
                 else cp_heads_problem(info.heads // tp, cp)
             )
             funnel.reject("cp attention", why or "")
@@ -825,6 +828,8 @@ def _per_group_tp_candidates(
         tas = [t for t in tps if tp_domain_problem((a,), t) is None]
         tbs = [t for t in tps if tp_domain_problem((b,), t) is None]
         for ta, tb, cp, pp in itertools.product(tas, tbs, cps, pps):
+            if cp > 1 and (p.cp_mode not in (None, "allgather") or p.cp_head_degree):
+                continue  # these families attend by K/V all-gather only
             na = replica_capacity(a, ta, cp) // pp
             nb = replica_capacity(b, tb, cp) // pp
             if ta == tb or na < 1 or nb < 1:

@@ -407,7 +407,7 @@ class _ScreenMemo:
             charge("bound")
             fill, zero = f.loosest_knobs
             skey = (f.tp, f.cp, f.ep, f.sequence_parallel, f.micro_batch, f.recompute,
-                    f.cp_mode, f.group_tp)  # fmt: skip
+                    f.cp_mode, f.cp_head_degree, f.group_tp)  # fmt: skip
             t = terms.get(skey)
             if t is None:
                 groups = self.groups(f)

@@ -164,3 +164,15 @@ def test_a_pinned_usp_degree_is_kept():
             global_batch=8,
             parallel=Parallel(cp=16, cp_mode="usp", cp_head_degree=8),
         )
+
+
+def test_a_pinned_degree_holds_on_a_mixed_cluster():
+    """On 8 H100 + 8 A100 neither the per-group TP families nor the spanning search (which
+    attend by all-gather or "heads" only) may return a plan without the pinned degree."""
+    from tests.synthetic import mixed_cluster
+
+    for pins in (Parallel(cp=8, cp_head_degree=4), Parallel(cp_head_degree=2)):
+        plan = meshplan.plan(TWELVE, cluster=mixed_cluster(1, 1), global_batch=8, parallel=pins)
+        p = plan.parallel
+        assert (p.cp_mode, p.cp_head_degree) == ("usp", pins.cp_head_degree), p
+        assert not any(st.cp_groups or st.group_tp for st in plan.stages)

@@ -309,3 +309,36 @@ def test_experts_over_replicas_of_a_spanning_cp_group_stay_inside_one_group():
     balanced = meshplan.estimate_plan(moe, cluster=mixed, parallel=p, balance_cp=True)
     assert len(set(balanced.parallel.cp_shares)) > 1
     assert balanced.predicted.step_time_s < plan.predicted.step_time_s
+
+
+def test_usp_with_a_spanning_cp_group_is_refused():
+    """The two-level split's subgroups are not priced across device groups: refused in one
+    line rather than priced as if inside one group."""
+    p = _p(cp_mode="usp", cp_head_degree=8)
+    with pytest.raises(ValueError, match="'usp' with a cp group spanning device groups"):
+        _estimate(**{k: v for k, v in dataclasses.asdict(p).items() if v is not None})
+
+
+def test_expert_all_to_all_under_token_shares_uses_the_ranks_real_stride():
+    """ep 2 over 2 replicas of cp 8 on 2 nodes of 8 H100: the ep ranks sit 8 GPUs apart, one
+    per node, whatever the token shares. A rank holding a quarter of each sequence (shares)
+    moves what a rank of equal shares moves at twice the micro-batch, over the same path: the
+    same EP time (the share divisor, 4, is no rank stride)."""
+    from meshplan.cost_model.pricer import pricer_for
+
+    moe = transformer_graph(4, 2048, 16, 8, 8192, 32000, SEQ, 1, experts=4, top_k=2, name="moe")
+    cluster = h100_cluster(2)
+    pricer = pricer_for(moe, cluster, "bfloat16")
+    layer = next(k for k in pricer.costs.unit_keys if pricer.costs.facts[k].kind == "layer")
+    base = dict(dp=2, tp=1, pp=1, cp=8, ep=2, global_batch=4, zero=0, recompute="none")
+    shares = (SEQ // 4,) + (3584,) * 6 + (3072,)  # a quarter on cp rank 0; sum SEQ
+    assert sum(shares) == SEQ
+    uneven = Parallel(**base, micro_batch=1, cp_shares=shares, schedule="1f1b")
+    even = Parallel(**base, micro_batch=2, schedule="1f1b")
+    uneven = dataclasses.replace(uneven, sequence_parallel=False)
+    even = dataclasses.replace(even, sequence_parallel=False)
+    cfg_u = dataclasses.replace(uneven.stage(), cp_ranks=(0,))
+    comp = ((layer, 1),)
+    t_u = pricer.stage_time(comp, "h100", cfg_u).ep_comm
+    t_e = pricer.stage_time(comp, "h100", even.stage()).ep_comm
+    assert t_u > 0 and t_u == pytest.approx(t_e, rel=1e-9)

@@ -228,3 +228,23 @@ def test_estimate_prices_a_given_set_of_linears_or_refuses_it():
         meshplan.estimate_plan(GRAPH, cluster=cluster, parallel=pins, engine=bad)
     r = run("estimate", "--hybrid-linears", "up_proj")
     assert r.exit_code == 2 and "--hybrid-linears needs --hybrid-precision" in r.output
+
+
+def test_groups_without_a_precision_price_as_the_plain_engine():
+    """The chosen linears belong to the lowered groups only: a group without a mode prices
+    with the plain engine (the learned latency model where it covers the GPU), and the
+    "off" option of `auto` carries no linears."""
+    from meshplan.cost_model.engine import EAGER
+    from meshplan.cost_model.pricer import pricer_for
+
+    engine = Engine(hybrid=(("slow", "int8"),), hybrid_linears=("up_proj",))
+    pricer = pricer_for(GRAPH, _cluster("T4"), "float16", engine=engine)
+    assert pricer.engine_of("a100") == EAGER
+    assert pricer.engine_of("slow").hybrid_linears == ("up_proj",)
+
+
+def test_a_linear_whose_loss_went_non_finite_is_never_lowered():
+    sens = {"qkv_proj": float("nan"), "o_proj": 0.0, "up_proj": float("inf"), "down_proj": 0.0}
+    assert chosen_linears(GRAPH, sens, 10.0) == ("o_proj", "down_proj")
+    with pytest.raises(ValueError, match="pass hybrid_precision='auto'"):
+        meshplan.plan(GRAPH, cluster=_cluster("T4"), global_batch=128, sensitivity=sens)
