@@ -473,13 +473,7 @@ def estimate_plan(
     if engine.hybrid_linears:
         if not engine.hybrid:
             raise ValueError("hybrid_linears needs per-group precision (hybrid) to lower them")
-        known = linear_flops(graph)
-        unknown = [r for r in engine.hybrid_linears if r not in known]
-        if unknown:
-            raise ValueError(
-                f"hybrid_linears: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} "
-                f"no linear of the model's layers (its linears: {', '.join(known) or 'none'})"
-            )
+        check_linears("hybrid_linears", engine.hybrid_linears, linear_flops(graph))
     if layout is not None:
         if split:
             raise ValueError("give the stages' layers in the layout, not as a split")
@@ -616,6 +610,17 @@ def linear_flops(graph: Graph) -> dict[str, float]:
     return out
 
 
+def check_linears(where: str, names: Sequence[str], known: Mapping[str, float]) -> None:
+    """One-line ValueError, prefixed `where`, naming those of `names` (linear paths inside a
+    layer) that are no linear of the model's layers (`known`: `linear_flops`)."""
+    unknown = [r for r in names if r not in known]
+    if unknown:
+        raise ValueError(
+            f"{where}: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} no linear "
+            f"of the model's layers (its linears: {', '.join(known) or 'none'})"
+        )
+
+
 def chosen_linears(
     graph: Graph, sensitivity: Mapping[str, float], max_loss_increase: float
 ) -> tuple[str, ...]:
@@ -628,12 +633,7 @@ def chosen_linears(
     sensitivity, then to model order. A linear the measurement leaves out is not lowered;
     one it names that the layers lack is refused in one line."""
     flops = linear_flops(graph)
-    unknown = sorted(set(sensitivity) - set(flops))
-    if unknown:
-        raise ValueError(
-            f"sensitivity: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} no "
-            f"linear of the model's layers (its linears: {', '.join(flops) or 'none'})"
-        )
+    check_linears("sensitivity", sorted(sensitivity), flops)
     if not max_loss_increase >= 0:
         raise ValueError(f"max_loss_increase must be at least 0, got {max_loss_increase!r}")
     roles = [r for r in flops if r in sensitivity]
