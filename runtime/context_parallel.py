@@ -524,19 +524,28 @@ def _usp_attention(q, k, v, cp: ContextParallel, causal: bool, scale: float):
     # (b, h/u, u*local, d): the tokens of cp ranks j*u .. j*u+u-1 in order. Gathered over
     # the K/V group in its rank order j' = 0 .. r-1, K/V then hold every cp rank's tokens in
     # cp-rank order (`all_positions`).
-    hk = k.shape[1]
-    kv = torch.cat([k, v], dim=1).permute(2, 0, 1, 3)
-    kv = _GatherSeq.apply(kv, cp.usp.ring_group, r).permute(1, 2, 0, 3)
-    k_all, v_all = kv[:, :hk], kv[:, hk:]
     mask = None
     if causal:
         pos = cp.all_positions(local, q.device)
         j = cp.rank // u
         mask = _causal_mask(torch.cat(pos[j * u : (j + 1) * u]), torch.cat(pos))
-    out = F.scaled_dot_product_attention(
-        q, k_all, v_all, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != hk
-    )
+
+    def gather(kv):
+        return _GatherSeq.apply(kv, cp.usp.ring_group, r)
+
+    out = _gathered_attention(q, k, v, gather, mask, scale)
     return _SwapSharding.apply(out, cp.usp.heads_group, u, False)
+
+
+def _gathered_attention(q, k, v, gather, mask, scale: float) -> torch.Tensor:
+    """SDPA of `q` against K/V gathered along the sequence by `gather` (an all-gather with
+    autograd over (seq, b, 2 kv, d): K and V together, one collective), masked by `mask`."""
+    hk = k.shape[1]
+    # (seq, b, 2*hk, d): gathering along dim 0 concatenates the ranks' tokens.
+    kv = gather(torch.cat([k, v], dim=1).permute(2, 0, 1, 3)).permute(1, 2, 0, 3)
+    return F.scaled_dot_product_attention(
+        q, kv[:, :hk], kv[:, hk:], attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != hk
+    )
 
 
 def _causal_mask(pos_q: torch.Tensor, pos_k: torch.Tensor) -> torch.Tensor:
@@ -662,27 +671,19 @@ class ContextParallel:
             return _head_parallel_attention(query, key, value, self, bool(is_causal), scale)
         if self.mode == "usp":
             return _usp_attention(query, key, value, self, bool(is_causal), scale)
-        b, hk, local, d = key.shape
-        # (seq, b, 2*hk, d): gathering along dim 0 concatenates the ranks' tokens.
-        kv = torch.cat([key, value], dim=1).permute(2, 0, 1, 3)
-        if self.shares is None:
-            kv = _GatherSeq.apply(kv, self.group, self.size)
-        else:
-            kv = _GatherUneven.apply(kv, self.group, self.token_counts(local), self.rank)
-        kv = kv.permute(1, 2, 0, 3)
-        k_all, v_all = kv[:, :hk], kv[:, hk:]
+        local = key.shape[2]
+        counts = self.token_counts(local)
+
+        def gather(kv):
+            if self.shares is None:
+                return _GatherSeq.apply(kv, self.group, self.size)
+            return _GatherUneven.apply(kv, self.group, counts, self.rank)
+
         mask = None
         if is_causal:
             pos_q = self.positions(local, query.device)
             mask = _causal_mask(pos_q, torch.cat(self.all_positions(local, query.device)))
-        return F.scaled_dot_product_attention(
-            query,
-            k_all,
-            v_all,
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=query.shape[1] != hk,
-        )
+        return _gathered_attention(query, key, value, gather, mask, scale)
 
 
 class _RedirectSdpa(TorchFunctionMode):
