@@ -56,6 +56,8 @@ COLUMNS = ("op", "cls", "dtype", "b", "m", "n", "k", "causal", "kv", "seconds", 
 
 # Transformer shapes: (hidden, ffn, heads, kv heads), Llama 3 8B / 70B, GPT-3 1.3B / 2.7B.
 MODELS = ((4096, 14336, 32, 8), (8192, 28672, 64, 8), (2048, 8192, 16, 16), (2560, 10240, 32, 32))
+# Steps run only when `--only` names them.
+OPT_IN = {"memory_dense"}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -252,15 +254,23 @@ class Sweep:
             out.append((max(1, round(numel / w)), w))
         return out
 
-    def memory_bound(self, dtype: str):
+    def dense_sizes(self) -> list[tuple[int, int]]:
+        """(rows, width) on a grid: widths 32-65536 (powers of two and common hidden sizes) at
+        2^18, 2^22 and 2^26 elements, for the row-width dependence of row-wise kernels."""
+        widths = sorted({2**i for i in range(5, 17)} | {768, 1536, 2560, 3072, 5120, 14336})
+        return [(max(1, 2**e // w), w) for e in (18, 22, 26) for w in widths]
+
+    def memory_bound(self, dtype: str, dense: bool = False):
         dt = DTYPES[dtype]
         unary = {"gelu": F.gelu, "silu": F.silu}
         binary = {"add": torch.add, "mul": torch.mul}
         ops = [(name, 2) for name in binary] + [(name, 1) for name in unary]
         ops += [("softmax", 1), ("layer_norm", 1), ("rms_norm", 1)]
+        if dense:
+            ops = [("add", 2), ("silu", 1), ("softmax", 1), ("layer_norm", 1), ("rms_norm", 1)]
         cls = {"softmax": "softmax", "layer_norm": "layernorm", "rms_norm": "norm"}
         for name, n_in in ops:
-            for rows, w in self.pick(self.sizes(24), 2):
+            for rows, w in self.dense_sizes() if dense else self.pick(self.sizes(24), 2):
                 nbytes = dt.itemsize * rows * w * (n_in + 1)
                 sets = [[rand((rows, w), dt, self.device, self.gen) for _ in range(n_in)]
                         for _ in range(copies(nbytes))]  # fmt: skip
@@ -336,11 +346,13 @@ class Sweep:
             ("bmm", lambda: self.bmm("bfloat16")),
             ("lowp", self.low_precision),
             ("memory", lambda: [self.memory_bound("bfloat16"), self.memory_bound("float32")]),
+            ("memory_dense", lambda: [self.memory_bound("bfloat16", dense=True),
+                                      self.memory_bound("float32", dense=True)]),
             ("embedding", lambda: self.embedding("bfloat16")),
             ("attention", lambda: self.attention("bfloat16")),
         ]  # fmt: skip
         for name, step in steps:
-            if only and name not in only:
+            if (only and name not in only) or (not only and name in OPT_IN):
                 continue
             t0, n0 = time.time(), len(self.rows)
             step()
@@ -370,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a few shapes per class")
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (a check)")
     ap.add_argument("--only", default="", help="comma-separated steps (gemm, fp32, bmm, lowp, "
-                    "memory, embedding, attention)")  # fmt: skip
+                    "memory, embedding, attention; memory_dense only when named)")  # fmt: skip
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

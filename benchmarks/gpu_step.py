@@ -38,6 +38,8 @@ import torch.nn.functional as F
 SHAPES = {
     "llama-1b": (16, 2048, 16, 16, 8192, 128256, 4096),
     "llama-0.5b": (24, 1024, 16, 16, 4096, 32000, 2048),
+    # Small enough that the GPU idles: its steps measure the host's time per op.
+    "tiny-8": (8, 256, 4, 4, 1024, 4096, 128),
 }
 # (shape, micro-batch, global batch, recompute)
 CASES = (
@@ -46,6 +48,15 @@ CASES = (
     ("llama-1b", 4, 8, "full"),
     ("llama-0.5b", 8, 16, "none"),
     ("llama-0.5b", 8, 16, "selective"),
+    # Session 26: host-bound steps at each recompute policy, and more selective cases.
+    ("tiny-8", 1, 4, "none"),
+    ("tiny-8", 1, 4, "selective"),
+    ("tiny-8", 1, 4, "full"),
+    ("llama-0.5b", 8, 16, "full"),
+    ("llama-0.5b", 2, 16, "none"),
+    ("llama-0.5b", 2, 16, "selective"),
+    ("llama-1b", 1, 4, "selective"),
+    ("llama-1b", 2, 8, "selective"),
 )
 QUICK = (("tiny", 2, 4, "none"),)
 TINY = (2, 128, 4, 2, 256, 512, 64)
@@ -139,6 +150,34 @@ def profile_step(runner, tokens, targets, device: torch.device) -> dict:
                 aten_calls=sum(e.count for e in ops))  # fmt: skip
 
 
+def host_probe(device: torch.device, n: int = 20000) -> dict:
+    """The host: its processor, and the seconds it takes to issue one small op (an add of two
+    1,024-element tensors, no autograd) when the device keeps up; what a host-bound step's
+    ops cost beyond their kernels scales with it."""
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                       cpu)  # fmt: skip
+    except OSError:
+        pass
+    a = torch.ones(1024, device=device)
+    b = torch.ones(1024, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    with torch.no_grad():
+        for _ in range(1000):
+            torch.add(a, b)
+        sync()
+        t = time.perf_counter()
+        for _ in range(n):
+            torch.add(a, b)
+        issue = (time.perf_counter() - t) / n
+        sync()
+    return dict(cpu=cpu, torch=torch.__version__, issue_s=issue)
+
+
 def run_case(case, device: torch.device, steps: int, profile: bool = False) -> dict:
     import meshplan
     import meshplan.runtime as rt
@@ -207,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     import meshplan.runtime as rt
 
     rt.init_distributed(timeout_s=300)
+    probe = host_probe(device)
+    print(f"host: {probe['cpu']}, {probe['issue_s'] * 1e6:.2f} us to issue a small op", flush=True)
     rows = []
     cases = QUICK if args.quick else CASES
     if args.cases:
@@ -225,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"  measured {row['measured_s'] * 1e3:8.1f} ms  ({row['error']:+.1%});"
                   f"  memory {mem};  loss {row['first_loss']:.3f} -> {row['last_loss']:.3f}",
                   flush=True)  # fmt: skip
-        rows.append(row)
+        rows.append({**row, "host": probe})
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
