@@ -106,6 +106,8 @@ class Priced:
     gemm_eff: np.ndarray  # the GPU type's tensor-core GEMM efficiency (published-run fits)
     align: np.ndarray  # `compute.alignment_factor` (misaligned tensor-core GEMMs; 1 otherwise)
     measured: np.ndarray
+    # `compute.rowwise_efficiency` (row-wise kernels on GH100 parts; NaN otherwise); None: none
+    rowwise: np.ndarray | None = None
 
 
 def load(roots: Path | list[Path]) -> tuple[Priced, dict[str, GpuSpec]]:
@@ -138,6 +140,8 @@ def load(roots: Path | list[Path]) -> tuple[Priced, dict[str, GpuSpec]]:
         cols["wave"].append(compute.wave_efficiency(b, m, n, g.sms, sides=sides) if matmul else 1.0)
         cols["gemm_eff"].append(compute.kernel_efficiency(g).gemm)
         cols["align"].append(compute.alignment_factor(op, g, r.dtype) if matmul else 1.0)
+        rowwise = compute.rowwise_efficiency(op, g)
+        cols["rowwise"].append(math.nan if rowwise is None else rowwise)
         cols["measured"].append(r.seconds)
     arrays = {k: np.asarray(v) for k, v in cols.items()}
     return Priced(rows=rows, **arrays), specs
@@ -171,9 +175,13 @@ def gemm_roofline(flop: np.ndarray, mem: np.ndarray) -> np.ndarray:
 def work(p: Priced, c: Constants) -> np.ndarray:
     """Seconds of work of every row under constants `c`: the roofline of `compute` (the
     planner's formula: the p-norm for GEMMs, the max otherwise) without the floor.
-    `check_against_planner` proves it equal to `block_compute` on every row."""
+    `check_against_planner` proves it equal to `block_compute` on every row. Row-wise kernels
+    on GH100 parts take `compute.rowwise_efficiency` (fitted on the H200's rows by
+    `fit_rowwise`, not refitted here)."""
     default_mem = compute.DEFAULT_EFFICIENCY.memory
     mem_eff = np.array([c.memory.get(k, default_mem) for k in p.kind])
+    if p.rowwise is not None:
+        mem_eff = np.where(np.isnan(p.rowwise), mem_eff, p.rowwise)
     gemm = np.where(p.fp32_gemm, c.cuda_core_gemm, p.gemm_eff * p.align)
     tc = np.isin(p.kind, [k.value for k in compute.TENSOR_CORE_KINDS])
     flop = np.where(tc, p.flop_s / gemm / p.wave, p.flop_s)
@@ -357,6 +365,52 @@ def fit_low_precision(roots: list[Path]) -> dict[str, dict[str, float]]:
                 lambda e, flop=flop, wave=wave, mem=mem: gemm_roofline(flop / e / wave, mem) + 1e-6,
             )
     return dict(out)
+
+
+def fit_rowwise(p: Priced, on: str = "H200") -> dict:
+    """The row-wise constants of `compute.rowwise_efficiency`, from GPU type `on`'s rows of
+    meshplan's own data only (the other GH100 types are held out):
+    - `fraction`: per (family, bytes per element), at each width 2^`ROWWISE_LOG2_WIDTHS`, the
+      fraction of `ROWWISE_REFERENCE_BW` its row of 2^26 elements reached (essential bytes
+      over its time less the kernel-time sources' overhead, computed without the others);
+    - `rows_per_sm`: per family, the value on a grid of 0.5-6 that minimises the MAPE of all
+      `on`'s rows of that family (both dtypes, every size) priced with that `fraction`."""
+    from meshplan.ir import DTYPE_BYTES
+
+    others = [str(g) for g in np.unique(p.gpu[p.source == "meshplan"]) if g != on]
+    ovh = overheads(p, others[0] if len(others) == 1 else None)["meshplan"]
+    mine = [i for i in range(len(p.rows)) if p.source[i] == "meshplan" and p.gpu[i] == on]
+    spec = next(device_spec(p.rows[i].device) for i in mine)
+    shapes = {i: compute.rowwise_shape(p.rows[i].op) for i in mine}
+    shapes = {i: s for i, s in shapes.items() if s is not None}
+    points: dict[tuple[str, int], dict[int, float]] = defaultdict(dict)
+    for i, (family, rows, width) in shapes.items():
+        if rows * width == 2**26 and math.log2(width) in compute.ROWWISE_LOG2_WIDTHS:
+            size = DTYPE_BYTES[p.rows[i].op.inputs[0].dtype]
+            nbytes = p.mem_s[i] * spec.hbm_bandwidth
+            frac = nbytes / (p.measured[i] - ovh) / compute.ROWWISE_REFERENCE_BW
+            points[(family, size)][int(math.log2(width))] = round(float(frac), 3)
+    fraction = {
+        key: tuple(pts[x] for x in compute.ROWWISE_LOG2_WIDTHS)
+        for key, pts in sorted(points.items())
+        if all(x in pts for x in compute.ROWWISE_LOG2_WIDTHS)
+    }
+    rows_per_sm, mape = {}, {}
+    for family in sorted({s[0] for s in shapes.values()}):
+        idx = [i for i, s in shapes.items() if s[0] == family]
+
+        def err(k: float, idx=idx, family=family) -> float:
+            eff = np.array([
+                compute.rowwise_efficiency(p.rows[i].op, spec, fraction=fraction,
+                                           rows_per_sm={family: k})
+                for i in idx
+            ])  # fmt: skip
+            return _mape(p.mem_s[idx] / eff + ovh, p.measured[idx])
+
+        grid = np.arange(0.5, 6.01, 0.5)
+        rows_per_sm[family] = float(min(grid, key=err))
+        mape[family] = round(err(rows_per_sm[family]), 1)
+    return {"on": on, "fraction": fraction, "rows_per_sm": rows_per_sm, "mape_on_fit_rows": mape}
 
 
 def _mem(memory: dict[str, float]) -> float:
@@ -674,6 +728,8 @@ def main(argv: list[str] | None = None) -> int:
         summary["fit_all"] = dataclasses.asdict(fit(p))
         summary["fit_tensor_core"] = fit_tensor_core(p)
         summary["fit_low_precision"] = fit_low_precision(args.data)
+        if "H200" in set(p.gpu[p.source == "meshplan"]):
+            summary["fit_rowwise"] = fit_rowwise(p)
     if args.learned:
         t1 = time.time()
         settings = LearnedSettings()
@@ -719,6 +775,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tensor-core GEMMs fitted on {g}'s own bf16 linears: {f}")
         for g, f in summary["fit_low_precision"].items():
             print(f"one-byte GEMMs fitted on {g}'s own rows: {f}")
+        if "fit_rowwise" in summary:
+            f = summary["fit_rowwise"]
+            print(f"row-wise kernels fitted on {f['on']}'s rows (compute.rowwise_efficiency):")
+            for key, ys in f["fraction"].items():
+                print(f"  fraction {key}: {ys}")
+            print(f"  rows per SM {f['rows_per_sm']}, MAPE on those rows {f['mape_on_fit_rows']}")
     print("\ntargets (leave one GPU type out):")
     for line in summary["verdicts"]:
         print("  " + line)

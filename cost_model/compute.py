@@ -242,10 +242,152 @@ def memory_efficiency(op: Op, gpu: GpuSpec) -> float:
     """Fraction of `gpu`'s HBM bandwidth the kernel of `op` sustains (by op kind). The pieces
     of an unfused norm take the elementwise kernels' fraction (meshplan's H100 / H200 training
     steps, docs/op_latency.md: priced at the fused-norm fraction they made the step's
-    memory-bound share twice too large)."""
+    memory-bound share twice too large). Softmax, layer norm and fused RMSNorm on a GH100
+    part depend on their row width (`rowwise_efficiency`)."""
     if op.kind == OpKind.NORM and not any(f in op.target for f in _FUSED_NORMS):
         return MEMORY_EFFICIENCY_BY_KIND[OpKind.ELEMENTWISE]
+    rowwise = rowwise_efficiency(op, gpu)
+    if rowwise is not None:
+        return rowwise
     return MEMORY_EFFICIENCY_BY_KIND.get(op.kind) or kernel_efficiency(gpu).memory
+
+
+# Row-wise kernels (softmax, layer norm, fused RMSNorm) reduce each row of the input before
+# they write it, so how fast they stream depends on the row width (the reduced last dim):
+# PyTorch's CUDA softmax runs a persistent warp kernel up to width 1024 and block kernels
+# above it; the norms run one block or warp per row, so narrow rows leave threads idle and
+# very wide rows leave few blocks per SM. Measured on GH100 parts (meshplan's own kernels,
+# `benchmarks/collect_gpu_ops.py --only memory_dense`, data/gpu_op_latency/meshplan/), these
+# kernels are limited by the SMs, not by HBM, over most widths: the H100 (3.35 TB/s) moves a
+# bf16 softmax of width 512 at 0.73 of its HBM bandwidth, the H200 (4.8 TB/s, the same 132
+# SMs and clocks) at only 0.56, in nearly the same time. So the table below is a throughput
+# of the SMs, not a fraction of HBM: on a GPU type of `ROWWISE_GPUS` a row-wise kernel moves
+#
+#     min(hbm_bw * e_stream, table(width) * 4.8 TB/s * sms / 132 * min(1, rows / (k * sms)))
+#
+# bytes a second, where
+# - table(width): `ROWWISE_FRACTION`, linear in log2(width) between the powers of two 32 ..
+#   65536 (`ROWWISE_LOG2_WIDTHS`) and held at the ends: the fraction of 4.8 TB/s that the
+#   H200's rows of 2^26 elements reached, (read + write bytes, as `essential_bytes`) / (time
+#   - 1.1 us, the kernel-time sources' measurement overhead, `gpu_op_latency.overheads`);
+#   the H200 PyTorch 2.11 + CUDA 13, 700 W;
+# - sms / 132: the SM throughput scales with the part's SM count (H100-PCIe: 114; an
+#   assumption, its clocks are also lower);
+# - e_stream: an elementwise kernel's fraction (`MEMORY_EFFICIENCY_BY_KIND[ELEMENTWISE]`):
+#   on a part with less HBM bandwidth per SM the kernel is HBM-bound again;
+# - rows / (k * sms): fewer than `ROWWISE_ROWS_PER_SM` rows per SM leave SMs idle (k fitted
+#   on all 156 H200 rows of each family, the least MAPE on a grid of 0.5-6).
+# Only the H200's rows set these numbers; the H100's are held out (docs/op_latency.md: MAPE
+# 38-51% -> 20-24% on them). Pre-Hopper parts keep one fraction per kind: NeuSight's float32
+# rows of A100, V100, T4, P100 and P4 show a width dependence too, but the H200's curve as
+# a shape, with the level refitted leaving each GPU type out, helps A100 and P100 layer norm
+# (25.5 -> 22.4%, 27.3 -> 23.5%) and hurts P4, T4 and V100 (18.9 -> 21.0%, 21.8 -> 26.1%,
+# 28.3 -> 31.1%), and softmax by under 1 point either way. The backward kernels take the
+# forward's curve (an assumption: only forwards were measured; the softmax backward has the
+# same warp / block split, the norms' one block per row). The width is the input's last dim
+# for softmax (the IR does not record a softmax's dim: transformers reduce the last one) and
+# the size of a norm's weight (its normalized shape), else the last dim. Group and batch norm,
+# log-softmax of the logits (a LOSS op) and dtypes other than 2- and 4-byte floats keep the
+# per-kind fraction.
+ROWWISE_GPUS = frozenset({"H100", "H200", "H100-PCIe"})
+ROWWISE_REFERENCE_BW = 4.8e12  # the H200's HBM bandwidth, bytes/s (the table's unit)
+ROWWISE_REFERENCE_SMS = 132  # the H200's SMs
+ROWWISE_LOG2_WIDTHS = tuple(range(5, 17))  # widths 32, 64, ..., 65536
+# (family, bytes per element) -> fraction of 4.8 TB/s at each width of `ROWWISE_LOG2_WIDTHS`;
+# 2-byte rows were measured in bf16 (fp16 takes them). One line a width, one column a kernel:
+ROWWISE_COLUMNS = (
+    ("softmax", 2), ("softmax", 4), ("layer_norm", 2), ("layer_norm", 4), ("rms_norm", 2),
+    ("rms_norm", 4),
+)  # fmt: skip
+_ROWWISE_TABLE = (
+    #  softmax        layer norm      RMSNorm          width
+    #  bf16   fp32    bf16   fp32     bf16   fp32
+    (0.279, 0.546, 0.026, 0.038, 0.044, 0.074),  # 32
+    (0.403, 0.761, 0.050, 0.074, 0.087, 0.148),  # 64
+    (0.486, 0.870, 0.102, 0.147, 0.175, 0.283),  # 128
+    (0.530, 0.858, 0.171, 0.252, 0.312, 0.453),  # 256
+    (0.562, 0.836, 0.249, 0.388, 0.517, 0.652),  # 512
+    (0.537, 0.836, 0.371, 0.563, 0.670, 0.810),  # 1k
+    (0.371, 0.781, 0.480, 0.674, 0.718, 0.729),  # 2k
+    (0.268, 0.536, 0.546, 0.622, 0.704, 0.620),  # 4k
+    (0.220, 0.405, 0.484, 0.515, 0.549, 0.572),  # 8k
+    (0.444, 0.648, 0.454, 0.503, 0.497, 0.556),  # 16k
+    (0.443, 0.537, 0.453, 0.409, 0.507, 0.546),  # 32k
+    (0.418, 0.416, 0.329, 0.474, 0.374, 0.552),  # 64k
+)  # fmt: skip
+ROWWISE_FRACTION: dict[tuple[str, int], tuple[float, ...]] = {
+    col: tuple(row[i] for row in _ROWWISE_TABLE) for i, col in enumerate(ROWWISE_COLUMNS)
+}
+ROWWISE_ROWS_PER_SM = {"softmax": 1.0, "layer_norm": 4.5, "rms_norm": 2.5}
+_ROWWISE_FAMILY = {
+    "_softmax": "softmax",
+    "softmax": "softmax",
+    "_safe_softmax": "softmax",
+    "_log_softmax": "softmax",  # PyTorch's log-softmax runs the softmax kernels
+    "log_softmax": "softmax",
+    "native_layer_norm": "layer_norm",
+    "layer_norm": "layer_norm",
+    "_fused_rms_norm": "rms_norm",
+    "rms_norm": "rms_norm",
+}
+
+
+def rowwise_shape(op: Op) -> tuple[str, int, int] | None:
+    """(family, rows, width) of a softmax, layer norm or fused RMSNorm `op` (`_ROWWISE_FAMILY`
+    by its target, of kind SOFTMAX or NORM), else None, also when its input has no shape."""
+    from .features import packet
+
+    family = _ROWWISE_FAMILY.get(packet(op.target))
+    if family is None or op.kind not in (OpKind.SOFTMAX, OpKind.NORM) or not op.inputs:
+        return None
+    x = op.inputs[0].shape
+    if not x or 0 in x:
+        return None
+    width = x[-1]
+    if family != "softmax" and len(op.inputs) > 1:
+        w = op.inputs[1].shape  # the weight: the normalized shape
+        if w and len(w) <= len(x) and tuple(x[-len(w) :]) == tuple(w):
+            width = math.prod(w)
+    return family, math.prod(x) // width, width
+
+
+def rowwise_efficiency(
+    op: Op,
+    gpu: GpuSpec,
+    *,
+    fraction: dict[tuple[str, int], tuple[float, ...]] | None = None,
+    rows_per_sm: dict[str, float] | None = None,
+) -> float | None:
+    """Fraction of `gpu`'s HBM bandwidth a row-wise kernel (`rowwise_shape`) sustains at its
+    row width, dtype and row count on a GPU type of `ROWWISE_GPUS` (the formula above); None
+    for any other op, GPU type or dtype (the caller keeps the per-kind fraction). A spec
+    without an SM count takes the H200's 132. `fraction` / `rows_per_sm` replace
+    `ROWWISE_FRACTION` / `ROWWISE_ROWS_PER_SM` (the fit in `benchmarks/gpu_op_latency.py`
+    tries other values)."""
+    shape = rowwise_shape(op) if gpu.name in ROWWISE_GPUS else None
+    if shape is None:
+        return None
+    family, rows, width = shape
+    fraction = ROWWISE_FRACTION if fraction is None else fraction
+    k = (ROWWISE_ROWS_PER_SM if rows_per_sm is None else rows_per_sm)[family]
+    table = fraction.get((family, DTYPE_BYTES.get(op.inputs[0].dtype, 0)))
+    if table is None:
+        return None
+    sm_bw = _log2_interp(ROWWISE_LOG2_WIDTHS, table, width) * ROWWISE_REFERENCE_BW
+    sms = gpu.sms or ROWWISE_REFERENCE_SMS
+    sm_bw *= sms / ROWWISE_REFERENCE_SMS
+    sm_bw *= min(1.0, rows / (k * sms))
+    stream = MEMORY_EFFICIENCY_BY_KIND[OpKind.ELEMENTWISE] * gpu.hbm_bandwidth
+    return min(stream, sm_bw) / gpu.hbm_bandwidth
+
+
+def _log2_interp(xs: tuple[int, ...], ys: tuple[float, ...], value: float) -> float:
+    """`ys` at log2(`value`), linear between the points `xs` (log2 values), held at the ends."""
+    x = min(max(math.log2(value), xs[0]), xs[-1])
+    for i in range(len(xs) - 1):
+        if x <= xs[i + 1]:
+            return ys[i] + (ys[i + 1] - ys[i]) * (x - xs[i]) / (xs[i + 1] - xs[i])
+    return ys[-1]
 
 
 def gemm_efficiency(gpu: GpuSpec, dtype: str) -> float:
