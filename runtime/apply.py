@@ -321,13 +321,16 @@ class Runner:
         self.optimizer.zero_grad(set_to_none=True)
         return self._global_mean(local)
 
-    def _accumulate(self, x: torch.Tensor, y: torch.Tensor) -> float:
+    def _accumulate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         n = self.n_microbatches
         if x.shape[0] % n:
             raise RuntimePlanError(
                 f"runtime: {x.shape[0]} rows do not split into {n} micro-batches"
             )
-        total = 0.0
+        # Summed on the device in float64 (the same additions as Python floats), read once in
+        # `_global_mean`: a `float()` per micro-batch would make the host wait for the GPU
+        # every micro-batch, so it could not queue the next one's kernels ahead.
+        total = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         scale = self.weight / n
         zero = self.ctx.plan.parallel.zero or 0
         for i, (xi, yi) in enumerate(zip(x.chunk(n), y.chunk(n))):
@@ -337,7 +340,7 @@ class Runner:
             with gradient_sync(self.module, enabled=sync, keep_gathered=zero in (1, 2)):
                 loss = self.loss_fn(self.module(xi), yi) * scale
                 loss.backward()
-            total += float(_local_value(loss))
+            total += _local_value(loss).to(device=total.device, dtype=torch.float64)
         return total
 
     def _pipeline(self, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -350,12 +353,16 @@ class Runner:
         # The schedule's losses are already weighted by dp / M (see `_schedule`).
         return float(sum(float(_local_value(v)) for v in losses))
 
-    def _global_mean(self, local: float) -> float:
+    def _global_mean(self, local: float | torch.Tensor) -> float:
         """Every dp replica's last stage contributes its weighted mean loss once (tp peers
         hold copies; cp peers each hold the mean over their share of the tokens)."""
         ctx = self.ctx
         contributes = self.holds_last and ctx.coord("tp") == 0
-        t = torch.tensor([local if contributes else 0.0], dtype=torch.float64, device=ctx.device)
+        if isinstance(local, torch.Tensor) and contributes:
+            t = local.reshape(1).to(device=ctx.device, dtype=torch.float64)
+        else:
+            t = torch.tensor([local if contributes else 0.0], dtype=torch.float64,
+                             device=ctx.device)  # fmt: skip
         dist.all_reduce(t)  # on the rank's device: NCCL has no CPU tensors
         return float(t.item()) / (self.dp * ctx.size("cp"))
 
