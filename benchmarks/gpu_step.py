@@ -87,16 +87,19 @@ def case_of(row: dict) -> tuple[str, int, int, str]:
     return name, int(mb.removeprefix("mb")), int(gb.removeprefix("gb")), recompute
 
 
-def predicted(case, gpu: str):
-    """The plan of `case` on one `gpu` as the planner prices it now (meta tensors only)."""
+def predicted(case, gpu: str, engine=None):
+    """The plan of `case` on one `gpu` as the planner prices it now (meta tensors only);
+    `engine` (`cost_model.engine.Engine`): price it so instead of meshplan's eager default."""
     import meshplan
+    from meshplan.cost_model.engine import EAGER
 
     name, mb, gb, recompute = case
     dtype = "float32" if gpu == "cpu" else "bfloat16"
     model, inputs = meshplan.models.transformer(dtype=dtype, **shape_kwargs(name))
     par = meshplan.Parallel(dp=1, tp=1, pp=1, micro_batch=mb, global_batch=gb,
                             recompute=meshplan.Recompute(recompute))  # fmt: skip
-    return meshplan.estimate_plan(model, inputs, meshplan.Cluster.preset(gpu, gpus=1), par)
+    return meshplan.estimate_plan(model, inputs, meshplan.Cluster.preset(gpu, gpus=1), par,
+                                  engine=engine or EAGER)  # fmt: skip
 
 
 def tensor_bytes(pred) -> float:

@@ -55,10 +55,15 @@ price a step as another stack would run it:
   arguments.py: "accumulate and all-reduce gradients in fp32 for bfloat16 data type") and
   Composer's FSDP mixed precision DEFAULT (`precision: amp_bf16`). meshplan's runtime
   reduces the bf16 gradients it computes, as do FSDP's PURE policy and fp16 Megatron.
+- `host_node_s`: the host's seconds per traced aten node of an eager forward + backward
+  (`cost_model.host`): where the kernels are short the GPU waits for the host, most of all
+  under torch's selective-checkpoint mode. The default was measured on a GPU machine's host;
+  0 prices a host that never holds the GPU up (CUDA graphs).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -103,8 +108,17 @@ class Engine:
     forward_precision: str | None = None
     hybrid: tuple[tuple[str, str], ...] = ()
     hybrid_linears: tuple[str, ...] = ()
+    # Host seconds per traced aten node of an eager forward + backward (`cost_model.host`);
+    # 0: the host never holds the GPU up (CUDA graphs, or a host fast enough); None: the
+    # default (`host.default_node_s`).
+    host_node_s: float | None = None
 
     def __post_init__(self) -> None:
+        if self.host_node_s is not None and not 0.0 <= self.host_node_s < 1.0:
+            raise EngineError(
+                f"host_node_s is the host's seconds per traced op, at least 0 and under 1; "
+                f"got {self.host_node_s!r}"
+            )
         if self.selective is not None and self.selective not in set(SelectivePolicy):
             raise EngineError(
                 f"selective policy {self.selective!r} is not modelled; use one of "
@@ -147,7 +161,8 @@ class Engine:
 
     @property
     def is_eager(self) -> bool:
-        return self == EAGER
+        """meshplan's own runtime, whatever its host's speed (`host_node_s`)."""
+        return dataclasses.replace(self, host_node_s=None) == EAGER
 
     def describe(self) -> str:
         """`eager` or the features joined with '+', e.g. `fused+float8(tensorwise)+tp-overlap`."""
@@ -176,6 +191,8 @@ class Engine:
             parts.append("linears " + ",".join(self.hybrid_linears))
         if self.hybrid:
             parts.append("hybrid " + ",".join(f"{g}={m}" for g, m in self.hybrid))
+        if self.host_node_s is not None:
+            parts.append(f"host {self.host_node_s * 1e6:g} us/op")
         return "+".join(parts) or "eager"
 
 

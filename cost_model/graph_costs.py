@@ -79,6 +79,9 @@ class BlockFacts:
     # Queries of every attention op, all heads (head-parallel CP moves them, and the output
     # of the same size, by all-to-all: `Pricer.cp_collectives`).
     q_bytes: int = 0
+    # Traced aten nodes of one instance (`Op.fx_nodes`, views included): what the host
+    # issues op by op in eager mode (`cost_model.host`).
+    host_nodes: int = 0
 
 
 def _hidden(graph: Graph) -> int:
@@ -213,6 +216,7 @@ def _block_facts(graph: Graph, block: Block, hidden: int) -> BlockFacts:
         assignments=assignments,
         capacity_factor=capacity,
         q_bytes=q,
+        host_nodes=sum(max(1, len(op.fx_nodes)) for op in block.ops),
     )
 
 

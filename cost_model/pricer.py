@@ -47,6 +47,7 @@ from .dp_traffic import DataParallelTraffic
 from .engine import EAGER, Engine
 from .ep_traffic import EpSpan, ExpertParallelTraffic
 from .graph_costs import CACHE_SIZE, Composition, ModelCosts, model_costs
+from .host import default_node_s, host_exposed, host_times
 from .memory import (
     StageMemory,
     precision_for,
@@ -105,6 +106,9 @@ class StageTime:
     # unit's all-gather and reduce-scatter, `DataParallelTraffic.dp_edge`). Set by
     # `tables.plan_tables`, 0 otherwise.
     dp_edge: float = 0.0
+    # The part of forward + backward spent waiting for the host (`cost_model.host`): inside
+    # `forward` and `backward`, reported apart in the breakdown.
+    host: float = 0.0
 
     @property
     def compute(self) -> float:
@@ -155,6 +159,8 @@ class Pricer(
         self.costs = costs
         # How the step executes beyond the configuration (fused kernels, Float8, TP overlap).
         self.engine = engine
+        # The host's seconds per traced op where the engine leaves it to the default.
+        self.host_default = default_node_s()
         self.cluster = cluster
         self.dtype = dtype
         # How Recompute.SELECTIVE keeps outputs (recompute.SelectivePolicy), set only by the
@@ -209,14 +215,16 @@ class Pricer(
                 (self.stage_time(comp, group, c, span) for c in ranks), key=lambda t: t.total
             )
         if got is None:
-            parts = [0.0] * 7
+            parts = [0.0] * 8
             for bkey, count in comp:
                 t = self.block_time(bkey, group, cfg, span)
                 for i, v in enumerate(
                     (t.forward, t.backward, t.recompute, t.tp_comm, t.cp_comm, t.ep_comm, t.wgrad)
                 ):
                     parts[i] += count * v
-            got = self._time[key] = StageTime(*parts)
+                parts[7] += count * t.host
+            *fields, host = parts
+            got = self._time[key] = StageTime(*fields, host=host)
         return got
 
     def block_time(
@@ -283,8 +291,24 @@ class Pricer(
             )
             q_fwd, q_bwd = quantize_time(saved * share, g.gpu, calls)
             fwd, bwd = fwd + q_fwd, bwd + q_bwd
+        wgrad = bwd * facts.wgrad_fraction
+        # the host's issue time where the kernels are shorter (`cost_model.host`)
+        x_fwd = x_bwd = 0.0
+        engine = self.engine_of(group)
+        node_s = self.host_default if engine.host_node_s is None else engine.host_node_s
+        node_s = 0.0 if engine.fused else node_s  # compiled: not issued op by op
+        if node_s and facts.host_nodes and not g.gpu.name.upper().startswith("CPU"):
+            h_fwd, h_bwd = host_times(facts.host_nodes, recompute, node_s)
+            x_fwd, x_bwd = host_exposed(fwd, bwd + rc, h_fwd, h_bwd)
         got = self._block_time[key] = StageTime(
-            fwd, bwd, rc, t_fwd + t_bwd, c_fwd + c_bwd, e_fwd + e_bwd, bwd * facts.wgrad_fraction
+            fwd + x_fwd,
+            bwd + x_bwd,
+            rc,
+            t_fwd + t_bwd,
+            c_fwd + c_bwd,
+            e_fwd + e_bwd,
+            wgrad,
+            host=x_fwd + x_bwd,
         )
         return got
 
@@ -455,7 +479,8 @@ def pricer_for(
     """A cached `Pricer` for (graph, cluster, dtype, comm, engine), by
     identity (entries hold both objects). `dtype` None: the graph's own (`compute_dtype`)."""
     dtype = dtype or compute_dtype(graph)
-    key = (id(graph), id(cluster), dtype, comm, engine)
+    host = default_node_s() if engine.host_node_s is None else None  # MESHPLAN_HOST_US
+    key = (id(graph), id(cluster), dtype, comm, engine, host)
     hit = _PRICER_CACHE.get(key)
     if hit is not None and hit[0] is graph and hit[1] is cluster:
         _PRICER_CACHE.move_to_end(key)

@@ -165,6 +165,7 @@ PRICED_SCHEDULES = SUPPORTED_SCHEDULES
 
 BREAKDOWN_PARTS = (
     "compute",
+    "host",
     "recompute",
     "tp_comm",
     "cp_comm",
@@ -274,7 +275,9 @@ def evaluate(
         for g in used_pipe[s]
     )
     parts = {
-        "compute": m * t.compute,
+        "compute": m * (t.compute - t.host),
+        # the GPU waiting for the host to issue the kernels (`cost_model.host`)
+        "host": m * t.host,
         "recompute": m * t.recompute,
         "tp_comm": m * t.tp_comm,
         "cp_comm": m * t.cp_comm,

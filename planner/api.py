@@ -797,6 +797,7 @@ def plan(
     max_quantized_fraction: float = DEFAULT_MAX_QUANTIZED_FRACTION,
     sensitivity: Mapping[str, float] | None = None,
     max_loss_increase: float = DEFAULT_MAX_LOSS_INCREASE,
+    host_us: float | None = None,
 ) -> Plan:
     """The fastest plan for `model` on `cluster` that fits in memory.
 
@@ -834,12 +835,16 @@ def plan(
     only the linears `chosen_linears` picks within `max_loss_increase` (their summed
     sensitivity), recorded in the plan (`hybrid_linears`); None lowers every linear of the
     layers.
+    `host_us`: the host's microseconds per traced op of an eager forward + backward
+    (`meshplan.cost_model.host`; default `HOST_NODE_S`, measured on a GPU machine's host;
+    0: the host never holds the GPU up).
     Raises `InfeasibleError` with the binding constraint when no plan fits.
     """
     comm, quant_acts = comm_options(compress, quantize, codec)
     cluster = as_cluster(cluster)
     graph = as_graph(model, example_inputs, progress=progress)
-    precision, dtype, engine, note = resolve_precision(graph, cluster, precision, EAGER)
+    engine = EAGER if host_us is None else Engine(host_node_s=host_us * 1e-6)
+    precision, dtype, engine, note = resolve_precision(graph, cluster, precision, engine)
     pinned = parallel or Parallel()
     if pinned.quantize_activations and not quant_acts:
         raise ValueError(

@@ -446,6 +446,23 @@ PrecisionOpt = Annotated[
     ),
 ]
 
+HostOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--host-us",
+        help="The host's microseconds per traced op of an eager forward + backward (default "
+        "$MESHPLAN_HOST_US or 50, measured on a GPU machine's host; 0: the host never holds "
+        "the GPU up).",
+    ),
+]
+
+
+def _host_us(value: float | None) -> float | None:
+    """--host-us checked: a number of microseconds, at least 0."""
+    if value is not None and not 0.0 <= value < 1e6:
+        raise ValueError(f"--host-us is microseconds per traced op, at least 0; got {value:g}")
+    return value
+
 
 def _hybrid_option(value: str, fraction: float) -> str | dict[str, str]:
     """--hybrid-precision as `plan` takes it: off, auto or {group: mode}; one-line errors."""
@@ -713,6 +730,7 @@ def plan(
             "linears.",
         ),
     ] = 0.01,
+    host_us: HostOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print plan JSON.")] = False,
     baseline: Annotated[
         str | None,
@@ -806,6 +824,7 @@ def plan(
             max_quantized_fraction=max_quantized_fraction,
             sensitivity=sens,
             max_loss_increase=max_loss_increase,
+            host_us=_host_us(host_us),
         )
     _print_plan(result, as_json)
     if objective == "cost" and not as_json:
@@ -914,6 +933,7 @@ def estimate(
         ),
     ] = False,
     precision: PrecisionOpt = None,
+    host_us: HostOpt = None,
     hybrid_precision: Annotated[
         str,
         typer.Option(
@@ -973,6 +993,7 @@ def estimate(
         tp_overlap,
         hybrid=tuple(sorted(hybrid.items())) if isinstance(hybrid, dict) else (),
         hybrid_linears=linears,
+        host_node_s=None if (us := _host_us(host_us)) is None else us * 1e-6,
     )
     _check_output(output)
     _check_precision(precision)
@@ -987,6 +1008,7 @@ def estimate(
         given = [f"--{k.replace('_', '-')}" for k in pins.pinned()]
         given += ["--seq-len"] if seq_len is not None else []
         given += ["--cp-shares"] if balance_cp else []
+        given += ["--host-us"] if host_us is not None else []
         given += [] if engine.is_eager else ["--compile/--float8/--tp-overlap/--hybrid-precision"]
         if given:
             raise ValueError(

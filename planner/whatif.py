@@ -43,6 +43,8 @@ Bottleneck. `bottleneck_part` is the largest part of the predicted step-time bre
 `time_bottleneck` its name, for what to buy more of:
 
 - `compute` -> "compute"; `optimizer` -> "optimizer" (the memory-bound Adam update);
+  `host` -> "host" (the GPU waits for Python to issue its kernels: a faster host, bigger
+  micro-batches, no selective-checkpoint mode, or CUDA graphs; `cost_model.host`);
   `pp_bubble` -> "pipeline bubble"; `recompute` -> "memory" (recomputation only buys memory);
 - a communication part -> the link tier it runs on (`part_link_tier`): `tp_comm` the intra-node
   tier (TP stays inside a node or NVLink domain, e.g. nvlink4); `cp_comm`, `ep_comm` and
@@ -88,6 +90,7 @@ from pathlib import Path
 
 import torch
 from meshplan.cost_model import BREAKDOWN_PARTS, predict
+from meshplan.cost_model.host import default_node_s
 from meshplan.ir import Cluster, DeviceGroup, Graph, LinkTier, Parallel, Recompute
 from meshplan.ir.cluster_io import (
     EXAMPLE_PRICE_PER_GPU_HOUR,
@@ -144,6 +147,7 @@ CACHE_VERSION = "meshplan.whatif-cache/v1"
 # Named as the bottleneck for a step-time part that is not communication.
 _PART_NAMES = {
     "compute": "compute",
+    "host": "host",
     "recompute": "memory",
     "pp_bubble": "pipeline bubble",
     "optimizer": "optimizer",
@@ -706,6 +710,7 @@ class PlanCache:
             "time_limit_s": time_limit_s,
             "meshplan": __version__,
             "code": _code_fingerprint(),
+            "host_s": default_node_s(),  # MESHPLAN_HOST_US changes the prices
         }
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
 
@@ -1124,6 +1129,7 @@ def require_matplotlib() -> None:
 _PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 _PART_COLORS = {
     "compute": "#4c72b0",
+    "host": "#64b5cd",
     "recompute": "#8172b3",
     "tp_comm": "#dd8452",
     "cp_comm": "#da8bc3",

@@ -38,3 +38,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if Path(str(item.fspath)).resolve() in files:
             item.add_marker(pytest.mark.multiprocess)
+
+
+@pytest.fixture
+def gpu_time_only(monkeypatch):
+    """Price the GPU's time alone (`MESHPLAN_HOST_US=0`, `cost_model.host`): for tests of
+    GPU-side pricing whose models are so small that the host would hold the GPU up and mask
+    what they check. tests/cost_model/test_host.py tests the host term itself."""
+    monkeypatch.setenv("MESHPLAN_HOST_US", "0")

@@ -218,11 +218,13 @@ def test_hybrid_precision_changes_only_its_groups_forward():
     h100 = dataclasses.replace(cluster.groups[0], gpu=gpu_spec("H100"))
     cluster = dataclasses.replace(cluster, groups=(h100, *cluster.groups[1:]))
     cfg = StageConfig(1, 1, 1, False, 1, "none")
-    plain = pricer_for(graph, cluster, "bfloat16")
+    # GPU time alone: this small layer at one sequence is host-bound (`cost_model.host`)
+    plain = pricer_for(graph, cluster, "bfloat16", engine=Engine(host_node_s=0.0))
     comp = plain.costs.composition(1, 2)
     # the A100s in int8 (no FP8 on Ampere), the H100s in FP8
     for group, mode in (("a100", "int8"), ("h100", "fp8")):
-        hybrid = pricer_for(graph, cluster, "bfloat16", engine=Engine(hybrid=((group, mode),)))
+        eng = Engine(hybrid=((group, mode),), host_node_s=0.0)
+        hybrid = pricer_for(graph, cluster, "bfloat16", engine=eng)
         assert hybrid.engine_of(group).forward_precision == mode
         for g in ("h100", "a100"):
             a, b = plain.stage_time(comp, g, cfg), hybrid.stage_time(comp, g, cfg)

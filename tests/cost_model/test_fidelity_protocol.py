@@ -244,7 +244,9 @@ def test_sources_are_publishers_not_tables(fid):
     assert math.isnan(case.refit_step_s)
 
 
-def test_cost_model_predictor_prices_with_the_table_and_restores_the_shipped_one(fid):
+def test_cost_model_predictor_prices_with_the_table_and_restores_the_shipped_one(
+    fid, gpu_time_only
+):
     """The real predictor (on a synthetic graph, no tracing): a lower GEMM efficiency gives a
     slower step, the case itself is not changed, and the shipped efficiencies are back after."""
     from meshplan.cost_model.compute import KERNEL_EFFICIENCY

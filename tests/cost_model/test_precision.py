@@ -20,6 +20,9 @@ from meshplan.runtime.errors import RuntimePlanError
 from meshplan.runtime.precision import apply_precision
 from torch import nn
 
+# These models are small enough that the host would bind (`cost_model.host`).
+pytestmark = pytest.mark.usefixtures("gpu_time_only")
+
 
 def test_which_parts_train_in_which_precision():
     v100, a100, h100 = gpu_spec("V100"), gpu_spec("A100"), gpu_spec("H100")

@@ -13,6 +13,9 @@ from meshplan.passes.partition import even_stages, place_stages
 
 from tests.synthetic import H100, h100_cluster, mixed_cluster, transformer_graph
 
+# These models are small enough that the host would bind (`cost_model.host`).
+pytestmark = pytest.mark.usefixtures("gpu_time_only")
+
 
 def config(**kw) -> Parallel:
     base = {

@@ -24,6 +24,9 @@ from meshplan.passes.partition import layer_counts, rank_chunks, stages_of
 
 from tests.synthetic import h100_cluster, transformer_graph
 
+# These models are small enough that the host would bind (`cost_model.host`).
+pytestmark = pytest.mark.usefixtures("gpu_time_only")
+
 # 12 layers in 2 ranks x 2 chunks of 5, 2, 2 and 3 layers (model order; chunk k on rank k % 2):
 # rank 0 runs the embedding and 5 + 2 layers, rank 1 2 + 3 layers and the LM head
 CHUNK_LAYERS = (5, 2, 2, 3)

@@ -38,8 +38,9 @@ def test_stored_h200_steps_stay_predicted():
         assert tensors == pytest.approx(r["measured_mem_gib"], rel=0.02), r["case"]
         err = pred.step_time_s / r["measured_s"] - 1
         if r["case"].endswith("selective"):
-            # host-bound under torch's selective-checkpoint dispatch, which is not priced
-            # (docs/op_latency.md): bounded, not matched
-            assert -0.5 < err < 0, r["case"]
+            # host-bound under torch's selective-checkpoint dispatch (`cost_model.host`):
+            # session 22's run synced the host every micro-batch, and such steps vary 15-25%
+            # from one step to the next (docs/op_latency.md)
+            assert abs(err) < 0.4, (r["case"], err)
         else:
             assert abs(err) < 0.12, (r["case"], err)

@@ -551,7 +551,7 @@ def test_70b_on_512_mixed_gpus_is_solved_to_optimality():
 
 
 @pytest.mark.parametrize("squeeze", [(0.3, 0.6), (0.25, 0.5), (0.35, 0.7), (0.2, 0.45)])
-def test_per_group_tp_matches_exhaustive_search(squeeze):
+def test_per_group_tp_matches_exhaustive_search(squeeze, gpu_time_only):
     # Long sequences on memory-tight GPUs: the A100s need a wide TP that the 2-GPU H100
     # nodes cannot host, so the best plan runs each group's pipelines at its own TP degree.
     graph = transformer_graph(4, 1024, 16, 16, 4096, 8000, 4096, 1)

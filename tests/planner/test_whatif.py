@@ -23,6 +23,9 @@ from meshplan.ir import Parallel, RankMemory
 from meshplan.ir.cluster_io import EXAMPLE_PRICE_PER_GPU_HOUR
 from typer.testing import CliRunner
 
+# These models are small enough that the host would bind (`cost_model.host`).
+pytestmark = pytest.mark.usefixtures("gpu_time_only")
+
 # `meshplan.whatif` is the function (the package re-exports it); the module is this.
 W = importlib.import_module("meshplan.whatif")
 api = importlib.import_module("meshplan.api")
@@ -136,6 +139,13 @@ def test_wan_is_named_as_the_bottleneck(graph, tmp_path, two_sites):
     # Left free, the planner stays on one site: the WAN costs more than the GPUs bring.
     (free,) = sweep(graph, tmp_path, base=two_sites)
     assert free.gpus_used == 8 and free.bottleneck == "compute"
+
+
+def test_a_host_bound_model_names_the_host(graph, tmp_path, monkeypatch):
+    # The tiny model's kernels take microseconds; eager PyTorch takes ~50 us an op to issue.
+    monkeypatch.setenv("MESHPLAN_HOST_US", "50")
+    (rec,) = sweep(graph, tmp_path, base="dgx-h100", vary={"gpus": [8]})
+    assert rec.bottleneck == "host" and rec.bottleneck_part == "host"
 
 
 def test_wan_bandwidth_sweep_names_the_resized_tier(graph, tmp_path):
