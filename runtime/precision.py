@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable
 import torch
 from meshplan.ir.plan import Plan
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .errors import RuntimePlanError
 
@@ -105,7 +106,7 @@ def with_master_weights(
             unique.setdefault(id(p), p)
     params = list(unique.values())
     masters = [nn.Parameter(p.detach().to(torch.float32), requires_grad=True) for p in params]
-    optimizer = factory(masters)
+    optimizer = factory(by_kind(masters))
     given = {id(q) for group in optimizer.param_groups for q in group["params"]}
     if given != {id(m) for m in masters}:
         raise RuntimePlanError(
@@ -145,4 +146,15 @@ def make_optimizer(
     low = any(p.dtype in (torch.bfloat16, torch.float16) for p in params)
     if master_weights is None:
         master_weights = plan.precision in MIXED_PRECISIONS and low
-    return with_master_weights(params, factory) if master_weights else factory(params)
+    return with_master_weights(params, factory) if master_weights else factory(by_kind(params))
+
+
+def by_kind(params: list[nn.Parameter]) -> list[nn.Parameter] | list[dict]:
+    """`params` as given, or, where DTensors (TP / FSDP2 shards) and plain tensors (what TP
+    leaves replicated) are mixed, as two parameter groups of one kind each: a foreach or
+    fused optimizer step (the CUDA default of SGD, Adam and AdamW) refuses a list that mixes
+    them ("got mixed torch.Tensor and DTensor"), and it runs once per group."""
+    dt = [p for p in params if isinstance(p, DTensor)]
+    if not dt or len(dt) == len(params):
+        return params
+    return [{"params": dt}, {"params": [p for p in params if not isinstance(p, DTensor)]}]

@@ -146,3 +146,40 @@ def test_ddp_and_fsdp2_train_as_one_process_with_fp32_masters():
         assert state.keys() == ref_state.keys()
         for k, v in ref_state.items():
             assert torch.allclose(state[k], v, atol=2e-2, rtol=2e-2), (name, k)
+
+
+def _foreach_ranks(plans, steps):
+    from meshplan.runtime import apply
+
+    out = {}
+    for name, plan in plans.items():
+        runner = apply(
+            _bf16_model(), plan, loss_fn, lambda ps: torch.optim.SGD(ps, lr=LR, foreach=True)
+        )
+        losses = [runner.step(*batch(plan.parallel.global_batch, s)) for s in range(steps)]
+        state = {k: v.float() for k, v in runner.full_state_dict().items()}
+        out[name] = {"losses": losses, "state": state}
+    return out
+
+
+def test_tensor_parallel_steps_a_foreach_optimizer_as_one_process():
+    # TP without SP leaves the norms plain tensors beside the sharded DTensors: a foreach
+    # step (the CUDA default of SGD / Adam / AdamW) refused the mixed list ("got mixed
+    # torch.Tensor and DTensor") until the runtime handed the factory a group of each kind
+    # (`precision.by_kind`); found by benchmarks/host_overhead.py on an H200.
+    plans = {"tp": _plan(tp=2, sequence_parallel=False, micro_batch=2, global_batch=4)}
+    steps = 2
+    results = run_local(_foreach_ranks, 2, plans, steps, timeout_s=240)
+    ref_losses, ref_state = _reference(4, 2, steps)
+    for rank, r in enumerate(results):
+        assert r["tp"]["losses"] == pytest.approx(ref_losses, rel=2e-2), rank
+    state = results[0]["tp"]["state"]
+    for k, v in ref_state.items():
+        assert torch.allclose(state[k], v, atol=2e-2, rtol=2e-2), k
+
+
+def test_parameters_of_both_kinds_go_in_two_groups():
+    from meshplan.runtime.precision import by_kind
+
+    plain = [torch.nn.Parameter(torch.zeros(2)) for _ in range(2)]
+    assert by_kind(plain) is plain  # one kind: as given
