@@ -34,10 +34,11 @@ import torch
 CPU_SHAPE = dict(layers=8, hidden=64, heads=4, kv_heads=4, ffn=128, vocab=256, seq_len=8)
 GPU_SHAPE = dict(layers=8, hidden=256, heads=4, kv_heads=4, ffn=1024, vocab=4096, seq_len=128)
 MODES = ("none", "full", "selective")
+FOREACH = True  # the CUDA default of torch.optim.SGD
 
 
 def nodes_per_layer(shape: dict, dtype: str) -> int:
-    """Traced aten nodes of one layer (what the cost model counts; `host.block_nodes`)."""
+    """Traced aten nodes of one layer (what the cost model counts: `BlockFacts.host_nodes`)."""
     import meshplan
     from meshplan.cost_model.graph_costs import model_costs
 
@@ -77,6 +78,52 @@ def measure(
     return statistics.median(fwd[2:]), statistics.median(bwd[2:])
 
 
+def tp_steps(shape: dict, device: torch.device, dtype: str, tp: int, reps: int) -> dict:
+    """Median seconds of whole runtime steps (`meshplan.runtime.apply`, one micro-batch,
+    SGD) without TP and at TP `tp` (with and without sequence parallelism, without and with
+    selective recompute), this process acting as rank 0 of a fake process group whose
+    collectives do nothing: the host's time with DTensor's dispatch, no network in it."""
+    import meshplan
+    import meshplan.runtime as rt
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def loss_fn(logits, targets):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+    cluster = "cpu" if device.type == "cpu" else "H100"
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    out = {}
+    for world, configs in ((1, ((1, False, "none"), (1, False, "selective"))),
+                           (tp, ((tp, False, "none"), (tp, True, "none"),
+                                 (tp, True, "selective")))):  # fmt: skip
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+        for t, sp, mode in configs:
+            model, inputs = meshplan.models.transformer(dtype=dtype, **shape)
+            par = meshplan.Parallel(dp=1, tp=t, pp=1, micro_batch=1, global_batch=1,
+                                    recompute=meshplan.Recompute(mode),
+                                    sequence_parallel=sp)  # fmt: skip
+            plan = meshplan.estimate_plan(model, inputs, meshplan.Cluster.preset(
+                cluster, gpus=world), par)  # fmt: skip
+            torch.manual_seed(0)
+            real, _ = meshplan.models.transformer(dtype=dtype, device=str(device), **shape)
+            opt = lambda ps: torch.optim.SGD(ps, lr=1e-4, foreach=FOREACH)  # noqa: E731
+            runner = rt.apply(real, plan, loss_fn, opt)
+            x = torch.randint(0, shape["vocab"], (1, shape["seq_len"] + 1))
+            times = []
+            for _ in range(reps + 3):
+                sync()
+                t0 = time.perf_counter()
+                runner.step(x[:, :-1], x[:, 1:])
+                sync()
+                times.append(time.perf_counter() - t0)
+            out[f"tp{t} sp{int(sp)} {mode}"] = statistics.median(times[3:])
+            del runner, real
+        dist.destroy_process_group()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cpu")
@@ -86,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         "--dtype",
         default="",
         help="float32 or bfloat16 (default: float32 on the CPU, bfloat16 on a GPU)",
+    )
+    ap.add_argument(
+        "--tp", type=int, default=0, help="also time runtime steps at this TP degree (DTensor)"
     )
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -106,6 +156,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {mode:<10} forward {f / nodes * 1e6:6.2f} us ({f / base:.2f})  "
               f"backward {b / nodes * 1e6:6.2f} us ({b / base:.2f})  "
               f"forward's share {f / (f + b):.2f}")  # fmt: skip
+    if args.tp > 1:
+        steps = tp_steps(shape, device, dtype, args.tp, args.reps)
+        base = steps["tp1 sp0 none"]
+        out["tp_steps_s"] = steps
+        print(
+            f"runtime steps, this rank of a fake {args.tp}-rank group (x TP 1 without recompute):"
+        )
+        for name, sec in steps.items():
+            print(f"  {name:<22} {sec * 1e3:8.2f} ms ({sec / base:.2f})")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=1)

@@ -289,7 +289,9 @@ def memory_efficiency(op: Op, gpu: GpuSpec) -> float:
 # the size of a norm's weight (its normalized shape), else the last dim. Group and batch norm,
 # log-softmax of the logits (a LOSS op) and dtypes other than 2- and 4-byte floats keep the
 # per-kind fraction.
-ROWWISE_GPUS = frozenset({"H100", "H200", "H100-PCIe"})
+# GH100 parts: the H100 / H200 rows measured it; GH200 and H800 carry the same GH100 SMs (the
+# table is SM throughput, scaled by SMs and capped by each part's own HBM).
+ROWWISE_GPUS = frozenset({"H100", "H200", "H100-PCIe", "GH200", "GH200-144GB", "H800"})
 ROWWISE_REFERENCE_BW = 4.8e12  # the H200's HBM bandwidth, bytes/s (the table's unit)
 ROWWISE_REFERENCE_SMS = 132  # the H200's SMs
 ROWWISE_LOG2_WIDTHS = tuple(range(5, 17))  # widths 32, 64, ..., 65536

@@ -8,6 +8,7 @@ caches. `model_costs` returns a cached instance per graph.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -267,7 +268,8 @@ class ModelCosts:
 
     def compute(self, key: str, gpu: GpuSpec, dtype: str, engine: Engine = EAGER) -> BlockCompute:
         """Roofline aggregates of block `key` on `gpu` (computed once per GPU type)."""
-        ck = (key, gpu, dtype, engine)
+        # the host's speed does not change the GPU's aggregates (`cost_model.host`)
+        ck = (key, gpu, dtype, dataclasses.replace(engine, host_node_s=None))
         got = self._compute.get(ck)
         if got is None:
             got = self._compute[ck] = block_compute(self.blocks[key], gpu, dtype, engine)

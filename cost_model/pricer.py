@@ -12,6 +12,7 @@ simulate.py composes these into the step time.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -159,8 +160,9 @@ class Pricer(
         self.costs = costs
         # How the step executes beyond the configuration (fused kernels, Float8, TP overlap).
         self.engine = engine
-        # The host's seconds per traced op where the engine leaves it to the default.
-        self.host_default = default_node_s()
+        # The host's seconds per traced op where the engine leaves it to the default (read
+        # once, when first needed: `MESHPLAN_HOST_US`).
+        self.host_default = functools.cache(default_node_s)
         self.cluster = cluster
         self.dtype = dtype
         # How Recompute.SELECTIVE keeps outputs (recompute.SelectivePolicy), set only by the
@@ -295,11 +297,19 @@ class Pricer(
         # the host's issue time where the kernels are shorter (`cost_model.host`)
         x_fwd = x_bwd = 0.0
         engine = self.engine_of(group)
-        node_s = self.host_default if engine.host_node_s is None else engine.host_node_s
-        node_s = 0.0 if engine.fused else node_s  # compiled: not issued op by op
-        if node_s and facts.host_nodes and not g.gpu.name.upper().startswith("CPU"):
-            h_fwd, h_bwd = host_times(facts.host_nodes, recompute, node_s)
-            x_fwd, x_bwd = host_exposed(fwd, bwd + rc, h_fwd, h_bwd)
+        on_gpu = not g.gpu.name.upper().startswith("CPU")
+        if on_gpu and facts.host_nodes and not engine.fused:  # compiled: not issued op by op
+            node_s = self.host_default() if engine.host_node_s is None else engine.host_node_s
+            # only the repeated layers are checkpointed (runtime.recompute)
+            layer_rc = recompute if facts.kind == "layer" else Recompute.NONE
+            h_fwd, h_bwd = host_times(
+                facts.host_nodes, layer_rc, node_s, tp, sp,
+                every_other_layer=policy == SelectivePolicy.EVERY_OTHER_LAYER,
+            )  # fmt: skip
+            # the GPU's time includes its traffic: the host issues on while NCCL runs
+            g_fwd = fwd + t_fwd + c_fwd + e_fwd
+            g_bwd = bwd + rc + t_bwd + c_bwd + e_bwd
+            x_fwd, x_bwd = host_exposed(g_fwd, g_bwd, h_fwd, h_bwd)
         got = self._block_time[key] = StageTime(
             fwd + x_fwd,
             bwd + x_bwd,

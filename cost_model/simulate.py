@@ -547,6 +547,14 @@ def predict(
         )
     bottleneck = f"bottleneck: stage {ev.bottleneck_stage} on {ev.bottleneck_group}"
     notes.append(bottleneck)
+    waited = dict(ev.breakdown).get("host", 0.0)
+    if waited > 0:
+        node_s = pricer.host_default() if engine.host_node_s is None else engine.host_node_s
+        notes.append(
+            f"host: the GPU waits {waited * 1e3:.1f} ms a step for Python to issue its kernels "
+            f"(eager PyTorch at {node_s * 1e6:g} us a traced op; --host-us or "
+            "MESHPLAN_HOST_US set your host's figure, cost_model/host.py)"
+        )
     latency = _latency_sources([pricer.groups[g].gpu for g in names])
     if not engine.is_eager:
         latency = f"analytic roofline, engine {engine.describe()}"

@@ -36,6 +36,7 @@ from meshplan.cost_model.compression import (
 )
 from meshplan.cost_model.compute import is_float8_linear, linear_role, lowered
 from meshplan.cost_model.engine import EAGER, Engine
+from meshplan.cost_model.host import MAX_HOST_US
 from meshplan.cost_model.pricer import compute_dtype
 from meshplan.ir import (
     Cluster,
@@ -836,12 +837,17 @@ def plan(
     sensitivity), recorded in the plan (`hybrid_linears`); None lowers every linear of the
     layers.
     `host_us`: the host's microseconds per traced op of an eager forward + backward
-    (`meshplan.cost_model.host`; default `HOST_NODE_S`, measured on a GPU machine's host;
-    0: the host never holds the GPU up).
+    (`meshplan.cost_model.host`; default `MESHPLAN_HOST_US` or `HOST_NODE_S`, 50, measured
+    on a GPU machine's host; 0: the host never holds the GPU up).
     Raises `InfeasibleError` with the binding constraint when no plan fits.
     """
     comm, quant_acts = comm_options(compress, quantize, codec)
     cluster = as_cluster(cluster)
+    if host_us is not None and not 0.0 <= host_us < MAX_HOST_US:
+        raise ValueError(
+            f"host_us is microseconds per traced op, from 0 to under {MAX_HOST_US:g}; "
+            f"got {host_us!r}"
+        )
     graph = as_graph(model, example_inputs, progress=progress)
     engine = EAGER if host_us is None else Engine(host_node_s=host_us * 1e-6)
     precision, dtype, engine, note = resolve_precision(graph, cluster, precision, engine)

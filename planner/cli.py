@@ -458,9 +458,15 @@ HostOpt = Annotated[
 
 
 def _host_us(value: float | None) -> float | None:
-    """--host-us checked: a number of microseconds, at least 0."""
-    if value is not None and not 0.0 <= value < 1e6:
-        raise ValueError(f"--host-us is microseconds per traced op, at least 0; got {value:g}")
+    """--host-us checked (and MESHPLAN_HOST_US, which stands in for it), before tracing."""
+    from meshplan.cost_model.host import MAX_HOST_US, default_node_s
+
+    if value is not None and not 0.0 <= value < MAX_HOST_US:
+        raise ValueError(
+            f"--host-us is microseconds per traced op, from 0 to under {MAX_HOST_US:g}; "
+            f"got {value:g}"
+        )
+    default_node_s()  # a bad MESHPLAN_HOST_US: one line now, not after the trace
     return value
 
 

@@ -77,7 +77,8 @@ from meshplan.passes.partition import (
 
 # Largest micro-batch the planner tries unless pinned. Assumption: costs scale linearly with
 # the micro-batch (cost_model), so past a few sequences a larger one only saves kernel floors
-# while it lengthens the pipeline fill and raises activation memory.
+# and the host's issue time (`cost_model.host`) while it lengthens the pipeline fill and
+# raises activation memory.
 MAX_MICRO_BATCH = 16
 # Without a pipeline there is no fill to lengthen: micro-batches up to this one are tried
 # too (small models under FSDP amortise per-kernel and per-collective overheads over them;

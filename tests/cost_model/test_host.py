@@ -110,3 +110,47 @@ def test_steps_measured_on_a_held_out_host_are_predicted():
     assert statistics.median(abs(e) for e in errs) < 0.2, errs
     assert max(abs(e) for e in errs) < 0.35, errs  # host-bound steps vary 15-25% run to run
     assert statistics.median(abs(e) for e in gpu_only) > 0.4, gpu_only  # without it: -41..-95%
+
+
+def test_tensor_parallel_multiplies_the_host_time_of_the_ops_issued():
+    from meshplan.cost_model.host import TP_FACTOR
+
+    base = sum(host_times(100, Recompute.NONE, 1.0))
+    assert sum(host_times(100, Recompute.NONE, 1.0, tp=2)) == pytest.approx(TP_FACTOR[False] * base)
+    assert sum(host_times(100, Recompute.NONE, 1.0, tp=8, sequence_parallel=True)) == (
+        pytest.approx(TP_FACTOR[True] * base)
+    )
+    # measured (module docstring): TP 2 + SP + selective at 8.51x TP 1 without recompute
+    sel = sum(host_times(100, Recompute.SELECTIVE, 1.0, tp=2, sequence_parallel=True))
+    assert sel / base == pytest.approx(8.51, rel=0.05)
+    # every other layer checkpointed whole: between none and full, no dispatch mode
+    half = sum(host_times(100, Recompute.SELECTIVE, 1.0, every_other_layer=True))
+    full = sum(host_times(100, Recompute.FULL, 1.0))
+    assert half == pytest.approx((base + full) / 2)
+
+
+def test_only_the_layers_take_the_recompute_factors(monkeypatch):
+    from meshplan.cost_model.pricer import pricer_for
+    from meshplan.ir.parallel import StageConfig
+
+    from tests.synthetic import h100_cluster, transformer_graph
+
+    graph = transformer_graph(2, 256, 4, 4, 1024, 1000, 128, 1)
+    pricer = pricer_for(graph, h100_cluster(1), "bfloat16", engine=Engine(host_node_s=1e-3))
+    layer, edge = {}, {}
+    for rc in ("none", "full", "selective"):
+        cfg = StageConfig(1, 1, 1, False, 1, rc)
+        layer[rc] = pricer.block_time("layer", "h100", cfg).host
+        edge[rc] = pricer.block_time("epilogue", "h100", cfg).host
+    assert layer["none"] < layer["full"] < layer["selective"]
+    assert edge["none"] == edge["full"] == edge["selective"] > 0
+
+
+def test_a_bad_host_variable_is_one_line_before_tracing(monkeypatch):
+    from meshplan.cli import app
+    from typer.testing import CliRunner
+
+    monkeypatch.setenv("MESHPLAN_HOST_US", "fast")
+    r = CliRunner().invoke(app, ["estimate", "-m", "no-such-model-file.py"])
+    assert r.exit_code == 2 and "MESHPLAN_HOST_US" in r.stderr, r.output
+    assert len(r.stderr.strip().splitlines()) == 1
