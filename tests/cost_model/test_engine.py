@@ -133,7 +133,7 @@ def test_float8_linear_runs_at_the_fp8_peak_plus_its_casts():
     assert fwd_time(big, f8) < 0.7 * fwd_time(big, Engine(fused=True))
 
 
-def test_tp_overlap_hides_at_most_eta_of_the_traffic():
+def test_tp_overlap_hides_at_most_eta_of_the_traffic(gpu_time_only):
     assert exposed(1.0, 2.0) == pytest.approx(0.2)  # window long enough: (1 - eta) C
     assert exposed(1.0, 0.5) == pytest.approx(0.6)  # C - eta W
     assert exposed(0.0, 1.0) == 0.0

@@ -220,7 +220,7 @@ def _sailor_like() -> tuple:
     return graph, cluster, p, stages
 
 
-def test_sailor_like_layout_prices_each_stage_and_group_at_its_own_degree():
+def test_sailor_like_layout_prices_each_stage_and_group_at_its_own_degree(gpu_time_only):
     graph, cluster, p, stages = _sailor_like()
     got = predict(graph, cluster, p, stages, dtype="float16")
     assert 0 < got.step_time_s < float("inf")
