@@ -804,10 +804,14 @@ def plan(
     elif closest:
         raise ValueError("--closest goes with --export")
     cfg = None
+    host_us = _host_us(host_us)  # checked before tracing
     if baseline is not None:  # the user's own configuration: its model, batch and engine
         cfg, c, graph = _load_framework(baseline, model, cluster, gpus, profile)
         if pins.global_batch is None:
             pins = dataclasses.replace(pins, global_batch=cfg.parallel.global_batch)
+        if host_us is not None:  # the comparison prices both on the host given
+            host_engine = dataclasses.replace(cfg.engine, host_node_s=host_us * 1e-6)
+            cfg = dataclasses.replace(cfg, engine=host_engine)
     else:
         name, m, inputs, c = _load(model, cluster, gpus, seq_len, profile=profile)
         graph = _trace(name, m, inputs)
@@ -830,7 +834,7 @@ def plan(
             max_quantized_fraction=max_quantized_fraction,
             sensitivity=sens,
             max_loss_increase=max_loss_increase,
-            host_us=_host_us(host_us),
+            host_us=host_us,
         )
     _print_plan(result, as_json)
     if objective == "cost" and not as_json:
@@ -839,9 +843,13 @@ def plan(
     if cfg is not None:
         _print_comparison(cfg, c, graph, result)
     if export_fmt is not None:
+        from meshplan.cost_model.engine import Engine
+
         from .configs import EAGER, export, reprice
 
         engine = cfg.engine if cfg is not None else EAGER
+        if cfg is None and host_us is not None:  # as the plan was priced
+            engine = Engine(host_node_s=host_us * 1e-6)
         target = reprice(result, graph, engine)  # the header's prediction as the table's
         written = export(target, export_fmt, closest=closest, graph=graph, engine=engine)
         written.write(output)  # type: ignore[arg-type]
