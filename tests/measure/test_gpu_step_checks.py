@@ -44,3 +44,21 @@ def test_stored_h200_steps_stay_predicted():
             assert abs(err) < 0.4, (r["case"], err)
         else:
             assert abs(err) < 0.12, (r["case"], err)
+
+
+def test_the_host_overhead_flow_runs_on_the_host(tmp_path):
+    # benchmarks/host_overhead.py: eager passes per recompute policy, and whole runtime steps
+    # at TP 2 as rank 0 of a fake process group with a foreach optimizer (the path that found
+    # the runtime's DTensor / plain-tensor optimizer bug on a GPU)
+    out = tmp_path / "host.json"
+    cmd = [sys.executable, "benchmarks/host_overhead.py", "--reps", "1", "--tp", "2", "--json",
+           str(out)]  # fmt: skip
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = json.loads(out.read_text())
+    assert set(got["modes"]) == {"none", "full", "selective"}
+    steps = got["tp_steps_s"]
+    assert set(steps) == {"tp1 sp0 none", "tp1 sp0 selective", "tp2 sp0 none", "tp2 sp1 none",
+                          "tp2 sp1 selective"}  # fmt: skip
+    # DTensor's dispatch costs the host more than plain tensors (3.25x on a GPU host)
+    assert steps["tp2 sp0 none"] > steps["tp1 sp0 none"]
