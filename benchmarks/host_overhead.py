@@ -40,14 +40,11 @@ FOREACH = True  # the CUDA default of torch.optim.SGD
 def nodes_per_layer(shape: dict, dtype: str) -> int:
     """Traced aten nodes of one layer (what the cost model counts: `BlockFacts.host_nodes`)."""
     import meshplan
+    from meshplan.api import as_graph
     from meshplan.cost_model.graph_costs import model_costs
 
     model, inputs = meshplan.models.transformer(dtype=dtype, device="meta", **shape)
-    graph = meshplan.trace(model, *inputs) if isinstance(inputs, tuple) else None
-    if graph is None:
-        graph = meshplan.trace(model, inputs)
-    costs = model_costs(graph)
-    return costs.facts["layer"].host_nodes
+    return model_costs(as_graph(model, inputs)).facts["layer"].host_nodes
 
 
 def measure(

@@ -1299,7 +1299,7 @@ def host_gemm_anchor(model, gpu: GpuSpec) -> float:
 def _anchor(model, gpu: GpuSpec) -> float:
     from meshplan.ir.cluster import CPU_GEMM_SHAPES, GPU_GEMM_SHAPES
 
-    on_cpu = gpu.name.upper().startswith("CPU")
+    on_cpu = gpu.is_cpu
     shapes, dtype = (CPU_GEMM_SHAPES, "float32") if on_cpu else (GPU_GEMM_SHAPES, "bfloat16")
     learned = statistics.median(
         model.efficiency(_gemm_op(m, n, k, dtype), gpu) for m, n, k in shapes

@@ -297,8 +297,7 @@ class Pricer(
         # the host's issue time where the kernels are shorter (`cost_model.host`)
         x_fwd = x_bwd = 0.0
         engine = self.engine_of(group)
-        on_gpu = not g.gpu.name.upper().startswith("CPU")
-        if on_gpu and facts.host_nodes and not engine.fused:  # compiled: not issued op by op
+        if not g.gpu.is_cpu and facts.host_nodes and not engine.fused:  # compiled: not op by op
             node_s = self.host_default() if engine.host_node_s is None else engine.host_node_s
             # only the repeated layers are checkpointed (runtime.recompute)
             layer_rc = recompute if facts.kind == "layer" else Recompute.NONE

@@ -73,6 +73,11 @@ class GpuSpec:
         """The part runs training `precision` (a `PRECISIONS` name) on its own units."""
         return PRECISIONS[precision] in dict(self.peak_flops)
 
+    @property
+    def is_cpu(self) -> bool:
+        """A CPU device ("CPU", or a profiled one named "CPU ..."): it is its own host."""
+        return self.name.upper().startswith("CPU")
+
 
 @dataclass(frozen=True, slots=True)
 class LinkTier:
