@@ -87,6 +87,9 @@ TARGET_LAYER = 5.0  # % MAPE of one layer's summed ops
 # eagerly; the embedding from Vidur's TP-1 rows (a plain `F.embedding`; under TP its rows
 # also mask and fill, more kernels than one op).
 FIT_KINDS = (OpKind.ELEMENTWISE, OpKind.SOFTMAX, OpKind.NORM, OpKind.EMBEDDING)
+# log2 elements of the two dense-sweep rows (`collect_gpu_ops.py --only memory_dense`) a
+# row-wise kernel's line goes through (`fit_rowwise`); its third size, 2^22, is the check.
+ROWWISE_FIT_SIZES = (18, 26)
 
 
 @dataclasses.dataclass
@@ -369,12 +372,14 @@ def fit_low_precision(roots: list[Path]) -> dict[str, dict[str, float]]:
 
 def fit_rowwise(p: Priced, on: str = "H200") -> dict:
     """The row-wise constants of `compute.rowwise_efficiency`, from GPU type `on`'s rows of
-    meshplan's own data only (the other GH100 types are held out):
-    - `fraction`: per (family, bytes per element), at each width 2^`ROWWISE_LOG2_WIDTHS`, the
-      fraction of `ROWWISE_REFERENCE_BW` its row of 2^26 elements reached (essential bytes
-      over its time less the kernel-time sources' overhead, computed without the others);
-    - `rows_per_sm`: per family, the value on a grid of 0.5-6 that minimises the MAPE of all
-      `on`'s rows of that family (both dtypes, every size) priced with that `fraction`."""
+    meshplan's own data only (the other GH100 types are held out). Per (family, bytes per
+    element), at each width of `compute.ROWWISE_WIDTHS`: the line t = latency + bytes / rate
+    through the type's two dense-sweep rows of 2^18 and 2^26 elements (`ROWWISE_FIT_SIZES`;
+    read + write bytes as `essential_bytes`, time less the kernel-time sources' overhead,
+    computed without the other types): `latency_us` (clamped at 0) and `fraction`, the rate
+    as a fraction of `ROWWISE_REFERENCE_BW`. The sweep's rows of 2^22 elements are not used:
+    they are the in-sample check. `mape_on_fit_rows`: every `on` row of each family (all
+    sizes) priced with those constants."""
     from meshplan.ir import DTYPE_BYTES
 
     others = [str(g) for g in np.unique(p.gpu[p.source == "meshplan"]) if g != on]
@@ -383,34 +388,49 @@ def fit_rowwise(p: Priced, on: str = "H200") -> dict:
     spec = next(device_spec(p.rows[i].device) for i in mine)
     shapes = {i: compute.rowwise_shape(p.rows[i].op) for i in mine}
     shapes = {i: s for i, s in shapes.items() if s is not None}
-    points: dict[tuple[str, int], dict[int, float]] = defaultdict(dict)
+    # (family, size, width) -> {log2 elements: (distance from it, bytes, seconds less overhead)}
+    points: dict[tuple[str, int, int], dict[int, tuple[float, float, float]]] = defaultdict(dict)
     for i, (family, rows, width) in shapes.items():
-        if rows * width == 2**26 and math.log2(width) in compute.ROWWISE_LOG2_WIDTHS:
-            size = DTYPE_BYTES[p.rows[i].op.inputs[0].dtype]
-            nbytes = p.mem_s[i] * spec.hbm_bandwidth
-            frac = nbytes / (p.measured[i] - ovh) / compute.ROWWISE_REFERENCE_BW
-            points[(family, size)][int(math.log2(width))] = round(float(frac), 3)
-    fraction = {
-        key: tuple(pts[x] for x in compute.ROWWISE_LOG2_WIDTHS)
-        for key, pts in sorted(points.items())
-        if all(x in pts for x in compute.ROWWISE_LOG2_WIDTHS)
-    }
-    rows_per_sm, mape = {}, {}
+        if width not in compute.ROWWISE_WIDTHS:
+            continue
+        key = (family, DTYPE_BYTES[p.rows[i].op.inputs[0].dtype], width)
+        for size in ROWWISE_FIT_SIZES:
+            off = abs(math.log2(rows * width) - size)
+            if off < 0.03 and off < points[key].get(size, (1.0,))[0]:
+                nbytes = p.mem_s[i] * spec.hbm_bandwidth
+                points[key][size] = (off, float(nbytes), float(p.measured[i] - ovh))
+    latency: dict[tuple[str, int], list[float]] = defaultdict(list)
+    fraction: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for family, size in sorted({k[:2] for k in points}):
+        lines = []
+        for width in compute.ROWWISE_WIDTHS:
+            pts = points.get((family, size, width), {})
+            if len(pts) < len(ROWWISE_FIT_SIZES):
+                break
+            (_, b0, t0), (_, b1, t1) = (pts[s] for s in ROWWISE_FIT_SIZES)
+            per_byte = (t1 - t0) / (b1 - b0)
+            lines.append((max(0.0, t0 - per_byte * b0), per_byte))
+        if len(lines) < len(compute.ROWWISE_WIDTHS):
+            continue  # a width missing: this column is not fitted
+        latency[(family, size)] = [round(a * 1e6, 2) for a, _ in lines]
+        fraction[(family, size)] = [
+            round(1.0 / c / compute.ROWWISE_REFERENCE_BW, 3) for _, c in lines
+        ]
+    table = (
+        {k: tuple(v * 1e-6 for v in ys) for k, ys in latency.items()},
+        {k: tuple(ys) for k, ys in fraction.items()},
+    )
+    mape = {}
     for family in sorted({s[0] for s in shapes.values()}):
         idx = [i for i, s in shapes.items() if s[0] == family]
-
-        def err(k: float, idx=idx, family=family) -> float:
-            eff = np.array([
-                compute.rowwise_efficiency(p.rows[i].op, spec, fraction=fraction,
-                                           rows_per_sm={family: k})
-                for i in idx
-            ])  # fmt: skip
-            return _mape(p.mem_s[idx] / eff + ovh, p.measured[idx])
-
-        grid = np.arange(0.5, 6.01, 0.5)
-        rows_per_sm[family] = float(min(grid, key=err))
-        mape[family] = round(err(rows_per_sm[family]), 1)
-    return {"on": on, "fraction": fraction, "rows_per_sm": rows_per_sm, "mape_on_fit_rows": mape}
+        eff = np.array([compute.rowwise_efficiency(p.rows[i].op, spec, table=table) for i in idx])
+        mape[family] = round(_mape(p.mem_s[idx] / eff + ovh, p.measured[idx]), 1)
+    return {
+        "on": on,
+        "latency_us": {str(k): tuple(v) for k, v in latency.items()},
+        "fraction": {str(k): tuple(v) for k, v in fraction.items()},
+        "mape_on_fit_rows": mape,
+    }
 
 
 def _mem(memory: dict[str, float]) -> float:
@@ -780,7 +800,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"row-wise kernels fitted on {f['on']}'s rows (compute.rowwise_efficiency):")
             for key, ys in f["fraction"].items():
                 print(f"  fraction {key}: {ys}")
-            print(f"  rows per SM {f['rows_per_sm']}, MAPE on those rows {f['mape_on_fit_rows']}")
+                print(f"  latency us {key}: {f['latency_us'][key]}")
+            print(f"  MAPE on those rows {f['mape_on_fit_rows']}")
     print("\ntargets (leave one GPU type out):")
     for line in summary["verdicts"]:
         print("  " + line)

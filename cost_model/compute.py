@@ -253,74 +253,119 @@ def memory_efficiency(op: Op, gpu: GpuSpec) -> float:
 
 
 # Row-wise kernels (softmax, layer norm, fused RMSNorm) reduce each row of the input before
-# they write it, so how fast they stream depends on the row width (the reduced last dim):
-# PyTorch's CUDA softmax runs a persistent warp kernel up to width 1024 and block kernels
-# above it; the norms run one block or warp per row, so narrow rows leave threads idle and
-# very wide rows leave few blocks per SM. Measured on GH100 parts (meshplan's own kernels,
-# `benchmarks/collect_gpu_ops.py --only memory_dense`, data/gpu_op_latency/meshplan/), these
-# kernels are limited by the SMs, not by HBM, over most widths: the H100 (3.35 TB/s) moves a
-# bf16 softmax of width 512 at 0.73 of its HBM bandwidth, the H200 (4.8 TB/s, the same 132
-# SMs and clocks) at only 0.56, in nearly the same time. So the table below is a throughput
-# of the SMs, not a fraction of HBM: on a GPU type of `ROWWISE_GPUS` a row-wise kernel moves
+# they write it, so how long they take depends on the row width (the reduced last dim):
+# PyTorch's CUDA softmax runs a persistent warp kernel up to width 2048 on the GH100 parts
+# measured and block kernels above it; the norms run one block or warp per row, so narrow
+# rows leave threads idle and each wide row is a long serial reduction. Measured on GH100
+# parts (meshplan's own kernels, `benchmarks/collect_gpu_ops.py --only memory_dense`,
+# data/gpu_op_latency/meshplan/), these kernels are limited by the SMs, not by HBM, over most
+# widths: the H100 (3.35 TB/s) moves a bf16 softmax of width 512 at 0.73 of its HBM
+# bandwidth, the H200 (4.8 TB/s, the same 132 SMs and clocks) at only 0.56, in nearly the
+# same time. And a small one is not proportionally fast: a bf16 softmax of width 2048 takes
+# 7 us for 19 rows and for 128 rows alike (the warp kernel walks 64 elements a lane), where
+# its bulk rate would give 1 us. So on a GPU type of `ROWWISE_GPUS` a row-wise kernel moving
+# B bytes (read + write, as `essential_bytes`) takes
 #
-#     min(hbm_bw * e_stream, table(width) * 4.8 TB/s * sms / 132 * min(1, rows / (k * sms)))
+#     latency(width) + B / min(hbm_bw * e_stream, fraction(width) * 4.8 TB/s * sms / 132)
 #
-# bytes a second, where
-# - table(width): `ROWWISE_FRACTION`, linear in log2(width) between the powers of two 32 ..
-#   65536 (`ROWWISE_LOG2_WIDTHS`) and held at the ends: the fraction of 4.8 TB/s that the
-#   H200's rows of 2^26 elements reached, (read + write bytes, as `essential_bytes`) / (time
-#   - 1.1 us, the kernel-time sources' measurement overhead, `gpu_op_latency.overheads`);
-#   the H200 PyTorch 2.11 + CUDA 13, 700 W;
+# seconds (the Hockney form the collectives use), where
+# - latency(width), fraction(width): `ROWWISE_LATENCY_S` and `ROWWISE_FRACTION`, linear in
+#   log2(width) between the widths of `ROWWISE_WIDTHS` and held at the ends: the line
+#   through the H200's two dense-sweep rows of 2^18 and 2^26 elements at that width (time
+#   less 1.2 us, the kernel-time sources' measurement overhead, `gpu_op_latency.overheads`;
+#   latency clamped at 0), the rate as a fraction of 4.8 TB/s; the H200, PyTorch 2.11 +
+#   CUDA 13, 700 W. The widths are every one the sweep measured at both sizes: 768, 1536,
+#   2560, 3072, 5120 and 14336 besides the powers of two, so the warp-to-block switch between
+#   2048 and 2560 is a knot, not a slope across 2048-4096;
 # - sms / 132: the SM throughput scales with the part's SM count (H100-PCIe: 114; an
-#   assumption, its clocks are also lower);
+#   assumption, its clocks are also lower); the latency is one row's walk and does not;
 # - e_stream: an elementwise kernel's fraction (`MEMORY_EFFICIENCY_BY_KIND[ELEMENTWISE]`):
-#   on a part with less HBM bandwidth per SM the kernel is HBM-bound again;
-# - rows / (k * sms): fewer than `ROWWISE_ROWS_PER_SM` rows per SM leave SMs idle (k fitted
-#   on all 156 H200 rows of each family, the least MAPE on a grid of 0.5-6).
-# Only the H200's rows set these numbers; the H100's are held out (docs/op_latency.md: MAPE
-# 38-51% -> 20-24% on them). Pre-Hopper parts keep one fraction per kind: NeuSight's float32
-# rows of A100, V100, T4, P100 and P4 show a width dependence too, but the H200's curve as
-# a shape, with the level refitted leaving each GPU type out, helps A100 and P100 layer norm
-# (25.5 -> 22.4%, 27.3 -> 23.5%) and hurts P4, T4 and V100 (18.9 -> 21.0%, 21.8 -> 26.1%,
-# 28.3 -> 31.1%), and softmax by under 1 point either way. The backward kernels take the
-# forward's curve (an assumption: only forwards were measured; the softmax backward has the
-# same warp / block split, the norms' one block per row). The width is the input's last dim
-# for softmax (the IR does not record a softmax's dim: transformers reduce the last one) and
-# the size of a norm's weight (its normalized shape), else the last dim. Group and batch norm,
+#   on a part with less HBM bandwidth per SM the kernel is HBM-bound again.
+# Only the H200's rows set these numbers; the H100's are held out (docs/op_latency.md, MAPE
+# per family: softmax 8.8%, layer norm 8.5%, RMSNorm 11.5%; 38-51% with one fraction per
+# kind, 20-24% with session 26's bulk-rate-only curve). The H200's 2^22-element rows are not
+# used: they are the in-sample check. The price is evaluated at the traced size (an op's
+# time then scales with the micro-batch like every other op's, the latency included).
+# Pre-Hopper parts keep one fraction per kind: NeuSight's float32 rows of A100, V100, T4,
+# P100 and P4 show a width dependence too, but session 26's H200 curve as a shape, with the
+# level refitted leaving each GPU type out, helped A100 and P100 layer norm (25.5 -> 22.4%,
+# 27.3 -> 23.5%) and hurt P4, T4 and V100 (18.9 -> 21.0%, 21.8 -> 26.1%, 28.3 -> 31.1%),
+# and softmax by under 1 point either way. The backward kernels take the forward's price
+# per byte (an assumption: only forwards were measured; the softmax backward has the same
+# warp / block split, the norms' one block per row). The width is the input's last dim for
+# softmax (the IR does not record a softmax's dim: transformers reduce the last one) and the
+# size of a norm's weight (its normalized shape), else the last dim. Group and batch norm,
 # log-softmax of the logits (a LOSS op) and dtypes other than 2- and 4-byte floats keep the
 # per-kind fraction.
 # GH100 parts: the H100 / H200 rows measured it; GH200 and H800 carry the same GH100 SMs (the
 # table is SM throughput, scaled by SMs and capped by each part's own HBM).
 ROWWISE_GPUS = frozenset({"H100", "H200", "H100-PCIe", "GH200", "GH200-144GB", "H800"})
-ROWWISE_REFERENCE_BW = 4.8e12  # the H200's HBM bandwidth, bytes/s (the table's unit)
+ROWWISE_REFERENCE_BW = 4.8e12  # the H200's HBM bandwidth, bytes/s (the fraction's unit)
 ROWWISE_REFERENCE_SMS = 132  # the H200's SMs
-ROWWISE_LOG2_WIDTHS = tuple(range(5, 17))  # widths 32, 64, ..., 65536
-# (family, bytes per element) -> fraction of 4.8 TB/s at each width of `ROWWISE_LOG2_WIDTHS`;
-# 2-byte rows were measured in bf16 (fp16 takes them). One line a width, one column a kernel:
+ROWWISE_WIDTHS = (
+    32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 2560, 3072, 4096, 5120, 8192, 14336, 16384,
+    32768, 65536,
+)  # fmt: skip
+_ROWWISE_LOG2_WIDTHS = tuple(math.log2(w) for w in ROWWISE_WIDTHS)
+# (family, bytes per element) columns; 2-byte rows were measured in bf16 (fp16 takes them).
 ROWWISE_COLUMNS = (
     ("softmax", 2), ("softmax", 4), ("layer_norm", 2), ("layer_norm", 4), ("rms_norm", 2),
     ("rms_norm", 4),
 )  # fmt: skip
-_ROWWISE_TABLE = (
+# One line a width of `ROWWISE_WIDTHS`, one column a kernel of `ROWWISE_COLUMNS`
+# (`benchmarks/gpu_op_latency.py --fit` prints them): the rate as a fraction of 4.8 TB/s ...
+_ROWWISE_FRACTION_TABLE = (
     #  softmax        layer norm      RMSNorm          width
     #  bf16   fp32    bf16   fp32     bf16   fp32
-    (0.279, 0.546, 0.026, 0.038, 0.044, 0.074),  # 32
-    (0.403, 0.761, 0.050, 0.074, 0.087, 0.148),  # 64
-    (0.486, 0.870, 0.102, 0.147, 0.175, 0.283),  # 128
-    (0.530, 0.858, 0.171, 0.252, 0.312, 0.453),  # 256
-    (0.562, 0.836, 0.249, 0.388, 0.517, 0.652),  # 512
-    (0.537, 0.836, 0.371, 0.563, 0.670, 0.810),  # 1k
-    (0.371, 0.781, 0.480, 0.674, 0.718, 0.729),  # 2k
-    (0.268, 0.536, 0.546, 0.622, 0.704, 0.620),  # 4k
-    (0.220, 0.405, 0.484, 0.515, 0.549, 0.572),  # 8k
-    (0.444, 0.648, 0.454, 0.503, 0.497, 0.556),  # 16k
-    (0.443, 0.537, 0.453, 0.409, 0.507, 0.546),  # 32k
-    (0.418, 0.416, 0.329, 0.474, 0.374, 0.552),  # 64k
+    (0.279, 0.548, 0.026, 0.038, 0.044, 0.074),  # 32
+    (0.404, 0.766, 0.051, 0.074, 0.087, 0.148),  # 64
+    (0.490, 0.879, 0.102, 0.148, 0.175, 0.283),  # 128
+    (0.534, 0.866, 0.171, 0.253, 0.313, 0.455),  # 256
+    (0.572, 0.848, 0.251, 0.391, 0.522, 0.657),  # 512
+    (0.495, 0.860, 0.320, 0.479, 0.584, 0.744),  # 768
+    (0.555, 0.856, 0.376, 0.571, 0.680, 0.822),  # 1024
+    (0.373, 0.860, 0.446, 0.656, 0.721, 0.846),  # 1536
+    (0.388, 0.816, 0.493, 0.692, 0.737, 0.739),  # 2048
+    (0.218, 0.428, 0.529, 0.704, 0.741, 0.728),  # 2560
+    (0.244, 0.481, 0.550, 0.701, 0.740, 0.704),  # 3072
+    (0.270, 0.541, 0.575, 0.649, 0.734, 0.631),  # 4096
+    (0.278, 0.551, 0.586, 0.598, 0.713, 0.621),  # 5120
+    (0.222, 0.409, 0.526, 0.549, 0.584, 0.590),  # 8192
+    (0.453, 0.596, 0.492, 0.587, 0.525, 0.567),  # 14336
+    (0.459, 0.670, 0.529, 0.568, 0.554, 0.587),  # 16384
+    (0.472, 0.561, 0.635, 0.488, 0.641, 0.603),  # 32768
+    (0.467, 0.446, 0.553, 0.751, 0.541, 0.682),  # 65536
+)  # fmt: skip
+# ... and the latency, microseconds.
+_ROWWISE_LATENCY_TABLE = (
+    #  softmax        layer norm      RMSNorm          width
+    #  bf16   fp32    bf16   fp32     bf16   fp32
+    ( 0.09,  0.50,  0.42,  1.51,  0.61,  1.09),  # 32
+    ( 0.23,  0.70,  0.57,  1.18,  0.59,  1.08),  # 64
+    ( 0.64,  1.04,  0.53,  1.65,  0.59,  0.83),  # 128
+    ( 0.61,  0.96,  0.72,  0.97,  0.47,  0.85),  # 256
+    ( 1.43,  1.57,  0.98,  1.56,  0.61,  1.12),  # 512
+    ( 2.40,  2.35,  1.58,  2.25,  0.94,  1.69),  # 768
+    ( 3.04,  2.88,  1.68,  2.46,  0.98,  1.75),  # 1024
+    ( 5.17,  4.56,  2.25,  3.35,  1.28,  2.46),  # 1536
+    ( 6.39,  5.87,  2.74,  4.12,  1.66,  1.76),  # 2048
+    ( 0.44,  1.02,  3.26,  4.99,  1.98,  2.33),  # 2560
+    ( 0.61,  1.18,  3.75,  5.77,  2.27,  2.93),  # 3072
+    ( 0.97,  1.60,  4.83,  7.16,  3.00,  2.90),  # 4096
+    ( 1.34,  1.89,  5.92,  8.75,  3.74,  4.13),  # 5120
+    ( 2.20,  2.60,  9.14, 13.27,  5.85,  5.46),  # 8192
+    ( 3.36,  5.46, 15.33, 22.12, 10.05,  9.13),  # 14336
+    ( 3.70,  5.32, 17.33, 25.40, 11.40, 10.38),  # 16384
+    ( 7.39,  8.80, 35.19, 43.89, 22.93, 19.11),  # 32768
+    (13.94, 17.73, 68.49, 87.06, 46.20, 38.46),  # 65536
 )  # fmt: skip
 ROWWISE_FRACTION: dict[tuple[str, int], tuple[float, ...]] = {
-    col: tuple(row[i] for row in _ROWWISE_TABLE) for i, col in enumerate(ROWWISE_COLUMNS)
+    col: tuple(row[i] for row in _ROWWISE_FRACTION_TABLE) for i, col in enumerate(ROWWISE_COLUMNS)
 }
-ROWWISE_ROWS_PER_SM = {"softmax": 1.0, "layer_norm": 4.5, "rms_norm": 2.5}
+ROWWISE_LATENCY_S: dict[tuple[str, int], tuple[float, ...]] = {
+    col: tuple(row[i] * 1e-6 for row in _ROWWISE_LATENCY_TABLE)
+    for i, col in enumerate(ROWWISE_COLUMNS)
+}
 _ROWWISE_FAMILY = {
     "_softmax": "softmax",
     "softmax": "softmax",
@@ -357,33 +402,31 @@ def rowwise_efficiency(
     op: Op,
     gpu: GpuSpec,
     *,
-    fraction: dict[tuple[str, int], tuple[float, ...]] | None = None,
-    rows_per_sm: dict[str, float] | None = None,
+    table: tuple[dict[tuple[str, int], tuple[float, ...]], ...] | None = None,
 ) -> float | None:
     """Fraction of `gpu`'s HBM bandwidth a row-wise kernel (`rowwise_shape`) sustains at its
-    row width, dtype and row count on a GPU type of `ROWWISE_GPUS` (the formula above); None
-    for any other op, GPU type or dtype (the caller keeps the per-kind fraction). A spec
-    without an SM count takes the H200's 132. `fraction` / `rows_per_sm` replace
-    `ROWWISE_FRACTION` / `ROWWISE_ROWS_PER_SM` (the fit in `benchmarks/gpu_op_latency.py`
-    tries other values)."""
+    row width, dtype and size on a GPU type of `ROWWISE_GPUS` (its bytes over the time of the
+    formula above); None for any other op, GPU type or dtype (the caller keeps the per-kind
+    fraction). A spec without an SM count takes the H200's 132. `table`: (latency seconds,
+    fraction) per column in place of (`ROWWISE_LATENCY_S`, `ROWWISE_FRACTION`) (the fit in
+    `benchmarks/gpu_op_latency.py` prices with its own)."""
     shape = rowwise_shape(op) if gpu.name in ROWWISE_GPUS else None
     if shape is None:
         return None
-    family, rows, width = shape
-    fraction = ROWWISE_FRACTION if fraction is None else fraction
-    k = (ROWWISE_ROWS_PER_SM if rows_per_sm is None else rows_per_sm)[family]
-    table = fraction.get((family, DTYPE_BYTES.get(op.inputs[0].dtype, 0)))
-    if table is None:
+    family, _, width = shape
+    latency, fraction = (ROWWISE_LATENCY_S, ROWWISE_FRACTION) if table is None else table
+    key = (family, DTYPE_BYTES.get(op.inputs[0].dtype, 0))
+    if key not in fraction or key not in latency:
         return None
-    sm_bw = _log2_interp(ROWWISE_LOG2_WIDTHS, table, width) * ROWWISE_REFERENCE_BW
-    sms = gpu.sms or ROWWISE_REFERENCE_SMS
-    sm_bw *= sms / ROWWISE_REFERENCE_SMS
-    sm_bw *= min(1.0, rows / (k * sms))
-    stream = MEMORY_EFFICIENCY_BY_KIND[OpKind.ELEMENTWISE] * gpu.hbm_bandwidth
-    return min(stream, sm_bw) / gpu.hbm_bandwidth
+    rate = _log2_interp(_ROWWISE_LOG2_WIDTHS, fraction[key], width) * ROWWISE_REFERENCE_BW
+    rate *= (gpu.sms or ROWWISE_REFERENCE_SMS) / ROWWISE_REFERENCE_SMS
+    rate = min(rate, MEMORY_EFFICIENCY_BY_KIND[OpKind.ELEMENTWISE] * gpu.hbm_bandwidth)
+    nbytes = essential_bytes(op)
+    seconds = _log2_interp(_ROWWISE_LOG2_WIDTHS, latency[key], width) + nbytes / rate
+    return (nbytes / seconds if nbytes > 0 and seconds > 0 else rate) / gpu.hbm_bandwidth
 
 
-def _log2_interp(xs: tuple[int, ...], ys: tuple[float, ...], value: float) -> float:
+def _log2_interp(xs: tuple[float, ...], ys: tuple[float, ...], value: float) -> float:
     """`ys` at log2(`value`), linear between the points `xs` (log2 values), held at the ends."""
     x = min(max(math.log2(value), xs[0]), xs[-1])
     for i in range(len(xs) - 1):
