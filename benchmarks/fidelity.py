@@ -30,7 +30,13 @@ How each source's rows are read (see also docs/fidelity.md):
   F = 72*B*s*l*h^2*(1 + s/(6h) + V/(12*l*h)) (Narayanan et al., eq. 3 without recompute;
   Megatron's `num_floating_point_operations` for ffn = 4h, no GQA), V = 131072. Not stated
   by the row, assumed: micro-batch 1, no recompute, distributed optimizer (ZeRO-1), sequence
-  parallel with TP, plain 1F1B (no virtual stages: Megatron's default). The rows' notes
+  parallel with TP, plain 1F1B (no virtual stages: Megatron's default). Untied embeddings
+  (the table's parameter counts; `interpret`). Checked against Megatron-LM core_r0.8.0
+  (baf94af3c6): the README's flags (`--overlap-grad-reduce --overlap-param-gather
+  --tp-comm-overlap`, vocab 131072, sequence 4096, end-to-end timing), the FLOP formula
+  (`training.py` `num_floating_point_operations`), fp32 gradient reduce-scatter and bf16
+  parameter all-gather (`arguments.py` forces `accumulate_allreduce_grads_in_fp32` under
+  --bf16; no bf16 reduction flag before 2025). The rows' notes
   name `--tp-comm-overlap` -> the `tp_overlap` engine where tp > 1.
 - **torchtitan** (Grand Teton H100 96GB HBM2e @500W, 8/node, 400 Gb/s RDMA per GPU; A100
   rows: DGX A100): `tokens_per_sec_per_gpu` -> step = global_batch * seq / (tps * gpus).
@@ -127,13 +133,14 @@ class Arch:
     vocab: int = 0
     style: str = "gpt"
     attention: str = "flash"  # "flash" (fused SDPA) or "math" (materialised scores)
+    tied: bool = True  # input embedding and output head share one weight
 
     def key(self, seq_len: int) -> str:
         if self.preset:
             return f"{self.preset}-s{seq_len}-{self.attention}"
         return (
             f"{self.style}-l{self.layers}-h{self.hidden}-a{self.heads}-f{self.ffn}"
-            f"-v{self.vocab}-s{seq_len}-{self.attention}"
+            f"-v{self.vocab}-s{seq_len}-{self.attention}" + ("" if self.tied else "-untied")
         )
 
 
@@ -313,7 +320,11 @@ def interpret(i: int, r: dict[str, str]) -> Case:
         )
     elif src.startswith("NVIDIA/Megatron-LM README 'Performance Benchmarking'"):
         vocab = 131072
-        case.arch = Arch(None, layers, hidden, heads, 4 * hidden, vocab, "gpt")
+        # Untied: the table's sizes are 12lh^2 + 13lh + 2Vh + sh (1.75, 7.13, 16.1, 31.5, 69.8,
+        # 118.5, 177.2, 313.6, 461.5 B); with one shared V x h weight they would not round to
+        # them (1.49 for "1.7B", 459.1 for "462B"), and the README calls 177B "slightly more
+        # than 175 billion ... due to larger vocabulary".
+        case.arch = Arch(None, layers, hidden, heads, 4 * hidden, vocab, "gpt", tied=False)
         case.cluster = "dgx-h100"
         par |= {"micro_batch": 1, "recompute": "none", "zero": 1}
         # bf16 Megatron-LM accumulates and reduces gradients in fp32 (arguments.py sets
@@ -474,7 +485,7 @@ def graph_for(arch: Arch, seq_len: int, cache_dir: Path | None):
             vocab=arch.vocab,
             seq_len=seq_len,
             style=arch.style,
-            tie_embeddings=True,
+            tie_embeddings=arch.tied,
         )
     if arch.attention == "math":  # unfused attention: scores and softmax materialised
         from torch.nn.attention import SDPBackend, sdpa_kernel
