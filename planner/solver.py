@@ -26,10 +26,12 @@ order instead of building one model over all of them:
    are built per distinct stage), drop those that fit in no group's memory, bound again with
    memory (`_lower_bound`, `_share_bound`) and place greedily (`_greedy_placements`, the warm
    start, and `_share_placements`) until the bound passes the best plan: nothing left can win
-   (`_screen`);
+   (`_Screen`), or two thirds of the work left are spent;
 3. for each surviving (c, l) whose lock-step greedy placement does not already meet its bound,
    build the placement model (`_PlacementModel`: variables -> constraints -> objective), hint
-   the greedy placement (`AddHint`), cut off at the incumbent, solve;
+   the greedy placement (`AddHint`), cut off at the incumbent, solve; when the screen stopped
+   at its share and work is left, steps 2 and 3 go on where they stopped (`_search`), so
+   the work the models did not need is the screen's;
 2b. on a cluster of several device groups (throughput objective), bound every pipeline of
    `solver_layouts`' family (first stages on one group at one TP degree, the rest on another
    at another) and price them in bound order until the bound passes the best plan so far;
@@ -137,12 +139,13 @@ from .solver_objective import (
     rarer_collections,
 )
 from .solver_screen import (
+    MIN_SCREEN_EXTENSION,
     SHARE_EXHAUSTIVE_DP,
     SHARE_WINDOW,
     _needs_model,
     _pair_shares,
     _Priced,
-    _screen,
+    _Screen,
 )
 from .solver_splits import EXHAUSTIVE_SPLITS
 
@@ -224,21 +227,12 @@ def _search(
     placement models, until `work` is spent. `incumbent`: the score of a plan known from elsewhere
     (`_single_group_seed`); only pairs that can beat it are priced, and `best` stays None when
     none does. `single_floor`: no placement inside one device group scores below it (the
-    screen then bounds the rest by what crossing between groups costs)."""
-    # The screen gets two thirds of the work left and the placement models the rest; but the
-    # screen goes on until it has found some plan (or shown that none fits).
-    kept, pairs, priced, smallest, cut = _screen(
-        pricer,
-        graph,
-        cands,
-        global_batch,
-        work,
-        work.spent + work.left() * 2 / 3,
-        scorer,
-        limit,
-        say,
-        incumbent,
-        single_floor,
+    screen then bounds the rest by what crossing between groups costs). The screen gets two
+    thirds of the work left and the placement models of the pairs it kept the rest; but the
+    screen goes on until it has found some plan (or shown that none fits), and when it stopped
+    at its share with work left after the models, both go on, two thirds at a time."""
+    screen = _Screen(
+        pricer, graph, cands, global_batch, work, scorer, limit, say, incumbent, single_floor
     )
     best: tuple[float, _Priced, Placement, dict | None] | None = None
 
@@ -248,47 +242,58 @@ def _search(
             return True
         return score <= best[0] * (1 + 1e-9) and _peak(pr) < _peak(best[1])
 
-    for pr in kept:
-        if pr.best is not None and pr.best[0] < incumbent and better(pr.best[0], pr):
-            best = (pr.best[0], pr, pr.best[1], pr.best[2])
-    open_bounds: list[float] = [pr.share_open for pr in kept]
+    all_kept: list[_Priced] = []
+    open_bounds: list[float] = []
     models = 0
     seed = incumbent
-    for i, pr in enumerate(kept):
-        incumbent = min(best[0] if best else math.inf, seed)
-        if pr.lower >= incumbent * (1 - 1e-9):
-            break  # sorted by bound: nothing further can win
-        if not _needs_model(pr, incumbent):
-            continue  # only share placements could win (searched), or the warm start wins
-        if work.exhausted():
-            open_bounds += [k.lower for k in kept[i:] if k.lower < incumbent]
+    while True:
+        kept, cut = screen.run(
+            work.spent + work.left() * 2 / 3, best[0] if best is not None else math.inf
+        )
+        all_kept += kept
+        for pr in kept:
+            if pr.best is not None and pr.best[0] < seed and better(pr.best[0], pr):
+                best = (pr.best[0], pr, pr.best[1], pr.best[2])
+        open_bounds += [pr.share_open for pr in kept]
+        for i, pr in enumerate(kept):
+            incumbent = min(best[0] if best else math.inf, seed)
+            if pr.lower >= incumbent * (1 - 1e-9):
+                break  # sorted by bound: nothing further can win
+            if not _needs_model(pr, incumbent):
+                continue  # only share placements could win (searched), or the warm start wins
+            if work.exhausted():
+                open_bounds += [k.lower for k in kept[i:] if k.lower < incumbent]
+                break
+            if scorer.cost and not scorer.uniform:
+                # min T is not min cost when groups differ in price: the warm starts and share
+                # placements stand, and what they leave open counts in the gap.
+                if pr.best is None or pr.best[0] > pr.lock_lower * (1 + 1e-9):
+                    open_bounds.append(pr.lock_lower)
+                continue
+            step_cut = incumbent / pr.factor if scorer.cost else incumbent
+            if pr.greedy_placement is not None:
+                reference = evaluate(pr.tables, pr.greedy_placement).step_time_s
+            else:
+                reference = step_cut if math.isfinite(step_cut) else 2 * pr.lock_lower / pr.factor
+            # uniform prices: cost = step x price of the candidate's GPUs, so the step cut holds
+            sub = _PlacementModel(pr, pricer.cluster, _Scale(reference), step_cut)
+            work.charge("model", sum(len(n_s) for n_s in sub.n))
+            if pr.greedy_placement is not None:
+                sub.hint(pr.greedy_placement)
+            status, placement, bound = sub.solve(work, work.left() / 2)
+            models += 1
+            if placement is not None:
+                score = scorer.score(pr.cand, evaluate(pr.tables, placement).step_time_s, placement)
+                if better(score, pr) and score < seed:
+                    best = (score, pr, placement, None)
+            if status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE):
+                open_bounds.append(max(pr.lock_lower, bound * pr.factor))
+        if not math.isfinite(cut) or work.left() <= MIN_SCREEN_EXTENSION or work.past_deadline():
             break
-        if scorer.cost and not scorer.uniform:
-            # min T is not min cost when groups differ in price: the warm starts and share
-            # placements stand, and what they leave open counts in the gap.
-            if pr.best is None or pr.best[0] > pr.lock_lower * (1 + 1e-9):
-                open_bounds.append(pr.lock_lower)
-            continue
-        step_cut = incumbent / pr.factor if scorer.cost else incumbent
-        if pr.greedy_placement is not None:
-            reference = evaluate(pr.tables, pr.greedy_placement).step_time_s
-        else:
-            reference = step_cut if math.isfinite(step_cut) else 2 * pr.lock_lower / pr.factor
-        # uniform prices: cost = step x price of the candidate's GPUs, so the step cut holds
-        sub = _PlacementModel(pr, pricer.cluster, _Scale(reference), step_cut)
-        work.charge("model", sum(len(n_s) for n_s in sub.n))
-        if pr.greedy_placement is not None:
-            sub.hint(pr.greedy_placement)
-        status, placement, bound = sub.solve(work, work.left() / 2)
-        models += 1
-        if placement is not None:
-            score = scorer.score(pr.cand, evaluate(pr.tables, placement).step_time_s, placement)
-            if better(score, pr) and score < seed:
-                best = (score, pr, placement, None)
-        if status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE):
-            open_bounds.append(max(pr.lock_lower, bound * pr.factor))
     lowest_open = min([cut, *open_bounds])
-    return _Outcome(best, lowest_open, pairs, priced, models, smallest, kept)
+    return _Outcome(
+        best, lowest_open, screen.pairs, screen.priced, models, screen.smallest, all_kept
+    )
 
 
 # ---------------------------------------------------------------------------------------------

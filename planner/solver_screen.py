@@ -1,7 +1,7 @@
 """Step 2 of the search (`meshplan.solver`): screen (bound, price, greedy warm start) before
 building any model.
 
-`_screen` bounds every (c, l) without memory (`solver_bounds._memory_free_bound`: fastest
+`_Screen` bounds every (c, l) without memory (`solver_bounds._memory_free_bound`: fastest
 groups that can hold the replicas; with shares: the whole micro-batch count over the best
 pipeline rate, `_share_rate_bound`), prices them in bound order (`plan_tables`; stages repeat,
 so tables are built per distinct stage), drops those that fit in no group's memory, bounds again
@@ -63,8 +63,9 @@ from .solver_objective import Placement, _Scorer, _Work
 from .solver_queue import _Family, _Pair, _Queued, _Unsplit
 from .solver_splits import _splits
 
-# The least work left (work units) for which the screen, past its share of the budget with no
-# priced pair needing a placement model, goes on with two thirds of it (`_screen`).
+# The least work left (work units) for which the screen, past its share of the budget, goes on
+# with two thirds of it: at once when no pair it priced needs a placement model, else after
+# those models (`_Screen.run`, `solver._search`).
 MIN_SCREEN_EXTENSION = 0.05
 
 # Uneven DP shares: every split of dp pipelines over two groups is tried up to this dp, a
@@ -604,107 +605,125 @@ def _needs_model(pr: _Priced, incumbent: float) -> bool:
     return not (greedy and pr.greedy_score <= pr.lock_lower * (1 + 1e-9))
 
 
-def _screen(
-    pricer: Pricer,
-    graph: Graph,
-    families: Sequence[Family],
-    global_batch: int,
-    work: _Work,
-    until: float,
-    scorer: _Scorer,
-    limit: float,
-    say,
-    incumbent: float = math.inf,
-    single_floor: float = 0.0,
-) -> tuple[list[_Priced], int, int, tuple | None, float]:
-    """Price (candidate, split) pairs in bound order until the bound passes the best plan.
+class _Screen:
+    """The screen of step 2, resumable: price (candidate, split) pairs in bound order until the
+    bound passes the best plan, a share of the budget at a time (`run`).
 
-    Returns (priced pairs that may still win, pairs bounded, pairs priced in full, the
-    smallest memory need (bytes, stage, candidate) when nothing fits, the bound of the first
-    pair left unpriced when the budget cut the screen short, else infinity). Every step is
-    charged to `work`; the screen stops once `until` work units are spent (or at the safety
-    net) and some plan is known. Pairs whose bound exceeds `limit` are dropped (min_gpus: the
-    target step time). `single_floor`: no placement inside one device group scores below it
-    (`_ScreenMemo.refined`)."""
-    memo = _ScreenMemo(pricer, graph, global_batch, work, scorer, limit, single_floor)
-    queue = [_Queued(b, f.first, (), _Family(f)) for b, f in memo.family_bounds(families)]
-    # Megatron-style warm starts go first (bound -1): a strong incumbent early prunes the rest.
-    top_memory = max(g.gpu.memory_bytes for g in pricer.cluster.groups)
-    for i, c in _megatron_seeds(families, lambda c: memo.split_free_memory(c) <= top_memory):
-        even = _even_split(memo.n_layers, c.pp)
-        queue.append(_Queued(-1.0, i, even, _Pair(c, even, memo.factor(c))))
-    heapq.heapify(queue)
-    say(
-        f"bounded {count(families)} configurations in {len(families)} families; pricing in "
-        "bound order"
-    )
-    done: set[tuple[Candidate, tuple[int, ...]]] = set()
+    Every step is charged to `work`. Pairs whose bound exceeds `limit` are dropped (min_gpus:
+    the target step time). `single_floor`: no placement inside one device group scores below
+    it (`_ScreenMemo.refined`). `incumbent`: the score of a plan known from elsewhere.
+    Accounting over every run: `pairs` (bounded), `priced` (priced in full), `smallest` (the
+    smallest memory need (bytes, stage, candidate) when nothing fits)."""
 
-    best = incumbent
-    kept: list[_Priced] = []
-    priced = pairs = 0
-    smallest: tuple[int, int, Candidate] | None = None  # (bytes, stage, candidate)
-    cut = math.inf
-    while queue:
-        entry = heapq.heappop(queue)
-        if entry.bound > best * (1 + 1e-9):
-            break
-        # Past the budget, stop once there is a plan to return. Without one, go on: the
-        # memory check below makes pricing a candidate that fits nowhere cheap. While no
-        # priced pair needs a placement model, the work kept back for the models is the
-        # screen's: it goes on with two thirds of what is left.
-        if entry.bound >= 0 and math.isfinite(best) and work.exhausted(until):
-            spare = work.left() > MIN_SCREEN_EXTENSION and not work.past_deadline()
-            if spare and not any(_needs_model(k, best) for k in kept):
-                until = work.spent + work.left() * 2 / 3
-            else:
-                cut = entry.bound
+    def __init__(
+        self,
+        pricer: Pricer,
+        graph: Graph,
+        families: Sequence[Family],
+        global_batch: int,
+        work: _Work,
+        scorer: _Scorer,
+        limit: float,
+        say,
+        incumbent: float = math.inf,
+        single_floor: float = 0.0,
+    ) -> None:
+        self.pricer, self.global_batch, self.work, self.limit = pricer, global_batch, work, limit
+        memo = _ScreenMemo(pricer, graph, global_batch, work, scorer, limit, single_floor)
+        queue = [_Queued(b, f.first, (), _Family(f)) for b, f in memo.family_bounds(families)]
+        # Megatron-style warm starts go first (bound -1): a strong incumbent early prunes the
+        # rest.
+        top_memory = max(g.gpu.memory_bytes for g in pricer.cluster.groups)
+        for i, c in _megatron_seeds(families, lambda c: memo.split_free_memory(c) <= top_memory):
+            even = _even_split(memo.n_layers, c.pp)
+            queue.append(_Queued(-1.0, i, even, _Pair(c, even, memo.factor(c))))
+        heapq.heapify(queue)
+        say(
+            f"bounded {count(families)} configurations in {len(families)} families; pricing in "
+            "bound order"
+        )
+        self.memo, self.queue = memo, queue
+        self.done: set[tuple[Candidate, tuple[int, ...]]] = set()
+        self.best = incumbent
+        self.pairs = self.priced = 0
+        self.smallest: tuple[int, int, Candidate] | None = None  # (bytes, stage, candidate)
+
+    def run(self, until: float, best: float = math.inf) -> tuple[list[_Priced], float]:
+        """Go on pricing until the bound passes the best plan (`best`: also a plan found since
+        the last run, by a placement model) or, once some plan is known, `until` work units
+        are spent (or the safety net has passed). Returns (the pairs priced in this run that
+        may still win, by bound; the bound of the first pair left unpriced when the budget cut
+        the run short, else infinity). A run cut short keeps that pair queued for the next."""
+        memo, queue, work, pricer = self.memo, self.queue, self.work, self.pricer
+        self.best = min(self.best, best)
+        kept: list[_Priced] = []
+        cut = math.inf
+        while queue:
+            entry = heapq.heappop(queue)
+            if entry.bound > self.best * (1 + 1e-9):
+                queue.clear()  # the best plan only improves: nothing left can win
                 break
-        match entry.item:
-            case _Family() as family:  # bound and queue its members
-                if not family.refined:
-                    again = memo.refined(family, entry.bound, best)
-                    if again > entry.bound * (1 + 1e-9):  # queue it again under that bound
-                        family = dataclasses.replace(family, refined=True, floor=again)
-                        heapq.heappush(queue, _Queued(again, entry.index, (), family))
+            # Past the budget, stop once there is a plan to return. Without one, go on: the
+            # memory check below makes pricing a candidate that fits nowhere cheap. While no
+            # pair priced in this run needs a placement model, the work kept back for the
+            # models is the screen's: it goes on with two thirds of what is left.
+            if entry.bound >= 0 and math.isfinite(self.best) and work.exhausted(until):
+                spare = work.left() > MIN_SCREEN_EXTENSION and not work.past_deadline()
+                if spare and not any(_needs_model(k, self.best) for k in kept):
+                    until = work.spent + work.left() * 2 / 3
+                else:
+                    cut = entry.bound
+                    heapq.heappush(queue, entry)
+                    break
+            match entry.item:
+                case _Family() as family:  # bound and queue its members
+                    if not family.refined:
+                        again = memo.refined(family, entry.bound, self.best)
+                        if again > entry.bound * (1 + 1e-9):  # queue it again under that bound
+                            family = dataclasses.replace(family, refined=True, floor=again)
+                            heapq.heappush(queue, _Queued(again, entry.index, (), family))
+                            continue
+                    fam = family.family
+                    for k, ((i, *_), knobs) in enumerate(zip(fam.variants, fam.knobs, strict=True)):
+                        got = memo.family_bound(fam, knobs)
+                        if got is not None:
+                            unsplit = _Unsplit(fam, k, got[1], family.floor)
+                            heapq.heappush(
+                                queue, _Queued(max(got[0], family.floor), i, (), unsplit)
+                            )
+                case _Unsplit(cand=c, factor=factor, floor=floor):  # expand into its splits
+                    work.charge("memory")
+                    need = memo.too_big(c, lambda x: (memo.split_free_memory(x), x.pp - 1))
+                    if need is not None:
+                        self.smallest = _smaller(self.smallest, need, c)
+                        continue  # no split fits: some stage holds ceil(L / pp) layers
+                    for split in memo.splits(c):
+                        lb = memo.pair_bound(c, split)
+                        if _beyond(lb, self.limit):
+                            continue
+                        self.pairs += 1
+                        pair = _Pair(c, split, factor, floor)
+                        bound = max(lb * factor, floor)
+                        heapq.heappush(queue, _Queued(bound, entry.index, split, pair))
+                case _Pair(cand=c, split=split) as pair:  # price it
+                    if (c, split) in self.done:
+                        continue  # a warm start priced already
+                    self.done.add((c, split))
+                    ranges = memo.ranges(split)
+                    work.charge("memory")
+                    need = memo.too_big(
+                        c, lambda x: _largest_stage(pricer, x, ranges, self.global_batch)
+                    )
+                    if need is not None:
+                        self.smallest = _smaller(self.smallest, need, c)
+                        continue  # some stage fits on no GPU: no tables needed to know
+                    self.priced += 1
+                    pr = _price(memo, pair, self.best)
+                    if pr is None:
                         continue
-                fam = family.family
-                for k, ((i, *_), knobs) in enumerate(zip(fam.variants, fam.knobs, strict=True)):
-                    got = memo.family_bound(fam, knobs)
-                    if got is not None:
-                        unsplit = _Unsplit(fam, k, got[1], family.floor)
-                        heapq.heappush(queue, _Queued(max(got[0], family.floor), i, (), unsplit))
-            case _Unsplit(cand=c, factor=factor, floor=floor):  # expand into its splits
-                work.charge("memory")
-                need = memo.too_big(c, lambda x: (memo.split_free_memory(x), x.pp - 1))
-                if need is not None:
-                    smallest = _smaller(smallest, need, c)
-                    continue  # no split fits: some stage holds ceil(L / pp) layers
-                for split in memo.splits(c):
-                    lb = memo.pair_bound(c, split)
-                    if _beyond(lb, limit):
-                        continue
-                    pairs += 1
-                    pair = _Pair(c, split, factor, floor)
-                    bound = max(lb * factor, floor)
-                    heapq.heappush(queue, _Queued(bound, entry.index, split, pair))
-            case _Pair(cand=c, split=split) as pair:  # price it
-                if (c, split) in done:
-                    continue  # a warm start priced already
-                done.add((c, split))
-                ranges = memo.ranges(split)
-                work.charge("memory")
-                need = memo.too_big(c, lambda x: _largest_stage(pricer, x, ranges, global_batch))
-                if need is not None:
-                    smallest = _smaller(smallest, need, c)
-                    continue  # some stage fits on no GPU: no tables needed to know
-                priced += 1
-                pr = _price(memo, pair, best)
-                if pr is None:
-                    continue
-                if pr.best is not None:
-                    best = min(best, pr.best[0])
-                kept.append(pr)
-    kept = [k for k in kept if k.lower <= best * (1 + 1e-9)]
-    kept.sort(key=lambda k: (k.lower, k.best[0] if k.best else math.inf, k.cand.sort_key))
-    return kept, pairs, priced, smallest, cut
+                    if pr.best is not None:
+                        self.best = min(self.best, pr.best[0])
+                    kept.append(pr)
+        kept = [k for k in kept if k.lower <= self.best * (1 + 1e-9)]
+        kept.sort(key=lambda k: (k.lower, k.best[0] if k.best else math.inf, k.cand.sort_key))
+        return kept, cut
