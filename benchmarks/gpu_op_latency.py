@@ -109,8 +109,10 @@ class Priced:
     gemm_eff: np.ndarray  # the GPU type's tensor-core GEMM efficiency (published-run fits)
     align: np.ndarray  # `compute.alignment_factor` (misaligned tensor-core GEMMs; 1 otherwise)
     measured: np.ndarray
-    # `compute.rowwise_efficiency` (row-wise kernels on GH100 parts; NaN otherwise); None: none
+    # `compute.rowwise_efficiency` (row-wise kernels on GH100 parts; NaN otherwise) and
+    # `compute.rowwise_latency` (0 otherwise); None: none
     rowwise: np.ndarray | None = None
+    rowwise_latency: np.ndarray | None = None
 
 
 def load(roots: Path | list[Path]) -> tuple[Priced, dict[str, GpuSpec]]:
@@ -145,6 +147,7 @@ def load(roots: Path | list[Path]) -> tuple[Priced, dict[str, GpuSpec]]:
         cols["align"].append(compute.alignment_factor(op, g, r.dtype) if matmul else 1.0)
         rowwise = compute.rowwise_efficiency(op, g)
         cols["rowwise"].append(math.nan if rowwise is None else rowwise)
+        cols["rowwise_latency"].append(compute.rowwise_latency(op, g))
         cols["measured"].append(r.seconds)
     arrays = {k: np.asarray(v) for k, v in cols.items()}
     return Priced(rows=rows, **arrays), specs
@@ -179,8 +182,9 @@ def work(p: Priced, c: Constants) -> np.ndarray:
     """Seconds of work of every row under constants `c`: the roofline of `compute` (the
     planner's formula: the p-norm for GEMMs, the max otherwise) without the floor.
     `check_against_planner` proves it equal to `block_compute` on every row. Row-wise kernels
-    on GH100 parts take `compute.rowwise_efficiency` (fitted on the H200's rows by
-    `fit_rowwise`, not refitted here)."""
+    on GH100 parts take `compute.rowwise_efficiency` and `compute.rowwise_latency` (fitted on
+    the H200's rows by `fit_rowwise`, not refitted here; the latency is a per-call cost the
+    planner keeps apart from the floor, so it is part of the work here)."""
     default_mem = compute.DEFAULT_EFFICIENCY.memory
     mem_eff = np.array([c.memory.get(k, default_mem) for k in p.kind])
     if p.rowwise is not None:
@@ -189,7 +193,8 @@ def work(p: Priced, c: Constants) -> np.ndarray:
     tc = np.isin(p.kind, [k.value for k in compute.TENSOR_CORE_KINDS])
     flop = np.where(tc, p.flop_s / gemm / p.wave, p.flop_s)
     mem = p.mem_s / mem_eff
-    return np.where(np.isin(p.kind, GEMM_KINDS), gemm_roofline(flop, mem), np.maximum(flop, mem))
+    out = np.where(np.isin(p.kind, GEMM_KINDS), gemm_roofline(flop, mem), np.maximum(flop, mem))
+    return out if p.rowwise_latency is None else out + p.rowwise_latency
 
 
 def planner_work(p: Priced, specs: dict[str, GpuSpec], sample: int = 1) -> np.ndarray:
@@ -423,8 +428,10 @@ def fit_rowwise(p: Priced, on: str = "H200") -> dict:
     mape = {}
     for family in sorted({s[0] for s in shapes.values()}):
         idx = [i for i, s in shapes.items() if s[0] == family]
-        eff = np.array([compute.rowwise_efficiency(p.rows[i].op, spec, table=table) for i in idx])
-        mape[family] = round(_mape(p.mem_s[idx] / eff + ovh, p.measured[idx]), 1)
+        ops = [p.rows[i].op for i in idx]
+        eff = np.array([compute.rowwise_efficiency(op, spec, table=table) for op in ops])
+        lat = np.array([compute.rowwise_latency(op, spec, table=table) for op in ops])
+        mape[family] = round(_mape(p.mem_s[idx] / eff + lat + ovh, p.measured[idx]), 1)
     return {
         "on": on,
         "latency_us": {str(k): tuple(v) for k, v in latency.items()},

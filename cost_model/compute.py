@@ -284,8 +284,9 @@ def memory_efficiency(op: Op, gpu: GpuSpec) -> float:
 # Only the H200's rows set these numbers; the H100's are held out (docs/op_latency.md, MAPE
 # per family: softmax 8.8%, layer norm 8.5%, RMSNorm 11.5%; 38-51% with one fraction per
 # kind, 20-24% with session 26's bulk-rate-only curve). The H200's 2^22-element rows are not
-# used: they are the in-sample check. The price is evaluated at the traced size (an op's
-# time then scales with the micro-batch like every other op's, the latency included).
+# used: they are the in-sample check. The latency is a per-call cost (`rowwise_latency`,
+# added to the op's floor, `kernel_floor`): it does not scale with the micro-batch or the TP /
+# CP share as the bytes do.
 # Pre-Hopper parts keep one fraction per kind: NeuSight's float32 rows of A100, V100, T4,
 # P100 and P4 show a width dependence too, but session 26's H200 curve as a shape, with the
 # level refitted leaving each GPU type out, helped A100 and P100 layer norm (25.5 -> 22.4%,
@@ -404,26 +405,60 @@ def rowwise_efficiency(
     *,
     table: tuple[dict[tuple[str, int], tuple[float, ...]], ...] | None = None,
 ) -> float | None:
-    """Fraction of `gpu`'s HBM bandwidth a row-wise kernel (`rowwise_shape`) sustains at its
-    row width, dtype and size on a GPU type of `ROWWISE_GPUS` (its bytes over the time of the
-    formula above); None for any other op, GPU type or dtype (the caller keeps the per-kind
-    fraction). A spec without an SM count takes the H200's 132. `table`: (latency seconds,
-    fraction) per column in place of (`ROWWISE_LATENCY_S`, `ROWWISE_FRACTION`) (the fit in
-    `benchmarks/gpu_op_latency.py` prices with its own)."""
+    """Fraction of `gpu`'s HBM bandwidth a row-wise kernel (`rowwise_shape`) streams at once
+    it runs, at its row width and dtype on a GPU type of `ROWWISE_GPUS` (the bulk rate of the
+    formula above; its latency is `rowwise_latency`); None for any other op, GPU type or
+    dtype (the caller keeps the per-kind fraction). A spec without an SM count takes the
+    H200's 132. `table`: (latency seconds, fraction) per column in place of
+    (`ROWWISE_LATENCY_S`, `ROWWISE_FRACTION`) (the fit in `benchmarks/gpu_op_latency.py`
+    prices with its own)."""
+    key = _rowwise_key(op, gpu, table)
+    if key is None:
+        return None
+    fraction = (ROWWISE_FRACTION if table is None else table[1])[key[0]]
+    rate = _log2_interp(_ROWWISE_LOG2_WIDTHS, fraction, key[1]) * ROWWISE_REFERENCE_BW
+    rate *= (gpu.sms or ROWWISE_REFERENCE_SMS) / ROWWISE_REFERENCE_SMS
+    rate = min(rate, MEMORY_EFFICIENCY_BY_KIND[OpKind.ELEMENTWISE] * gpu.hbm_bandwidth)
+    return rate / gpu.hbm_bandwidth
+
+
+def rowwise_latency(
+    op: Op,
+    gpu: GpuSpec,
+    *,
+    table: tuple[dict[tuple[str, int], tuple[float, ...]], ...] | None = None,
+) -> float:
+    """Seconds a row-wise kernel (`rowwise_shape`) takes beyond its bytes at the bulk rate,
+    on a GPU type of `ROWWISE_GPUS` (the latency of the formula above: one row's walk,
+    whatever the number of rows, so a per-call cost like `KERNEL_FLOOR_S`, not scaled with the
+    micro-batch or the TP / CP share); 0 for any other op, GPU type or dtype. `table` as in
+    `rowwise_efficiency`."""
+    key = _rowwise_key(op, gpu, table)
+    if key is None:
+        return 0.0
+    latency = (ROWWISE_LATENCY_S if table is None else table[0])[key[0]]
+    return _log2_interp(_ROWWISE_LOG2_WIDTHS, latency, key[1])
+
+
+def _rowwise_key(
+    op: Op, gpu: GpuSpec, table: tuple[dict, ...] | None
+) -> tuple[tuple[str, int], int] | None:
+    """((family, bytes per element), width) of a row-wise kernel on a GPU type of
+    `ROWWISE_GPUS` whose column the tables (`table`, else the shipped ones) hold, else None."""
     shape = rowwise_shape(op) if gpu.name in ROWWISE_GPUS else None
     if shape is None:
         return None
-    family, _, width = shape
+    column = (shape[0], DTYPE_BYTES.get(op.inputs[0].dtype, 0))
     latency, fraction = (ROWWISE_LATENCY_S, ROWWISE_FRACTION) if table is None else table
-    key = (family, DTYPE_BYTES.get(op.inputs[0].dtype, 0))
-    if key not in fraction or key not in latency:
+    if column not in fraction or column not in latency:
         return None
-    rate = _log2_interp(_ROWWISE_LOG2_WIDTHS, fraction[key], width) * ROWWISE_REFERENCE_BW
-    rate *= (gpu.sms or ROWWISE_REFERENCE_SMS) / ROWWISE_REFERENCE_SMS
-    rate = min(rate, MEMORY_EFFICIENCY_BY_KIND[OpKind.ELEMENTWISE] * gpu.hbm_bandwidth)
-    nbytes = essential_bytes(op)
-    seconds = _log2_interp(_ROWWISE_LOG2_WIDTHS, latency[key], width) + nbytes / rate
-    return (nbytes / seconds if nbytes > 0 and seconds > 0 else rate) / gpu.hbm_bandwidth
+    return column, shape[2]
+
+
+def kernel_floor(op: Op, gpu: GpuSpec) -> float:
+    """Per-call seconds of `op`'s kernel that do not scale with its data: `KERNEL_FLOOR_S`,
+    plus a row-wise kernel's latency on a GH100 part (`rowwise_latency`)."""
+    return KERNEL_FLOOR_S + rowwise_latency(op, gpu)
 
 
 def _log2_interp(xs: tuple[float, ...], ys: tuple[float, ...], value: float) -> float:
@@ -754,7 +789,7 @@ def op_time(
     nbytes = op.bwd_bytes if backward else op.fwd_bytes
     if flops == 0 and nbytes == 0:
         return 0.0
-    return scale * roofline_time(op, gpu, dtype, backward=backward) + KERNEL_FLOOR_S
+    return scale * roofline_time(op, gpu, dtype, backward=backward) + kernel_floor(op, gpu)
 
 
 @dataclass(frozen=True, slots=True)
@@ -811,8 +846,10 @@ class BlockCompute:
     `sel_*` are the forward times of the ops selective recomputation repeats
     (`kept_by_selective` is False). `n_*` count the
     kernels (each pays `KERNEL_FLOOR_S`). Times are at the traced micro-batch, in seconds.
-    `floor_*` are the per-call overheads in total (None: `n_* * KERNEL_FLOOR_S`; the learned
-    model's own overheads otherwise) and `source` names the model that priced the block.
+    `floor_*` are the per-call overheads in total (None: `n_* * KERNEL_FLOOR_S`; with the
+    row-wise kernels' latencies on GH100 parts, `rowwise_latency`, when there are any; the
+    learned model's own overheads otherwise) and `source` names the model that priced the
+    block.
     """
 
     fwd_tp: float
@@ -982,6 +1019,8 @@ def block_compute(block: Block, gpu: GpuSpec, dtype: str, engine: Engine = EAGER
     gemm = {"fwd": 0.0, "bwd": 0.0}  # TP-sharded GEMM time, what TP traffic can overlap
     attn = {"fwd": 0.0, "bwd": 0.0, "sel": 0.0}  # the attention core (`BlockCompute.attn_*`)
     n_fwd = n_bwd = n_sel = 0
+    # row-wise kernels' latencies on GH100 parts (`rowwise_latency`): per call, like the floor
+    latency = {"fwd": 0.0, "bwd": 0.0, "sel": 0.0}
     rows = set()  # row-parallel projections (prologue / epilogue matmuls are column-parallel)
     if block.kind == "layer":
         sharding = tp_sharding(block, _block_hidden(block))  # the roles the runtime shards by
@@ -1029,6 +1068,8 @@ def block_compute(block: Block, gpu: GpuSpec, dtype: str, engine: Engine = EAGER
                 n_fwd += FLOAT8_CAST_KERNELS
             else:
                 t = roofline_time(op, gpu, dtype, attention=engine.attention)
+            lat = rowwise_latency(op, gpu)
+            latency["fwd"] += lat
             acc["fwd_" + cls] += t
             n_fwd += 1
             if op.kind in TENSOR_CORE_KINDS and cls == "tp":
@@ -1039,6 +1080,7 @@ def block_compute(block: Block, gpu: GpuSpec, dtype: str, engine: Engine = EAGER
                 attn["sel"] += 0.0 if kept_by_selective(op) else t
             if not kept_by_selective(op):
                 acc["sel_" + cls] += t
+                latency["sel"] += lat
                 n_sel += 1
                 gemms += [dataclasses.replace(g, phase="sel") for g in terms if g.phase == "fwd"]
         if op.bwd_flops or op.bwd_bytes:
@@ -1047,6 +1089,7 @@ def block_compute(block: Block, gpu: GpuSpec, dtype: str, engine: Engine = EAGER
                 n_bwd += FLOAT8_CAST_KERNELS
             else:
                 t = roofline_time(op, gpu, dtype, backward=True, attention=engine.attention)
+            latency["bwd"] += rowwise_latency(op, gpu)
             acc["bwd_" + cls] += t
             n_bwd += 1
             if op.kind in TENSOR_CORE_KINDS and cls == "tp":
@@ -1054,10 +1097,16 @@ def block_compute(block: Block, gpu: GpuSpec, dtype: str, engine: Engine = EAGER
             if op.kind == OpKind.ATTENTION and cls == "tp":
                 attn["bwd"] += t
             gemms += [g for g in terms if g.phase == "bwd"]
+    n = {"fwd": n_fwd, "bwd": n_bwd, "sel": n_sel}
+    floors = (
+        {f"floor_{k}": n[k] * KERNEL_FLOOR_S + v for k, v in latency.items()}
+        if any(latency.values())
+        else {}
+    )
     return BlockCompute(
         **acc, n_fwd=n_fwd, n_bwd=n_bwd, n_sel=n_sel, gemms=tuple(gemms), sms=gpu.sms,
         gemm_fwd_tp=gemm["fwd"], gemm_bwd_tp=gemm["bwd"],
-        attn_fwd=attn["fwd"], attn_bwd=attn["bwd"], attn_sel=attn["sel"],
+        attn_fwd=attn["fwd"], attn_bwd=attn["bwd"], attn_sel=attn["sel"], **floors,
     )  # fmt: skip
 
 
@@ -1293,7 +1342,7 @@ def op_parts(
         return 0.0, 0.0
     model = latency_model(gpu)
     if model is None:
-        return roofline_time(op, gpu, dtype, backward=backward), KERNEL_FLOOR_S
+        return roofline_time(op, gpu, dtype, backward=backward), kernel_floor(op, gpu)
     work, overhead = model.predict_parts_many([(op, backward)], gpu, dtype)[0]
     if op.kind in TENSOR_CORE_KINDS:
         work *= host_gemm_anchor(model, gpu)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from meshplan.ir import Block, GpuSpec, Op, OpKind
 
-from .compute import KERNEL_FLOOR_S, kept_by_selective, roofline_time, splits_with_tp
+from .compute import kept_by_selective, kernel_floor, roofline_time, splits_with_tp
 from .engine import SelectivePolicy
 
 DEFAULT_POLICY = SelectivePolicy.KEEP_LINEAR
@@ -79,5 +79,5 @@ def recompute_forward_time(
         if i in keep or not (op.fwd_flops or op.fwd_bytes):
             continue
         r = r_tp if splits_with_tp(op, block.kind) else r_sp
-        total += r * roofline_time(op, gpu, dtype) + KERNEL_FLOOR_S
+        total += r * roofline_time(op, gpu, dtype) + kernel_floor(op, gpu)
     return total

@@ -14,6 +14,7 @@ from meshplan.cost_model.compute import (
     kept_by_selective,
     kernel_efficiency,
     op_time,
+    rowwise_latency,
     wave_efficiency,
 )
 from meshplan.ir import Block, Op, OpKind, TensorMeta
@@ -159,9 +160,12 @@ def test_block_times_split_by_tp_cp_and_sequence_parallel():
     ):
         fwd, _, _ = bc.times(tp=tp, cp=cp, sequence_parallel=sp, scale=scale)
         assert fwd == pytest.approx(by_hand(tp, cp, sp, scale), rel=1e-12)
-    # every op with work pays one kernel floor, whatever the split
+    # every op with work pays one kernel floor, whatever the split, and a fused norm on a
+    # GH100 part its row width's latency (`rowwise_latency`, a per-call cost)
     fwd_huge_tp, _, _ = bc.times(tp=10**9, cp=1, sequence_parallel=True, scale=1.0)
-    assert fwd_huge_tp == pytest.approx(n_ops * KERNEL_FLOOR_S, rel=1e-6)
+    latency = sum(rowwise_latency(op, H100) for op in block.ops if op.fwd_flops or op.fwd_bytes)
+    assert latency > 0
+    assert fwd_huge_tp == pytest.approx(n_ops * KERNEL_FLOOR_S + latency, rel=1e-6)
 
 
 def test_selective_recompute_repeats_everything_but_linears_and_attention():
