@@ -240,6 +240,15 @@ class DataParallelTraffic:
         Each crossing stage has tp rings (one per TP rank of `cfg`, each over the dp * cp ranks
         that hold the same weights) on a shared GroupLink."""
         tp = cfg.tp
+        # The price depends on nothing else (the pricer's options, dtype and cluster are
+        # fixed): the search asks for the same one under many configurations.
+        key = (traffic, a, b, tp)
+        got = self._dp_cross.get(key)
+        if got is None:
+            got = self._dp_cross[key] = self._dp_cross_priced(traffic, a, b, tp)
+        return got
+
+    def _dp_cross_priced(self, traffic: DpTraffic, a: str, b: str, tp: int) -> CrossTraffic:
         # Ranks of one DP ring per NVLink domain (node): the replicas a domain holds, at most
         # dp. Placement-independent on purpose (the planner prices it before placing):
         # optimistic when one side holds fewer replicas than fit in a domain.

@@ -44,7 +44,7 @@ from .compression import (
 )
 from .compute import kernel_efficiency, weight_quantize_time
 from .cp_traffic import ContextParallelTraffic
-from .dp_traffic import DataParallelTraffic
+from .dp_traffic import CrossTraffic, DataParallelTraffic
 from .engine import EAGER, Engine
 from .ep_traffic import EpSpan, ExpertParallelTraffic
 from .graph_costs import CACHE_SIZE, Composition, ModelCosts, model_costs
@@ -182,6 +182,8 @@ class Pricer(
         self._cross: dict[tuple, CrossPath] = {}
         self._sync: dict[tuple, float] = {}  # step_sync_time's SP gradient part
         self._dp_single: dict[tuple, list] = {}  # dp_single_choices, by what prices them
+        self._dp_cross: dict[tuple, CrossTraffic] = {}  # dp_cross, by what prices it
+        self._loss_sync: dict[tuple, float] = {}  # loss_sync_time, by what prices it
         self._engines: dict[str, Engine] = {}
 
     def engine_of(self, group: str) -> Engine:
@@ -434,12 +436,16 @@ class Pricer(
         up and down the slowest link between the plan's `groups` when it spans several."""
         g = self.groups[group]
         n = min(world, g.num_gpus)
-        t = group_collective_time(
-            Collective.ALL_REDUCE, LOSS_SYNC_BYTES, self.cluster, g, n, g.domain_gpus
-        )
-        others = [b for b in groups if b != group]
-        if others and world > n:
-            t += 2 * max(self.cross_path(group, b, 1, 1).latency for b in others)
+        others = tuple(b for b in groups if b != group) if world > n else ()
+        key = (group, n, others)
+        t = self._loss_sync.get(key)
+        if t is None:
+            t = group_collective_time(
+                Collective.ALL_REDUCE, LOSS_SYNC_BYTES, self.cluster, g, n, g.domain_gpus
+            )
+            if others:
+                t += 2 * max(self.cross_path(group, b, 1, 1).latency for b in others)
+            self._loss_sync[key] = t
         return t
 
     def step_sync_time(
