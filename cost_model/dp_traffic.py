@@ -188,8 +188,13 @@ class DataParallelTraffic:
     def dp_single(self, traffic: DpTraffic, group: str, cfg: StageConfig) -> float:
         """DP traffic time when all replicas of the stage (of `cfg`: its tp) sit in one group,
         packed into NVLink domains (nodes)."""
-        choices = self.dp_single_choices(traffic, group, cfg)
-        return sum(c.time_s * r for c, r in zip(choices, traffic.times, strict=True))
+        key = (traffic, group, cfg.tp)  # what prices it (`dp_single_choices`)
+        got = self._dp_single_time.get(key)
+        if got is None:
+            choices = self.dp_single_choices(traffic, group, cfg)
+            got = sum(c.time_s * r for c, r in zip(choices, traffic.times, strict=True))
+            self._dp_single_time[key] = got
+        return got
 
     def dp_single_choices(
         self, traffic: DpTraffic, group: str, cfg: StageConfig

@@ -46,6 +46,7 @@ output). Both are checked against torch's own allocation profile of a CPU traini
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -320,7 +321,11 @@ class StageMemory:
         activation plus `temporary`) and, with recomputation, the backward of a recomputed
         layer (the activations still held, that layer's rebuilt activations and
         `layer_temporary`); the two sets of buffers never coexist. Checked against torch's
-        own allocation on CPU (tests/cost_model/test_memory_measured.py)."""
+        own allocation on CPU (tests/cost_model/test_memory_measured.py). Cached: the planner
+        asks for the same ones many times."""
+        return _peak(self, in_flight)
+
+    def _peak(self, in_flight: float) -> tuple[int, tuple[tuple[str, int], ...]]:
         acts = self.activations_per_microbatch * in_flight
         moments = [(acts, 0.0, self.temporary)]
         if self.recompute_workspace > 0:
@@ -340,6 +345,12 @@ class StageMemory:
         parts["overhead"] = ALLOCATOR_MARGIN * subtotal + CONTEXT_BYTES
         breakdown = tuple((k, round(v)) for k, v in parts.items())
         return sum(b for _, b in breakdown), breakdown
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _peak(memory: StageMemory, in_flight: float) -> tuple[int, tuple[tuple[str, int], ...]]:
+    """`StageMemory.peak`, cached (a `StageMemory` is frozen, so its fields are the key)."""
+    return memory._peak(in_flight)
 
 
 def stage_memory(

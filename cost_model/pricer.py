@@ -183,6 +183,7 @@ class Pricer(
         self._sync: dict[tuple, float] = {}  # step_sync_time's SP gradient part
         self._dp_single: dict[tuple, list] = {}  # dp_single_choices, by what prices them
         self._dp_cross: dict[tuple, CrossTraffic] = {}  # dp_cross, by what prices it
+        self._dp_single_time: dict[tuple, float] = {}  # dp_single, by what prices it
         self._loss_sync: dict[tuple, float] = {}  # loss_sync_time, by what prices it
         self._engines: dict[str, Engine] = {}
 
@@ -461,7 +462,8 @@ class Pricer(
         """Seconds of the per-step synchronisations that run exposed around the optimizer
         update of a rank of `cfg`: `sp_grad_sync` on the intra-node tp path (cached) and
         `loss_sync_time`."""
-        key = (comp, group, cfg, reductions)
+        # what prices it: the blocks, the group's node path, tp, SP and the reductions
+        key = (comp, group, cfg.tp, cfg.sequence_parallel, reductions)
         t = self._sync.get(key)
         if t is None:
             path = intra_node_path(self.cluster, self.groups[group])

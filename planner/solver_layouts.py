@@ -281,6 +281,7 @@ class _Layouts:
         self.n_layers = len(graph.layer_units)
         self.ranges: dict[tuple[int, ...], tuple[tuple[int, int], ...]] = {}
         self.tau: dict[tuple, float] = {}
+        self.stage_cache: dict[tuple, tuple[float, bool]] = {}  # `_stage`, by what prices it
         self.bounded = 0  # layouts bounded (work charged as "bound")
         self.capacity = {g.name: g.gpu.memory_bytes for g in pricer.cluster.groups}
         kinds = dict(graph.blocks)
@@ -316,14 +317,25 @@ class _Layouts:
             got = self.ranges[counts] = stages_of(self.graph, counts)
         return got
 
-    def _stage(self, lay: Layout, s: int, first: int, last: int) -> tuple[float, bool]:
-        """(time, fits) of stage s of `lay` over units [first, last): the slowest of its
-        groups (lock-step replicas), fitting when it fits in every one of them."""
-        p = lay.parallel
+    def _stage(
+        self, p: Parallel, s: int, first: int, last: int, on: tuple[tuple[str, int], ...]
+    ) -> tuple[float, bool]:
+        """(time, fits) of stage s of a layout of `p` over units [first, last) on the groups
+        and degrees `on` (`_groups_of`): the slowest of its groups (lock-step replicas),
+        fitting when it fits in every one of them."""
+        key = (p, s, first, last, on)
+        got = self.stage_cache.get(key)
+        if got is None:
+            got = self.stage_cache[key] = self._stage_priced(p, s, first, last, on)
+        return got
+
+    def _stage_priced(
+        self, p: Parallel, s: int, first: int, last: int, on: tuple[tuple[str, int], ...]
+    ) -> tuple[float, bool]:
         comp = self.pricer.costs.composition(first, last)
         held = in_flight_microbatches(p.schedule, s, p.pp, p.num_microbatches)
         u = 0.0
-        for g, _, t in lay.on(s):
+        for g, t in on:
             cfg = p.stage(t)
             mem = self.pricer.stage_memory(comp, cfg, dp=p.dp, zero=0).peak(held)[0]
             if mem > self.capacity[g]:
@@ -331,12 +343,14 @@ class _Layouts:
             u = max(u, self.pricer.stage_time(comp, g, cfg).total)
         return u, True
 
-    def _price_split(self, lay: Layout, counts: tuple[int, ...], cut: float):
+    def _price_split(self, lay: Layout, counts: tuple[int, ...], cut: float, ons=None):
         """(slowest stage, sum) of `lay` under `counts`, None when a stage does not fit or
-        the slowest passes `cut` (it cannot beat the split in hand)."""
+        the slowest passes `cut` (it cannot beat the split in hand). `ons`: `_groups_of(lay)`
+        when the caller has it."""
+        ons = ons or _groups_of(lay)
         worst, total = 0.0, 0.0
         for s, (first, last) in enumerate(self._ranges(counts)):
-            u, fits = self._stage(lay, s, first, last)
+            u, fits = self._stage(lay.parallel, s, first, last, ons[s])
             if not fits or u > cut:
                 return None
             worst, total = max(worst, u), total + u
@@ -346,13 +360,14 @@ class _Layouts:
         """The layer counts of the module docstring's split, or None when no split fits."""
         best: tuple[float, float, tuple[int, ...]] | None = None
         n, mixed = self.n_layers, 1 if lay.mixed else 0
+        ons = _groups_of(lay)
         for n_a in range(lay.k_a, n - lay.k_b - mixed + 1):
             for n_x in range(mixed, n - n_a - lay.k_b + 1) if mixed else (0,):
                 n_b = n - n_a - n_x
                 counts = tuple(_even(n_a, lay.k_a) + _even(n_b, lay.k_b) + [n_x] * mixed)
                 if min(counts) < 1:
                     continue
-                got = self._price_split(lay, counts, best[0] if best else math.inf)
+                got = self._price_split(lay, counts, best[0] if best else math.inf, ons)
                 if got is not None and (best is None or got < best[:2]):
                     best = (*got, counts)
         return None if best is None else best[2]
@@ -365,6 +380,12 @@ class _Layouts:
             reps, tps = tuple((g, k) for g, k, _ in on), tuple((g, t) for g, _, t in on)
             out.append(StagePlacement(s, first, last, reps, group_tp=tps))
         return tuple(out)
+
+
+def _groups_of(lay: Layout) -> list[tuple[tuple[str, int], ...]]:
+    """Each stage's (group, degree) pairs of `lay` (`Layout.on` without the replica counts,
+    which do not enter a stage's time or memory)."""
+    return [tuple((g, t) for g, _, t in lay.on(s)) for s in range(lay.parallel.pp)]
 
 
 def layout_search(
