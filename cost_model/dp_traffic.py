@@ -138,6 +138,16 @@ class DataParallelTraffic:
         gradients are reduced with the data-parallel ones, so the group is dp * cp ranks
         (Megatron-LM's data-parallel group "with CP", torchtitan's FSDP mesh dp_shard x cp).
         Expert parameters use the dp * cp / ep ranks that hold the same experts."""
+        # what prices it: cfg enters through its tp, cp and ep only (`_dp_params`, `_dp_ranks`)
+        key = (comp, cfg.tp, cfg.cp, cfg.ep, dp, zero, first)
+        got = self._dp_traffic.get(key)
+        if got is None:
+            got = self._dp_traffic[key] = self._dp_traffic_of(comp, cfg, dp, zero, first)
+        return got
+
+    def _dp_traffic_of(
+        self, comp: Composition, cfg: StageConfig, dp: int, zero: int, first: str | None
+    ) -> DpTraffic:
         AR, AG, RS = Collective.ALL_REDUCE, Collective.ALL_GATHER, Collective.REDUCE_SCATTER
         g_bytes, w_bytes = self.reduce_bytes, self._gather_bytes()
         ranks = _dp_ranks(cfg, dp)

@@ -17,8 +17,14 @@ class PipelineTraffic:
 
     def p2p(self, size: float, a: str, b: str, streams: int) -> float:
         """Forward send + backward send of one boundary activation of `size` bytes per rank
-        between a stage on group a and the next on group b; `streams` ranks send at once."""
-        return 2 * self.p2p_choice(size, a, b, streams).time_s
+        between a stage on group a and the next on group b; `streams` ranks send at once.
+        Cached: it depends on nothing else (the pricer's options, dtype and cluster are
+        fixed)."""
+        key = (size, a, b, streams)
+        got = self._p2p.get(key)
+        if got is None:
+            got = self._p2p[key] = 2 * self.p2p_choice(size, a, b, streams).time_s
+        return got
 
     def handoff(
         self,

@@ -44,7 +44,7 @@ from .compression import (
 )
 from .compute import kernel_efficiency, weight_quantize_time
 from .cp_traffic import ContextParallelTraffic
-from .dp_traffic import CrossTraffic, DataParallelTraffic
+from .dp_traffic import CrossTraffic, DataParallelTraffic, DpTraffic
 from .engine import EAGER, Engine
 from .ep_traffic import EpSpan, ExpertParallelTraffic
 from .graph_costs import CACHE_SIZE, Composition, ModelCosts, model_costs
@@ -184,6 +184,8 @@ class Pricer(
         self._dp_single: dict[tuple, list] = {}  # dp_single_choices, by what prices them
         self._dp_cross: dict[tuple, CrossTraffic] = {}  # dp_cross, by what prices it
         self._dp_single_time: dict[tuple, float] = {}  # dp_single, by what prices it
+        self._dp_traffic: dict[tuple, DpTraffic] = {}  # dp_traffic, by what prices it
+        self._p2p: dict[tuple, float] = {}  # p2p, by its arguments
         self._loss_sync: dict[tuple, float] = {}  # loss_sync_time, by what prices it
         self._engines: dict[str, Engine] = {}
 

@@ -57,13 +57,16 @@ class _Unsplit:
 
 @dataclass(frozen=True, slots=True)
 class _Pair:
-    """A (candidate, split) pair under its own bound (`_ScreenMemo.pair_bound`; a Megatron-style
-    warm start under -1), not yet priced."""
+    """A (candidate, split) pair under its own bound (`_ScreenMemo.pair_bound`, then
+    `pair_bound_with_traffic`; a Megatron-style warm start under -1), not yet priced."""
 
     cand: Candidate
     split: tuple[int, ...]
     factor: float
     floor: float = 0.0  # inherited from its candidate (`_Unsplit.floor`)
+    # Set once the pair was bounded again with the traffic every placement carries
+    # (`_ScreenMemo.traffic_floor`), when it first reached the top of the heap.
+    refined: bool = False
 
 
 class _Queued(NamedTuple):

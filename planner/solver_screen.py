@@ -33,11 +33,20 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from meshplan.cost_model.graph_costs import Composition
 from meshplan.cost_model.memory import in_flight_microbatches
-from meshplan.cost_model.pricer import Pricer
+from meshplan.cost_model.pricer import OVERLAP_EFFICIENCY, Pricer
 from meshplan.cost_model.simulate import evaluate
-from meshplan.cost_model.tables import PlanTables, hetero_tables, plan_tables
-from meshplan.ir import Graph, Recompute, Schedule, microbatch_problem
+from meshplan.cost_model.tables import (
+    PlanTables,
+    _boundary_keys,
+    _dp_window,
+    _rank_compositions,
+    _rank_ranges,
+    hetero_tables,
+    plan_tables,
+)
+from meshplan.ir import Graph, Recompute, Schedule, StageConfig, microbatch_problem
 from meshplan.ir.parallel import chunks_of
 from meshplan.passes.partition import replica_capacity, stages_of
 
@@ -340,6 +349,9 @@ class _ScreenMemo:
         self._ranges: dict[tuple[int, ...], tuple[tuple[int, int], ...]] = {}
         self._splits: dict[tuple, list[tuple[int, ...]]] = {}
         self._split_terms: dict[tuple, tuple[float, float, float, float]] = {}
+        self._traffic_floors: dict[tuple, tuple[float, float]] = {}
+        self._dp_comms: dict[tuple, float] = {}
+        self._p2ps: dict[tuple, float] = {}
 
     def microbatches(self, c: Candidate | Family) -> int:
         """m = global batch / (dp x micro-batch): micro-batches per pipeline."""
@@ -528,11 +540,9 @@ class _ScreenMemo:
             )
         return got
 
-    def pair_bound(self, c: Candidate, split: tuple[int, ...]) -> float:
-        """Step-time bound of (c, split) without memory: the pipeline bound
-        (`_pipeline_bound`: m U + (S - U) fill) over the memory-free terms
-        (U, S, rate, share fill) of `_memory_free_bound`, or with shares (ZeRO <= 2)
-        dp m / rate + share fill x fill when that is less."""
+    def _pair_parts(self, c: Candidate, split: tuple[int, ...]) -> tuple[float, float]:
+        """(lock-step, shares) parts of `pair_bound` (infinite shares where they do not
+        apply)."""
         ranges = self.ranges(split)
         # zero does not change stage times, and the bound is linear in m
         key = (*self._split_key(c)[:-1], split)
@@ -544,10 +554,98 @@ class _ScreenMemo:
             )
         big_u, total, rate, fill = terms
         m = self.microbatches(c)
-        lb = _pipeline_bound(big_u, total, m, c.fill)
-        if c.zero <= 2 and rate > 0:
-            lb = min(lb, c.dp * m / rate + fill * c.fill)
-        return lb
+        lock = _pipeline_bound(big_u, total, m, c.fill)
+        share = c.dp * m / rate + fill * c.fill if c.zero <= 2 and rate > 0 else math.inf
+        return lock, share
+
+    def pair_bound(self, c: Candidate, split: tuple[int, ...]) -> float:
+        """Step-time bound of (c, split) without memory: the pipeline bound
+        (`_pipeline_bound`: m U + (S - U) fill) over the memory-free terms
+        (U, S, rate, share fill) of `_memory_free_bound`, or with shares (ZeRO <= 2)
+        dp m / rate + share fill x fill when that is less."""
+        return min(self._pair_parts(c, split))
+
+    def pair_bound_with_traffic(self, c: Candidate, split: tuple[int, ...]) -> float:
+        """`pair_bound` with what the traffic adds at least (`traffic_floor`): tighter, and
+        dearer, so the screen asks for it only when the pair reaches the top of its heap."""
+        lock, share = self._pair_parts(c, split)
+        lock_extra, share_extra = self.traffic_floor(c, split)
+        return min(lock + lock_extra, share + share_extra)
+
+    def _least_dp_comm(
+        self, comp: Composition, cfg: StageConfig, dp: int, zero: int, groups: tuple[str, ...]
+    ) -> float:
+        """A rank's DP traffic at its cheapest group or pair of groups (`traffic_floor`); cfg
+        enters through its tp, cp and ep (`DataParallelTraffic.dp_traffic`)."""
+        key = (comp, cfg.tp, cfg.cp, cfg.ep, dp, zero, groups)
+        got = self._dp_comms.get(key)
+        if got is None:
+            pricer = self.pricer
+            traffic = pricer.dp_traffic(comp, cfg, dp=dp, zero=zero)
+            got = min(pricer.dp_single(traffic, g, cfg) for g in groups)
+            for i, a in enumerate(groups):
+                for b in groups[i + 1 :]:
+                    got = min(got, pricer.dp_cross(traffic, a, b, cfg).time(1))
+            self._dp_comms[key] = got
+        return got
+
+    def _least_p2p(self, size: float, streams: int, groups: tuple[str, ...]) -> float:
+        """A boundary's hand-off at its cheapest pair of groups (`traffic_floor`)."""
+        key = (size, streams, groups)
+        got = self._p2ps.get(key)
+        if got is None:
+            got = self._p2ps[key] = min(
+                self.pricer.p2p(size, a, b, streams) for a in groups for b in groups
+            )
+        return got
+
+    def traffic_floor(self, c: Candidate, split: tuple[int, ...]) -> tuple[float, float]:
+        """What (c, split) adds at least to the memory-free pipeline bounds of `pair_bound`,
+        from the traffic every placement's step carries (`evaluate`): (lock-step, shares).
+        Both hold the least exposed data-parallel traffic: over the ranks, the largest
+        C - OVERLAP_EFFICIENCY min(C, W), C the rank's traffic at its cheapest group or pair
+        of groups (a ring in one group, or one crossing between two at `CrossTraffic.time(1)`,
+        the least of any number of stages crossing), W its widest window over the groups
+        (`tables._dp_window`; exposure falls with W and rises with C). Lock-step placements
+        add (m v + pp - 1) hand-offs at the cheapest pair of groups of the costliest
+        boundary, group-pure pipelines with shares the (pp - 1) of their fill. The tables
+        price the same traffic the same way (`plan_tables`), so the bounds hold. (0, 0) under
+        per-group TP and ZeRO-3, and the windows are dropped under EP on several groups
+        (their stage times may be the spanning floor's, `tables._ep_floor`)."""
+        if c.group_tp or c.zero > 2:
+            return 0.0, 0.0
+        p = c.parallel()
+        cfg, groups = p.stage(), self.groups(c)  # quantization included: it widens windows
+        key = (cfg, groups, c.pp, c.dp, c.zero, c.schedule, c.virtual_stages, split)
+        got = self._traffic_floors.get(key)
+        if got is not None:
+            return got
+        self.work.charge("memory")
+        pricer, ranges = self.pricer, self.ranges(split)
+        exposed = 0.0
+        if c.dp * c.cp > 1:
+            windows = c.ep == 1 or len(groups) == 1
+            for comp in _rank_compositions(pricer, p, ranges):
+                comm = self._least_dp_comm(comp, cfg, c.dp, c.zero, groups)
+                window = (
+                    max(_dp_window(pricer.stage_time(comp, g, cfg), c.zero) for g in groups)
+                    if windows
+                    else math.inf
+                )
+                exposed = max(exposed, comm - OVERLAP_EFFICIENCY * min(comm, window))
+        p2p = 0.0
+        if c.pp > 1:
+            scale = p.micro_batch / pricer.costs.traced_micro_batch
+            streams = c.tp * c.cp * c.dp
+            for bkey in _boundary_keys(pricer, _rank_ranges(pricer, p, ranges)):
+                size = pricer.costs.facts[bkey].output_bytes * scale / (c.cp * c.tp)
+                p2p = max(p2p, self._least_p2p(size, streams, groups))
+        m = self.microbatches(c)
+        got = self._traffic_floors[key] = (
+            exposed + (m * c.chunks + c.pp - 1) * p2p,
+            exposed + (c.pp - 1) * p2p,
+        )
+        return got
 
 
 def _price(memo: _ScreenMemo, pair: _Pair, best: float) -> _Priced | None:
@@ -708,6 +806,14 @@ class _Screen:
                 case _Pair(cand=c, split=split) as pair:  # price it
                     if (c, split) in self.done:
                         continue  # a warm start priced already
+                    if not pair.refined and entry.bound >= 0:
+                        # bound it again with its traffic; queue it again under that bound
+                        again = memo.pair_bound_with_traffic(c, split) * pair.factor
+                        again = max(again, pair.floor)
+                        if again > entry.bound * (1 + 1e-9):
+                            pair = dataclasses.replace(pair, refined=True)
+                            heapq.heappush(queue, _Queued(again, entry.index, split, pair))
+                            continue
                     self.done.add((c, split))
                     ranges = memo.ranges(split)
                     work.charge("memory")

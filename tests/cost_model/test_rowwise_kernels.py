@@ -14,6 +14,7 @@ over all rows and 23-46% over the 2^26-element ones; with a bulk rate per width 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -165,3 +166,17 @@ def test_the_latency_is_paid_per_call_not_per_sequence():
     assert fwd1 == pytest.approx(bulk + floor)
     assert fwd8 == pytest.approx(8 * bulk + floor)
     assert fwd_sp == pytest.approx(4 * bulk + floor)
+
+
+def test_backward_and_the_selective_replay_pay_the_latency_once_per_call():
+    ln = norm_op(4096, 768, "bfloat16")
+    ln = dataclasses.replace(ln, bwd_bytes=2 * ln.fwd_bytes)  # a backward that reads x and dy
+    bc = compute.block_compute(Block("norm", "layer", (ln,), ()), H100, "bfloat16")
+    latency, floor = compute.rowwise_latency(ln, H100), compute.KERNEL_FLOOR_S
+    fwd = compute.roofline_time(ln, H100, "bfloat16")
+    bwd = compute.roofline_time(ln, H100, "bfloat16", backward=True)
+    assert not compute.kept_by_selective(ln)  # selective recomputation replays the norm
+    for scale in (1.0, 8.0):
+        _, b, sel = bc.times(tp=1, cp=1, sequence_parallel=False, scale=scale)
+        assert b == pytest.approx(scale * bwd + floor + latency)
+        assert sel == pytest.approx(scale * fwd + floor + latency)
