@@ -1,0 +1,58 @@
+"""The screen's second bound of a (configuration, split) pair, with the traffic every
+placement carries (`solver_screen._ScreenMemo.pair_bound_with_traffic`: the least exposed DP
+traffic of its ranks and the least hand-offs of its costliest boundary, added to the
+memory-free pipeline bound), never exceeds the price of any placement of the pair.
+
+Oracle: exhaustive enumeration. Every lock-step placement and every group-pure placement with
+uneven shares of each pair (tests/planner/test_solver.py's enumerators) priced by
+`evaluate` over the pair's tables; on small mixed clusters, one behind a WAN, with slow
+Ethernet between nodes (where the traffic dominates and the bound rises most) and with
+lossless coding of DP traffic."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from meshplan.cost_model import evaluate, plan_tables, pricer_for
+from meshplan.cost_model.compression import CommOptions
+from meshplan.ir import Parallel
+from meshplan.passes.partition import replica_capacity, stages_of
+from meshplan.solver_candidates import enumerate_candidates
+from meshplan.solver_objective import Objective, _Scorer, _Work
+from meshplan.solver_screen import _ScreenMemo
+
+from tests.planner.test_multi_group_bound import mixed_cluster, transformer_graph
+from tests.planner.test_solver import _placements, _share_placements
+
+
+@pytest.mark.parametrize(
+    "wan, comm", [(False, None), (True, None), (True, CommOptions(lossless=True))]
+)
+def test_the_traffic_bound_holds_for_every_placement(wan, comm):
+    graph = transformer_graph(4, 512, 8, 8, 2048, 8000, 1024, 1)
+    cluster = mixed_cluster(2, 2, wan=wan)
+    pricer = pricer_for(graph, cluster, comm=comm)
+    memo = _ScreenMemo(
+        pricer, graph, 16, _Work.starting_now(1e3), _Scorer(Objective(), cluster), math.inf
+    )
+    checked = raised = 0
+    for c in enumerate_candidates(graph, cluster, Parallel(), 16):
+        if c.group_tp or c.dp > 4:
+            continue
+        for split in memo.splits(c)[:3]:
+            bound = memo.pair_bound_with_traffic(c, split)
+            assert bound >= memo.pair_bound(c, split) * (1 - 1e-12)
+            tables = plan_tables(pricer, c.parallel(), stages_of(graph, split), memo.groups(c))
+            cap = {g: replica_capacity(pricer.groups[g], c.tp, c.cp) for g in tables.groups}
+            prices = [evaluate(tables, pl).step_time_s for pl in _placements(tables, cap)]
+            prices += [
+                evaluate(tables, pl, sh).step_time_s for pl, sh in _share_placements(tables, cap)
+            ]
+            if not prices:
+                continue
+            assert bound <= min(prices) * (1 + 1e-9), (c.describe(), split, bound, min(prices))
+            checked += 1
+            raised += bound > memo.pair_bound(c, split) * (1 + 1e-6)
+    assert checked > 50
+    assert raised > checked // 4  # the traffic adds to most pairs' bounds here
