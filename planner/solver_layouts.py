@@ -343,14 +343,19 @@ class _Layouts:
             u = max(u, self.pricer.stage_time(comp, g, cfg).total)
         return u, True
 
-    def _price_split(self, lay: Layout, counts: tuple[int, ...], cut: float, ons=None):
+    def _price_split(self, lay: Layout, counts: tuple[int, ...], cut: float, ons=None, seen=None):
         """(slowest stage, sum) of `lay` under `counts`, None when a stage does not fit or
         the slowest passes `cut` (it cannot beat the split in hand). `ons`: `_groups_of(lay)`
-        when the caller has it."""
+        when the caller has it; `seen`: the caller's memo of `_stage` for this layout, by
+        (stage, first unit, last unit)."""
         ons = ons or _groups_of(lay)
+        seen = {} if seen is None else seen
         worst, total = 0.0, 0.0
         for s, (first, last) in enumerate(self._ranges(counts)):
-            u, fits = self._stage(lay.parallel, s, first, last, ons[s])
+            got = seen.get((s, first, last))
+            if got is None:
+                got = seen[(s, first, last)] = self._stage(lay.parallel, s, first, last, ons[s])
+            u, fits = got
             if not fits or u > cut:
                 return None
             worst, total = max(worst, u), total + u
@@ -360,14 +365,14 @@ class _Layouts:
         """The layer counts of the module docstring's split, or None when no split fits."""
         best: tuple[float, float, tuple[int, ...]] | None = None
         n, mixed = self.n_layers, 1 if lay.mixed else 0
-        ons = _groups_of(lay)
+        ons, seen = _groups_of(lay), {}
         for n_a in range(lay.k_a, n - lay.k_b - mixed + 1):
             for n_x in range(mixed, n - n_a - lay.k_b + 1) if mixed else (0,):
                 n_b = n - n_a - n_x
                 counts = tuple(_even(n_a, lay.k_a) + _even(n_b, lay.k_b) + [n_x] * mixed)
                 if min(counts) < 1:
                     continue
-                got = self._price_split(lay, counts, best[0] if best else math.inf, ons)
+                got = self._price_split(lay, counts, best[0] if best else math.inf, ons, seen)
                 if got is not None and (best is None or got < best[:2]):
                     best = (*got, counts)
         return None if best is None else best[2]
