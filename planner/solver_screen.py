@@ -808,8 +808,10 @@ class _Screen:
                         continue  # a warm start priced already
                     if not pair.refined and entry.bound >= 0:
                         # bound it again with its traffic; queue it again under that bound
-                        again = memo.pair_bound_with_traffic(c, split) * pair.factor
-                        again = max(again, pair.floor)
+                        lb = memo.pair_bound_with_traffic(c, split)
+                        if _beyond(lb, self.limit):
+                            continue  # min_gpus: past the target step time
+                        again = max(lb * pair.factor, pair.floor)
                         if again > entry.bound * (1 + 1e-9):
                             pair = dataclasses.replace(pair, refined=True)
                             heapq.heappush(queue, _Queued(again, entry.index, split, pair))

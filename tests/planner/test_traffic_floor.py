@@ -27,9 +27,16 @@ from tests.planner.test_solver import _placements, _share_placements
 
 
 @pytest.mark.parametrize(
-    "wan, comm", [(False, None), (True, None), (True, CommOptions(lossless=True))]
+    "wan, comm, pinned",
+    [
+        (False, None, Parallel()),
+        (True, None, Parallel()),
+        (True, CommOptions(lossless=True), Parallel()),
+        (True, None, Parallel(pp=2, schedule="interleaved_1f1b", virtual_stages=2)),
+        (True, None, Parallel(cp=2)),
+    ],
 )
-def test_the_traffic_bound_holds_for_every_placement(wan, comm):
+def test_the_traffic_bound_holds_for_every_placement(wan, comm, pinned):
     graph = transformer_graph(4, 512, 8, 8, 2048, 8000, 1024, 1)
     cluster = mixed_cluster(2, 2, wan=wan)
     pricer = pricer_for(graph, cluster, comm=comm)
@@ -37,10 +44,10 @@ def test_the_traffic_bound_holds_for_every_placement(wan, comm):
         pricer, graph, 16, _Work.starting_now(1e3), _Scorer(Objective(), cluster), math.inf
     )
     checked = raised = 0
-    for c in enumerate_candidates(graph, cluster, Parallel(), 16):
-        if c.group_tp or c.dp > 4:
+    for c in enumerate_candidates(graph, cluster, pinned, 16):
+        if c.group_tp or c.dp > 8:
             continue
-        for split in memo.splits(c)[:3]:
+        for split in memo.splits(c)[:4]:
             bound = memo.pair_bound_with_traffic(c, split)
             assert bound >= memo.pair_bound(c, split) * (1 - 1e-12)
             tables = plan_tables(pricer, c.parallel(), stages_of(graph, split), memo.groups(c))
@@ -54,5 +61,5 @@ def test_the_traffic_bound_holds_for_every_placement(wan, comm):
             assert bound <= min(prices) * (1 + 1e-9), (c.describe(), split, bound, min(prices))
             checked += 1
             raised += bound > memo.pair_bound(c, split) * (1 + 1e-6)
-    assert checked > 50
+    assert checked > 20
     assert raised > checked // 4  # the traffic adds to most pairs' bounds here
