@@ -212,8 +212,11 @@ class SolveResult:
     splits: int = 0  # (configuration, split) pairs bounded
     work: float = 0.0  # deterministic work spent, in work units (`_Work`)
     wall_clock_hit: bool = False  # stopped on the wall-clock safety net: may vary by load
-    # The least objective value any plan of the search space can have, as the search proved
-    # (objective_value (1 - gap); objective_value itself when optimal). 0: nothing proven.
+    # The least score any plan of the search space can have, as the search proved, in the
+    # search's own units (`_Scorer.score`: seconds per step for throughput and min_gpus,
+    # step seconds times the plan's price per hour for cost; so objective_value (1 - gap) only
+    # for throughput, where the two agree). The single-group seeds' floor reads it
+    # (throughput). 0: nothing proven.
     bound: float = 0.0
 
 
