@@ -71,20 +71,16 @@ GiB = 2**30
 
 
 def gpt_neo_27b(dtype: str):
-    """GPT-Neo-2.7B's shape in the zoo's GPT style, on the meta device."""
-    import meshplan
+    """GPT-Neo-2.7B's shape in the zoo's GPT style, on the meta device: the factory of
+    examples/models/gpt_neo.py (what `meshplan plan -m` runs) at Sailor's sequence length."""
+    import importlib.util
+    from pathlib import Path
 
-    return meshplan.models.transformer(
-        layers=32,
-        hidden=2560,
-        heads=20,
-        ffn=4 * 2560,
-        vocab=50257,
-        seq_len=SEQ_LEN,
-        style="gpt",
-        tie_embeddings=True,
-        dtype=dtype,
-    )
+    path = Path(__file__).resolve().parents[1] / "examples" / "models" / "gpt_neo.py"
+    spec = importlib.util.spec_from_file_location("meshplan_example_gpt_neo", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.gpt_neo_27b(seq_len=SEQ_LEN, dtype=dtype)
 
 
 def sailor_cluster(gbps: float, a100_nodes: int = 8, v100_nodes: int = 24):

@@ -9,8 +9,9 @@ Sailor's scenarios (benchmarks/vs_sailor.py).
 import meshplan
 
 
-def gpt_neo_27b(seq_len: int = 2048, micro_batch: int = 1):
-    """(model, example inputs) of GPT-Neo-2.7B's shape at `seq_len` tokens."""
+def gpt_neo_27b(seq_len: int = 2048, micro_batch: int = 1, dtype: str = "bfloat16"):
+    """(model, example inputs) of GPT-Neo-2.7B's shape at `seq_len` tokens, in `dtype`
+    (benchmarks/vs_sailor.py builds it in float32 under Sailor's runtime)."""
     return meshplan.models.transformer(
         layers=32,
         hidden=2560,
@@ -21,4 +22,5 @@ def gpt_neo_27b(seq_len: int = 2048, micro_batch: int = 1):
         micro_batch=micro_batch,
         style="gpt",
         tie_embeddings=True,
+        dtype=dtype,
     )
