@@ -234,12 +234,9 @@ def plan_tables(
     streams = tp * cp * dp
     by_boundary: dict[str, dict[tuple[str, str], float]] = {}
     p2p = []
-    for bkey in _boundary_keys(pricer, held_ranges):
+    for bkey, size in boundary_sends(pricer, p, held_ranges):
         row = by_boundary.get(bkey)
         if row is None:
-            # Megatron's scatter/gather optimisation (Narayanan et al. SC'21, sec. 4.1; also what
-            # a sequence-parallel boundary sends): each TP rank sends 1/tp of the activation.
-            size = costs.facts[bkey].output_bytes * scale / (cp * tp)
             if cp_span:
                 # cp rank r of every stage sits in the same group: each group's hand-off at
                 # the largest token share among its cp ranks, inside the group
@@ -467,6 +464,23 @@ def _rank_compositions(
             out.append(tuple(sorted(counts.items())))
         return out
     return [costs.composition(a, b) for a, b in ranges]
+
+
+def boundary_sends(
+    pricer: Pricer, parallel: Parallel, held: Sequence[Sequence[tuple[int, int]]]
+) -> list[tuple[str, float]]:
+    """Per pipeline boundary of the ranks' chunks `held` (`_rank_ranges`), the block whose
+    output crosses it (`_boundary_keys`) and the bytes each TP rank sends of it at
+    `parallel`'s micro-batch: Megatron's scatter/gather optimisation (Narayanan et al. SC'21,
+    sec. 4.1; also what a sequence-parallel boundary sends), each TP rank 1/tp of the
+    activation of its cp share. What `plan_tables` prices the hand-offs at, and what the
+    screen's bound (`solver_screen._ScreenMemo.traffic_floor`) reads."""
+    costs, p = pricer.costs, parallel
+    scale = p.micro_batch / costs.traced_micro_batch
+    return [
+        (bkey, costs.facts[bkey].output_bytes * scale / (p.cp * p.tp))
+        for bkey in _boundary_keys(pricer, held)
+    ]
 
 
 def _boundary_keys(pricer: Pricer, held: Sequence[Sequence[tuple[int, int]]]) -> list[str]:

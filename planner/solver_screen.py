@@ -39,10 +39,10 @@ from meshplan.cost_model.pricer import OVERLAP_EFFICIENCY, Pricer
 from meshplan.cost_model.simulate import evaluate
 from meshplan.cost_model.tables import (
     PlanTables,
-    _boundary_keys,
     _dp_window,
     _rank_compositions,
     _rank_ranges,
+    boundary_sends,
     hetero_tables,
     plan_tables,
 )
@@ -635,10 +635,8 @@ class _ScreenMemo:
                 exposed = max(exposed, comm - OVERLAP_EFFICIENCY * min(comm, window))
         p2p = 0.0
         if c.pp > 1:
-            scale = p.micro_batch / pricer.costs.traced_micro_batch
             streams = c.tp * c.cp * c.dp
-            for bkey in _boundary_keys(pricer, _rank_ranges(pricer, p, ranges)):
-                size = pricer.costs.facts[bkey].output_bytes * scale / (c.cp * c.tp)
+            for _, size in boundary_sends(pricer, p, _rank_ranges(pricer, p, ranges)):
                 p2p = max(p2p, self._least_p2p(size, streams, groups))
         m = self.microbatches(c)
         got = self._traffic_floors[key] = (
