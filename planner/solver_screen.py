@@ -352,6 +352,8 @@ class _ScreenMemo:
         self._traffic_floors: dict[tuple, tuple[float, float]] = {}
         self._dp_comms: dict[tuple, float] = {}
         self._p2ps: dict[tuple, float] = {}
+        self._held: dict[tuple, tuple[list, list]] = {}
+        self._sends: dict[tuple, list[tuple[str, float]]] = {}
 
     def microbatches(self, c: Candidate | Family) -> int:
         """m = global batch / (dp x micro-batch): micro-batches per pipeline."""
@@ -389,6 +391,20 @@ class _ScreenMemo:
         got = self._ranges.get(split)
         if got is None:
             got = self._ranges[split] = stages_of(self.graph, split)
+        return got
+
+    def held(self, c: Candidate, split: tuple[int, ...]) -> tuple[list, list]:
+        """(each pipeline rank's unit ranges, its composition) of c under `split`
+        (`tables._rank_ranges`, `tables._rank_compositions`): the chunk layout under
+        interleaved 1F1B / ZB-V, which does not depend on the split, else the split's."""
+        key = (split, c.pp, c.chunks, c.schedule == Schedule.ZERO_BUBBLE)
+        got = self._held.get(key)
+        if got is None:
+            p, ranges = c.parallel(), self.ranges(split)
+            got = self._held[key] = (
+                _rank_ranges(self.pricer, p, ranges),
+                _rank_compositions(self.pricer, p, ranges),
+            )
         return got
 
     def family_bound(
@@ -573,15 +589,22 @@ class _ScreenMemo:
         return min(lock + lock_extra, share + share_extra)
 
     def _least_dp_comm(
-        self, comp: Composition, cfg: StageConfig, dp: int, zero: int, groups: tuple[str, ...]
+        self,
+        comp: Composition,
+        cfg: StageConfig,
+        dp: int,
+        zero: int,
+        groups: tuple[str, ...],
+        first: str | None = None,
     ) -> float:
         """A rank's DP traffic at its cheapest group or pair of groups (`traffic_floor`); cfg
-        enters through its tp, cp and ep (`DataParallelTraffic.dp_traffic`)."""
-        key = (comp, cfg.tp, cfg.cp, cfg.ep, dp, zero, groups)
+        enters through its tp, cp and ep (`DataParallelTraffic.dp_traffic`). `first`: ZeRO-3's
+        edge block, left out of the traffic as `plan_tables` leaves it out."""
+        key = (comp, cfg.tp, cfg.cp, cfg.ep, dp, zero, groups, first)
         got = self._dp_comms.get(key)
         if got is None:
             pricer = self.pricer
-            traffic = pricer.dp_traffic(comp, cfg, dp=dp, zero=zero)
+            traffic = pricer.dp_traffic(comp, cfg, dp=dp, zero=zero, first=first)
             got = min(pricer.dp_single(traffic, g, cfg) for g in groups)
             for i, a in enumerate(groups):
                 for b in groups[i + 1 :]:
@@ -610,9 +633,15 @@ class _ScreenMemo:
         add (m v + pp - 1) hand-offs at the cheapest pair of groups of the costliest
         boundary, group-pure pipelines with shares the (pp - 1) of their fill. The tables
         price the same traffic the same way (`plan_tables`), so the bounds hold. (0, 0) under
-        per-group TP and ZeRO-3, and the windows are dropped under EP on several groups
-        (their stage times may be the spanning floor's, `tables._ep_floor`)."""
-        if c.group_tp or c.zero > 2:
+        per-group TP, and the windows are dropped under EP on several groups (their stage
+        times may be the spanning floor's, `tables._ep_floor`).
+
+        ZeRO-3 (lock-step only: shares need ZeRO <= 2) reduces and gathers every micro-batch:
+        the exposed traffic counts m times (`PlanTables.rep`), each rank's C without its first
+        unit's collectives, which run unoverlapped inside its stage time instead
+        (`StageTime.dp_edge`, which the memory-free bound leaves out): the slowest stage holds
+        at least the least of them, m times."""
+        if c.group_tp:
             return 0.0, 0.0
         p = c.parallel()
         cfg, groups = p.stage(), self.groups(c)  # quantization included: it widens windows
@@ -621,26 +650,39 @@ class _ScreenMemo:
         if got is not None:
             return got
         self.work.charge("memory")
-        pricer, ranges = self.pricer, self.ranges(split)
-        exposed = 0.0
+        pricer = self.pricer
+        m = self.microbatches(c)
+        exposed = edge = 0.0
         if c.dp * c.cp > 1:
             windows = c.ep == 1 or len(groups) == 1
-            for comp in _rank_compositions(pricer, p, ranges):
-                comm = self._least_dp_comm(comp, cfg, c.dp, c.zero, groups)
+            held, comps = self.held(c, split)
+            edged = c.zero == 3
+            firsts = [pricer.costs.unit_keys[h[0][0]] if edged else None for h in held]
+            edges = []
+            for comp, first in zip(comps, firsts, strict=True):
+                comm = self._least_dp_comm(comp, cfg, c.dp, c.zero, groups, first)
                 window = (
                     max(_dp_window(pricer.stage_time(comp, g, cfg), c.zero) for g in groups)
                     if windows
                     else math.inf
                 )
                 exposed = max(exposed, comm - OVERLAP_EFFICIENCY * min(comm, window))
+                if first is not None:
+                    unit = pricer.dp_edge(first, cfg, dp=c.dp)
+                    edges.append(min(pricer.dp_single(unit, g, cfg) for g in groups))
+            if edged:
+                exposed, edge = m * exposed, m * min(edges)
         p2p = 0.0
         if c.pp > 1:
             streams = c.tp * c.cp * c.dp
-            for _, size in boundary_sends(pricer, p, _rank_ranges(pricer, p, ranges)):
+            sends_key = (split, c.pp, c.chunks, c.schedule, c.micro_batch, c.cp, c.tp)
+            sends = self._sends.get(sends_key)
+            if sends is None:
+                sends = self._sends[sends_key] = boundary_sends(pricer, p, self.held(c, split)[0])
+            for _, size in sends:
                 p2p = max(p2p, self._least_p2p(size, streams, groups))
-        m = self.microbatches(c)
         got = self._traffic_floors[key] = (
-            exposed + (m * c.chunks + c.pp - 1) * p2p,
+            exposed + edge + (m * c.chunks + c.pp - 1) * p2p,
             exposed + (c.pp - 1) * p2p,
         )
         return got
