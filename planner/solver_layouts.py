@@ -42,9 +42,14 @@ takes at least the slower group's tau) and the stages' sum S >= L min(tau_a, tau
 step `simulate.evaluate` prices (m U + (S - U) + non-negative hand-off, gradient and optimizer
 terms) is at least (m - 1) u* + L min(tau_a, tau_b) + (m + pp - 1) x the a -> b hand-off.
 
+The step also carries the largest stage's exposed gradient traffic, so at least the first
+stage's at its least over the family's splits (`_Layouts.first_exposure`: group a at t_a, the
+prologue and 1 .. ceil(n_a / k_a) layers): a layout is lifted by it when it reaches the top.
+
 Search (`layout_search`): bound every layout, then price them in bound order with the pricing
 `predict` uses (`tables.layout_tables`, `simulate.evaluate`) until the bound reaches the best
-plan so far (the incumbent from steps 2-3 included): nothing left can win. Work is charged as
+plan so far (the incumbent from steps 2-3 included): nothing left can win. A layout whose
+lifted bound reaches it is passed over unpriced. Work is charged as
 in steps 2-3 (a bound per layout, a cell per priced stage, a placement per evaluation); what
 the budget leaves unpriced counts as an open bound in the plan's gap.
 
@@ -63,9 +68,9 @@ from dataclasses import dataclass
 
 import numpy as np
 from meshplan.cost_model.memory import in_flight_microbatches
-from meshplan.cost_model.pricer import Pricer
+from meshplan.cost_model.pricer import OVERLAP_EFFICIENCY, Pricer
 from meshplan.cost_model.simulate import evaluate, predict
-from meshplan.cost_model.tables import layout_tables
+from meshplan.cost_model.tables import _dp_window, layout_tables
 from meshplan.ir import (
     DeviceGroup,
     Graph,
@@ -282,6 +287,10 @@ class _Layouts:
         self.ranges: dict[tuple[int, ...], tuple[tuple[int, int], ...]] = {}
         self.tau: dict[tuple, float] = {}
         self.stage_cache: dict[tuple, tuple[float, bool]] = {}  # `_stage`, by what prices it
+        # `first_exposure`: per (group a, its stage configuration, dp), the exposure of a first
+        # stage of 1, 2, ... layers
+        self.exposures: dict[tuple, list[float]] = {}
+        self.priced_exposures = 0  # work charged as "cell"
         self.bounded = 0  # layouts bounded (work charged as "bound")
         self.capacity = {g.name: g.gpu.memory_bytes for g in pricer.cluster.groups}
         kinds = dict(graph.blocks)
@@ -310,6 +319,29 @@ class _Layouts:
         """The a -> b hand-off of one micro-batch (`Pricer.handoff`), every pipeline at once."""
         scale = mb / self.pricer.costs.traced_micro_batch
         return self.pricer.handoff(self.activation * scale, a, ta, b, tb, pipelines=dp, cp=1)
+
+    def first_exposure(self, lay: Layout) -> float:
+        """The least exposed data-parallel traffic of `lay`'s first stage over the splits of
+        the family: group a at t_a, the prologue and between 1 and ceil(n_a / k_a) layers
+        (`_even`), n_a <= L - k_b - [mixed]. Its replicas sit in a alone, so `evaluate`
+        charges it C - OVERLAP_EFFICIENCY min(C, W), C its `dp_single` ring, W its backward
+        window (`layout_tables`, as `plan_tables` of a at t_a prices them), and the step holds
+        the largest stage's: every split's step is at least `layouts`' bound plus this."""
+        p = lay.parallel
+        cfg = p.stage(lay.t_a)
+        key = (lay.a, cfg, p.dp)
+        exposures = self.exposures.setdefault(key, [])
+        most = -(-(self.n_layers - lay.k_b - (1 if lay.mixed else 0)) // lay.k_a)
+        pricer = self.pricer
+        while len(exposures) < most:
+            n = len(exposures) + 1
+            first, last = self._ranges((n, self.n_layers - n))[0]
+            comp = pricer.costs.composition(first, last)
+            comm = pricer.dp_single(pricer.dp_traffic(comp, cfg, dp=p.dp, zero=0), lay.a, cfg)
+            window = _dp_window(pricer.stage_time(comp, lay.a, cfg), 0)
+            exposures.append(comm - OVERLAP_EFFICIENCY * min(comm, window))
+            self.priced_exposures += 1
+        return min(exposures[:most])
 
     def _ranges(self, counts: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
         got = self.ranges.get(counts)
@@ -425,6 +457,12 @@ def layout_search(
         if work.exhausted():
             lowest_open = bound
             break
+        # Every split's step also carries its first stage's exposed gradient traffic.
+        before = cache.priced_exposures
+        lifted = bound + cache.first_exposure(lay)
+        work.charge("cell", cache.priced_exposures - before)
+        if lifted >= cut * (1 - 1e-9):
+            continue
         counts = cache.split(lay)
         work.charge("memory", lay.parallel.pp)
         if counts is None:
