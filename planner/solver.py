@@ -90,7 +90,7 @@ from dataclasses import dataclass, field
 
 from meshplan.cost_model.compression import CommOptions
 from meshplan.cost_model.engine import EAGER, Engine
-from meshplan.cost_model.pricer import Pricer, pricer_for
+from meshplan.cost_model.pricer import Pricer, compute_dtype, pricer_for
 from meshplan.cost_model.simulate import evaluate, predict
 from meshplan.ir import (
     Cluster,
@@ -447,9 +447,13 @@ def _solve_in_groups(
     engine: Engine = EAGER,
     equal_shares: bool = False,
     candidates: list[Family] | None = None,
+    cutoff: float = math.inf,
 ) -> SolveResult:
     """The best configuration and placement that fits with every replica inside a device
     group, honouring the fields of `pinned`.
+
+    `cutoff` (`_single_group_seed`): the step time of a plan known from elsewhere; only plans
+    faster than it are searched for, and `_NoneFaster` is raised when none is.
 
     `comm`: what may be done to traffic (lossless coding, int8 gradients; each collective
     priced at its fastest allowed method, `cost_model.compression`); None: raw traffic.
@@ -515,7 +519,7 @@ def _solve_in_groups(
             work,
             scorer,
             say,
-            incumbent=seed.prediction.step_time_s if seed else math.inf,
+            incumbent=seed.prediction.step_time_s if seed else cutoff,
             single_floor=floor,
         )
     if objective.kind == "throughput" and per_group_tp and len(cluster.groups) > 1:
@@ -556,6 +560,8 @@ def _solve_in_groups(
             work=work.spent,
             wall_clock_hit=work.wall_hit,
         )
+    if out.best is None and math.isfinite(cutoff):
+        raise _NoneFaster(min(out.lowest_open, cutoff), work.spent, work.wall_hit)
     if out.best is None:
         raise InfeasibleError(_why_nothing_fits(out, cluster))
     parallel, stages, prediction = _decode(graph, cluster, out, global_batch, dtype, comm, engine)
@@ -609,6 +615,16 @@ def _with_wall_note(prediction: Prediction, work: _Work, budget: float, say) -> 
     return dataclasses.replace(prediction, notes=(*prediction.notes, note))
 
 
+class _NoneFaster(Exception):
+    """`_solve_in_groups` with a cutoff: no plan is faster than it. `bound`: the least step
+    time a plan there can have, as far as the search proved (the cutoff when it ran to the
+    end); `work`, `wall_hit`: what the search spent, as `SolveResult` reports them."""
+
+    def __init__(self, bound: float, work: float, wall_hit: bool) -> None:
+        super().__init__(bound)
+        self.bound, self.work, self.wall_hit = bound, work, wall_hit
+
+
 def _single_group_seed(
     graph: Graph,
     cluster: Cluster,
@@ -628,6 +644,12 @@ def _single_group_seed(
     mixed placements early. A group where nothing fits holds no such plan; one whose search
     could not run (a pinned field it refuses) proves nothing, and the floor is 0.
 
+    The groups are searched by their summed peak FLOP/s, most first (ties in cluster order),
+    each after the first only for a plan faster than the best so far (`_solve_in_groups`'
+    cutoff): a group that holds none proves the cutoff as its floor, usually in a fraction
+    of the work of finding its own best plan. Two groups whose best plans are equally fast
+    give the first searched one's.
+
     `cands`: the whole cluster's configurations (`enumerate_candidates`); each group's search
     then takes those that fit the group (`_one_group`) instead of enumerating its own, which
     gives the same list in the same order where every group's NVLink domain divides the
@@ -635,26 +657,41 @@ def _single_group_seed(
     seed, floor = None, math.inf
     largest = max(g.domain_gpus for g in cluster.groups)
     shared = cands is not None and all(largest % g.domain_gpus == 0 for g in cluster.groups)
-    for g in cluster.groups:
+    peak_dtype = dtype or compute_dtype(graph)
+
+    def peak(g: DeviceGroup) -> float:
+        """The group's summed dense peak at the model's dtype (FP32 where the part lacks it)."""
+        table = dict(g.gpu.peak_flops)
+        return g.num_gpus * table.get(peak_dtype, table["float32"])
+
+    for g in sorted(cluster.groups, key=lambda g: -peak(g)):  # ties: cluster order
         sub = dataclasses.replace(cluster, name=f"{cluster.name}/{g.name}", groups=(g,))
         sub = dataclasses.replace(sub, group_links=())
         own = _one_group(cands, g) if shared else None
         if own is not None:
             work.charge("filter", count(cands))
+        budget = 0.6 * work.limit / len(cluster.groups)
+        check_budget(budget, "time_limit_s (--time-limit)")
         try:
-            r = solve(
+            r = _solve_in_groups(
                 graph,
                 sub,
                 pinned,
                 global_batch=global_batch,
-                time_limit_s=0.6 * work.limit / len(cluster.groups),
+                time_limit_s=budget,
                 dtype=dtype,
                 comm=comm,
                 quantize=quantize,
                 wall_limit_s=work.seconds_left(),
                 engine=engine,
                 candidates=own,
+                cutoff=seed.prediction.step_time_s if seed is not None else math.inf,
             )
+        except _NoneFaster as none:
+            work.spent += none.work
+            work.wall_hit = work.wall_hit or none.wall_hit
+            floor = min(floor, none.bound)
+            continue
         except InfeasibleError:
             continue
         except ValueError:
