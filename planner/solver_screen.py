@@ -645,7 +645,9 @@ class _ScreenMemo:
             return 0.0, 0.0
         p = c.parallel()
         cfg, groups = p.stage(), self.groups(c)  # quantization included: it widens windows
-        key = (cfg, groups, c.pp, c.dp, c.zero, c.schedule, c.virtual_stages, split)
+        # ZeRO-1 and -2 move the same traffic (`dp_traffic`) in the same window (`_dp_window`)
+        zero = 1 if c.zero == 2 else c.zero
+        key = (cfg, groups, c.pp, c.dp, zero, c.schedule, c.virtual_stages, split)
         got = self._traffic_floors.get(key)
         if got is not None:
             return got
@@ -660,7 +662,7 @@ class _ScreenMemo:
             firsts = [pricer.costs.unit_keys[h[0][0]] if edged else None for h in held]
             edges = []
             for comp, first in zip(comps, firsts, strict=True):
-                comm = self._least_dp_comm(comp, cfg, c.dp, c.zero, groups, first)
+                comm = self._least_dp_comm(comp, cfg, c.dp, zero, groups, first)
                 window = (
                     max(_dp_window(pricer.stage_time(comp, g, cfg), c.zero) for g in groups)
                     if windows
