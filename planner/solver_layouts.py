@@ -287,8 +287,8 @@ class _Layouts:
         self.ranges: dict[tuple[int, ...], tuple[tuple[int, int], ...]] = {}
         self.tau: dict[tuple, float] = {}
         self.stage_cache: dict[tuple, tuple[float, bool]] = {}  # `_stage`, by what prices it
-        # `first_exposure`: per (group a, its stage configuration, dp), the exposure of a first
-        # stage of 1, 2, ... layers
+        # `lifted`: per (group a, its stage configuration, dp), the exposure of a first stage
+        # of 1, 2, ... layers
         self.exposures: dict[tuple, list[float]] = {}
         self.priced_exposures = 0  # work charged as "cell"
         self.bounded = 0  # layouts bounded (work charged as "bound")
@@ -320,28 +320,55 @@ class _Layouts:
         scale = mb / self.pricer.costs.traced_micro_batch
         return self.pricer.handoff(self.activation * scale, a, ta, b, tb, pipelines=dp, cp=1)
 
-    def first_exposure(self, lay: Layout) -> float:
-        """The least exposed data-parallel traffic of `lay`'s first stage over the splits of
-        the family: group a at t_a, the prologue and between 1 and ceil(n_a / k_a) layers
-        (`_even`), n_a <= L - k_b - [mixed]. Its replicas sit in a alone, so `evaluate`
-        charges it C - OVERLAP_EFFICIENCY min(C, W), C its `dp_single` ring, W its backward
-        window (`layout_tables`, as `plan_tables` of a at t_a prices them), and the step holds
-        the largest stage's: every split's step is at least `layouts`' bound plus this."""
+    def lifted(self, lay: Layout, bound: float) -> float:
+        """A bound of `lay`'s step at least `bound` (`layouts`'), over every split of the
+        family: its first stage's exposed gradient traffic added, and the slowest stage
+        taken at whole layers. For layer counts (n_a, n_x, n_b = L - n_a - n_x) the slowest
+        stage holds at least tau_a ceil(n_a / k_a), tau_b ceil(n_b / k_b) and
+        max(tau_a, tau_b) n_x (`per_layer`; `_even` spreads a group's layers), and the first
+        stage, group a at t_a with the prologue and `_even(n_a, k_a)[0]` layers, exposes
+        E = C - OVERLAP_EFFICIENCY min(C, W) of its `dp_single` ring C behind its backward
+        window W (its replicas sit in a alone: `layout_tables`, as `plan_tables` of a at t_a
+        prices it); `evaluate` charges the largest stage's exposure. So the step is at least
+        min over (n_a, n_x) of (m - 1) U(n_a, n_x) + E(n_a), plus L min(tau_a, tau_b) and
+        (m + pp - 1) a -> b hand-offs, as in `layouts`."""
+        p, n = lay.parallel, self.n_layers
+        mixed = 1 if lay.mixed else 0
+        tau_a = self.per_layer(lay.a, p.stage(lay.t_a))
+        tau_b = self.per_layer(lay.b, p.stage(lay.t_b))
+        m = p.num_microbatches
+        n_a = np.arange(lay.k_a, n - lay.k_b - mixed + 1)
+        firsts = np.array([_even(int(x), lay.k_a)[0] for x in n_a])
+        exposure = np.array(self._first_exposures(lay, int(firsts.max())))[firsts - 1]
+        u_a = tau_a * -(-n_a // lay.k_a)
+        if mixed:
+            n_x = np.arange(1, n - lay.k_a - lay.k_b + 1)[None, :]
+            n_b = n - n_a[:, None] - n_x
+            u = np.maximum(np.maximum(u_a[:, None], tau_b * -(-n_b // lay.k_b)),
+                           max(tau_a, tau_b) * n_x)  # fmt: skip
+            u = np.where(n_b >= lay.k_b, u, np.inf).min(axis=1)
+        else:
+            u = np.maximum(u_a, tau_b * -(-(n - n_a) // lay.k_b))
+        cross = self.handoff(lay.a, lay.t_a, lay.b, lay.t_b, p.dp, p.micro_batch)
+        fixed = n * min(tau_a, tau_b) + (m + p.pp - 1) * cross
+        return max(bound, fixed + float(((m - 1) * u + exposure).min()))
+
+    def _first_exposures(self, lay: Layout, most: int) -> list[float]:
+        """The exposure E of a first stage on group a at t_a holding the prologue and 1 ..
+        `most` layers (`lifted`), cached per (group, stage configuration, dp)."""
         p = lay.parallel
         cfg = p.stage(lay.t_a)
-        key = (lay.a, cfg, p.dp)
-        exposures = self.exposures.setdefault(key, [])
-        most = -(-(self.n_layers - lay.k_b - (1 if lay.mixed else 0)) // lay.k_a)
+        exposures = self.exposures.setdefault((lay.a, cfg, p.dp), [])
         pricer = self.pricer
         while len(exposures) < most:
-            n = len(exposures) + 1
-            first, last = self._ranges((n, self.n_layers - n))[0]
+            k = len(exposures) + 1
+            first, last = self._ranges((k, self.n_layers - k))[0]
             comp = pricer.costs.composition(first, last)
             comm = pricer.dp_single(pricer.dp_traffic(comp, cfg, dp=p.dp, zero=0), lay.a, cfg)
             window = _dp_window(pricer.stage_time(comp, lay.a, cfg), 0)
             exposures.append(comm - OVERLAP_EFFICIENCY * min(comm, window))
             self.priced_exposures += 1
-        return min(exposures[:most])
+        return exposures
 
     def _ranges(self, counts: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
         got = self.ranges.get(counts)
@@ -457,9 +484,10 @@ def layout_search(
         if work.exhausted():
             lowest_open = bound
             break
-        # Every split's step also carries its first stage's exposed gradient traffic.
+        # Every split's step also carries its first stage's exposed gradient traffic, and its
+        # slowest stage holds whole layers.
         before = cache.priced_exposures
-        lifted = bound + cache.first_exposure(lay)
+        lifted = cache.lifted(lay, bound)
         work.charge("cell", cache.priced_exposures - before)
         if lifted >= cut * (1 - 1e-9):
             continue

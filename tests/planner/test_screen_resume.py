@@ -60,7 +60,7 @@ def test_the_screen_goes_on_after_the_models_to_the_proof(monkeypatch, sailor_25
     assert plan.to_json() == ample.to_json()  # the plan file records no budget
 
 
-@pytest.mark.parametrize("budget", [3.0, 4.0])
+@pytest.mark.parametrize("budget", [3.0, 3.5])
 def test_a_cut_search_reports_a_bound_that_holds(monkeypatch, sailor_256, budget):
     *_, ample = sailor_256
     plan, _ = _plan_counting_runs(monkeypatch, sailor_256, budget)

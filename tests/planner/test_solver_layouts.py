@@ -90,8 +90,8 @@ def test_the_bound_never_exceeds_the_exact_price(family):
         exact = _exact(pricer, cache, lay)
         if exact is not None:
             assert bound <= exact * (1 + 1e-9), (lay, bound, exact)
-            # with the first stage's least exposed gradient traffic (`first_exposure`)
-            lifted = bound + cache.first_exposure(lay)
+            # with whole layers and the first stage's exposed gradient traffic (`lifted`)
+            lifted = cache.lifted(lay, bound)
             assert lifted <= exact * (1 + 1e-9), (lay, lifted, exact)
             checked += 1
             mixed += lay.mixed > 0
@@ -100,10 +100,11 @@ def test_the_bound_never_exceeds_the_exact_price(family):
     assert raised > checked // 8, (raised, checked)  # on InfiniBand, some are hidden
 
 
-def test_the_first_stage_exposure_holds_for_every_split():
-    """`_Layouts.first_exposure` bounds every split of the family, not only the one the search
-    prices: each (n_a, n_x) of a layout priced exactly, on slow Ethernet between the nodes
-    (where the gradient traffic is large and barely hidden)."""
+def test_the_lifted_bound_holds_for_every_split():
+    """`_Layouts.lifted` bounds every split of the family, not only the one the search prices:
+    each (n_a, n_x) of a layout priced exactly, on slow Ethernet between the nodes (where the
+    gradient traffic is large and barely hidden); the first stage's exposure it reads equals
+    the one `evaluate` reads from each split's tables."""
     graph, cluster = _scenario()
     # one 50 Gb/s Ethernet NIC per node, meshplan's Ethernet latency and efficiency defaults
     eth = LinkTier("eth-50g", LinkKind.ETHERNET, 50e9 / 8, 20e-6, 0.7)
@@ -115,12 +116,10 @@ def test_the_first_stage_exposure_holds_for_every_split():
     pricer = pricer_for(graph, cluster, "float32")
     cache = _Layouts(graph, pricer)
     every = layouts(cache, PINS, GLOBAL_BATCH, [Recompute.NONE], sp=False)
-    n, checked, raised, exact = cache.n_layers, 0, 0, 0
+    n, checked, raised = cache.n_layers, 0, 0
     for bound, _, lay in every[::7]:
-        floor = cache.first_exposure(lay)
-        lifted = bound + floor
+        lifted = cache.lifted(lay, bound)
         mixed = 1 if lay.mixed else 0
-        first_stage = []  # the first stage's exposure as `evaluate` reads it, per split
         for n_a in range(lay.k_a, n - lay.k_b - mixed + 1):
             for n_x in range(mixed, n - n_a - lay.k_b + 1) if mixed else (0,):
                 counts = tuple(
@@ -135,15 +134,13 @@ def test_the_first_stage_exposure_holds_for_every_split():
                 step = evaluate(tables, [st.replicas for st in stages]).step_time_s
                 assert lifted <= step * (1 + 1e-9), (lay, counts, lifted, step)
                 comm, window = tables.dp_single[0][lay.a], tables.window[0][lay.a]
-                first_stage.append(comm - OVERLAP_EFFICIENCY * min(comm, window))
+                exposure = cache._first_exposures(lay, counts[0])[counts[0] - 1]
+                assert exposure == pytest.approx(
+                    comm - OVERLAP_EFFICIENCY * min(comm, window), rel=1e-9, abs=1e-15
+                )
                 checked += 1
-        assert floor <= min(first_stage) * (1 + 1e-9)
-        if lay.k_a == 1:  # the first stage takes every count from 1 up: the floor is its least
-            assert floor == pytest.approx(min(first_stage), rel=1e-9)
-            exact += 1
-            raised += lifted > bound * (1 + 1e-6)
-    # (layouts at small dp hide their rings behind the backward: only some are lifted)
-    assert checked > 100 and raised >= 5 and exact > 5, (checked, raised, exact)
+        raised += lifted > bound * (1 + 1e-6)
+    assert checked > 100 and raised > len(every[::7]) // 2, (checked, raised)
 
 
 def test_the_search_finds_the_exhaustive_best(family):
