@@ -349,7 +349,8 @@ class _ScreenMemo:
         self._ranges: dict[tuple[int, ...], tuple[tuple[int, int], ...]] = {}
         self._splits: dict[tuple, list[tuple[int, ...]]] = {}
         self._split_terms: dict[tuple, tuple[float, float, float, float]] = {}
-        self._traffic_floors: dict[tuple, tuple[float, float]] = {}
+        # (lock-step, shares, whole, the `enough` a partial one was priced for)
+        self._traffic_floors: dict[tuple, tuple[float, float, bool, float]] = {}
         self._dp_comms: dict[tuple, float] = {}
         self._p2ps: dict[tuple, float] = {}
         self._held: dict[tuple, tuple[list, list]] = {}
@@ -581,11 +582,16 @@ class _ScreenMemo:
         dp m / rate + share fill x fill when that is less."""
         return min(self._pair_parts(c, split))
 
-    def pair_bound_with_traffic(self, c: Candidate, split: tuple[int, ...]) -> float:
+    def pair_bound_with_traffic(
+        self, c: Candidate, split: tuple[int, ...], enough: float = math.inf
+    ) -> float:
         """`pair_bound` with what the traffic adds at least (`traffic_floor`): tighter, and
-        dearer, so the screen asks for it only when the pair reaches the top of its heap."""
+        dearer, so the screen asks for it only when the pair reaches the top of its heap.
+        `enough`: a bound at least this large settles the pair (it cannot beat the best plan,
+        which only improves); the hand-offs are priced first, and when they reach it the
+        data-parallel traffic is not priced (the bound is then that far only)."""
         lock, share = self._pair_parts(c, split)
-        lock_extra, share_extra = self.traffic_floor(c, split)
+        lock_extra, share_extra = self.traffic_floor(c, split, lock, share, enough)
         return min(lock + lock_extra, share + share_extra)
 
     def _least_dp_comm(
@@ -622,7 +628,14 @@ class _ScreenMemo:
             )
         return got
 
-    def traffic_floor(self, c: Candidate, split: tuple[int, ...]) -> tuple[float, float]:
+    def traffic_floor(
+        self,
+        c: Candidate,
+        split: tuple[int, ...],
+        lock: float = 0.0,
+        share: float = 0.0,
+        enough: float = math.inf,
+    ) -> tuple[float, float]:
         """What (c, split) adds at least to the memory-free pipeline bounds of `pair_bound`,
         from the traffic every placement's step carries (`evaluate`): (lock-step, shares).
         Both hold the least exposed data-parallel traffic: over the ranks, the largest
@@ -640,7 +653,12 @@ class _ScreenMemo:
         the exposed traffic counts m times (`PlanTables.rep`), each rank's C without its first
         unit's collectives, which run unoverlapped inside its stage time instead
         (`StageTime.dp_edge`, which the memory-free bound leaves out): the slowest stage holds
-        at least the least of them, m times."""
+        at least the least of them, m times.
+
+        `lock`, `share`, `enough` (`pair_bound_with_traffic`): the hand-offs are priced first,
+        and where min(lock + their lock-step part, share + their shares part) reaches
+        `enough` the data-parallel part is left out (a lower floor, enough for a caller whose
+        `enough` only falls; one asking for more gets the whole floor)."""
         if c.group_tp:
             return 0.0, 0.0
         p = c.parallel()
@@ -649,11 +667,24 @@ class _ScreenMemo:
         zero = 1 if c.zero == 2 else c.zero
         key = (cfg, groups, c.pp, c.dp, zero, c.schedule, c.virtual_stages, split)
         got = self._traffic_floors.get(key)
-        if got is not None:
-            return got
+        if got is not None and (got[2] or got[3] >= enough):
+            return got[:2]
         self.work.charge("memory")
         pricer = self.pricer
         m = self.microbatches(c)
+        p2p = 0.0
+        if c.pp > 1:
+            streams = c.tp * c.cp * c.dp
+            sends_key = (split, c.pp, c.chunks, c.schedule, c.micro_batch, c.cp, c.tp)
+            sends = self._sends.get(sends_key)
+            if sends is None:
+                sends = self._sends[sends_key] = boundary_sends(pricer, p, self.held(c, split)[0])
+            for _, size in sends:
+                p2p = max(p2p, self._least_p2p(size, streams, groups))
+        hand_offs = ((m * c.chunks + c.pp - 1) * p2p, (c.pp - 1) * p2p)
+        if min(lock + hand_offs[0], share + hand_offs[1]) >= enough:
+            self._traffic_floors[key] = (*hand_offs, False, enough)
+            return hand_offs
         exposed = edge = 0.0
         if c.dp * c.cp > 1:
             windows = c.ep == 1 or len(groups) == 1
@@ -674,19 +705,8 @@ class _ScreenMemo:
                     edges.append(min(pricer.dp_single(unit, g, cfg) for g in groups))
             if edged:
                 exposed, edge = m * exposed, m * min(edges)
-        p2p = 0.0
-        if c.pp > 1:
-            streams = c.tp * c.cp * c.dp
-            sends_key = (split, c.pp, c.chunks, c.schedule, c.micro_batch, c.cp, c.tp)
-            sends = self._sends.get(sends_key)
-            if sends is None:
-                sends = self._sends[sends_key] = boundary_sends(pricer, p, self.held(c, split)[0])
-            for _, size in sends:
-                p2p = max(p2p, self._least_p2p(size, streams, groups))
-        got = self._traffic_floors[key] = (
-            exposed + edge + (m * c.chunks + c.pp - 1) * p2p,
-            exposed + (c.pp - 1) * p2p,
-        )
+        got = (exposed + edge + hand_offs[0], exposed + hand_offs[1])
+        self._traffic_floors[key] = (*got, True, math.inf)
         return got
 
 
@@ -850,7 +870,10 @@ class _Screen:
                         continue  # a warm start priced already
                     if not pair.refined and entry.bound >= 0:
                         # bound it again with its traffic; queue it again under that bound
-                        lb = memo.pair_bound_with_traffic(c, split)
+                        enough = (
+                            self.best * (1 + 1e-9) / pair.factor if pair.factor > 0 else math.inf
+                        )
+                        lb = memo.pair_bound_with_traffic(c, split, enough)
                         if _beyond(lb, self.limit):
                             continue  # min_gpus: past the target step time
                         again = max(lb * pair.factor, pair.floor)

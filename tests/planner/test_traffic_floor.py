@@ -71,3 +71,32 @@ def test_the_traffic_bound_holds_for_every_placement(wan, comm, pinned):
     # ZeRO-3 gathers and reduces every micro-batch: its bound rises too (it did not before
     # the floor counted them)
     assert checked3 > 5 and raised3 > checked3 // 4, (checked3, raised3)
+
+
+def test_a_pair_settled_by_its_hand_offs_is_not_priced_further():
+    """`enough`: where the hand-offs alone lift the bound to it, the data-parallel part is left
+    out (the screen's best plan only improves, so that settles the pair); asking for more
+    later gives the whole floor, the same as a fresh memo's."""
+    graph = transformer_graph(4, 512, 8, 8, 2048, 8000, 1024, 1)
+    cluster = mixed_cluster(2, 2, wan=True)
+    pricer = pricer_for(graph, cluster)
+
+    def memo():
+        scorer = _Scorer(Objective(), cluster)
+        return _ScreenMemo(pricer, graph, 16, _Work.starting_now(1e3), scorer, math.inf)
+
+    lazy, fresh = memo(), memo()
+    settled = 0
+    for c in enumerate_candidates(graph, cluster, Parallel(pp=2, dp=2), 16):
+        if c.group_tp:
+            continue
+        for split in lazy.splits(c)[:2]:
+            whole = fresh.pair_bound_with_traffic(c, split)
+            enough = lazy.pair_bound(c, split) * 1.0001  # just above the bound without traffic
+            got = lazy.pair_bound_with_traffic(c, split, enough)
+            assert got <= whole * (1 + 1e-12)
+            if got < whole * (1 - 1e-9):  # settled by the hand-offs: at least `enough`
+                assert got >= enough
+                settled += 1
+            assert lazy.pair_bound_with_traffic(c, split) == whole
+    assert settled > 0
