@@ -16,17 +16,30 @@ The public API:
   and DeepSpeed configurations in; `configs.export(plan, "torchtitan")` out)
 """
 
-from meshplan import models
-from meshplan.ir import Cluster, Graph, Parallel, Prediction, Recompute, Schedule
-from meshplan.ir.plan import Plan, PlanError
-from meshplan.ir.trace import TraceError
+import gc
 
-from . import configs
-from .api import estimate, estimate_plan, load_model, plan, trace
-from .solver import InfeasibleError
-from .verify import VerifyReport, verify
-from .version import __version__ as __version__
-from .whatif import whatif
+# No garbage collection while torch and the planner are imported: they allocate about a
+# million long-lived objects, and the full collections that triggers walk all of them for
+# nothing (0.2-0.4 s of every `meshplan` command on the development machine, docs/planner.md).
+# The caller's setting is restored afterwards.
+_collecting = gc.isenabled()
+gc.disable()
+try:
+    from meshplan import models
+    from meshplan.ir import Cluster, Graph, Parallel, Prediction, Recompute, Schedule
+    from meshplan.ir.plan import Plan, PlanError
+    from meshplan.ir.trace import TraceError
+
+    from . import configs
+    from .api import estimate, estimate_plan, load_model, plan, trace
+    from .solver import InfeasibleError
+    from .verify import VerifyReport, verify
+    from .version import __version__ as __version__
+    from .whatif import whatif
+finally:
+    if _collecting:
+        gc.enable()
+    del _collecting
 
 __all__ = [
     "Cluster",
