@@ -13,10 +13,11 @@ prints both side by side: predicted step time, tokens/s, peak memory per rank, t
     python benchmarks/vs_sailor.py --scenario 128+384 # Sailor's other two: 128+384, 256+256
 
 Every scenario also prints the best pipeline of Sailor's shape (first stages on one GPU type
-at one TP degree, the next on the other at another, optionally a last stage mixing replicas of
-both) under meshplan's model: the family `meshplan.solver_layouts` searches (`sailor_shaped`),
-searched to the end. For 32+96 it also checks that Sailor's published layout is a member of
-that family at Sailor's batch (`in_family`). Sailor's own plans for 128+384 and 256+256 are
+at one TP degree, the next on the other at another, optionally one stage mixing replicas of
+both: last as Sailor's, first, or between the two runs) under meshplan's model: the family
+`meshplan.solver_layouts` searches (`sailor_shaped`), searched to the end. For 32+96 it also
+checks that Sailor's published layout is a member of that family at Sailor's batch
+(`in_family`). Sailor's own plans for 128+384 and 256+256 are
 not encoded (their layouts are not published).
 
 What is assumed, since the plan as published leaves it open:
@@ -201,9 +202,9 @@ def best_split(graph, cluster, parallel, layout, dtype):
 
 def sailor_shaped(graph, cluster, pinned, dtype):
     """The best pipeline of Sailor's shape (first stages on one GPU type at one TP degree, the
-    next on the other at another, optionally a last stage mixing both; equal replicas per
-    stage) under meshplan's model: `meshplan.solver_layouts`' family searched to the end,
-    re-priced by `predict`. None when no such pipeline fits."""
+    next on the other at another, optionally one stage mixing both, last, first or between;
+    equal replicas per stage) under meshplan's model: `meshplan.solver_layouts`' family
+    searched to the end, re-priced by `predict`. None when no such pipeline fits."""
     import math
 
     from meshplan.cost_model import predict, pricer_for

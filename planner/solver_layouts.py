@@ -13,9 +13,10 @@ Sets
     t_a != t_b      each group's TP degree: divides its NVLink domain's GPUs and the heads
                     (`tp_domain_problem`, `tp_heads_problem`); equal degrees are steps 2-3's
     k_a, k_b >= 1   stages per group
-    x               0, or the replicas of a in one last stage that mixes both groups
-                    (Sailor's shape): x replicas of a at t_a and dp - x of b at t_b,
-                    1 <= x <= dp - 1; pp = k_a + k_b + [x > 0] <= layers
+    x               0, or the replicas of a in one stage that mixes both groups: x replicas
+                    of a at t_a and dp - x of b at t_b, 1 <= x <= dp - 1; last (Sailor's
+                    shape), first, or between the two runs (`MIXED_PLACES`);
+                    pp = k_a + k_b + [x > 0] <= layers
     dp              replicas of every stage (one per pipeline), t_a (dp k_a + x) <= N_a and
                     t_b (dp k_b + dp - x) <= N_b (`replica_capacity`)
     mb, m           micro-batch and micro-batches per pipeline, dp mb m = B: every replica runs
@@ -40,11 +41,14 @@ Bound, valid for every split: with tau_g the marginal time of one layer on a ran
 k_b / tau_b + [x > 0] / max(tau_a, tau_b)) (the continuous minimax; a mixed stage's layer
 takes at least the slower group's tau) and the stages' sum S >= L min(tau_a, tau_b), so the
 step `simulate.evaluate` prices (m U + (S - U) + non-negative hand-off, gradient and optimizer
-terms) is at least (m - 1) u* + L min(tau_a, tau_b) + (m + pp - 1) x the a -> b hand-off.
+terms) is at least (m - 1) u* + L min(tau_a, tau_b) + (m + pp - 1) x the a -> b hand-off
+of every pipeline (of one pipeline where the mixed stage sits between the runs: then x
+pipelines cross at one boundary and dp - x at the other; `Pricer.handoff` does not fall as
+more pipelines share the links).
 
-The step also carries the largest stage's exposed gradient traffic, so at least the first
-stage's at its least over the family's splits (`_Layouts.first_exposure`: group a at t_a, the
-prologue and 1 .. ceil(n_a / k_a) layers): a layout is lifted by it when it reaches the top.
+When a layout reaches the top of the bound order it is bounded again over every split of the
+family (`_Layouts.lifted`): the slowest stage at whole layers, jointly with the first stage's
+exposed gradient traffic at that split (the step carries the largest stage's).
 
 Search (`layout_search`): bound every layout, then price them in bound order with the pricing
 `predict` uses (`tables.layout_tables`, `simulate.evaluate`) until the bound reaches the best
@@ -53,14 +57,14 @@ lifted bound reaches it is passed over unpriced. Work is charged as
 in steps 2-3 (a bound per layout, a cell per priced stage, a placement per evaluation); what
 the budget leaves unpriced counts as an open bound in the plan's gap.
 
-Not searched: pipelines over three or more groups, a mixed stage anywhere but last or more
-than one (priced and run when given, `meshplan estimate --layout`), uneven splits within one
-group's run of stages.
+Not searched: pipelines over three or more groups, more than one mixed stage (priced and run
+when given, `meshplan estimate --layout`), uneven splits within one group's run of stages.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Iterator, Sequence
@@ -87,12 +91,17 @@ from meshplan.passes.partition import replica_capacity, stages_of, tp_domain_pro
 from .solver_candidates import _divisors_upto, micro_batch_options
 from .solver_objective import SolveResult, _Work
 
+# Where a layout's mixed stage sits (`Layout.mixed_at`): after both runs (Sailor's), before
+# them, or between the run on a and the run on b.
+MIXED_PLACES = ("last", "first", "between")
+
 
 @dataclass(frozen=True)
 class Layout:
-    """One layout of the family: `parallel` (tp = t_a, pp = k_a + k_b + [mixed > 0]) with the
-    first `k_a` stages on group `a` at `t_a`, the next `k_b` on `b` at `t_b`, and, when
-    `mixed` > 0, a last stage of `mixed` replicas on a and dp - `mixed` on b."""
+    """One layout of the family: `parallel` (tp = t_a, pp = k_a + k_b + [mixed > 0]) with a run
+    of `k_a` stages on group `a` at `t_a` followed by a run of `k_b` on `b` at `t_b`, and, when
+    `mixed` > 0, one stage of `mixed` replicas on a and dp - `mixed` on b, placed
+    `mixed_at` (`MIXED_PLACES`): after both runs, before them or between them."""
 
     parallel: Parallel
     a: str
@@ -102,21 +111,37 @@ class Layout:
     t_b: int
     k_b: int
     mixed: int = 0
+    mixed_at: str = "last"
 
     @property
     def sort_key(self) -> tuple:
         p = self.parallel
-        return (self.a, self.t_a, self.k_a, self.b, self.t_b, self.k_b, self.mixed, p.dp,
-                p.micro_batch, p.recompute.value)  # fmt: skip
+        return (self.a, self.t_a, self.k_a, self.b, self.t_b, self.k_b, self.mixed,
+                MIXED_PLACES.index(self.mixed_at), p.dp, p.micro_batch,
+                p.recompute.value)  # fmt: skip
+
+    @property
+    def mixed_stage(self) -> int | None:
+        """The index of the mixed stage, None without one."""
+        if not self.mixed:
+            return None
+        return {"first": 0, "between": self.k_a, "last": self.k_a + self.k_b}[self.mixed_at]
+
+    def counts(self, n_a: int, n_x: int, n_b: int) -> tuple[int, ...]:
+        """Layer counts per stage: n_a over the run on a, n_b over the run on b (`_even`),
+        n_x on the mixed stage."""
+        runs, x = _even_counts(n_a, self.k_a) + _even_counts(n_b, self.k_b), self.mixed_stage
+        return runs if x is None else (*runs[:x], n_x, *runs[x:])
 
     def on(self, s: int) -> tuple[tuple[str, int, int], ...]:
         """Stage s's (group, replicas, degree), in the layout's group order (a, then b)."""
-        dp = self.parallel.dp
-        if s < self.k_a:
+        dp, x = self.parallel.dp, self.mixed_stage
+        if x is not None and s == x:
+            return ((self.a, self.mixed, self.t_a), (self.b, dp - self.mixed, self.t_b))
+        r = s - (x is not None and s > x)  # its place among the runs' stages
+        if r < self.k_a:
             return ((self.a, dp, self.t_a),)
-        if s < self.k_a + self.k_b:
-            return ((self.b, dp, self.t_b),)
-        return ((self.a, self.mixed, self.t_a), (self.b, dp - self.mixed, self.t_b))
+        return ((self.b, dp, self.t_b),)
 
 
 @dataclass(frozen=True)
@@ -132,12 +157,17 @@ class LayoutResult:
 
 def _even(n: int, k: int) -> list[int]:
     """n layers over k stages, the surplus on the middle stages (away from both ends)."""
+    return list(_even_counts(n, k))
+
+
+@functools.cache
+def _even_counts(n: int, k: int) -> tuple[int, ...]:
     base, extra = divmod(n, k)
     counts = [base] * k
     order = sorted(range(k), key=lambda s: (min(s, k - 1 - s) == 0, abs(2 * s - (k - 1)), s))
     for s in order[:extra]:
         counts[s] += 1
-    return counts
+    return tuple(counts)
 
 
 def layouts(
@@ -207,14 +237,20 @@ def _bounded(
                     tau_a = costs.per_layer(ga.name, base.stage(ta))
                     tau_b = costs.per_layer(gb.name, base.stage(tb))
                     cross = costs.handoff(ga.name, ta, gb.name, tb, dp, mb)
+                    # between the runs: x pipelines cross at one boundary, dp - x at the other
+                    single = costs.handoff(ga.name, ta, gb.name, tb, 1, mb)
                     ka = np.arange(1, ka_max + 1, dtype=np.float64)[:, None]
                     kb = np.arange(1, kb_max + 1, dtype=np.float64)[None, :]
-                    # without, then with a mixed last stage (x replicas of a, dp - x of b)
-                    for mixed in (False, True) if dp > 1 else (False,):
+                    # without, then with a mixed stage (x replicas of a, dp - x of b) in each
+                    # place; one between the runs leaves no boundary that every pipeline
+                    # crosses from a to b, so its bound counts one pipeline's hand-off
+                    for where in (None, *MIXED_PLACES) if dp > 1 else (None,):
+                        mixed = where is not None
                         pp = ka + kb + mixed
                         with np.errstate(divide="ignore"):
                             rate = ka / tau_a + kb / tau_b + mixed / max(tau_a, tau_b)
-                        bound = (m - 1) * n / rate + n * min(tau_a, tau_b) + (m + pp - 1) * cross
+                        hand_off = single if where == "between" else cross
+                        bound = (m - 1) * n / rate + n * min(tau_a, tau_b) + (m + pp - 1) * hand_off
                         ok = pp <= n if p.pp is None else pp == p.pp
                         if mixed:  # some 1 <= x <= dp - 1 fits both groups' capacity
                             x_lo, x_hi = _mixed_range(dp, ka, kb, cap_a, cap_b)
@@ -226,7 +262,7 @@ def _bounded(
                             owner.append(np.full(len(ia), len(heads)))
                             kas.append(ia + 1)
                             kbs.append(ib + 1)
-                            heads.append((base, ga.name, ta, gb.name, tb, m, mixed, cap_a, cap_b))
+                            heads.append((base, ga.name, ta, gb.name, tb, m, where, cap_a, cap_b))
     if not heads:
         return iter(())
     bound_all = np.concatenate(bounds)
@@ -235,7 +271,8 @@ def _bounded(
 
     def made() -> Iterator[tuple[float, tuple, Layout]]:
         for i in order:
-            base, a, ta, b, tb, m, mixed, cap_a, cap_b = heads[own[i]]
+            base, a, ta, b, tb, m, where, cap_a, cap_b = heads[own[i]]
+            mixed = where is not None
             ka, kb, dp = int(ka_all[i]), int(kb_all[i]), base.dp
             sched = _schedule(p.schedule, ka + kb + mixed, m)
             if sched is None:
@@ -246,14 +283,14 @@ def _bounded(
             else:  # the fewest and the most replicas of a (the module docstring's split)
                 xs = sorted({int(x) for x in _mixed_range(dp, ka, kb, cap_a, cap_b)})
             for x in xs:
-                lay = Layout(par, a, ta, ka, b, tb, kb, x)
+                lay = Layout(par, a, ta, ka, b, tb, kb, x, where or "last")
                 yield float(bound_all[i]), lay.sort_key, lay
 
     return made()
 
 
 def _mixed_range(dp: int, ka, kb, cap_a: int, cap_b: int):
-    """(fewest, most) replicas x of group a a mixed last stage may hold: 1 <= x <= dp - 1,
+    """(fewest, most) replicas x of group a a mixed stage may hold: 1 <= x <= dp - 1,
     the a-stages' dp k_a replicas plus x within a's capacity, the b-stages' dp k_b plus
     dp - x within b's (empty when fewest > most); `ka`, `kb` ints or numpy arrays."""
     return np.maximum(1, dp - (cap_b - dp * kb)), np.minimum(dp - 1, cap_a - dp * ka)
@@ -287,6 +324,7 @@ class _Layouts:
         self.ranges: dict[tuple[int, ...], tuple[tuple[int, int], ...]] = {}
         self.tau: dict[tuple, float] = {}
         self.stage_cache: dict[tuple, tuple[float, bool]] = {}  # `_stage`, by what prices it
+        self.splits: dict[Layout, tuple[int, ...] | None] = {}  # `split`, by all but x
         # `lifted`: per (group a, its stage configuration, dp), the exposure of a first stage
         # of 1, 2, ... layers
         self.exposures: dict[tuple, list[float]] = {}
@@ -331,15 +369,20 @@ class _Layouts:
         window W (its replicas sit in a alone: `layout_tables`, as `plan_tables` of a at t_a
         prices it); `evaluate` charges the largest stage's exposure. So the step is at least
         min over (n_a, n_x) of (m - 1) U(n_a, n_x) + E(n_a), plus L min(tau_a, tau_b) and
-        (m + pp - 1) a -> b hand-offs, as in `layouts`."""
+        (m + pp - 1) a -> b hand-offs, as in `layouts` (with the mixed stage between the runs,
+        the larger of x and dp - x pipelines' hand-off). A mixed first stage's exposure is not
+        counted (its ring spans both groups)."""
         p, n = lay.parallel, self.n_layers
         mixed = 1 if lay.mixed else 0
         tau_a = self.per_layer(lay.a, p.stage(lay.t_a))
         tau_b = self.per_layer(lay.b, p.stage(lay.t_b))
         m = p.num_microbatches
         n_a = np.arange(lay.k_a, n - lay.k_b - mixed + 1)
-        firsts = np.array([_even(int(x), lay.k_a)[0] for x in n_a])
-        exposure = np.array(self._first_exposures(lay, int(firsts.max())))[firsts - 1]
+        if lay.mixed_stage == 0:
+            exposure = np.zeros(len(n_a))
+        else:
+            firsts = np.array([_even(int(x), lay.k_a)[0] for x in n_a])
+            exposure = np.array(self._first_exposures(lay, int(firsts.max())))[firsts - 1]
         u_a = tau_a * -(-n_a // lay.k_a)
         if mixed:
             n_x = np.arange(1, n - lay.k_a - lay.k_b + 1)[None, :]
@@ -349,7 +392,13 @@ class _Layouts:
             u = np.where(n_b >= lay.k_b, u, np.inf).min(axis=1)
         else:
             u = np.maximum(u_a, tau_b * -(-(n - n_a) // lay.k_b))
-        cross = self.handoff(lay.a, lay.t_a, lay.b, lay.t_b, p.dp, p.micro_batch)
+        if mixed and lay.mixed_at == "between":  # x cross at one boundary, dp - x at the other
+            cross = max(
+                self.handoff(lay.a, lay.t_a, lay.b, lay.t_b, k, p.micro_batch)
+                for k in (lay.mixed, p.dp - lay.mixed)
+            )
+        else:
+            cross = self.handoff(lay.a, lay.t_a, lay.b, lay.t_b, p.dp, p.micro_batch)
         fixed = n * min(tau_a, tau_b) + (m + p.pp - 1) * cross
         return max(bound, fixed + float(((m - 1) * u + exposure).min()))
 
@@ -421,20 +470,44 @@ class _Layouts:
         return worst, total
 
     def split(self, lay: Layout) -> tuple[int, ...] | None:
-        """The layer counts of the module docstring's split, or None when no split fits."""
-        best: tuple[float, float, tuple[int, ...]] | None = None
+        """The layer counts of the module docstring's split, or None when no split fits. The
+        mixed stage's replica counts do not enter a stage's time or memory, so the split is
+        searched once for every x (`splits`)."""
+        key = dataclasses.replace(lay, mixed=min(lay.mixed, 1))
+        if key not in self.splits:
+            self.splits[key] = self._split(lay)
+        return self.splits[key]
+
+    def _split(self, lay: Layout) -> tuple[int, ...] | None:
+        """`split`: the least (slowest stage, sum), ties to the first of (n_a, n_x) in
+        increasing order. The counts are tried by their slowest stage's least time (each
+        stage holds at least its layers x tau, `per_layer`; a mixed stage's x the slower
+        group's), so once that passes the best split's slowest stage nothing left can win."""
         n, mixed = self.n_layers, 1 if lay.mixed else 0
-        ons, seen = _groups_of(lay), {}
+        p = lay.parallel
+        tau_a = self.per_layer(lay.a, p.stage(lay.t_a))
+        tau_b = self.per_layer(lay.b, p.stage(lay.t_b))
+        tries = []
         for n_a in range(lay.k_a, n - lay.k_b - mixed + 1):
             for n_x in range(mixed, n - n_a - lay.k_b + 1) if mixed else (0,):
                 n_b = n - n_a - n_x
-                counts = tuple(_even(n_a, lay.k_a) + _even(n_b, lay.k_b) + [n_x] * mixed)
-                if min(counts) < 1:
-                    continue
-                got = self._price_split(lay, counts, best[0] if best else math.inf, ons, seen)
-                if got is not None and (best is None or got < best[:2]):
-                    best = (*got, counts)
-        return None if best is None else best[2]
+                least = max(
+                    tau_a * -(-n_a // lay.k_a), tau_b * -(-n_b // lay.k_b), max(tau_a, tau_b) * n_x
+                )
+                tries.append((least, len(tries), n_a, n_x))
+        tries.sort()
+        best: tuple[float, float, int, tuple[int, ...]] | None = None
+        ons, seen = _groups_of(lay), {}
+        for least, i, n_a, n_x in tries:
+            if best is not None and least > best[0]:
+                break
+            counts = lay.counts(n_a, n_x, n - n_a - n_x)
+            if min(counts) < 1:
+                continue
+            got = self._price_split(lay, counts, best[0] if best else math.inf, ons, seen)
+            if got is not None and (best is None or (*got, i) < best[:3]):
+                best = (*got, i, counts)
+        return None if best is None else best[3]
 
     def stages(self, lay: Layout, counts: tuple[int, ...]) -> tuple[StagePlacement, ...]:
         order = [g.name for g in self.pricer.cluster.groups]

@@ -7,8 +7,8 @@ Oracle: the same solve with an ample budget. Sailor's 256 A100-40GB + 256 V100-1
 units, 21 placement models among them. At a budget of 4.5 the screen's first share is not
 enough: it stops, the models run, and the screen goes on to the proof (before session 27 the
 search stopped there with a gap; the budget was 6 until session 28's ZeRO-3 traffic floor
-and cut single-group seeds made the search cheaper). At budgets too small to prove anything the bound the plan
-reports must still hold: no plan is faster than step x (1 - gap).
+and cut single-group seeds made the search cheaper). At budgets too small to prove anything
+the bound the plan reports must still hold: no plan is faster than step x (1 - gap).
 """
 
 from __future__ import annotations

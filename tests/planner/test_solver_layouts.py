@@ -79,13 +79,20 @@ def test_the_family_holds_both_group_orders_and_every_pair_of_degrees(family):
         assert lay.t_b * (p.dp * lay.k_b + (p.dp - x if x else 0)) <= gpus[lay.b]
         assert p.pp == lay.k_a + lay.k_b + (x > 0) and GLOBAL_BATCH % (p.dp * p.micro_batch) == 0
         assert 0 <= x < p.dp
-    # some layouts end in a stage mixing both groups (Sailor's last stage)
-    assert any(lay.mixed for _, _, lay in every)
+    # some layouts hold a stage mixing both groups: last (Sailor's), first and between the runs
+    assert {lay.mixed_at for _, _, lay in every if lay.mixed} == set(layouts_mod.MIXED_PLACES)
+    for _, _, lay in every:  # the mixed stage where it says, the runs around it
+        groups = [tuple(g for g, n, _ in lay.on(s) if n) for s in range(lay.parallel.pp)]
+        pure = [g[0] for s, g in enumerate(groups) if s != lay.mixed_stage]
+        assert pure == [lay.a] * lay.k_a + [lay.b] * lay.k_b
+        if lay.mixed:
+            assert groups[lay.mixed_stage] == (lay.a, lay.b)
 
 
 def test_the_bound_never_exceeds_the_exact_price(family):
     _, _, pricer, cache, every = family
     checked = mixed = raised = 0
+    places = set()
     for bound, _, lay in every:
         exact = _exact(pricer, cache, lay)
         if exact is not None:
@@ -95,8 +102,10 @@ def test_the_bound_never_exceeds_the_exact_price(family):
             assert lifted <= exact * (1 + 1e-9), (lay, lifted, exact)
             checked += 1
             mixed += lay.mixed > 0
+            places.add(lay.mixed_at if lay.mixed else None)
             raised += lifted > bound * (1 + 1e-6)
-    assert checked > 20 and mixed >= 4  # layouts ending in a mixed stage among them
+    assert checked > 20 and mixed >= 4  # layouts with a mixed stage among them, in every place
+    assert places == {None, *layouts_mod.MIXED_PLACES}
     assert raised > checked // 8, (raised, checked)  # on InfiniBand, some are hidden
 
 
@@ -122,23 +131,21 @@ def test_the_lifted_bound_holds_for_every_split():
         mixed = 1 if lay.mixed else 0
         for n_a in range(lay.k_a, n - lay.k_b - mixed + 1):
             for n_x in range(mixed, n - n_a - lay.k_b + 1) if mixed else (0,):
-                counts = tuple(
-                    layouts_mod._even(n_a, lay.k_a)
-                    + layouts_mod._even(n - n_a - n_x, lay.k_b)
-                    + [n_x] * mixed
-                )
+                counts = lay.counts(n_a, n_x, n - n_a - n_x)
                 if min(counts) < 1:
                     continue
                 stages = cache.stages(lay, counts)
                 tables = layout_tables(pricer, lay.parallel, stages)
                 step = evaluate(tables, [st.replicas for st in stages]).step_time_s
                 assert lifted <= step * (1 + 1e-9), (lay, counts, lifted, step)
+                checked += 1
+                if lay.mixed_stage == 0:
+                    continue  # a mixed first stage: no exposure counted
                 comm, window = tables.dp_single[0][lay.a], tables.window[0][lay.a]
                 exposure = cache._first_exposures(lay, counts[0])[counts[0] - 1]
                 assert exposure == pytest.approx(
                     comm - OVERLAP_EFFICIENCY * min(comm, window), rel=1e-9, abs=1e-15
                 )
-                checked += 1
         raised += lifted > bound * (1 + 1e-6)
     assert checked > 100 and raised > len(every[::7]) // 2, (checked, raised)
 
@@ -201,11 +208,12 @@ def test_a_model_the_runtime_cannot_pipeline_or_shard_gets_no_such_layout():
     assert got.best is not None and not got.best[1].sequence_parallel
 
 
-def test_a_mixed_last_stage_is_searched_and_wins_where_leftover_gpus_make_it_faster():
-    # Sailor's last stage: replicas of both groups in one stage, each at its own degree. On one
+def test_a_mixed_stage_is_searched_and_wins_where_leftover_gpus_make_it_faster():
+    # Sailor's mixed stage: replicas of both groups in one stage, each at its own degree. On one
     # 6 x A100 node and five 4 x V100 nodes, neither group's GPUs divide into whole stages of
-    # the best degrees, and a last stage of one A100-TP-2 and one V100-TP-4 replica uses what is
-    # left. Oracle: the exact price of every layout of the family, with and without such a stage.
+    # the best degrees, and a stage of one A100-TP-2 and one V100-TP-4 replica uses what is
+    # left. Oracle: the exact price of every layout of the family, with and without such a
+    # stage, in each of its places.
     graph, cluster = _scenario(a100_per_node=6, v100_nodes=5)
     pricer = pricer_for(graph, cluster, "float32")
     cache = _Layouts(graph, pricer)
@@ -221,9 +229,9 @@ def test_a_mixed_last_stage_is_searched_and_wins_where_leftover_gpus_make_it_fas
     assert got.best is not None and got.lowest_open == math.inf
     step, parallel, stages = got.best
     assert step == pytest.approx(best_mixed[0], rel=1e-12)
-    last = stages[-1]
-    assert {g for g, _ in last.replicas} == {"a100", "v100"}
-    assert dict(last.group_tp) != {} and len(set(dict(last.group_tp).values())) == 2
+    mixed = stages[best_mixed[2].mixed_stage]
+    assert {g for g, _ in mixed.replicas} == {"a100", "v100"}
+    assert dict(mixed.group_tp) != {} and len(set(dict(mixed.group_tp).values())) == 2
     assert group_tp_problem(parallel, stages) is None  # the runtime runs it
     again = predict(graph, cluster, parallel, stages, dtype="float32")
     assert again.fits and again.step_time_s == pytest.approx(step, rel=1e-9)
