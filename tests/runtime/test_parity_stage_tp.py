@@ -227,3 +227,18 @@ def test_what_the_hand_off_does_not_run_is_refused_in_one_line():
     assert why is not None and why.startswith("schedule='zero_bubble'") and "\n" not in why
     with pytest.raises(RuntimePlanError, match="runtime: per-group tp needs zero=0"):
         check_plan(dataclasses.replace(plan, parallel=dataclasses.replace(plan.parallel, zero=1)))
+
+
+def test_stage_tp_parity_mixed_stage_between_the_runs():
+    """The mixed stage between a run on one group and a run on the other (step 2b's
+    `mixed_at="between"`): pipeline 0 runs a (tp 2) -> a (tp 2) -> b (tp 1), pipeline 1
+    a (tp 2) -> b (tp 1) -> b (tp 1); 9 ranks."""
+    plans = {
+        "mixed between": stage_tp_plan(
+            [{"a": 2}, {"a": 1, "b": 1}, {"b": 2}],
+            [{"a": 2}, {"a": 2, "b": 1}, {"b": 1}],
+            micro_batch=1,
+            global_batch=6,
+        )
+    }
+    _check(9, plans)
