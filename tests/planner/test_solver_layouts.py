@@ -235,3 +235,26 @@ def test_a_mixed_stage_is_searched_and_wins_where_leftover_gpus_make_it_faster()
     assert group_tp_problem(parallel, stages) is None  # the runtime runs it
     again = predict(graph, cluster, parallel, stages, dtype="float32")
     assert again.fits and again.step_time_s == pytest.approx(step, rel=1e-9)
+
+
+@pytest.mark.parametrize("ethernet", [False, True])
+def test_a_hand_off_never_gets_cheaper_with_more_pipelines(ethernet):
+    """What the bound of a layout with its mixed stage between the runs rests on: one
+    pipeline's a -> b hand-off is at most that of any number crossing at once
+    (`Pricer.handoff` does not fall as pipelines share the links)."""
+    graph, cluster = _scenario()
+    if ethernet:
+        eth = LinkTier("eth-50g", LinkKind.ETHERNET, 50e9 / 8, 20e-6, 0.7)
+        cluster = dataclasses.replace(
+            cluster,
+            groups=tuple(dataclasses.replace(g, inter_link="eth-50g") for g in cluster.groups),
+            links=(NVLINK3, NVLINK2, eth),
+        )
+    pricer = pricer_for(graph, cluster, "float32")
+    for a, b in (("a100", "v100"), ("v100", "a100")):
+        for ta in (1, 2, 4):
+            for tb in (1, 2, 4):
+                times = [
+                    pricer.handoff(2**24, a, ta, b, tb, pipelines=k, cp=1) for k in range(1, 17)
+                ]
+                assert all(x <= y * (1 + 1e-12) for x, y in zip(times, times[1:])), times
