@@ -381,7 +381,7 @@ class _Layouts:
         if lay.mixed_stage == 0:
             exposure = np.zeros(len(n_a))
         else:
-            firsts = np.array([_even(int(x), lay.k_a)[0] for x in n_a])
+            firsts = np.array([_even_counts(int(x), lay.k_a)[0] for x in n_a])
             exposure = np.array(self._first_exposures(lay, int(firsts.max())))[firsts - 1]
         u_a = tau_a * -(-n_a // lay.k_a)
         if mixed:
@@ -482,7 +482,8 @@ class _Layouts:
         """`split`: the least (slowest stage, sum), ties to the first of (n_a, n_x) in
         increasing order. The counts are tried by their slowest stage's least time (each
         stage holds at least its layers x tau, `per_layer`; a mixed stage's x the slower
-        group's), so once that passes the best split's slowest stage nothing left can win."""
+        group's), so once that passes the best split's slowest stage (beyond rounding)
+        nothing left can win."""
         n, mixed = self.n_layers, 1 if lay.mixed else 0
         p = lay.parallel
         tau_a = self.per_layer(lay.a, p.stage(lay.t_a))
@@ -499,7 +500,9 @@ class _Layouts:
         best: tuple[float, float, int, tuple[int, ...]] | None = None
         ons, seen = _groups_of(lay), {}
         for least, i, n_a, n_x in tries:
-            if best is not None and least > best[0]:
+            # `least` sums differently from `Pricer.stage_time` and may lie an ulp above a
+            # stage time it bounds: the slack keeps ties (same slowest stage, smaller sum)
+            if best is not None and least > best[0] * (1 + 1e-12):
                 break
             counts = lay.counts(n_a, n_x, n - n_a - n_x)
             if min(counts) < 1:
