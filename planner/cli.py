@@ -335,18 +335,11 @@ def _trace(name: str, model, inputs):
 
     with status(f"tracing {name}") as update:
         graph = trace(model, *inputs, name=name, progress=update)
-    if _frozen():  # the script's process (`main`): the model and its graph live to the end
+    if _AS_SCRIPT:  # the script's process (`main`): the model and its graph live to the end
         import gc
 
         gc.freeze()
     return graph
-
-
-def _frozen() -> bool:
-    """Whether `main` set the script's collection settings (objects are frozen)."""
-    import gc
-
-    return gc.get_freeze_count() > 0
 
 
 def _pins(
@@ -1624,6 +1617,10 @@ def main() -> None:
     _leave(0)
 
 
+# Set by `main`: this process is the `meshplan` script (not `app` called in-process).
+_AS_SCRIPT = False
+
+
 def _fewer_collections() -> None:
     """The script's garbage-collection settings (`main`): what exists now never collected,
     the young generation collected every GC_YOUNG_THRESHOLD allocations."""
@@ -1631,6 +1628,8 @@ def _fewer_collections() -> None:
 
     from .solver_objective import GC_YOUNG_THRESHOLD
 
+    global _AS_SCRIPT
+    _AS_SCRIPT = True
     gc.freeze()
     young, *older = gc.get_threshold()
     gc.set_threshold(max(young, GC_YOUNG_THRESHOLD), *older)
