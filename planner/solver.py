@@ -138,15 +138,8 @@ from .solver_objective import (
     _Work,
     rarer_collections,
 )
-from .solver_screen import (
-    MIN_SCREEN_EXTENSION,
-    SHARE_EXHAUSTIVE_DP,
-    SHARE_WINDOW,
-    _needs_model,
-    _pair_shares,
-    _Priced,
-    _Screen,
-)
+from .solver_placements import SHARE_EXHAUSTIVE_DP, SHARE_WINDOW, _pair_shares
+from .solver_screen import MIN_SCREEN_EXTENSION, _needs_model, _Priced, _Screen
 from .solver_splits import EXHAUSTIVE_SPLITS
 
 # What callers import from here: the entry points and the step modules' names they use
