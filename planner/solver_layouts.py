@@ -353,6 +353,11 @@ class _Layouts:
             )
         return got
 
+    def taus(self, lay: Layout) -> tuple[float, float]:
+        """(tau_a, tau_b): `per_layer` of a rank of each of `lay`'s groups at its degree."""
+        p = lay.parallel
+        return self.per_layer(lay.a, p.stage(lay.t_a)), self.per_layer(lay.b, p.stage(lay.t_b))
+
     def handoff(self, a: str, ta: int, b: str, tb: int, dp: int, mb: int) -> float:
         """The a -> b hand-off of one micro-batch (`Pricer.handoff`), every pipeline at once."""
         scale = mb / self.pricer.costs.traced_micro_batch
@@ -374,8 +379,7 @@ class _Layouts:
         counted (its ring spans both groups)."""
         p, n = lay.parallel, self.n_layers
         mixed = 1 if lay.mixed else 0
-        tau_a = self.per_layer(lay.a, p.stage(lay.t_a))
-        tau_b = self.per_layer(lay.b, p.stage(lay.t_b))
+        tau_a, tau_b = self.taus(lay)
         m = p.num_microbatches
         n_a = np.arange(lay.k_a, n - lay.k_b - mixed + 1)
         if lay.mixed_stage == 0:
@@ -485,9 +489,7 @@ class _Layouts:
         group's), so once that passes the best split's slowest stage (beyond rounding)
         nothing left can win."""
         n, mixed = self.n_layers, 1 if lay.mixed else 0
-        p = lay.parallel
-        tau_a = self.per_layer(lay.a, p.stage(lay.t_a))
-        tau_b = self.per_layer(lay.b, p.stage(lay.t_b))
+        tau_a, tau_b = self.taus(lay)
         tries = []
         for n_a in range(lay.k_a, n - lay.k_b - mixed + 1):
             for n_x in range(mixed, n - n_a - lay.k_b + 1) if mixed else (0,):

@@ -29,19 +29,30 @@ PINS = Parallel(zero=0, sequence_parallel=False, recompute="none", micro_batch=1
 GLOBAL_BATCH = 32
 
 
-def _scenario(a100_per_node: int = 4, v100_nodes: int = 4):
+def _scenario(a100_per_node: int = 4, v100_nodes: int = 4, ethernet: bool = False):
     """The model above on one node of `a100_per_node` A100-40GB and `v100_nodes` nodes of 4
-    V100-16GB."""
+    V100-16GB; `ethernet`: one 50 Gb/s Ethernet NIC per node (meshplan's Ethernet latency and
+    efficiency defaults, where the gradient traffic is large and barely hidden), else HDR."""
     graph = transformer_graph(12, 2560, 20, 20, 4 * 2560, 50257, 2048, 1)
+    nic = LinkTier("eth-50g", LinkKind.ETHERNET, 50e9 / 8, 20e-6, 0.7) if ethernet else IB_HDR
     cluster = Cluster(
         name=f"a100x{a100_per_node}+v100x{4 * v100_nodes}",
         groups=(
-            DeviceGroup("a100", A100_40, 1, a100_per_node, "nvlink3", "ib-hdr", nics_per_node=1),
-            DeviceGroup("v100", V100_16, v100_nodes, 4, "nvlink2", "ib-hdr", nics_per_node=1),
+            DeviceGroup("a100", A100_40, 1, a100_per_node, "nvlink3", nic.name, nics_per_node=1),
+            DeviceGroup("v100", V100_16, v100_nodes, 4, "nvlink2", nic.name, nics_per_node=1),
         ),
-        links=(NVLINK3, NVLINK2, IB_HDR),
+        links=(NVLINK3, NVLINK2, nic),
     )
     return graph, cluster
+
+
+def _every_split(lay, n: int):
+    """Every (n_a, n_x) of `lay`'s family over n layers, in increasing order, with the
+    layer counts per stage."""
+    mixed = 1 if lay.mixed else 0
+    for n_a in range(lay.k_a, n - lay.k_b - mixed + 1):
+        for n_x in range(mixed, n - n_a - lay.k_b + 1) if mixed else (0,):
+            yield lay.counts(n_a, n_x, n - n_a - n_x)
 
 
 def _exact(pricer, cache, lay):
@@ -114,38 +125,26 @@ def test_the_lifted_bound_holds_for_every_split():
     each (n_a, n_x) of a layout priced exactly, on slow Ethernet between the nodes (where the
     gradient traffic is large and barely hidden); the first stage's exposure it reads equals
     the one `evaluate` reads from each split's tables."""
-    graph, cluster = _scenario()
-    # one 50 Gb/s Ethernet NIC per node, meshplan's Ethernet latency and efficiency defaults
-    eth = LinkTier("eth-50g", LinkKind.ETHERNET, 50e9 / 8, 20e-6, 0.7)
-    cluster = dataclasses.replace(
-        cluster,
-        groups=tuple(dataclasses.replace(g, inter_link="eth-50g") for g in cluster.groups),
-        links=(NVLINK3, NVLINK2, eth),
-    )
+    graph, cluster = _scenario(ethernet=True)
     pricer = pricer_for(graph, cluster, "float32")
     cache = _Layouts(graph, pricer)
     every = layouts(cache, PINS, GLOBAL_BATCH, [Recompute.NONE], sp=False)
     n, checked, raised = cache.n_layers, 0, 0
     for bound, _, lay in every[::7]:
         lifted = cache.lifted(lay, bound)
-        mixed = 1 if lay.mixed else 0
-        for n_a in range(lay.k_a, n - lay.k_b - mixed + 1):
-            for n_x in range(mixed, n - n_a - lay.k_b + 1) if mixed else (0,):
-                counts = lay.counts(n_a, n_x, n - n_a - n_x)
-                if min(counts) < 1:
-                    continue
-                stages = cache.stages(lay, counts)
-                tables = layout_tables(pricer, lay.parallel, stages)
-                step = evaluate(tables, [st.replicas for st in stages]).step_time_s
-                assert lifted <= step * (1 + 1e-9), (lay, counts, lifted, step)
-                checked += 1
-                if lay.mixed_stage == 0:
-                    continue  # a mixed first stage: no exposure counted
-                comm, window = tables.dp_single[0][lay.a], tables.window[0][lay.a]
-                exposure = cache._first_exposures(lay, counts[0])[counts[0] - 1]
-                assert exposure == pytest.approx(
-                    comm - OVERLAP_EFFICIENCY * min(comm, window), rel=1e-9, abs=1e-15
-                )
+        for counts in _every_split(lay, n):
+            stages = cache.stages(lay, counts)
+            tables = layout_tables(pricer, lay.parallel, stages)
+            step = evaluate(tables, [st.replicas for st in stages]).step_time_s
+            assert lifted <= step * (1 + 1e-9), (lay, counts, lifted, step)
+            checked += 1
+            if lay.mixed_stage == 0:
+                continue  # a mixed first stage: no exposure counted
+            comm, window = tables.dp_single[0][lay.a], tables.window[0][lay.a]
+            exposure = cache._first_exposures(lay, counts[0])[counts[0] - 1]
+            assert exposure == pytest.approx(
+                comm - OVERLAP_EFFICIENCY * min(comm, window), rel=1e-9, abs=1e-15
+            )
         raised += lifted > bound * (1 + 1e-6)
     assert checked > 100 and raised > len(every[::7]) // 2, (checked, raised)
 
@@ -242,14 +241,7 @@ def test_a_hand_off_never_gets_cheaper_with_more_pipelines(ethernet):
     """What the bound of a layout with its mixed stage between the runs rests on: one
     pipeline's a -> b hand-off is at most that of any number crossing at once
     (`Pricer.handoff` does not fall as pipelines share the links)."""
-    graph, cluster = _scenario()
-    if ethernet:
-        eth = LinkTier("eth-50g", LinkKind.ETHERNET, 50e9 / 8, 20e-6, 0.7)
-        cluster = dataclasses.replace(
-            cluster,
-            groups=tuple(dataclasses.replace(g, inter_link="eth-50g") for g in cluster.groups),
-            links=(NVLINK3, NVLINK2, eth),
-        )
+    graph, cluster = _scenario(ethernet=ethernet)
     pricer = pricer_for(graph, cluster, "float32")
     for a, b in (("a100", "v100"), ("v100", "a100")):
         for ta in (1, 2, 4):
@@ -276,13 +268,11 @@ def test_the_ordered_split_search_picks_the_exhaustive_split():
         if key in seen:
             continue
         seen.add(key)
-        best, mixed = None, 1 if lay.mixed else 0
-        for n_a in range(lay.k_a, n - lay.k_b - mixed + 1):
-            for n_x in range(mixed, n - n_a - lay.k_b + 1) if mixed else (0,):
-                counts = lay.counts(n_a, n_x, n - n_a - n_x)
-                got = cache._price_split(lay, counts, math.inf, layouts_mod._groups_of(lay))
-                if got is not None and (best is None or got < best[:2]):
-                    best = (*got, counts)
+        best = None
+        for counts in _every_split(lay, n):
+            got = cache._price_split(lay, counts, math.inf, layouts_mod._groups_of(lay))
+            if got is not None and (best is None or got < best[:2]):
+                best = (*got, counts)
         assert cache.split(lay) == (None if best is None else best[2]), lay
         checked += 1
     assert checked > 1000
