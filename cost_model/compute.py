@@ -178,9 +178,73 @@ MEMORY_EFFICIENCY_BY_KIND: dict[OpKind, float] = {
 }
 # - float32 GEMMs on CUDA cores (TF32 off, PyTorch's default) as a fraction of the CUDA-core
 #   FP32 peak: NeuSight's `linear` and `bmm` rows (cuBLAS sgemm) on the same five GPUs. Used
-#   for every "float32" GEMM unless `meshplan calibrate` measured this machine's GEMMs. 0.67
-#   under the p-norm roofline (`gemm_roofline`; 0.64 under the plain max before session 18).
-CUDA_CORE_GEMM_EFFICIENCY = 0.67
+#   for every "float32" GEMM unless `meshplan calibrate` measured this machine's GEMMs. 0.762
+#   is a 128-tile's rate under `sgemm_seconds` (tiles, waves and split-K, session 29), fitted
+#   jointly with `SGEMM`; 0.67 before it, as one fraction with wave quantization alone.
+CUDA_CORE_GEMM_EFFICIENCY = 0.762
+
+
+# float32 GEMMs on CUDA cores by cuBLAS's own levers (session 29), in place of wave
+# quantization alone: cuBLAS's sgemm kernels cut the output into tiles, one thread block
+# each, and may split K over s blocks per tile whose partial sums a second kernel adds
+# (split-K; NVIDIA CUTLASS docs, "Efficient GEMM in CUDA", "Parallelized Reductions").
+# NeuSight's rows list the kernels each call ran: `volta_sgemm_128x64_tn`,
+# `ampere_sgemm_32x32_sliced1x4_tn`, `maxwell_sgemm_32x128_tn`, ..., and on 3-11% of the
+# `linear` rows per GPU type a `splitkreduce_kernel` after it. Here the tiles are square, of
+# side 128, 64 or 32 (assumption: standing for the rectangular ones of about that area).
+# The tiles run in waves of one block per SM. Per wave, a block pays a fixed cost (prologue,
+# epilogue, the pipeline's fill) and then its tile's FLOPs at the SM's share of the CUDA-core
+# peak; a smaller tile reuses each loaded operand less and may run at a fraction of the
+# 128-tile's rate (fitted: it does not, nearly). A split adds its partial sums' traffic
+# (write and read s float32 copies of the output). cuBLAS's heuristic is taken to pick the
+# cheapest (side, split) (assumption: it does, nearly). Fitted by
+# `benchmarks/gpu_op_latency.py --fit` on NeuSight's float32 `linear` and `bmm` rows of five
+# GPU types (A100-PCIe-40GB, V100-PCIe, T4, P100, P4); docs/op_latency.md gives the error
+# with each type held out of the fit.
+@dataclass(frozen=True)
+class SgemmModel:
+    """The constants of `sgemm_seconds`; a 128-tile's FLOP rate is `gemm_efficiency` (for
+    float32: `CUDA_CORE_GEMM_EFFICIENCY`, or what `meshplan calibrate` measured)."""
+
+    wave_latency_s: float  # fixed cost of one wave of blocks
+    tile_rate: tuple[tuple[int, float], ...]  # (tile side, its rate relative to the 128-tile)
+    min_split_k: float  # a split keeps at least this many of K per block
+    splits: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+
+
+SGEMM = SgemmModel(
+    wave_latency_s=9.81e-7,
+    tile_rate=((128, 1.0), (64, 0.988), (32, 1.0)),
+    min_split_k=136.6,
+)
+
+
+def sgemm_seconds(
+    batch: float, m: float, n: float, k: float, gpu: GpuSpec, efficiency: float,
+    model: SgemmModel = SGEMM,
+) -> float:  # fmt: skip
+    """Compute seconds of `batch` float32 GEMMs (m x k) @ (k x n) on `gpu`'s CUDA cores
+    (`SgemmModel`): the cheapest tile side and split-K, each wave paying `wave_latency_s`
+    plus its tile's FLOPs at `efficiency` x the FP32 peak over the SMs (x the side's relative
+    rate), a split adding its partial sums' bytes at the matmul memory fraction. Never below
+    the FLOPs at `efficiency` x the peak. The memory roofline is the caller's (`GemmTerm`)."""
+    sms = gpu.sms
+    sm_rate = gpu.peak(VECTOR_DTYPE) * efficiency / sms
+    partial_bw = gpu.hbm_bandwidth * kernel_efficiency(gpu).memory
+    out_bytes = DTYPE_BYTES[VECTOR_DTYPE] * batch * m * n
+    best = math.inf
+    for side, rel in model.tile_rate:
+        tiles = math.ceil(batch) * math.ceil(m / side) * math.ceil(n / side)
+        per_k = 2.0 * side * side / (sm_rate * rel)
+        for s in model.splits:
+            k_split = math.ceil(k / s)
+            if s > 1 and k_split < model.min_split_k:
+                break
+            t = math.ceil(tiles * s / sms) * (model.wave_latency_s + per_k * k_split)
+            if s > 1:
+                t += 2 * s * out_bytes / partial_bw
+            best = min(best, t)
+    return best
 
 
 def on_cuda_cores(gpu: GpuSpec, dtype: str) -> bool:
@@ -814,15 +878,30 @@ class GemmTerm:
     n_by: tuple[str, ...] = ()
     attention: bool = False
     sides: tuple[int, ...] = TENSOR_CORE_TILES  # tile sides (`wave_efficiency`)
+    # A float32 GEMM on CUDA cores (`sgemm_seconds` prices its FLOPs, with K and what
+    # shrinks it); None: tensor cores (wave quantization at `sides`).
+    sgemm: tuple[GpuSpec, float] | None = None  # (the GPU, its CUDA-core efficiency)
+    k: int = 0
+    k_by: tuple[str, ...] = ()
 
     def extra(self, factors: dict[str, float], r: float, sms: int) -> float:
-        """Seconds wave quantization adds to this GEMM at work share `r`."""
+        """Seconds wave quantization (on CUDA cores: `sgemm_seconds`) adds to this GEMM at
+        work share `r`."""
 
         def dim(size: int, by: tuple[str, ...]) -> float:
             for f in by:
                 size *= factors[f]
             return size
 
+        if self.sgemm is not None:
+            gpu, eff = self.sgemm
+            flop_s = sgemm_seconds(
+                dim(self.batch, self.batch_by), dim(self.m, self.m_by), dim(self.n, self.n_by),
+                dim(self.k, self.k_by), gpu, eff,
+            )  # fmt: skip
+            return gemm_roofline(flop_s, r * self.mem_s) - r * gemm_roofline(
+                self.flop_s, self.mem_s
+            )
         q = wave_efficiency(
             dim(self.batch, self.batch_by),
             dim(self.m, self.m_by),
@@ -1282,6 +1361,7 @@ def gemm_terms(
     align = alignment_factor(op, gpu, dtype)
     peak = gpu.peak(FLOAT8_DTYPE if float8 else dtype)
     sides = tile_sides(gpu, dtype, float8=float8)
+    cuda_core = on_cuda_cores(gpu, dtype)
     out: list[GemmTerm] = []
     for backward in (False, True):
         flops = effective_flops(op, backward=backward)
@@ -1300,18 +1380,25 @@ def gemm_terms(
         mem_s = nbytes * (0.5 if low else 1.0) / (gpu.hbm_bandwidth * memory_efficiency(op, gpu))
         phase = "bwd" if backward else "fwd"
         tokens = ("mb", "cp")
+        sgemm = (gpu, eff) if cuda_core and not low and op.kind != OpKind.ATTENTION else None
+        # (share, batch, M, N, inner K, and what scales each of the four)
         if op.kind == OpKind.ATTENTION:
-            shapes = [(1.0, batch, m, n, ("mb", "tp"), ("cp",), ())]
+            shapes = [(1.0, batch, m, n, k, ("mb", "tp"), ("cp",), (), ())]
         elif not op.params:  # unfused attention matmuls: batch = b x heads
-            shapes = [(1.0, batch, m, n, ("mb", "tp"), ("cp",), ())]
+            shapes = [(1.0, batch, m, n, k, ("mb", "tp"), ("cp",), (), ())]
+            if backward and sgemm:  # its two GEMMs priced at the forward's shape
+                shapes = [(0.5, *shapes[0][1:])] * 2
         else:
             n_by = ("tp",) if cls == "tp" and not row_parallel else ()
             k_by = ("tp",) if cls == "tp" and row_parallel else ()
             if not backward:
-                shapes = [(1.0, batch, m, n, (), tokens, n_by)]
-            else:  # input gradient (M, K), weight gradient (K, N)
-                shapes = [(0.5, batch, m, k, (), tokens, k_by), (0.5, batch, k, n, (), k_by, n_by)]
-        for share, b, mm, nn, b_by, m_by, n_by_ in shapes:
+                shapes = [(1.0, batch, m, n, k, (), tokens, n_by, k_by)]
+            else:  # input gradient (M, K) over N, weight gradient (K, N) over the tokens
+                shapes = [
+                    (0.5, batch, m, k, n, (), tokens, k_by, n_by),
+                    (0.5, batch, k, n, m, (), k_by, n_by, tokens),
+                ]
+        for share, b, mm, nn, kk, b_by, m_by, n_by_, k_by_ in shapes:
             out.append(
                 GemmTerm(
                     phase,
@@ -1326,6 +1413,9 @@ def gemm_terms(
                     n_by_,
                     attention=op.kind == OpKind.ATTENTION,
                     sides=sides,
+                    sgemm=sgemm,
+                    k=kk,
+                    k_by=k_by_,
                 )  # fmt: skip
             )
     return tuple(out)
