@@ -209,7 +209,11 @@ class SgemmModel:
     wave_latency_s: float  # fixed cost of one wave of blocks
     tile_rate: tuple[tuple[int, float], ...]  # (tile side, its rate relative to the 128-tile)
     min_split_k: float  # a split keeps at least this many of K per block
-    splits: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    splits: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # increasing (`sgemm_seconds` stops early)
+
+    def __post_init__(self) -> None:
+        if list(self.splits) != sorted(set(self.splits)) or self.splits[0] != 1:
+            raise ValueError(f"SgemmModel.splits must increase from 1, got {self.splits}")
 
 
 SGEMM = SgemmModel(
@@ -879,8 +883,11 @@ class GemmTerm:
     attention: bool = False
     sides: tuple[int, ...] = TENSOR_CORE_TILES  # tile sides (`wave_efficiency`)
     # A float32 GEMM on CUDA cores (`sgemm_seconds` prices its FLOPs, with K and what
-    # shrinks it); None: tensor cores (wave quantization at `sides`).
-    sgemm: tuple[GpuSpec, float] | None = None  # (the GPU, its CUDA-core efficiency)
+    # shrinks it): (the GPU, its CUDA-core efficiency, the term's FLOPs over 2 batch m n k:
+    # 1 for a GEMM the traced step runs whole; 0.5 for each of a linear's two backward
+    # GEMMs when only one runs, a first linear whose input needs no gradient). None: tensor
+    # cores (wave quantization at `sides`).
+    sgemm: tuple[GpuSpec, float, float] | None = None
     k: int = 0
     k_by: tuple[str, ...] = ()
 
@@ -894,8 +901,8 @@ class GemmTerm:
             return size
 
         if self.sgemm is not None:
-            gpu, eff = self.sgemm
-            flop_s = sgemm_seconds(
+            gpu, eff, work = self.sgemm
+            flop_s = work * sgemm_seconds(
                 dim(self.batch, self.batch_by), dim(self.m, self.m_by), dim(self.n, self.n_by),
                 dim(self.k, self.k_by), gpu, eff,
             )  # fmt: skip
@@ -1380,13 +1387,13 @@ def gemm_terms(
         mem_s = nbytes * (0.5 if low else 1.0) / (gpu.hbm_bandwidth * memory_efficiency(op, gpu))
         phase = "bwd" if backward else "fwd"
         tokens = ("mb", "cp")
-        sgemm = (gpu, eff) if cuda_core and not low and op.kind != OpKind.ATTENTION else None
+        on_cores = cuda_core and not low and op.kind != OpKind.ATTENTION
         # (share, batch, M, N, inner K, and what scales each of the four)
         if op.kind == OpKind.ATTENTION:
             shapes = [(1.0, batch, m, n, k, ("mb", "tp"), ("cp",), (), ())]
         elif not op.params:  # unfused attention matmuls: batch = b x heads
             shapes = [(1.0, batch, m, n, k, ("mb", "tp"), ("cp",), (), ())]
-            if backward and sgemm:  # its two GEMMs priced at the forward's shape
+            if backward and on_cores:  # its two GEMMs priced at the forward's shape
                 shapes = [(0.5, *shapes[0][1:])] * 2
         else:
             n_by = ("tp",) if cls == "tp" and not row_parallel else ()
@@ -1399,6 +1406,8 @@ def gemm_terms(
                     (0.5, batch, k, n, m, (), k_by, n_by, tokens),
                 ]
         for share, b, mm, nn, kk, b_by, m_by, n_by_, k_by_ in shapes:
+            # the FLOPs the trace charged this GEMM, as a multiple of one whole GEMM
+            sgemm = (gpu, eff, share * flops / (2.0 * b * mm * nn * kk)) if on_cores else None
             out.append(
                 GemmTerm(
                     phase,

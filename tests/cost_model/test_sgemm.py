@@ -131,3 +131,43 @@ def test_small_batched_gemms_pay_their_waves():
     t = sgemm_seconds(4096, 32, 32, 32, V100, EFF, model)
     assert t == pytest.approx(52 * (model.wave_latency_s + 2 * 32**3 / rate), rel=1e-12)
     assert bmm_op(4096, 32, 32, 32, "float32").fwd_flops == 2 * 4096 * 32**3
+
+
+def _linear_with_backward(m, n, k, *, input_grad: bool):
+    """A float32 linear as the tracer records it for training: backward = the weight gradient
+    (K x N over the M tokens), plus the input gradient (M x K over N) when its input needs one
+    (not a first linear on raw features, whose backward runs one GEMM)."""
+    op = linear_op(m, n, k, "float32")
+    gemms = 2 if input_grad else 1
+    return dataclasses.replace(op, bwd_flops=gemms * op.fwd_flops, bwd_bytes=gemms * op.fwd_bytes)
+
+
+def test_the_backward_prices_the_gemms_the_trace_ran():
+    """Backward of a linear with an input gradient: its two GEMMs, each `sgemm_seconds` of its
+    own shape, in the p-norm with half the backward bytes each. A first linear (weight
+    gradient only, bwd FLOPs = fwd FLOPs) is charged half of each (the trace does not say
+    which runs), never both whole."""
+    m, n, k = 4096, 1536, 512
+    both = _linear_with_backward(m, n, k, input_grad=True)
+    bc = block_compute(_block(both), V100, "float32")
+    bwd = bc.times(tp=1, cp=1, sequence_parallel=False, scale=1.0)[1]
+    mem = both.bwd_bytes / (V100.hbm_bandwidth * compute.memory_efficiency(both, V100))
+    expect = gemm_roofline(sgemm_seconds(1, m, k, n, V100, EFF), mem / 2) + gemm_roofline(
+        sgemm_seconds(1, k, n, m, V100, EFF), mem / 2
+    )
+    assert bwd - KERNEL_FLOOR_S == pytest.approx(expect, rel=1e-9)
+
+    first = _linear_with_backward(m, n, k, input_grad=False)
+    one = block_compute(_block(first), V100, "float32")
+    bwd1 = one.times(tp=1, cp=1, sequence_parallel=False, scale=1.0)[1]
+    mem1 = first.bwd_bytes / (V100.hbm_bandwidth * compute.memory_efficiency(first, V100))
+    half = gemm_roofline(0.5 * sgemm_seconds(1, m, k, n, V100, EFF), mem1 / 2)
+    half += gemm_roofline(0.5 * sgemm_seconds(1, k, n, m, V100, EFF), mem1 / 2)
+    assert bwd1 - KERNEL_FLOOR_S == pytest.approx(half, rel=1e-9)
+    assert bwd1 < 0.6 * bwd  # one GEMM's work, not two
+    assert bwd1 - KERNEL_FLOOR_S >= first.bwd_flops / (V100.peak("float32") * EFF)
+
+
+def test_splits_must_increase():
+    with pytest.raises(ValueError, match="must increase from 1"):
+        dataclasses.replace(SGEMM, splits=(1, 4, 2))
