@@ -55,6 +55,13 @@ price a step as another stack would run it:
   arguments.py: "accumulate and all-reduce gradients in fp32 for bfloat16 data type") and
   Composer's FSDP mixed precision DEFAULT (`precision: amp_bf16`). meshplan's runtime
   reduces the bf16 gradients it computes, as do FSDP's PURE policy and fp16 Megatron.
+- `dp_overlap`: False when the data-parallel gradient reduction (and ZeRO-1/2's all-gather
+  of the updated weights) runs after the last backward, exposed, rather than under the
+  backward and the next forward: DeepSpeed's pipeline engine (its `TrainSchedule` ends every
+  step with `ReduceTiedGrads, ReduceGrads, OptimizerStep` after the last `BackwardPass`,
+  deepspeed/runtime/pipe/schedule.py), DeepSpeed ZeRO-0-2 without `overlap_comm` (its
+  default below ZeRO-3) and Megatron-LM without `--overlap-grad-reduce`. ZeRO-3's per-unit
+  gathers and reduce-scatters keep their overlap.
 - `host_node_s`: the host's seconds per traced aten node of an eager forward + backward
   (`cost_model.host`): where the kernels are short the GPU waits for the host, most of all
   under torch's selective-checkpoint mode. The default was measured on a GPU machine's host;
@@ -104,6 +111,7 @@ class Engine:
     attention: str = "flash2"
     fused_loss: bool = False
     reduce_fp32: bool = False
+    dp_overlap: bool = True
     selective: str | None = None
     forward_precision: str | None = None
     hybrid: tuple[tuple[str, str], ...] = ()
@@ -183,6 +191,8 @@ class Engine:
             parts.append("fused-loss")
         if self.reduce_fp32:
             parts.append("fp32-reduce")
+        if not self.dp_overlap:
+            parts.append("dp-after-backward")
         if self.selective is not None:
             parts.append(f"selective {self.selective}")
         if self.forward_precision:

@@ -93,13 +93,18 @@ class PlanTables:
         return self.time[s][g].zb_bubble if self.zero_bubble else 0.0
 
 
-def _dp_window(t: StageTime, zero: int) -> float:
+def _dp_window(t: StageTime, zero: int, overlap: bool = True) -> float:
     """Compute that the stage's DP traffic overlaps with (one micro-batch): ZeRO-3 gathers and
     reduces around every micro-batch's forward and backward; ZeRO-0 reduces gradients during
     the last backward; ZeRO-1/2 reduce-scatter during the last backward and all-gather the
     updated weights under the next step's first forward (Megatron-LM `--overlap-param-gather`,
-    FSDP/ZeRO prefetch)."""
-    if zero == 3 or zero in (1, 2):
+    FSDP/ZeRO prefetch). None below ZeRO-3 when the engine reduces after the backward
+    (`Engine.dp_overlap` False)."""
+    if zero == 3:
+        return t.compute + t.recompute
+    if not overlap:
+        return 0.0
+    if zero in (1, 2):
         return t.compute + t.recompute
     return t.backward + t.recompute
 
@@ -133,6 +138,7 @@ def plan_tables(
     names = tuple(groups) if groups is not None else tuple(pricer.groups)
     tp, cp, ep, dp, mb = p.tp, p.cp, p.ep, p.dp, p.micro_batch
     zero = p.zero
+    overlap = pricer.engine.dp_overlap
     quant = bool(p.quantize_activations)
     cfg = p.stage()
     plain = dataclasses.replace(cfg, quantize_activations=False)  # memory: quantized per stage
@@ -174,7 +180,7 @@ def plan_tables(
                 cross[(a, b)] = pricer.dp_cross(traffic, a, b, cfg)
         uniq[(comp, first)] = {
             "time": times,
-            "window": {g: _dp_window(t, zero) for g, t in times.items()},
+            "window": {g: _dp_window(t, zero, overlap) for g, t in times.items()},
             # The optimizer update, and the step's exposed syncs around it (SP gradients of
             # the replicated parameters, the loss all-reduce).
             "opt": {
@@ -207,7 +213,7 @@ def plan_tables(
                     if floor is not None:
                         floor = dataclasses.replace(floor, dp_edge=u["time"][g].dp_edge)
                         u["time"][g] = floor
-                        u["window"][g] = _dp_window(floor, zero)
+                        u["window"][g] = _dp_window(floor, zero, overlap)
     time, window, opt, memory, fits, single, cross = [], [], [], [], [], [], []
     peaks: dict[tuple, tuple] = {}
     for s, comp in enumerate(comps):

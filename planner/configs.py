@@ -1138,10 +1138,17 @@ def _load_deepspeed(
     opt = (data.get("optimizer", {}) or {}).get("type")
     if opt and str(opt).lower() not in ("adam", "adamw", "fusedadam"):
         r.note(f"optimizer {opt}: priced as Adam (two fp32 states)")
+    # When the gradients are reduced: under ZeRO-1/2 with `overlap_comm` during the backward
+    # (its default is stage == 3: deepspeed/runtime/zero/config.py `overlap_comm_valid`);
+    # otherwise, and always in the pipeline engine (its TrainSchedule runs ReduceGrads after
+    # the last BackwardPass: deepspeed/runtime/pipe/schedule.py), after it, exposed.
+    overlap = zero_cfg.get("overlap_comm")
+    overlap = zero == 3 if overlap is None else bool(overlap)
+    engine = {"dp_overlap": False} if zero != 3 and (pp > 1 or not overlap) else None
     r.sort_options("deepspeed", data.items())
     spec = ModelSpec(model) if model is not None else None
     return _assembled(
-        r, "deepspeed", "config", spec, (), None,
+        r, "deepspeed", "config", spec, (), engine,
         dp=dp, tp=tp, pp=pp, cp=cp, ep=1, micro_batch=micro, global_batch=tbs,
         recompute=recompute, zero=zero, schedule=Schedule.ONE_F_ONE_B, sequence_parallel=False,
         cp_mode="heads" if cp > 1 else None,  # DeepSpeed-Ulysses' all-to-alls over the heads
@@ -1834,6 +1841,8 @@ def _write_deepspeed(plan: Plan, engine: Engine) -> str:
         "zero_optimization": {"stage": p.zero},
         "bf16": {"enabled": True},
     }
+    if p.zero in (1, 2) and engine.dp_overlap:  # reduce under the backward, as priced
+        cfg["zero_optimization"] = {"stage": p.zero, "overlap_comm": True}
     if (p.tp or 1) > 1:
         cfg["tensor_parallel"] = {"autotp_size": p.tp}
     if (p.pp or 1) > 1:

@@ -842,15 +842,12 @@ _DS_READ = (
     "fp16.enabled bf16.enabled bfloat16.enabled tensor_parallel.autotp_size pipeline.stages "
     + _in(
         "zero_optimization",
-        "stage offload_optimizer offload_param zero_quantized_weights zero_quantized_gradients "
-        "zero_hpz_partition_size",
+        "stage overlap_comm offload_optimizer offload_param zero_quantized_weights "
+        "zero_quantized_gradients zero_hpz_partition_size",
     )
 )
 
 _DS_NOT_PRICED: dict[str, NotPriced] = {
-    "zero_optimization.overlap_comm": NotPriced(
-        "ZeRO communication not overlapped: priced overlapped with compute", (True,)
-    ),
     **_each(
         "ZeRO bucket, prefetch and persistence sizes: priced by the ZeRO stage's traffic, "
         "not its buckets",

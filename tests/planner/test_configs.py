@@ -521,3 +521,34 @@ def test_deepspeed_ulysses_reads_as_head_parallel_context_parallelism(tmp_path):
     cfg = configs.load(f"deepspeed:{path}", world_size=16, model="llama3-8b")
     assert (cfg.parallel.cp, cfg.parallel.cp_mode, cfg.parallel.dp) == (2, "heads", 8)
     assert any("head-parallel" in n for n in cfg.unpriced)
+
+
+@pytest.mark.parametrize(
+    "zero_cfg, pipeline, overlapped",
+    [
+        ({"stage": 2, "overlap_comm": True}, None, True),
+        ({"stage": 2}, None, False),  # deepspeed's default: overlap_comm = (stage == 3)
+        ({"stage": 1, "overlap_comm": False}, None, False),
+        ({}, None, False),  # ZeRO-0: all-reduced after the backward
+        ({"stage": 3}, None, True),  # ZeRO-3 keeps its per-unit overlap
+        ({"stage": 1, "overlap_comm": True}, 2, False),  # the pipeline engine's ReduceGrads
+    ],
+)
+def test_deepspeed_reduces_gradients_when_deepspeed_does(tmp_path, zero_cfg, pipeline, overlapped):
+    data = {"train_batch_size": 64, "zero_optimization": zero_cfg}
+    if pipeline:
+        data["pipeline"] = {"stages": pipeline}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(data))
+    cfg = configs.load(f"deepspeed:{path}", world_size=16, model="llama3-8b")
+    assert cfg.engine.dp_overlap is overlapped
+    assert cfg.unpriced == () and cfg.unknown == ()
+
+
+def test_deepspeed_export_asks_for_the_overlap_it_was_priced_with(tmp_path, llama8b):
+    cluster = meshplan.Cluster.preset("dgx-h100", gpus=64)
+    plan = meshplan.estimate_plan(
+        llama8b, cluster=cluster, parallel=Parallel(zero=1, global_batch=256, micro_batch=2)
+    )
+    text = configs.export(plan, "deepspeed").text
+    assert json.loads(text)["zero_optimization"] == {"stage": 1, "overlap_comm": True}

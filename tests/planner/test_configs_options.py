@@ -212,9 +212,7 @@ CASES = [
             "zero_optimization": {"stage": 2, "overlap_comm": False, "reduce_bucket_size": 2e8},
             "sparse_attention": {"mode": "fixed", "block": 16},
         },
-        (
-            "zero_optimization.overlap_comm: false: ZeRO communication not overlapped: priced "
-            "overlapped with compute",
+        (  # overlap_comm is read (`test_configs.py`: gradients reduced after the backward)
             "zero_optimization.reduce_bucket_size: 200000000.0: ZeRO bucket, prefetch and "
             "persistence sizes: priced by the ZeRO stage's traffic, not its buckets",
             "sparse_attention: sparse attention: priced dense",
