@@ -843,10 +843,15 @@ def _load_megatron(
     reduce_fp32 = bool(opts.get("accumulate-allreduce-grads-in-fp32")) or not (
         opts.get("fp16") or opts.get("grad-reduce-in-bf16")
     )
+    # Gradients are reduced under the backward only with --overlap-grad-reduce (Megatron-LM's
+    # default is off: finalize_model_grads reduces them after it); ZeRO-3 gathers and reduces
+    # around every micro-batch either way.
+    dp_overlap = bool(opts.get("overlap-grad-reduce")) or zero == 3
     return _assembled(
         r, "megatron", "arguments", spec, stage_layers,
         dict(fused=fused, float8=float8, float8_all_gather=gather,
-             tp_overlap=bool(opts.get("tp-comm-overlap")), reduce_fp32=reduce_fp32),
+             tp_overlap=bool(opts.get("tp-comm-overlap")), reduce_fp32=reduce_fp32,
+             dp_overlap=dp_overlap),
         dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, micro_batch=micro, global_batch=global_batch,
         recompute=recompute, zero=zero, schedule=schedule or Schedule.ONE_F_ONE_B,
         sequence_parallel=sp, virtual_stages=virtual,
@@ -1816,6 +1821,10 @@ def _write_megatron(plan: Plan, engine: Engine) -> str:
             "--recompute-method uniform",
             "--recompute-num-layers 1",
         ]
+    if engine.dp_overlap and p.zero < 3:  # as priced: reduced under the backward
+        args.append("--overlap-grad-reduce")
+        if p.zero == 1:  # the distributed optimizer's gather under the next forward
+            args.append("--overlap-param-gather")
     args.append("--bf16")
     if not engine.reduce_fp32:  # as priced: bf16 gradient reduction (Megatron's is fp32)
         args.append("--grad-reduce-in-bf16")

@@ -5,8 +5,7 @@ engine options and a model. Every option the file states is one of four kinds:
 
 - priced: the reader reads it (into the `Parallel`, the engine or the model; where it can
   only approximate, the reader says how in its own note), or it asks for exactly what
-  meshplan prices (Megatron `--overlap-grad-reduce`: meshplan prices gradient reduction
-  overlapped with the backward pass).
+  meshplan prices (Megatron `--use-flash-attn`: meshplan prices FlashAttention-2).
 - not priced: a real option of that framework that changes the step's time or memory in a
   way meshplan does not model. Listed, with how it is priced instead, unless its value is one
   that prices as meshplan prices (`NotPriced.fine`: `--cpu-offloading-num-layers 0` is no
@@ -256,15 +255,16 @@ _MEGATRON_PRICED = _names(
         "read into the engine": """
             no-masked-softmax-fusion no-bias-gelu-fusion no-bias-swiglu-fusion
             no-bias-dropout-fusion fp8-format fp8-recipe fp8-param-gather tp-comm-overlap
-            accumulate-allreduce-grads-in-fp32 grad-reduce-in-bf16""",
-        # what meshplan prices: bf16 mixed precision; data-parallel traffic overlapped with
-        # the backward (gradients) and the forward (parameters); FlashAttention-2; TP traffic
-        # exposed unless --tp-comm-overlap (the async all-reduce flags switch overlap off);
+            accumulate-allreduce-grads-in-fp32 grad-reduce-in-bf16 overlap-grad-reduce""",
+        # what meshplan prices: bf16 mixed precision; with --overlap-grad-reduce, the
+        # distributed optimizer's parameter gather under the next forward; FlashAttention-2;
+        # TP traffic exposed unless --tp-comm-overlap (the async all-reduce flags switch
+        # overlap off);
         # the fp32 main-grad add inside the weight-gradient time (not priced apart, and
         # Megatron-FSDP requires --no-gradient-accumulation-fusion); expert GEMMs as grouped
         # GEMMs; a balanced router (forced balancing is that); no garbage-collection pauses
         "what meshplan prices": """
-            bf16 overlap-grad-reduce overlap-param-gather use-flash-attn use-mcore-models
+            bf16 overlap-param-gather use-flash-attn use-mcore-models
             no-async-tensor-model-parallel-allreduce disable-async-tensor-model-parallel-allreduce
             no-gradient-accumulation-fusion moe-grouped-gemm moe-router-force-load-balancing
             manual-gc manual-gc-interval""",

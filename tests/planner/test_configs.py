@@ -552,3 +552,31 @@ def test_deepspeed_export_asks_for_the_overlap_it_was_priced_with(tmp_path, llam
     )
     text = configs.export(plan, "deepspeed").text
     assert json.loads(text)["zero_optimization"] == {"stage": 1, "overlap_comm": True}
+
+
+MEGATRON_SMALL = (
+    "--num-layers 2 --hidden-size 256 --num-attention-heads 4 --seq-length 128 "
+    "--max-position-embeddings 128 --vocab-size 1024 --micro-batch-size 1 "
+    "--global-batch-size 8 --bf16 --use-distributed-optimizer"
+)
+
+
+@pytest.mark.parametrize("flag, overlapped", [("--overlap-grad-reduce", True), ("", False)])
+def test_megatron_reduces_gradients_under_the_backward_only_when_asked(tmp_path, flag, overlapped):
+    # Megatron-LM's default: finalize_model_grads reduces them after the backward
+    path = tmp_path / "args.txt"
+    path.write_text(f"{MEGATRON_SMALL} {flag}\n")
+    cfg = configs.load(f"megatron:{path}", world_size=8)
+    assert cfg.engine.dp_overlap is overlapped
+    assert cfg.unpriced == cfg.unknown == ()
+
+
+def test_megatron_export_asks_for_the_overlap_it_was_priced_with(tmp_path, llama8b):
+    cluster = meshplan.Cluster.preset("dgx-h100", gpus=64)
+    plan = meshplan.estimate_plan(
+        llama8b, cluster=cluster, parallel=Parallel(zero=1, global_batch=256, micro_batch=2)
+    )
+    text = configs.export(plan, "megatron").text
+    assert "--overlap-grad-reduce" in text and "--overlap-param-gather" in text
+    after = configs.export(plan, "megatron", engine=configs.Engine(dp_overlap=False)).text
+    assert "--overlap-grad-reduce" not in after
