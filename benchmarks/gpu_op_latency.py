@@ -30,7 +30,9 @@ Vidur the kernel alone. The planner's per-kernel floor (`compute.KERNEL_FLOOR_S`
 kernel costs inside a training step, a third quantity. So each prediction here is the op's
 work (the planner's time less its floor) plus the source's *measurement overhead*: the
 median, over the other GPU types of that source, of each type's fastest elementwise kernel
-(the smallest shapes are launch-bound).
+(the smallest shapes are launch-bound); NeuSight's cuBLAS calls (`linear`, `bmm`) take the
+fastest call of their own class the same way (`row_overheads`: cuBLAS's host-side work is
+inside the timed call).
 
 `--learned` adds the learned model (`cost_model.learned`) under the same leave-one-GPU-out
 protocol: for each GPU type, an ensemble trained on a fixed-seed sample of the *other* types'
