@@ -9,7 +9,7 @@ replicas (TP 1) with six V100 replicas (TP 4). This script encodes that plan as 
 prints both side by side: predicted step time, tokens/s, peak memory per rank, the ratio.
 
     python benchmarks/vs_sailor.py                    # meshplan's runtime (mixed precision)
-    python benchmarks/vs_sailor.py --sailor-runtime   # Sailor's: fp32, ZeRO-0, no SP/recompute
+    python benchmarks/vs_sailor.py --sailor-runtime   # Sailor's: fp32 + TF32, ZeRO-0, ...
     python benchmarks/vs_sailor.py --scenario 128+384 # Sailor's other two: 128+384, 256+256
 
 Every scenario also prints the best pipeline of Sailor's shape (first stages on one GPU type
@@ -35,8 +35,9 @@ What is assumed, since the plan as published leaves it open:
   efficiencies are the V100's).
 
 `--sailor-runtime` plans under Sailor's runtime assumptions where the API has a switch:
-fp32 training (`precision="fp32"`, CUDA-core FP32 on both types; TF32 on the A100s only
-would need a per-group precision, which plans do not have), ZeRO-0, no sequence parallelism,
+fp32 training with TF32 where the GPU has it (`precision="tf32"`: PyTorch's `allow_tf32`,
+TF32 tensor cores on the A100s, CUDA-core FP32 on the V100s, which have no TF32 units;
+`ir.devices.matmul_dtype`; plain FP32 on both before session 29), ZeRO-0, no sequence parallelism,
 no recomputation, and equal micro-batches per replica (`equal_shares=True`: no uneven DP
 shares between the A100 and V100 pipelines). The GPT-Neo model is the zoo's GPT style at
 GPT-Neo-2.7B's shape (EleutherAI/gpt-neo-2.7B config.json on the Hugging Face hub:
@@ -261,7 +262,9 @@ def memory_line(prediction) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sailor-runtime", action="store_true", help="fp32, ZeRO-0, no SP/recompute")
+    ap.add_argument(
+        "--sailor-runtime", action="store_true", help="fp32 + TF32, ZeRO-0, no SP/recompute"
+    )
     ap.add_argument("--micro-batch", type=int, default=1, help="Sailor's plan's micro-batch")
     ap.add_argument("--gbps", type=float, default=50.0, help="Ethernet per node (Gb/s)")
     ap.add_argument("--time-limit", type=float, default=10.0, help="meshplan's work budget (s)")
@@ -282,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dtype = "float32" if args.sailor_runtime else "bfloat16"
     graph = meshplan.trace(*_flat(gpt_neo_27b(model_dtype)))
     cluster = sailor_cluster(args.gbps, *SCENARIOS[args.scenario])
-    precision = "fp32" if args.sailor_runtime else None
+    precision = "tf32" if args.sailor_runtime else None  # fp32, TF32 where the GPU has it
     precision, dtype, _, note = resolve_precision(graph, cluster, precision, EAGER)
     t_trace = time.perf_counter() - t0
 
@@ -316,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     ours = plan.predicted
 
     mode = (
-        "Sailor's runtime (fp32, ZeRO-0, no SP, no recompute, equal shares)"
+        "Sailor's runtime (fp32 with TF32 on the A100s, ZeRO-0, no SP, no recompute, equal shares)"
         if args.sailor_runtime
         else ("meshplan's runtime")
     )

@@ -47,7 +47,7 @@ import statistics
 from dataclasses import dataclass
 
 from meshplan.ir import DTYPE_BYTES, Block, GpuSpec, Op, OpKind, TensorMeta
-from meshplan.ir.devices import HYBRID_PEAKS
+from meshplan.ir.devices import HYBRID_PEAKS, matmul_dtype
 from meshplan.passes.fusion import fusion_regions
 from meshplan.passes.sharding import TpRole, tp_sharding
 
@@ -832,6 +832,7 @@ def roofline_time(
     `attention` names the fused-attention kernel (`Engine.attention`)."""
     flops = effective_flops(op, backward=backward)
     nbytes = essential_bytes(op, backward)
+    dtype = matmul_dtype(gpu, dtype)  # TF32 on a part without it: CUDA-core float32
     if op.kind == OpKind.ATTENTION:
         eff = attention_efficiency(op, gpu, backward=backward, kernel=attention)
     elif op.kind in TENSOR_CORE_KINDS:
@@ -1365,6 +1366,7 @@ def gemm_terms(
     if not (batch and m and n and k):
         return ()
     keff = kernel_efficiency(gpu)
+    dtype = matmul_dtype(gpu, dtype)  # TF32 on a part without it: CUDA-core float32
     align = alignment_factor(op, gpu, dtype)
     peak = gpu.peak(FLOAT8_DTYPE if float8 else dtype)
     sides = tile_sides(gpu, dtype, float8=float8)

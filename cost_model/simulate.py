@@ -130,6 +130,7 @@ from meshplan.ir import (
     StagePlacement,
     group_tp_problem,
 )
+from meshplan.ir.devices import matmul_dtype
 from meshplan.ir.parallel import cp_span_problem, stage_tp_problem
 from meshplan.ir.rules import (
     batch_split_problem,
@@ -498,7 +499,7 @@ def predict(
     traced_mb = pricer.costs.traced_micro_batch
     model_flops = graph.total_flops(training=True) * p.global_batch / traced_mb
     peak_flops = sum(
-        n * pricer.groups[g].gpu.peak(dtype)
+        n * pricer.groups[g].gpu.peak(matmul_dtype(pricer.groups[g].gpu, dtype))
         for st in stages
         for g, n in st.gpus(p.tp, p.cp).items()
     )

@@ -137,12 +137,25 @@ HYBRID_PEAKS: dict[str, str] = {"fp8": "float8_e4m3fn", "int8": "int8"}
 HYBRID_MODES: tuple[str, ...] = tuple(HYBRID_PEAKS)
 
 
+def matmul_dtype(gpu: GpuSpec, dtype: str) -> str:
+    """The dtype `gpu` runs a matmul of the plan's `dtype` in: TF32 on a part without TF32
+    units is float32 on its CUDA cores (PyTorch's `allow_tf32` does nothing there); every
+    other dtype as given."""
+    if dtype == PRECISIONS["tf32"] and not gpu.supports("tf32"):
+        return PRECISIONS["fp32"]
+    return dtype
+
+
 def precision_problem(precision: str, gpus) -> str:
     """Why `precision` cannot train on every GPU type in `gpus` (GpuSpecs), or "": the one
-    rule the planner, `estimate` and the runtime's check apply."""
+    rule the planner, `estimate` and the runtime's check apply. tf32 needs TF32 units on
+    one type at least: it is PyTorch's `allow_tf32`, which a part without them ignores and
+    runs in fp32 (`matmul_dtype`), as a cluster of A100s and V100s trains under it."""
     if precision not in PRECISIONS:
         return f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}"
     lacking = sorted({g.name for g in gpus if not g.supports(precision)})
+    if precision == "tf32" and len(lacking) < len({g.name for g in gpus}):
+        return ""
     if not lacking:
         return ""
     ok = [p for p in PRECISIONS if all(g.supports(p) for g in gpus)]

@@ -51,6 +51,7 @@ from meshplan.ir.devices import (
     HYBRID_PEAKS,
     PRECISION_DTYPE,
     default_precision,
+    matmul_dtype,
     precision_problem,
 )
 from meshplan.ir.facts import DIMENSIONS, Dataflow, blocked_dimension
@@ -394,6 +395,11 @@ def resolve_precision(
         precision, note = default_precision(compute_dtype(graph), gpus)
     elif why := precision_problem(precision, gpus):
         raise ValueError(why)
+    if precision == "tf32" and (fp32 := sorted({g.name for g in gpus if not g.supports("tf32")})):
+        note = (
+            f"precision tf32: no TF32 units on {' and '.join(fp32)}, whose matmuls run in fp32 "
+            "on CUDA cores (PyTorch's allow_tf32 does nothing there)"
+        )
     if precision == "fp8" and engine.float8 is None:
         engine = dataclasses.replace(engine, float8="tensorwise")
     if engine.float8 is not None and (lacking := [g.name for g in gpus if not g.supports("fp8")]):
@@ -565,11 +571,11 @@ def hybrid_options(
         raise ValueError(
             f"hybrid_precision must be off, auto or a mapping of groups to int8/fp8, got {hybrid!r}"
         )
-    fastest = max(g.gpu.peak(dtype) for g in cluster.groups)
+    fastest = max(g.gpu.peak(matmul_dtype(g.gpu, dtype)) for g in cluster.groups)
     options: list[tuple[tuple[str, str], ...]] = [()]
     first = []
     for g in cluster.groups:
-        if g.gpu.peak(dtype) >= fastest:
+        if g.gpu.peak(matmul_dtype(g.gpu, dtype)) >= fastest:
             continue
         peaks = dict(g.gpu.peak_flops)
         modes = [m for m in ("fp8", "int8") if HYBRID_PEAKS[m] in peaks]

@@ -110,3 +110,39 @@ def test_the_runtime_trains_in_the_plans_precision(tiny):
         RuntimePlanError, match="trains in bf16 but the model's parameters are float32"
     ):
         apply_precision(model, bf16, torch.device("cpu"))
+
+
+def test_tf32_is_pytorchs_allow_tf32_on_a_mixed_cluster():
+    """tf32 on A100 + V100: the A100's matmuls on TF32 tensor cores, the V100's in fp32 on
+    CUDA cores (it has no TF32 units; PyTorch's allow_tf32 does nothing there), as Sailor's
+    runtime trains. A cluster with no TF32 part at all is still refused."""
+    from meshplan.ir.devices import matmul_dtype, precision_problem
+
+    v100, a100, op = gpu_spec("V100"), gpu_spec("A100"), _gemm(65536)
+    assert precision_problem("tf32", [v100, a100]) == ""
+    assert "V100 cannot train in tf32" in precision_problem("tf32", [v100])
+    assert (matmul_dtype(v100, "tfloat32"), matmul_dtype(a100, "tfloat32")) == (
+        "float32",
+        "tfloat32",
+    )
+    assert roofline_time(op, v100, "tfloat32") == roofline_time(op, v100, "float32")
+    assert roofline_time(op, a100, "tfloat32") < roofline_time(op, a100, "float32") / 4
+
+
+def test_tf32_plan_on_a100_and_v100_says_which_part_runs_fp32():
+    from meshplan.ir.cluster_io import cluster_from_dict
+
+    cluster = cluster_from_dict(
+        {
+            "name": "mixed",
+            "groups": [
+                {"name": "a100", "gpu": "A100-40GB", "nodes": 1, "gpus_per_node": 4},
+                {"name": "v100", "gpu": "V100-16GB", "nodes": 1, "gpus_per_node": 4},
+            ],
+        }
+    )
+    model, inputs = meshplan.models.get("tiny")
+    pred = meshplan.estimate(
+        model, inputs, cluster, meshplan.Parallel(dp=8, global_batch=16), precision="tf32"
+    )
+    assert any("no TF32 units on V100-16GB" in n for n in pred.notes)
