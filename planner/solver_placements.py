@@ -24,6 +24,7 @@ from meshplan.cost_model.tables import PlanTables
 from meshplan.ir import microbatch_problem
 
 from .solver_bounds import _share_cap, _share_hosts, _share_terms
+from .solver_splits import _take_replicas
 
 # Uneven DP shares: every split of dp pipelines over two groups is tried up to this dp, a
 # window of SHARE_WINDOW splits around the fastest-first one beyond it.
@@ -153,16 +154,8 @@ def _greedy_placements(t: PlanTables, allowed: list[list[str]], order: Sequence[
                 out[s] = [(whole[0], dp)]
                 free[whole[0]] -= dp
                 continue
-            want, reps = dp, []
-            for g in groups:
-                take = min(want, free[g])
-                if take:
-                    reps.append((g, take))
-                    free[g] -= take
-                    want -= take
-                if not want:
-                    break
-            if want:
+            reps = _take_replicas(free, groups, dp)
+            if reps is None:
                 return None
             out[s] = reps
         return out

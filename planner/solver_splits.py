@@ -62,23 +62,32 @@ def _unit_costs_uncached(pricer: Pricer, c: Candidate, group: str) -> tuple[floa
     return layer, head, tail
 
 
+def _take_replicas(
+    free: dict[str, int], groups: Sequence[str], want: int
+) -> list[tuple[str, int]] | None:
+    """`want` replicas taken from `groups` in order, as many from each as it has `free`
+    (decremented): [(group, replicas), ...], or None when they run out."""
+    reps = []
+    for g in groups:
+        take = min(want, free[g])
+        if take:
+            reps.append((g, take))
+            free[g] -= take
+            want -= take
+        if not want:
+            break
+    return None if want else reps
+
+
 def _fill(capacity: dict[str, int], order: Sequence[str], pp: int, dp: int):
     """The groups each stage's replicas land on when stages fill `order` in rank order."""
     free = dict(capacity)
     out = []
     for _ in range(pp):
-        want, used = dp, []
-        for g in order:
-            take = min(want, free[g])
-            if take:
-                used.append(g)
-                free[g] -= take
-                want -= take
-            if not want:
-                break
-        if want:
+        reps = _take_replicas(free, order, dp)
+        if reps is None:
             return None
-        out.append(used)
+        out.append([g for g, _ in reps])
     return out
 
 
