@@ -80,8 +80,10 @@ import contextlib
 import dataclasses
 import fnmatch
 import functools
+import importlib.util
 import logging
 import sys
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -185,10 +187,11 @@ def trace(
     report = _Progress(progress)
     args = (model, example_inputs, dict(kwargs or {}), name, report, param_shapes or {}, flow_out)
     try:
-        try:
-            graph = _trace(*args, dedupe=DEDUPE_BACKWARD)
-        except _Retrace:
-            graph = _trace(*args, dedupe=False)
+        with without_compiler():
+            try:
+                graph = _trace(*args, dedupe=DEDUPE_BACKWARD)
+            except _Retrace:
+                graph = _trace(*args, dedupe=False)
     finally:
         report.close()
     return graph
@@ -1593,6 +1596,72 @@ def _numel(shape) -> int:
     for d in shape:
         n *= int(d)
     return n
+
+
+class _CompilerStandIn(types.ModuleType):
+    """Stands in for the `torch._dynamo` package (the compiler) while `trace` runs, where
+    nothing has imported it yet (`without_compiler`).
+
+    Importing the package takes ~1.0 s of a ~5 s `meshplan plan` on the 2-core machine, and
+    tracing needs two things of it: the settings module `torch._dynamo.config` (read by
+    FakeTensorMode's constructor; loaded alone under this stand-in) and `disable`, which
+    `torch._compile._disable_dynamo` asks for on the first call of every function it wraps
+    (every TorchDispatchMode's `__torch_dispatch__`, torch's Python references) and caches
+    on the function. Nothing in a trace runs under the compiler, so `disable` answers with
+    the function itself and remembers it; `without_compiler` drops those cached answers
+    afterwards, so a later call asks the real package. Any other name loads the real
+    package and is read from it."""
+
+    def __init__(self, path: list[str]):
+        super().__init__("torch._dynamo")
+        self.__path__ = path
+        self.answered: list[Callable] = []
+
+    def disable(self, fn: Callable, recursive: bool = True, wrapping: bool = True) -> Callable:
+        self.answered.append(fn)
+        return fn
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if sys.modules.get("torch._dynamo") is self:
+            del sys.modules["torch._dynamo"]
+        return getattr(importlib.import_module("torch._dynamo"), name)
+
+
+# The attribute `torch._compile._disable_dynamo` caches its answer in (set from a function, so
+# the name is not mangled there; spelt as a string here, where it would be).
+_DISABLE_CACHE = "__dynamo_disable"
+
+
+@contextlib.contextmanager
+def without_compiler() -> Iterator[None]:
+    """Run the block with `_CompilerStandIn` in place of an unimported `torch._dynamo`; a no-op
+    once the real package is loaded. Afterwards the stand-in is gone, the cached `disable`
+    answers are dropped, and a later `import torch._dynamo` runs the real package, which
+    adopts the settings module already loaded (`from . import config` finds it in
+    `sys.modules`). `tests/ir/test_trace_imports.py` checks the trace is the same either way
+    and that torch.compile works afterwards."""
+    spec = None if "torch._dynamo" in sys.modules else importlib.util.find_spec("torch._dynamo")
+    if spec is None or not spec.submodule_search_locations:
+        yield
+        return
+    stand_in = _CompilerStandIn(list(spec.submodule_search_locations))
+    for full, module in list(sys.modules.items()):  # loaded by an earlier trace: `config`
+        parent, _, child = full.rpartition(".")
+        if parent == "torch._dynamo":
+            setattr(stand_in, child, module)
+    sys.modules["torch._dynamo"] = stand_in
+    try:
+        yield
+    finally:
+        if sys.modules.get("torch._dynamo") is stand_in:
+            del sys.modules["torch._dynamo"]
+        if torch.__dict__.get("_dynamo") is stand_in:
+            del torch._dynamo
+        for fn in stand_in.answered:
+            if getattr(fn, _DISABLE_CACHE, None) is fn:
+                delattr(fn, _DISABLE_CACHE)
 
 
 @contextlib.contextmanager

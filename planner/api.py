@@ -92,6 +92,7 @@ from meshplan.passes.partition import (
 from meshplan.passes.sharding import tp_param_placements
 
 from .layout import layout_parallel, stages_from_layout
+from .models import SkipInitOnMeta
 from .rehearse import rehearse_pipeline_cut, rehearse_tensor_parallel
 from .solver import InfeasibleError, Objective, SolveResult, solve
 
@@ -1021,7 +1022,8 @@ def load_model(
     if "micro_batch" in params:
         kwargs["micro_batch"] = micro_batch
     try:
-        result = factory(**kwargs)
+        with SkipInitOnMeta():  # a model built on meta has nothing to initialise
+            result = factory(**kwargs)
     except Exception as e:
         raise ModelLoadError(f"{path}:{factory_name}() raised {type(e).__name__}: {e}") from None
     if (

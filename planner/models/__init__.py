@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from .transformer import Transformer, TransformerConfig
 
@@ -151,7 +152,7 @@ def build(
     if micro_batch < 1:
         raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
     torch_dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
-    with torch.device(device):
+    with torch.device(device), SkipInitOnMeta():
         model = Transformer(cfg).to(torch_dtype)
         if cfg.style == "llama":  # rotary tables stay fp32 for accuracy
             model.rope_cos = model.rope_cos.float()
@@ -163,6 +164,38 @@ def build(
         tokens = torch.randint(0, cfg.vocab, tokens.shape, generator=generator).to(device)
         targets = torch.randint(0, cfg.vocab, targets.shape, generator=generator).to(device)
     return model, (tokens, targets)
+
+
+# Random initialisers, as modules' `reset_parameters` call them.
+_INITIALISERS = frozenset(
+    {
+        torch.Tensor.normal_,
+        torch.Tensor.uniform_,
+        torch.nn.init.normal_,
+        torch.nn.init.uniform_,
+        torch.nn.init.trunc_normal_,
+        torch.nn.init.kaiming_normal_,
+        torch.nn.init.kaiming_uniform_,
+        torch.nn.init.xavier_normal_,
+        torch.nn.init.xavier_uniform_,
+    }
+)
+
+
+class SkipInitOnMeta(TorchFunctionMode):
+    """Random initialisers skipped on meta tensors, which hold no values to draw. The tensor
+    is returned as it is (shape, dtype, requires_grad unchanged), as the initialiser would.
+    Why: torch runs `normal_` on a meta tensor through its Python reference, whose wrapper
+    imports torch._dynamo (the compiler, ~1 s on the 2-core machine) the first time; nothing
+    else in `meshplan plan` needs it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _INITIALISERS:
+            tensor = args[0] if args else kwargs.get("tensor")  # nn.init passes keywords
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)
 
 
 def get(

@@ -128,7 +128,13 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device | str | None):
-    """cos/sin tables of rotary embeddings (Su et al. 2021), shape (seq, head_dim/2)."""
+    """cos/sin tables of rotary embeddings (Su et al. 2021), shape (seq, head_dim/2). On the
+    meta device only their shapes exist (and torch would run the arithmetic through its
+    Python references, whose wrapper imports torch._dynamo: ~1 s)."""
+    on = torch.device(device) if device is not None else torch.get_default_device()
+    if on.type == "meta":
+        shape = (seq_len, head_dim // 2)
+        return torch.empty(shape, device=on), torch.empty(shape, device=on)
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
     angles = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
     return angles.cos(), angles.sin()
@@ -212,14 +218,18 @@ class MoEExperts(nn.Module):
     def __init__(self, experts: int, hidden: int, inner: int, style: str) -> None:
         super().__init__()
         self.style = style
-        scale = 1.0 / math.sqrt(hidden)
-        self.w_up = nn.Parameter(torch.randn(experts, hidden, inner) * scale)
+
+        # N(0, 1/fan_in) drawn by nn.init (skipped on the meta device: `models.SkipInitOnMeta`)
+        def normal(*shape: int) -> nn.Parameter:
+            return nn.Parameter(nn.init.normal_(torch.empty(shape), std=shape[1] ** -0.5))
+
+        self.w_up = normal(experts, hidden, inner)
         if style == "llama":
-            self.w_gate = nn.Parameter(torch.randn(experts, hidden, inner) * scale)
+            self.w_gate = normal(experts, hidden, inner)
         else:
             self.b_up = nn.Parameter(torch.zeros(experts, 1, inner))
             self.b_down = nn.Parameter(torch.zeros(experts, 1, hidden))
-        self.w_down = nn.Parameter(torch.randn(experts, inner, hidden) / math.sqrt(inner))
+        self.w_down = normal(experts, inner, hidden)
 
     def forward(self, x_ech: torch.Tensor) -> torch.Tensor:
         if self.style == "llama":
