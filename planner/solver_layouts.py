@@ -196,14 +196,7 @@ def _bounded(
     micro-batch, recompute) over its whole (k_a, k_b) grid at once (numpy), the layouts
     themselves only when reached in bound order."""
     p = pinned
-    if (
-        p.tp is not None
-        or p.zero not in (None, 0)
-        or p.ep not in (None, 1)
-        or p.cp not in (None, 1)
-        or p.schedule not in (None, Schedule.ONE_F_ONE_B, Schedule.GPIPE)
-        or p.virtual_stages not in (None, 1)
-    ):
+    if not pins_allow(p):
         return iter(())
     graph, n = costs.graph, costs.n_layers
     groups = costs.pricer.cluster.groups
@@ -287,6 +280,19 @@ def _bounded(
                 yield float(bound_all[i]), lay.sort_key, lay
 
     return made()
+
+
+def pins_allow(p: Parallel) -> bool:
+    """Step 1's pins leave the family (and `solver_chains`') open: no pinned tp, ZeRO-0, no
+    EP or CP, a 1F1B or GPipe schedule without virtual stages."""
+    return not (
+        p.tp is not None
+        or p.zero not in (None, 0)
+        or p.ep not in (None, 1)
+        or p.cp not in (None, 1)
+        or p.schedule not in (None, Schedule.ONE_F_ONE_B, Schedule.GPIPE)
+        or p.virtual_stages not in (None, 1)
+    )
 
 
 def _mixed_range(dp: int, ka, kb, cap_a: int, cap_b: int):
