@@ -57,14 +57,17 @@ lifted bound reaches it is passed over unpriced. Work is charged as
 in steps 2-3 (a bound per layout, a cell per priced stage, a placement per evaluation); what
 the budget leaves unpriced counts as an open bound in the plan's gap.
 
-Not searched: pipelines over three or more groups, more than one mixed stage (priced and run
-when given, `meshplan estimate --layout`), uneven splits within one group's run of stages.
+Pipelines through three groups, each at its own degree, are the same search's second family
+(`solver_chains`), merged into the bound order. Not searched: pipelines over four or more
+groups, more than one mixed stage (priced and run when given, `meshplan estimate --layout`),
+uneven splits within one group's run of stages.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import itertools
 import math
 from collections.abc import Iterator, Sequence
@@ -89,6 +92,10 @@ from meshplan.ir.rules import microbatch_problem, tp_heads_problem
 from meshplan.passes.partition import replica_capacity, stages_of, tp_domain_problem
 
 from .solver_candidates import _divisors_upto, micro_batch_options
+from .solver_chains import Chain, chains
+from .solver_chains import lifted as chain_lifted
+from .solver_chains import slowest_limit as chain_limit
+from .solver_chains import split as chain_split
 from .solver_objective import SolveResult, _Work
 
 # Where a layout's mixed stage sits (`Layout.mixed_at`): after both runs (Sailor's), before
@@ -334,6 +341,9 @@ class _Layouts:
         # `lifted`: per (group a, its stage configuration, dp), the exposure of a first stage
         # of 1, 2, ... layers
         self.exposures: dict[tuple, list[float]] = {}
+        # `solver_chains.lifted`: per (group, its stage configuration, dp), the DP ring time
+        # of a stage of 1, 2, ... layers alone
+        self.layer_comms: dict[tuple, list[float]] = {}
         self.priced_exposures = 0  # work charged as "cell"
         self.bounded = 0  # layouts bounded (work charged as "bound")
         self.capacity = {g.name: g.gpu.memory_bytes for g in pricer.cluster.groups}
@@ -557,7 +567,11 @@ def layout_search(
         return LayoutResult(None, math.inf, 0, 0)
     sp = pinned.sequence_parallel if pinned.sequence_parallel is not None else True
     cache = _Layouts(graph, pricer)
-    bounded = _bounded(cache, pinned, global_batch, recomputes, sp, below=incumbent)
+    bounded = heapq.merge(  # pairs of groups, then (on three or more) chains of three
+        _bounded(cache, pinned, global_batch, recomputes, sp, below=incumbent),
+        chains(cache, pinned, global_batch, recomputes, sp, below=incumbent),
+        key=lambda item: item[0],
+    )  # fmt: skip
     work.charge("layout", cache.bounded)
     best: tuple[float, Parallel, tuple[StagePlacement, ...]] | None = None
     lowest_open, priced = math.inf, 0
@@ -570,12 +584,16 @@ def layout_search(
             break
         # Every split's step also carries its first stage's exposed gradient traffic, and its
         # slowest stage holds whole layers.
+        chain = isinstance(lay, Chain)
         before = cache.priced_exposures
-        lifted = cache.lifted(lay, bound)
+        lifted = chain_lifted(cache, lay, bound) if chain else cache.lifted(lay, bound)
         work.charge("cell", cache.priced_exposures - before)
         if lifted >= cut * (1 - 1e-9):
             continue
-        counts = cache.split(lay)
+        if chain:  # splits whose slowest stage leaves no step below the cut are not priced
+            counts = chain_split(cache, lay, chain_limit(cache, lay, cut) * (1 + 1e-9))
+        else:
+            counts = cache.split(lay)
         work.charge("memory", lay.parallel.pp)
         if counts is None:
             continue

@@ -242,3 +242,17 @@ def test_stage_tp_parity_mixed_stage_between_the_runs():
         )
     }
     _check(9, plans)
+
+
+def test_stage_tp_parity_a_chain_through_three_groups():
+    """Step 2b's chains (`meshplan.solver_chains`): one pipeline through three device groups,
+    a (tp 2) -> b (tp 1) -> c (tp 2), two pipelines; 10 ranks."""
+    plans = {
+        "a->b->c": stage_tp_plan(
+            [{"a": 2}, {"b": 2}, {"c": 2}],
+            [{"a": 2}, {"b": 1}, {"c": 2}],
+            micro_batch=1,
+            global_batch=6,
+        )
+    }
+    _check(10, plans)
