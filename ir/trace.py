@@ -186,12 +186,22 @@ def trace(
     """
     report = _Progress(progress)
     args = (model, example_inputs, dict(kwargs or {}), name, report, param_shapes or {}, flow_out)
+
+    def run() -> Graph:
+        try:
+            return _trace(*args, dedupe=DEDUPE_BACKWARD)
+        except _Retrace:
+            return _trace(*args, dedupe=False)
+
     try:
-        with without_compiler():
-            try:
-                graph = _trace(*args, dedupe=DEDUPE_BACKWARD)
-            except _Retrace:
-                graph = _trace(*args, dedupe=False)
+        try:
+            with without_compiler() as stand_in:
+                graph = run()
+            if stand_in is not None and stand_in.needed:  # asked for more, and it was caught
+                raise _NeedsCompiler("torch._dynamo")
+        except _NeedsCompiler:  # the model needs more of the compiler: trace with it loaded
+            importlib.import_module("torch._dynamo")
+            graph = run()
     finally:
         report.close()
     return graph
@@ -1598,35 +1608,72 @@ def _numel(shape) -> int:
     return n
 
 
+class _NeedsCompiler(BaseException):
+    """Raised inside a trace under `without_compiler` when torch asks the stand-in for more
+    than it answers; `trace` then runs again with the real package. A BaseException, so that
+    torch's own `except Exception` fallbacks do not take it for a failed op."""
+
+
 class _CompilerStandIn(types.ModuleType):
     """Stands in for the `torch._dynamo` package (the compiler) while `trace` runs, where
     nothing has imported it yet (`without_compiler`).
 
     Importing the package takes ~1.0 s of a ~5 s `meshplan plan` on the 2-core machine, and
-    tracing needs two things of it: the settings module `torch._dynamo.config` (read by
-    FakeTensorMode's constructor; loaded alone under this stand-in) and `disable`, which
-    `torch._compile._disable_dynamo` asks for on the first call of every function it wraps
-    (every TorchDispatchMode's `__torch_dispatch__`, torch's Python references) and caches
-    on the function. Nothing in a trace runs under the compiler, so `disable` answers with
-    the function itself and remembers it; `without_compiler` drops those cached answers
-    afterwards, so a later call asks the real package. Any other name loads the real
-    package and is read from it."""
+    tracing usually needs two things of it:
+    - the settings module `torch._dynamo.config`, read by FakeTensorMode's constructor; it is
+      loaded alone under this stand-in;
+    - `disable`, which `torch._compile._disable_dynamo` asks for, with `wrapping=False`, on
+      the first call of every function it wraps (every TorchDispatchMode's
+      `__torch_dispatch__`, torch's Python references), caching the answer on the function.
+      Nothing in a trace runs under the compiler, so the answer is the function itself;
+      `without_compiler` drops those answers afterwards, so a later call asks the real
+      package.
+    Anything else while the block runs (another submodule, another name, `disable` called
+    any other way) raises `_NeedsCompiler` and marks the stand-in `needed`: `trace` runs the
+    trace again with the real package imported first. After the block, anything still holding
+    the stand-in reads the real package through it."""
 
     def __init__(self, path: list[str]):
         super().__init__("torch._dynamo")
         self.__path__ = path
+        self.active = True
+        self.needed = False
         self.answered: list[Callable] = []
 
-    def disable(self, fn: Callable, recursive: bool = True, wrapping: bool = True) -> Callable:
-        self.answered.append(fn)
-        return fn
+    def disable(self, fn=None, recursive=True, *, reason=None, wrapping=True):
+        if self.active and fn is not None and not wrapping and reason is None:
+            self.answered.append(fn)
+            return fn
+        return self._real("disable")(fn, recursive, reason=reason, wrapping=wrapping)
 
     def __getattr__(self, name: str):
         if name.startswith("__"):
             raise AttributeError(name)
-        if sys.modules.get("torch._dynamo") is self:
-            del sys.modules["torch._dynamo"]
-        return getattr(importlib.import_module("torch._dynamo"), name)
+        return getattr(self._real(name), name)
+
+    def _real(self, what: str):
+        if self.active:
+            self.needed = True
+            raise _NeedsCompiler(f"torch._dynamo.{what}")
+        return importlib.import_module("torch._dynamo")
+
+
+class _StandInImports:
+    """A meta-path finder that stops any `torch._dynamo` submodule but `config` from loading
+    under an active stand-in (`_CompilerStandIn`)."""
+
+    def __init__(self, stand_in: _CompilerStandIn):
+        self.stand_in = stand_in
+
+    def find_spec(self, fullname, path=None, target=None):
+        if (
+            self.stand_in.active
+            and fullname.startswith("torch._dynamo.")
+            and fullname != "torch._dynamo.config"
+        ):
+            self.stand_in.needed = True
+            raise _NeedsCompiler(fullname)
+        return None
 
 
 # The attribute `torch._compile._disable_dynamo` caches its answer in (set from a function, so
@@ -1635,26 +1682,29 @@ _DISABLE_CACHE = "__dynamo_disable"
 
 
 @contextlib.contextmanager
-def without_compiler() -> Iterator[None]:
-    """Run the block with `_CompilerStandIn` in place of an unimported `torch._dynamo`; a no-op
-    once the real package is loaded. Afterwards the stand-in is gone, the cached `disable`
-    answers are dropped, and a later `import torch._dynamo` runs the real package, which
-    adopts the settings module already loaded (`from . import config` finds it in
-    `sys.modules`). `tests/ir/test_trace_imports.py` checks the trace is the same either way
-    and that torch.compile works afterwards."""
+def without_compiler() -> Iterator[_CompilerStandIn | None]:
+    """Run the block with `_CompilerStandIn` in place of an unimported `torch._dynamo` (yielded;
+    None, and nothing done, once the real package is loaded). Afterwards the stand-in and its
+    import guard are gone, the cached `disable` answers are dropped, and a later
+    `import torch._dynamo` runs the real package, which adopts the settings module already
+    loaded (`from . import config` finds it in `sys.modules`). `tests/ir/test_trace_imports.py`
+    checks the trace is the same either way, that a trace needing more of the compiler runs
+    again with it, and that torch.compile works afterwards."""
     spec = None if "torch._dynamo" in sys.modules else importlib.util.find_spec("torch._dynamo")
     if spec is None or not spec.submodule_search_locations:
-        yield
+        yield None
         return
     stand_in = _CompilerStandIn(list(spec.submodule_search_locations))
-    for full, module in list(sys.modules.items()):  # loaded by an earlier trace: `config`
-        parent, _, child = full.rpartition(".")
-        if parent == "torch._dynamo":
-            setattr(stand_in, child, module)
+    if "torch._dynamo.config" in sys.modules:  # loaded by an earlier trace
+        stand_in.config = sys.modules["torch._dynamo.config"]
+    guard = _StandInImports(stand_in)
+    sys.meta_path.insert(0, guard)
     sys.modules["torch._dynamo"] = stand_in
     try:
-        yield
+        yield stand_in
     finally:
+        stand_in.active = False
+        sys.meta_path.remove(guard)
         if sys.modules.get("torch._dynamo") is stand_in:
             del sys.modules["torch._dynamo"]
         if torch.__dict__.get("_dynamo") is stand_in:

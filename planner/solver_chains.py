@@ -28,7 +28,8 @@ micro-batch, recompute) is bounded first with U at its most stages per run and S
 one stage per run, and its grid of (k_1, k_2, k_3) only when that is below the incumbent.
 `lifted` takes whole layers per split (U from tau_i ceil(n_i / k_i), S >= sum_i n_i tau_i)
 jointly with the exposed gradient traffic: the first stage's, as `_Layouts.lifted` does for
-pairs, and (1 - OVERLAP_EFFICIENCY) of the ring of each run's largest stage. A chain reaching
+pairs, and (where every layer is the same block) (1 - OVERLAP_EFFICIENCY) of the ring of each
+run's largest stage. A chain reaching
 the top of the bound order prices only the splits whose slowest stage leaves room below the
 best plan so far (`slowest_limit`).
 
@@ -185,8 +186,9 @@ def lifted(costs, chain: Chain, bound: float) -> float:
     """A bound of `chain`'s step at least `bound`, over every split: the slowest stage at
     whole layers (run i holds at least tau_i ceil(n_i / k_i)) and the stages' sum (at least
     n_i tau_i per run) jointly with the exposed gradient traffic `evaluate` charges (its
-    largest stage's): at least the first stage's (`_Layouts._first_exposures`) and at least
-    (1 - OVERLAP_EFFICIENCY) of the ring of each run's largest stage (`_layer_comms`)."""
+    largest stage's): at least the first stage's (`_Layouts._first_exposures`) and, where
+    every layer is the same block, at least (1 - OVERLAP_EFFICIENCY) of the ring of each run's
+    largest stage (`_layer_comms`, priced on the first layers)."""
     from .solver_layouts import _even_counts
 
     p, n = chain.parallel, costs.n_layers
@@ -202,15 +204,16 @@ def lifted(costs, chain: Chain, bound: float) -> float:
                    tau[2] * -(-n3 // k3))  # fmt: skip
     total = tau[0] * n1[:, None] + tau[1] * n2 + tau[2] * n3  # the stages' sum, >= layers x tau
     # every stage exposes at least (1 - OVERLAP_EFFICIENCY) of its gradient ring, which is at
-    # least that of its layers alone; run i's largest stage holds ceil(n_i / k_i) of them
-    rest = 1.0 - OVERLAP_EFFICIENCY
-    rings = [np.array([0.0, *_layer_comms(costs, g, p.stage(t), p.dp, n - 2)])
-             for g, t, _ in chain.runs]  # fmt: skip
-    widest = [-(-n1[:, None] // k1), -(-n2 // k2), np.clip(-(-n3 // k3), 0, n - 2)]
-    exposed = np.maximum(
-        exposure[:, None],
-        rest * functools.reduce(np.maximum, [r[c] for r, c in zip(rings, widest, strict=True)]),
-    )
+    # least that of its layers alone; run i's largest stage holds ceil(n_i / k_i) of them.
+    # Priced on the model's first layers, so only where every layer is the same block.
+    exposed = exposure[:, None]
+    if len(costs.layer_blocks) == 1:
+        rest = 1.0 - OVERLAP_EFFICIENCY
+        rings = [np.array([0.0, *_layer_comms(costs, g, p.stage(t), p.dp, n - 2)])
+                 for g, t, _ in chain.runs]  # fmt: skip
+        widest = [-(-n1[:, None] // k1), -(-n2 // k2), np.clip(-(-n3 // k3), 0, n - 2)]
+        largest = functools.reduce(np.maximum, [r[c] for r, c in zip(rings, widest, strict=True)])
+        exposed = np.maximum(exposed, rest * largest)
     step = np.where(n3 >= k3, (m - 1) * u + total + exposed, np.inf).min()
     cross = max(
         costs.handoff(a, ta, b, tb, p.dp, p.micro_batch)

@@ -134,7 +134,8 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device 
     on = torch.device(device) if device is not None else torch.get_default_device()
     if on.type == "meta":
         shape = (seq_len, head_dim // 2)
-        return torch.empty(shape, device=on), torch.empty(shape, device=on)
+        return (torch.empty(shape, device=on, dtype=torch.float32),
+                torch.empty(shape, device=on, dtype=torch.float32))  # fmt: skip
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
     angles = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
     return angles.cos(), angles.sin()

@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 
 import meshplan
+import pytest
 import torch
 from meshplan.models import SkipInitOnMeta
 from meshplan.models.transformer import Transformer
@@ -66,6 +67,66 @@ def test_trace_leaves_the_compiler_unimported_and_the_graph_unchanged():
     assert "config adopted: True" in out
     assert out.count("same graph: True") == 3, out
     assert "compile works: True" in out
+
+
+def test_a_trace_needing_more_of_the_compiler_runs_again_with_it():
+    # A plain tensor attribute (not a buffer) is converted to a fake tensor through
+    # torch._dynamo.source: the stand-in stops the trace, which runs again with the real
+    # package; the graph is the one traced with the package loaded, and torch.compile works.
+    out = _fresh(
+        """
+        import sys
+        import torch
+        from torch import nn
+        from meshplan.ir import trace
+
+        class Scaled(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(8, 8)
+                self.scale = torch.ones(8)
+
+            def forward(self, x):
+                return (self.lin(x) * self.scale).sum()
+
+        torch.manual_seed(0)
+        model = Scaled()
+        first = trace(model, torch.randn(2, 8))
+        print("real package:", type(sys.modules["torch._dynamo"]).__name__ == "module"
+              and hasattr(sys.modules["torch._dynamo"], "optimize"))
+        again = trace(model, torch.randn(2, 8))
+        print("same graph:", first.fingerprint() == again.fingerprint())
+
+        @torch.compile(backend="eager")
+        def f(x):
+            return x * 2 + 1
+
+        print("compile works:", torch.equal(f(torch.ones(3)), torch.full((3,), 3.0)))
+        """
+    )
+    assert "real package: True" in out, out
+    assert "same graph: True" in out
+    assert "compile works: True" in out
+
+
+def test_the_stand_in_answers_only_the_first_call_question():
+    from meshplan.ir.trace import _CompilerStandIn, _NeedsCompiler
+
+    stand_in = _CompilerStandIn([])
+
+    def fn():
+        return 1
+
+    assert stand_in.disable(fn, True, wrapping=False) is fn  # `_disable_dynamo`'s question
+    for call in (
+        lambda: stand_in.disable(fn),  # torch._dynamo.disable as a user calls it
+        lambda: stand_in.disable(fn, reason="why", wrapping=False),
+        lambda: stand_in.disable(recursive=False),  # decorator form
+        lambda: stand_in.optimize,
+    ):
+        with pytest.raises(_NeedsCompiler):
+            call()
+    assert stand_in.needed
 
 
 def test_a_trace_after_the_compiler_is_imported_is_the_same():
