@@ -29,6 +29,13 @@ script checks it.
 
     python benchmarks/vs_metis.py                  # meshplan's runtime
     python benchmarks/vs_metis.py --metis-runtime  # Metis's assumptions
+    python benchmarks/vs_metis.py --three-types [--metis-runtime]  # and 8 V100 added
+
+`--three-types` adds two nodes of 4 V100-16GB to the worked case's cluster and prints the best
+pipeline through the three GPU types (each run of stages on one type at its own TP degree,
+`meshplan.solver_chains`, searched to the end) beside meshplan's plan; under Metis's runtime
+assumptions that pipeline is in meshplan's search space, and the script exits 1 if it were
+ever faster.
 
 What is read into the plan, since the printed plan leaves it open:
 - Metis splits a mixed stage's micro-batch over its replicas in proportion to their speed
@@ -98,6 +105,130 @@ def metis_cluster():
     )
 
 
+def three_type_cluster():
+    """Metis's worked-case cluster with a third GPU type: its 4 T4 and 12 A100-80GB, and two
+    nodes of 4 V100-16GB on the same 10 GB/s network (PCIe-class links inside them at the
+    A100 nodes' 46 GB/s). Not a Metis scenario (its paper's are not public in readable form):
+    the three-type plan shape Metis searches, each stage its own GPU type and TP degree."""
+    from meshplan.ir import Cluster, DeviceGroup, LinkKind, LinkTier
+    from meshplan.ir.hardware import DEFAULT_EFFICIENCY, DEFAULT_LATENCY, gpu_spec
+
+    base = metis_cluster()
+    v100_in = LinkTier(
+        "metis-v100-intra", LinkKind.PCIE, 46e9, DEFAULT_LATENCY[LinkKind.PCIE],
+        DEFAULT_EFFICIENCY[LinkKind.PCIE],
+    )  # fmt: skip
+    v100 = DeviceGroup("v100", gpu_spec("V100-16GB"), 2, 4, v100_in.name, "metis-inter")
+    return Cluster(
+        name="metis-4t4-12a100-8v100",
+        groups=(*base.groups, v100),
+        links=(*base.links, v100_in),
+    )
+
+
+def metis_shaped(graph, cluster, pinned, dtype):
+    """The best pipeline through three GPU types, each run of stages at its own TP degree
+    (`meshplan.solver_chains`' family: Metis's per-stage type and degree, equal replicas per
+    stage), under meshplan's model: the family priced in bound order to the end, re-priced by
+    `predict`; None when no such pipeline fits."""
+    import math
+
+    from meshplan.cost_model import predict, pricer_for
+    from meshplan.cost_model.simulate import evaluate
+    from meshplan.cost_model.tables import layout_tables
+    from meshplan.ir import Recompute
+    from meshplan.solver_chains import chains, split
+    from meshplan.solver_layouts import _Layouts
+
+    pricer = pricer_for(graph, cluster, dtype)
+    cache = _Layouts(graph, pricer)
+    rcs = [Recompute(pinned.recompute)] if pinned.recompute is not None else list(Recompute)
+    sp = pinned.sequence_parallel if pinned.sequence_parallel is not None else True
+    best = None
+    for bound, _, chain in chains(cache, pinned, GLOBAL_BATCH, rcs, sp, math.inf):
+        if best is not None and bound >= best[0]:
+            break  # bound order: nothing left can win
+        counts = split(cache, chain)
+        if counts is None:
+            continue
+        stages = cache.stages(chain, counts)
+        tables = layout_tables(pricer, chain.parallel, stages)
+        if not all(tables.fits[s][g] for s, st in enumerate(stages) for g, _ in st.replicas):
+            continue
+        step = evaluate(tables, [st.replicas for st in stages]).step_time_s
+        if best is None or step < best[0]:
+            best = (step, chain.parallel, stages)
+    if best is None:
+        return None
+    _, parallel, stages = best
+    return parallel, stages, predict(graph, cluster, parallel, stages, dtype=dtype)
+
+
+def three_types(args) -> int:
+    """`--three-types`: meshplan's plan beside the best Metis-shaped three-type pipeline."""
+    import meshplan
+    from meshplan.api import resolve_precision
+    from meshplan.cost_model.engine import EAGER
+    from meshplan.ir import Parallel
+
+    model, inputs = metis_gpt("bfloat16")
+    graph = meshplan.trace(model, *inputs)
+    cluster = three_type_cluster()
+    precision, dtype, _, note = resolve_precision(graph, cluster, None, EAGER)
+    pins = Parallel(zero=0, sequence_parallel=False, recompute="none")
+    t0 = time.perf_counter()
+    plan = meshplan.plan(
+        graph, cluster=cluster, global_batch=GLOBAL_BATCH,
+        parallel=pins if args.metis_runtime else None, time_limit_s=args.time_limit,
+        equal_shares=args.metis_runtime,
+    )  # fmt: skip
+    t_plan = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    shaped = metis_shaped(graph, cluster, pins if args.metis_runtime else Parallel(), dtype)
+    t_shaped = time.perf_counter() - t0
+    mode = (
+        "Metis's runtime (ZeRO-0, no SP, no recompute)"
+        if args.metis_runtime
+        else "meshplan's runtime"
+    )
+    print(
+        f"Metis's GPT 1.5B, {GLOBAL_BATCH} x {SEQ_LEN} tokens per step, {cluster.name}; {mode}; "
+        f"precision {precision}" + (f" ({note})" if note else "")
+    )
+    tokens = GLOBAL_BATCH * SEQ_LEN
+    ours = plan.predicted
+    print(f"\n{'plan':44s} {'step s':>8} {'tokens/s':>10} {'GPUs':>5}  peak memory per rank")
+    if shaped is not None:
+        parallel, stages, pred = shaped
+        gpus = sum(n * st.tp_of(g, parallel.tp) for st in stages for g, n in st.replicas)
+        print(
+            f"{'best three-type pipeline (Metis shape)':44s} {pred.step_time_s:8.3f} "
+            f"{tokens / pred.step_time_s:10.0f} {gpus:5d}  {memory_line(pred)}"
+        )
+    print(
+        f"{'meshplan.plan (' + plan.solver.status + ')':44s} {ours.step_time_s:8.3f} "
+        f"{tokens / ours.step_time_s:10.0f} {plan.world_size:5d}  {memory_line(ours)}"
+    )
+    if shaped is None:
+        print("no three-type pipeline fits")
+        return 0
+    ratio = shaped[2].step_time_s / ours.step_time_s
+    print(f"ratio three-type / meshplan step: {ratio:.3f} (> 1: meshplan's plan is faster)")
+    print(f"\nbest three-type pipeline: {shaped[0]}")
+    print(describe(shaped[0], shaped[1]))
+    print(f"\nmeshplan's plan: {plan.parallel}")
+    print(describe(plan.parallel, plan.stages))
+    print(
+        f"\nwall: meshplan.plan {t_plan:.1f} s, the three-type family to the end {t_shaped:.1f} s"
+    )
+    if args.metis_runtime and ratio < 1 - 1e-9:
+        print(
+            "ERROR: the three-type pipeline is in meshplan's search space under these assumptions"
+        )
+        return 1
+    return 0
+
+
 def metis_parallel(sequence_parallel: bool = False):
     from meshplan.ir import Parallel
 
@@ -135,7 +266,15 @@ def main(argv: list[str] | None = None) -> int:
         "--metis-runtime", action="store_true", help="ZeRO-0, no SP/recompute, equal shares"
     )
     ap.add_argument("--time-limit", type=float, default=10.0, help="meshplan's work budget (s)")
+    ap.add_argument(
+        "--three-types",
+        action="store_true",
+        help="the worked case's cluster with 8 V100 added: meshplan's plan beside the best "
+        "pipeline through the three GPU types (Metis's per-stage type and degree)",
+    )
     args = ap.parse_args(argv)
+    if args.three_types:
+        return three_types(args)
     import meshplan
     from meshplan.api import resolve_precision
     from meshplan.cost_model import predict

@@ -42,3 +42,26 @@ def test_metis_plan_is_priced_and_meshplan_is_never_slower_under_its_assumptions
         equal_shares=True,
     )
     assert plan.predicted.step_time_s <= metis.step_time_s * (1 + 1e-9)
+
+
+def test_the_best_three_type_pipeline_is_never_faster_under_metis_runtime(vs):
+    """`--three-types`: the worked case's cluster with 8 V100 added. The best pipeline through
+    the three GPU types (Metis's per-stage type and degree, `solver_chains`' family searched to
+    the end) is in meshplan's search space under Metis's runtime, so meshplan's plan is no
+    slower."""
+    import meshplan
+    from meshplan.ir import Parallel
+
+    model, inputs = vs.metis_gpt("bfloat16")
+    graph = meshplan.trace(model, *inputs)
+    cluster = vs.three_type_cluster()
+    assert [g.name for g in cluster.groups] == ["t4", "a100", "v100"]
+    pins = Parallel(zero=0, sequence_parallel=False, recompute="none")
+    shaped = vs.metis_shaped(graph, cluster, pins, "float16")
+    assert shaped is not None
+    parallel, stages, pred = shaped
+    assert {g for st in stages for g, _ in st.replicas} == {"t4", "a100", "v100"}
+    plan = meshplan.plan(
+        graph, cluster=cluster, global_batch=vs.GLOBAL_BATCH, parallel=pins, equal_shares=True
+    )
+    assert plan.predicted.step_time_s <= pred.step_time_s * (1 + 1e-9)
