@@ -59,6 +59,7 @@ from meshplan.ir import Parallel, Recompute, Schedule
 from meshplan.passes.partition import replica_capacity
 
 from .solver_candidates import _divisors_upto, micro_batch_options
+from .solver_pipelines import _degrees, _even_counts, _groups_of, _schedule, pins_allow
 
 
 @dataclass(frozen=True)
@@ -86,8 +87,6 @@ class Chain:
 
     def counts(self, layers: Sequence[int]) -> tuple[int, ...]:
         """Layer counts per stage: run i's `layers[i]` spread over its stages (`_even_counts`)."""
-        from .solver_layouts import _even_counts
-
         return tuple(c for n, (_, _, k) in zip(layers, self.runs, strict=True)
                      for c in _even_counts(n, k))  # fmt: skip
 
@@ -107,8 +106,6 @@ def chains(
     """(bound, sort key, chain) of every chain of the module docstring's sets whose bound is
     below `below`, in bound order (nothing on a cluster of fewer than three groups); `costs`
     is the pair family's `_Layouts` (per-layer times, hand-offs, the bounded count)."""
-    from .solver_layouts import _degrees, pins_allow
-
     p, graph, n = pinned, costs.graph, costs.n_layers
     groups = costs.pricer.cluster.groups
     if len(groups) < 3 or n < 3 or not pins_allow(p):
@@ -169,8 +166,6 @@ def _head(costs, p, trio, ts, kmax, dp, mb, rc, global_batch, sp, below):
     ok = pp <= n if p.pp is None else pp == p.pp
     costs.bounded += int(ok.sum())
     out = []
-    from .solver_layouts import _schedule
-
     for i, j, k in zip(*np.nonzero(ok & (bound < below)), strict=True):
         runs = tuple((g.name, t, int(c) + 1) for g, t, c in zip(trio, ts, (i, j, k), strict=True))
         stages = sum(c for *_, c in runs)
@@ -189,8 +184,6 @@ def lifted(costs, chain: Chain, bound: float) -> float:
     largest stage's): at least the first stage's (`_Layouts._first_exposures`) and, where
     every layer is the same block, at least (1 - OVERLAP_EFFICIENCY) of the ring of each run's
     largest stage (`_layer_comms`, priced on the first layers)."""
-    from .solver_layouts import _even_counts
-
     p, n = chain.parallel, costs.n_layers
     (g1, t1, k1), (g2, t2, k2), (g3, t3, k3) = chain.runs
     tau = [costs.per_layer(g, p.stage(t)) for g, t, _ in chain.runs]
@@ -262,8 +255,6 @@ def split(costs, chain: Chain, most: float = math.inf) -> tuple[int, ...] | None
     cannot beat the plan in hand). Cached on `costs` by chain when `most` is infinite."""
     if chain in costs.splits:
         return costs.splits[chain]
-    from .solver_layouts import _groups_of
-
     p, n = chain.parallel, costs.n_layers
     (_, _, k1), (_, _, k2), (_, _, k3) = chain.runs
     tau = [costs.per_layer(g, p.stage(t)) for g, t, _ in chain.runs]

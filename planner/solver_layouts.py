@@ -66,7 +66,6 @@ uneven splits within one group's run of stages.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import heapq
 import itertools
 import math
@@ -79,7 +78,6 @@ from meshplan.cost_model.pricer import OVERLAP_EFFICIENCY, Pricer
 from meshplan.cost_model.simulate import evaluate, predict
 from meshplan.cost_model.tables import _dp_window, layout_tables
 from meshplan.ir import (
-    DeviceGroup,
     Graph,
     Parallel,
     Recompute,
@@ -88,8 +86,7 @@ from meshplan.ir import (
     StagePlacement,
 )
 from meshplan.ir.facts import blocked_dimension, without_blocked
-from meshplan.ir.rules import microbatch_problem, tp_heads_problem
-from meshplan.passes.partition import replica_capacity, stages_of, tp_domain_problem
+from meshplan.passes.partition import replica_capacity, stages_of
 
 from .solver_candidates import _divisors_upto, micro_batch_options
 from .solver_chains import Chain, chains
@@ -97,6 +94,7 @@ from .solver_chains import lifted as chain_lifted
 from .solver_chains import slowest_limit as chain_limit
 from .solver_chains import split as chain_split
 from .solver_objective import SolveResult, _Work
+from .solver_pipelines import _degrees, _even_counts, _groups_of, _schedule, pins_allow
 
 # Where a layout's mixed stage sits (`Layout.mixed_at`): after both runs (Sailor's), before
 # them, or between the run on a and the run on b.
@@ -165,16 +163,6 @@ class LayoutResult:
 def _even(n: int, k: int) -> list[int]:
     """n layers over k stages, the surplus on the middle stages (away from both ends)."""
     return list(_even_counts(n, k))
-
-
-@functools.cache
-def _even_counts(n: int, k: int) -> tuple[int, ...]:
-    base, extra = divmod(n, k)
-    counts = [base] * k
-    order = sorted(range(k), key=lambda s: (min(s, k - 1 - s) == 0, abs(2 * s - (k - 1)), s))
-    for s in order[:extra]:
-        counts[s] += 1
-    return tuple(counts)
 
 
 def layouts(
@@ -289,43 +277,11 @@ def _bounded(
     return made()
 
 
-def pins_allow(p: Parallel) -> bool:
-    """Step 1's pins leave the family (and `solver_chains`') open: no pinned tp, ZeRO-0, no
-    EP or CP, a 1F1B or GPipe schedule without virtual stages."""
-    return not (
-        p.tp is not None
-        or p.zero not in (None, 0)
-        or p.ep not in (None, 1)
-        or p.cp not in (None, 1)
-        or p.schedule not in (None, Schedule.ONE_F_ONE_B, Schedule.GPIPE)
-        or p.virtual_stages not in (None, 1)
-    )
-
-
 def _mixed_range(dp: int, ka, kb, cap_a: int, cap_b: int):
     """(fewest, most) replicas x of group a a mixed stage may hold: 1 <= x <= dp - 1,
     the a-stages' dp k_a replicas plus x within a's capacity, the b-stages' dp k_b plus
     dp - x within b's (empty when fewest > most); `ka`, `kb` ints or numpy arrays."""
     return np.maximum(1, dp - (cap_b - dp * kb)), np.minimum(dp - 1, cap_a - dp * ka)
-
-
-def _degrees(group: DeviceGroup, graph: Graph) -> list[int]:
-    """TP degrees a group's stages may run at: dividing its NVLink domain and the heads."""
-    info = graph.info
-    return [
-        t
-        for t in range(1, group.domain_gpus + 1)
-        if tp_domain_problem((group,), t) is None
-        and tp_heads_problem(t, info.heads, info.kv_heads) is None
-    ]
-
-
-def _schedule(pinned: Schedule | None, pp: int, m: int) -> Schedule | None:
-    """1F1B, GPipe where 1F1B cannot run m micro-batches (unless pinned), None: neither."""
-    for s in (pinned,) if pinned is not None else (Schedule.ONE_F_ONE_B, Schedule.GPIPE):
-        if microbatch_problem(s, pp, m) is None:
-            return s
-    return None
 
 
 class _Layouts:
@@ -538,12 +494,6 @@ class _Layouts:
             reps, tps = tuple((g, k) for g, k, _ in on), tuple((g, t) for g, _, t in on)
             out.append(StagePlacement(s, first, last, reps, group_tp=tps))
         return tuple(out)
-
-
-def _groups_of(lay: Layout) -> list[tuple[tuple[str, int], ...]]:
-    """Each stage's (group, degree) pairs of `lay` (`Layout.on` without the replica counts,
-    which do not enter a stage's time or memory)."""
-    return [tuple((g, t) for g, _, t in lay.on(s)) for s in range(lay.parallel.pp)]
 
 
 def layout_search(
