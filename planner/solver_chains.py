@@ -35,10 +35,11 @@ best plan so far (`slowest_limit`).
 
 On Sailor's and meshplan's two-group scenarios the family is empty and every plan is
 byte-identical (`benchmarks/plan_bytes.py`). On three groups it costs time: GPT-Neo-2.7B on
-4 A100 + 8 V100 + 8 T4 plans in 1.4-1.5 s instead of 1.0 s (same plan); on 128 of each, 6.7-7.0
-s instead of 6.1 s, for a plan 3.7% faster (a T4 tp 2 -> V100 tp 1 -> A100 tp 1 chain) and a
-larger open gap (38-40% against 29%: the budget ends with chains still open, their bounds
-lacking most of the exposed gradient traffic on 50 Gb/s Ethernet).
+4 A100 + 8 V100 + 8 T4 plans in 1.36 s instead of 1.0 s (same plan); on 128 of each, 6.4 s
+instead of 6.1 s, for a plan 3.7% faster (a T4 tp 2 -> V100 tp 1 -> A100 tp 1 chain) and a
+larger open gap (40% against 29%: the budget ends with chains still open, their bounds
+lacking most of the exposed gradient traffic on 50 Gb/s Ethernet); Llama 3 8B on four groups
+of 32, 4.36 s instead of 4.31 s (docs/planner.md).
 
 Not searched: chains over four or more groups, a run revisiting a group, stages mixing
 groups in a chain (all priced and run when given: `meshplan estimate --layout`).
@@ -48,7 +49,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -104,58 +104,79 @@ def chains(
     below: float,
 ) -> Iterator[tuple[float, tuple, Chain]]:  # fmt: skip
     """(bound, sort key, chain) of every chain of the module docstring's sets whose bound is
-    below `below`, in bound order (nothing on a cluster of fewer than three groups); `costs`
-    is the pair family's `_Layouts` (per-layer times, hand-offs, the bounded count)."""
+    below `below`, in bound order (nothing on a cluster of fewer than three groups, or where
+    step 1's pins rule the family out: `solver_pipelines.pins_allow`); `costs` is the pair
+    family's `_Layouts` (per-layer times, hand-offs, the bounded count). Per (dp,
+    micro-batch, recompute) the heads' least bounds are computed for every triple of (group,
+    degree) options at once (numpy); a head's (k_1, k_2, k_3) grid only where that is below
+    `below`."""
     p, graph, n = pinned, costs.graph, costs.n_layers
     groups = costs.pricer.cluster.groups
     if len(groups) < 3 or n < 3 or not pins_allow(p):
         return iter(())
+    every = [(g, t) for g in groups for t in _degrees(g, graph)]
+    most = max(replica_capacity(g, t) for g, t in every)
     out: list[tuple[float, tuple, Chain]] = []
-    for trio in itertools.permutations(groups, 3):
-        for ts in itertools.product(*(_degrees(g, graph) for g in trio)):
-            if len(set(ts)) == 1:
+    for dp in [p.dp] if p.dp is not None else _divisors_upto(global_batch, most):
+        if global_batch % dp:
+            continue
+        # (group, degree, most stages) that hold at least one stage of dp replicas
+        options = [(g, t, min(replica_capacity(g, t) // dp, n - 2)) for g, t in every]
+        options = [o for o in options if o[2] >= 1]
+        if len({g.name for g, _, _ in options}) < 3:
+            continue
+        mbs = (
+            [p.micro_batch]
+            if p.micro_batch is not None
+            else micro_batch_options(global_batch // dp, 2)
+        )
+        for mb in mbs:
+            if global_batch % (dp * mb):
                 continue
-            caps = [replica_capacity(g, t) for g, t in zip(trio, ts, strict=True)]
-            most = min(caps)
-            for dp in [p.dp] if p.dp is not None else _divisors_upto(global_batch, most):
-                if dp > most or global_batch % dp:
-                    continue
-                kmax = [min(c // dp, n - 2) for c in caps]
-                if min(kmax) < 1:
-                    continue
-                mbs = (
-                    [p.micro_batch]
-                    if p.micro_batch is not None
-                    else micro_batch_options(global_batch // dp, 2)
-                )
-                for mb, rc in itertools.product(mbs, recomputes):
-                    if global_batch % (dp * mb):
-                        continue
-                    out += _head(costs, p, trio, ts, kmax, dp, mb, rc, global_batch, sp, below)
+            hand = np.array([[costs.handoff(a.name, ta, b.name, tb, dp, mb) if a is not b else 0.0
+                              for b, tb, _ in options] for a, ta, _ in options])  # fmt: skip
+            for rc in recomputes:
+                out += _heads(costs, p, options, hand, dp, mb, rc, global_batch, sp, below)
     out.sort(key=lambda item: (item[0], item[1]))
     return iter(out)
 
 
-def _head(costs, p, trio, ts, kmax, dp, mb, rc, global_batch, sp, below):
-    """The chains of one (groups, degrees, dp, micro-batch, recompute) below `below`."""
-    n = costs.n_layers
-    m = global_batch // (dp * mb)
+def _heads(costs, p, options, hand, dp, mb, rc, global_batch, sp, below):
+    """The chains of every head at (dp, mb, rc) below `below`: the heads' least bounds over
+    all triples of `options` at once (U at each run's most stages, S and pp at one stage per
+    run), then the grid of each head whose least bound is below."""
+    n, m = costs.n_layers, global_batch // (dp * mb)
     base = Parallel(
-        dp=dp, tp=ts[0], pp=3, cp=1, ep=1, micro_batch=mb, global_batch=global_batch,
+        dp=dp, tp=1, pp=3, cp=1, ep=1, micro_batch=mb, global_batch=global_batch,
         recompute=rc, zero=0, schedule=Schedule.ONE_F_ONE_B, sequence_parallel=sp,
     )  # fmt: skip
-    taus = np.array([costs.per_layer(g.name, base.stage(t)) for g, t in zip(trio, ts, strict=True)])
-    cross = max(
-        costs.handoff(trio[i].name, ts[i], trio[i + 1].name, ts[i + 1], dp, mb) for i in (0, 1)
-    )
-    # the head at its most stages per run (the least (m - 1) U) and one stage per run (the
-    # least sum and pp)
-    slowest = max(n / float(np.sum(np.array(kmax) / taus)), taus.max())
-    least = (m - 1) * slowest + taus.sum() + (n - 3) * taus.min() + (m + 2) * cross
-    if least >= below:
-        costs.bounded += 1
-        return []
-    k1, k2, k3 = np.meshgrid(*(np.arange(1, k + 1, dtype=np.float64) for k in kmax), indexing="ij")
+    tau = np.array([costs.per_layer(g.name, base.stage(t)) for g, t, _ in options])
+    kmax = np.array([k for *_, k in options], dtype=np.float64)
+    group = np.array([costs.pricer.cluster.groups.index(g) for g, _, _ in options])
+    degree = np.array([t for _, t, _ in options])
+    i, j, k = np.meshgrid(*(np.arange(len(options)),) * 3, indexing="ij")
+    valid = (group[i] != group[j]) & (group[j] != group[k]) & (group[i] != group[k])
+    valid &= ~((degree[i] == degree[j]) & (degree[j] == degree[k]))  # steps 2-3's
+    slow = np.maximum(np.maximum(tau[i], tau[j]), tau[k])
+    fast = np.minimum(np.minimum(tau[i], tau[j]), tau[k])
+    slowest = np.maximum(n / (kmax[i] / tau[i] + kmax[j] / tau[j] + kmax[k] / tau[k]), slow)
+    cross = np.maximum(hand[i, j], hand[j, k])
+    least = (m - 1) * slowest + tau[i] + tau[j] + tau[k] + (n - 3) * fast + (m + 2) * cross
+    near = valid & (least < below)
+    costs.bounded += int((valid & ~near).sum())  # each bounded once, as a whole
+    out = []
+    for a, b, c in zip(*np.nonzero(near), strict=True):
+        trio = (options[a], options[b], options[c])
+        out += _grid(costs, p, base, trio, tau[[a, b, c]], float(cross[a, b, c]), m, below)
+    return out
+
+
+def _grid(costs, p, base, trio, taus, cross, m, below):
+    """The chains of one head (`trio`: each run's (group, degree, most stages)) whose bound
+    over its (k_1, k_2, k_3) grid is below `below`."""
+    n = costs.n_layers
+    k1, k2, k3 = np.meshgrid(*(np.arange(1, k + 1, dtype=np.float64) for *_, k in trio),
+                             indexing="ij")  # fmt: skip
     pp = k1 + k2 + k3
     with np.errstate(divide="ignore"):
         rate = k1 / taus[0] + k2 / taus[1] + k3 / taus[2]
@@ -167,12 +188,13 @@ def _head(costs, p, trio, ts, kmax, dp, mb, rc, global_batch, sp, below):
     costs.bounded += int(ok.sum())
     out = []
     for i, j, k in zip(*np.nonzero(ok & (bound < below)), strict=True):
-        runs = tuple((g.name, t, int(c) + 1) for g, t, c in zip(trio, ts, (i, j, k), strict=True))
+        runs = tuple((g.name, t, int(c) + 1) for (g, t, _), c in zip(trio, (i, j, k), strict=True))
         stages = sum(c for *_, c in runs)
         sched = _schedule(p.schedule, stages, m)
         if sched is None:
             continue
-        chain = Chain(dataclasses.replace(base, pp=stages, schedule=sched), runs)
+        par = dataclasses.replace(base, tp=runs[0][1], pp=stages, schedule=sched)
+        chain = Chain(par, runs)
         out.append((float(bound[i, j, k]), chain.sort_key, chain))
     return out
 
