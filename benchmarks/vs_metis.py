@@ -54,7 +54,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vs_sailor import describe, memory_line  # noqa: E402  (benchmarks/ is not a package)
+from vs_sailor import describe, plan_row  # noqa: E402  (benchmarks/ is not a package)
 
 GLOBAL_BATCH = 128
 SEQ_LEN = 1024
@@ -134,11 +134,9 @@ def metis_shaped(graph, cluster, pinned, dtype):
     import math
 
     from meshplan.cost_model import predict, pricer_for
-    from meshplan.cost_model.simulate import evaluate
-    from meshplan.cost_model.tables import layout_tables
     from meshplan.ir import Recompute
     from meshplan.solver_chains import chains, split
-    from meshplan.solver_layouts import _Layouts
+    from meshplan.solver_layouts import _Layouts, layout_step
 
     pricer = pricer_for(graph, cluster, dtype)
     cache = _Layouts(graph, pricer)
@@ -152,10 +150,9 @@ def metis_shaped(graph, cluster, pinned, dtype):
         if counts is None:
             continue
         stages = cache.stages(chain, counts)
-        tables = layout_tables(pricer, chain.parallel, stages)
-        if not all(tables.fits[s][g] for s, st in enumerate(stages) for g, _ in st.replicas):
+        step = layout_step(pricer, chain.parallel, stages)
+        if step is None:
             continue
-        step = evaluate(tables, [st.replicas for st in stages]).step_time_s
         if best is None or step < best[0]:
             best = (step, chain.parallel, stages)
     if best is None:
@@ -201,14 +198,9 @@ def three_types(args) -> int:
     if shaped is not None:
         parallel, stages, pred = shaped
         gpus = sum(n * st.tp_of(g, parallel.tp) for st in stages for g, n in st.replicas)
-        print(
-            f"{'best three-type pipeline (Metis shape)':44s} {pred.step_time_s:8.3f} "
-            f"{tokens / pred.step_time_s:10.0f} {gpus:5d}  {memory_line(pred)}"
-        )
-    print(
-        f"{'meshplan.plan (' + plan.solver.status + ')':44s} {ours.step_time_s:8.3f} "
-        f"{tokens / ours.step_time_s:10.0f} {plan.world_size:5d}  {memory_line(ours)}"
-    )
+        print(plan_row("best three-type pipeline (Metis shape)", pred, gpus, tokens, width=44))
+    label = f"meshplan.plan ({plan.solver.status})"
+    print(plan_row(label, ours, plan.world_size, tokens, width=44))
     if shaped is None:
         print("no three-type pipeline fits")
         return 0
@@ -316,15 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     tokens = GLOBAL_BATCH * SEQ_LEN
     print(f"\n{'plan':40s} {'step s':>8} {'tokens/s':>10} {'GPUs':>5}  peak memory per rank")
     gpus = sum(n * parallel.tp for st in stages for _, n in st.replicas)
-    print(
-        f"{'Metis (printed rank-1 plan)':40s} {metis.step_time_s:8.3f} "
-        f"{tokens / metis.step_time_s:10.0f} {gpus:5d}  {memory_line(metis)}"
-        + ("" if metis.fits else "  (does NOT fit)")
-    )
-    print(
-        f"{'meshplan.plan (' + plan.solver.status + ')':40s} {ours.step_time_s:8.3f} "
-        f"{tokens / ours.step_time_s:10.0f} {plan.world_size:5d}  {memory_line(ours)}"
-    )
+    print(plan_row("Metis (printed rank-1 plan)", metis, gpus, tokens))
+    print(plan_row(f"meshplan.plan ({plan.solver.status})", ours, plan.world_size, tokens))
     ratio = metis.step_time_s / ours.step_time_s
     print(f"ratio Metis / meshplan step: {ratio:.3f} (> 1: meshplan's plan is faster)")
     if args.metis_runtime and ratio < 1 - 1e-9:

@@ -260,6 +260,16 @@ def memory_line(prediction) -> str:
     return ", ".join(f"{g} {v / GiB:.1f} GiB" for g, v in sorted(by_group.items()))
 
 
+def plan_row(label: str, pred, gpus: int, tokens: int, *, width: int = 40, digits: int = 3) -> str:
+    """One row of the side-by-side table: step seconds, tokens/s, GPUs, peak memory per rank
+    (and a warning when the plan does not fit)."""
+    step = pred.step_time_s
+    return (
+        f"{label:{width}s} {step:8.{digits}f} {tokens / step:10.0f} {gpus:5d}  {memory_line(pred)}"
+        + ("" if pred.fits else "  (does NOT fit)")
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
@@ -333,22 +343,12 @@ def main(argv: list[str] | None = None) -> int:
     gpus_ours = plan.world_size
     if published:
         gpus_sailor = sum(n * st.tp_of(g, sailor_p.tp) for st in stages for g, n in st.replicas)
-        print(
-            f"{'Sailor (published layout)':40s} {sailor.step_time_s:8.2f} "
-            f"{tokens / sailor.step_time_s:10.0f} {gpus_sailor:5d}  {memory_line(sailor)}"
-            + ("" if sailor.fits else "  (does NOT fit)")
-        )
+        print(plan_row("Sailor (published layout)", sailor, gpus_sailor, tokens, digits=2))
     if shaped is not None:
         sp_par, sp_stages, sp_pred = shaped
         gpus_shaped = sum(n * st.tp_of(g, sp_par.tp) for st in sp_stages for g, n in st.replicas)
-        print(
-            f"{'best pipeline of Sailor shape':40s} {sp_pred.step_time_s:8.2f} "
-            f"{tokens / sp_pred.step_time_s:10.0f} {gpus_shaped:5d}  {memory_line(sp_pred)}"
-        )
-    print(
-        f"{'meshplan.plan (' + plan.solver.status + ')':40s} {ours.step_time_s:8.2f} "
-        f"{tokens / ours.step_time_s:10.0f} {gpus_ours:5d}  {memory_line(ours)}"
-    )
+        print(plan_row("best pipeline of Sailor shape", sp_pred, gpus_shaped, tokens, digits=2))
+    print(plan_row(f"meshplan.plan ({plan.solver.status})", ours, gpus_ours, tokens, digits=2))
     if published:
         ratio = sailor.step_time_s / ours.step_time_s
         print(f"ratio Sailor / meshplan step: {ratio:.3f} (> 1: meshplan's plan is faster)")

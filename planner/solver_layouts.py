@@ -496,6 +496,15 @@ class _Layouts:
         return tuple(out)
 
 
+def layout_step(pricer: Pricer, parallel: Parallel, stages) -> float | None:
+    """The step time of a layout as `predict` prices it (`layout_tables` + `evaluate`), None
+    when a stage does not fit on a group it runs on."""
+    tables = layout_tables(pricer, parallel, stages)
+    if not all(tables.fits[s][g] for s, st in enumerate(stages) for g, _ in st.replicas):
+        return None
+    return evaluate(tables, [st.replicas for st in stages]).step_time_s
+
+
 def layout_search(
     graph: Graph,
     pricer: Pricer,
@@ -548,14 +557,11 @@ def layout_search(
         if counts is None:
             continue
         stages = cache.stages(lay, counts)
-        tables = layout_tables(pricer, lay.parallel, stages)
+        step = layout_step(pricer, lay.parallel, stages)
         work.charge("cell", lay.parallel.pp)
         work.charge("placement")
         priced += 1
-        if not all(tables.fits[s][g] for s, st in enumerate(stages) for g, _ in st.replicas):
-            continue
-        step = evaluate(tables, [st.replicas for st in stages]).step_time_s
-        if step < cut * (1 - 1e-9):
+        if step is not None and step < cut * (1 - 1e-9):
             best = (step, lay.parallel, stages)
     if best is not None:
         say(
@@ -614,4 +620,4 @@ def layout_plan(
     )
 
 
-__all__ = ["Layout", "LayoutResult", "layout_plan", "layout_search", "layouts"]
+__all__ = ["Layout", "LayoutResult", "layout_plan", "layout_search", "layout_step", "layouts"]
