@@ -166,3 +166,38 @@ def test_initialisers_are_skipped_on_meta_only():
     b = Transformer(cfg)
     for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
         assert torch.equal(p, q), name
+
+
+def test_models_unlike_the_zoo_trace_the_same_without_the_compiler():
+    # Written in styles the zoo lacks (tests/runtime/user_models.py): ALiBi per-head values
+    # (which needs the compiler midway and is traced again with it), an encoder-decoder, a
+    # CNN, a user MoE and nanoGPT; built on meta with initialisers skipped, as `load_model`
+    # does. Oracle: the same models traced here, with the real package loaded first.
+    names = ("alibi", "enc-dec", "convnet", "user-moe", "nanogpt")
+    out = _fresh(
+        f"""
+        import sys
+        from meshplan.ir import trace
+        from meshplan.models import SkipInitOnMeta
+        from tests.runtime.user_models import MODELS
+
+        for name in {names!r}:
+            um = MODELS[name]
+            with SkipInitOnMeta():
+                model = um.build("meta")
+            args, kwargs = um.example(model)
+            print(name, trace(model, *args, kwargs=kwargs or None).fingerprint())
+        print("compiler loaded:", "torch._dynamo" in sys.modules)
+        """
+    )
+    import torch._dynamo  # noqa: F401
+    from meshplan.ir import trace
+
+    from tests.runtime.user_models import MODELS
+
+    for name in names:
+        um = MODELS[name]
+        model = um.build("meta")
+        args, kwargs = um.example(model)
+        assert f"{name} {trace(model, *args, kwargs=kwargs or None).fingerprint()}" in out, name
+    assert "compiler loaded: True" in out  # ALiBi's trace ran again with the compiler
