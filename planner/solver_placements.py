@@ -12,14 +12,25 @@ n_a + n_b = dp (a window around the fastest-first split when dp > SHARE_EXHAUSTI
 best integer shares are found exactly: f_a rises and f_b falls with m_a, so the optimum is the
 feasible m_a nearest the crossing point on either side. The shares never raise a stage's
 in-flight activations (m_g stays where the schedule's warm-up depth is already saturated).
+
+Three or more host groups at once (session 31): for every set of at least three host groups
+(a support) and every split of dp over it (`_splits_over`: each group at least one pipeline),
+visited in order of the split's continuous bound, the best integer shares come from
+`_support_shares` (the first group's count enumerated outward from the crossing point, the
+rest solved the same way down to a pair). Within a support the DP traffic and the optimizer
+are the same for every split (every stage's replicas span the support's groups), so the
+pipeline term alone ranks them and the visit stops once the bound reaches the best found:
+exact for every support while its splits number at most SHARE_SPLITS_LIMIT.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable, Sequence
 
+import numpy as np
 from meshplan.cost_model.tables import PlanTables
 from meshplan.ir import microbatch_problem
 
@@ -30,6 +41,10 @@ from .solver_splits import _take_replicas
 # window of SHARE_WINDOW splits around the fastest-first one beyond it.
 SHARE_EXHAUSTIVE_DP = 64
 SHARE_WINDOW = 8
+# Shares over three or more groups: the splits of dp over all supports of one configuration
+# are enumerated up to this many (numpy, a few ms); past it the rest count as open. Sailor-sized
+# three-type clusters (128 GPUs of each type, pp 1: dp <= 384) have at most C(383, 2) = 73,153.
+SHARE_SPLITS_LIMIT = 200_000
 
 
 def _pair_shares(
@@ -68,8 +83,122 @@ def _pair_shares(
     return ma, (total - na * ma) // nb
 
 
+@functools.lru_cache(maxsize=64)  # at most 64 x 200k x 4 groups x 4 bytes (200 MB), typically KBs
+def _splits_over(dp: int, caps: tuple[int, ...], ep: int, limit: int) -> np.ndarray | None:
+    """Every split of dp pipelines over len(caps) groups, n_i a multiple of ep in
+    [ep, caps[i]], as the rows of an int32 array in lexicographic order (None when there are
+    more than `limit`)."""
+    rows = np.zeros((1, 0), dtype=np.int32)
+    for i, cap in enumerate(caps[:-1]):
+        room = dp - ep * (len(caps) - 1 - i)  # the groups after this one take at least ep each
+        used = rows.sum(axis=1)
+        values = np.arange(ep, min(cap, room) + 1, ep, dtype=np.int32)
+        grown = np.concatenate(
+            [np.repeat(rows, len(values), axis=0), np.tile(values, len(rows))[:, None]], axis=1
+        )
+        rows = grown[np.repeat(used, len(values)) + np.tile(values, len(rows)) <= room]
+        if len(rows) > limit:
+            return None
+    last = dp - rows.sum(axis=1)
+    keep = (last >= ep) & (last <= caps[-1]) & (last % ep == 0)
+    out = np.concatenate([rows[keep], last[keep][:, None]], axis=1)
+    out.setflags(write=False)
+    return out
+
+
+def _support_shares(
+    terms: Sequence[tuple[float, float]],
+    ns: Sequence[int],
+    total: int,
+    cap: int,
+    runs: Callable[[int], bool],
+    best: float,
+) -> tuple[float, tuple[int, ...]] | None:
+    """(pipeline term, m) over integer m_i in [1, cap] that the schedule `runs`, with
+    sum_i n_i m_i = total, minimising max_i (s_i m_i + c_i) for terms[i] = (s_i, c_i); None
+    unless some m scores below `best`. Two groups: `_pair_shares`. More: m_0 rises from the
+    continuous crossing point while f_0 stays below the best found, and falls from it while the
+    continuous bound of the others (their shares of the rest) does; the others are solved the
+    same way for each m_0."""
+    if len(ns) == 2:
+        got = _pair_shares(terms[0], terms[1], ns[0], ns[1], total, cap, runs)
+        if got is None:
+            return None
+        pipe = max(s * m + c for (s, c), m in zip(terms, got))
+        return (pipe, got) if pipe < best else None
+    (s0, c0), n0 = terms[0], ns[0]
+    rest_terms, rest_ns = terms[1:], ns[1:]
+    lo = max(1, -(-(total - sum(rest_ns) * cap) // n0))
+    hi = min(cap, (total - sum(rest_ns)) // n0)
+    if lo > hi:
+        return None
+    rate = sum(n / s for (s, _), n in zip(rest_terms, rest_ns))
+    lift = sum(n * c / s for (s, c), n in zip(rest_terms, rest_ns))
+    crossing = (total + n0 * c0 / s0 + lift) / (n0 / s0 + rate)
+    start = min(hi, max(lo, math.ceil((crossing - c0) / s0)))
+    out = None
+
+    def one(m0: int) -> None:
+        nonlocal best, out
+        if not runs(m0) or s0 * m0 + c0 >= best:
+            return
+        sub = _support_shares(rest_terms, rest_ns, total - n0 * m0, cap, runs, best)
+        if sub is not None:
+            pipe = max(s0 * m0 + c0, sub[0])
+            if pipe < best:
+                best, out = pipe, (pipe, (m0, *sub[1]))
+
+    for m0 in range(start, hi + 1):  # f_0 rises with m_0
+        if s0 * m0 + c0 >= best:
+            break
+        one(m0)
+    for m0 in range(start - 1, lo - 1, -1):  # the others' continuous bound rises as m_0 falls
+        if (total - n0 * m0 + lift) / rate >= best:
+            break
+        one(m0)
+    return out
+
+
+def _support_placements(t: PlanTables, hosts: list[str], terms, cap: int, runs):
+    """The improving group-pure share placements over every support of at least three host
+    groups, each support searched exactly in bound order (module docstring): ([(placement,
+    shares)], exact, splits visited). Not exact once the supports' splits pass
+    SHARE_SPLITS_LIMIT."""
+    dp, pp, total = t.parallel.dp, t.pp, t.parallel.dp * t.m
+    ep = t.parallel.ep or 1
+    out, exact, visited, budget = [], True, 0, SHARE_SPLITS_LIMIT
+    for size in range(3, len(hosts) + 1):
+        for support in itertools.combinations(hosts, size):
+            caps = tuple(t.replica_capacity[g] // pp for g in support)
+            splits = _splits_over(dp, caps, ep, budget)
+            if splits is None:
+                exact = False
+                continue
+            budget -= len(splits)
+            if not len(splits):
+                continue
+            slopes = np.array([terms[g][0] for g in support])
+            consts = np.array([terms[g][1] for g in support])
+            bounds = (total + splits @ (consts / slopes)) / (splits @ (1.0 / slopes))
+            order = np.lexsort((*splits.T[::-1], bounds))  # bound, then the split: deterministic
+            best_pipe = math.inf
+            sterms = [terms[g] for g in support]
+            for i in order.tolist():
+                if bounds[i] >= best_pipe * (1 - 1e-12):
+                    break
+                visited += 1
+                ns = splits[i].tolist()
+                got = _support_shares(sterms, ns, total, cap, runs, best_pipe)
+                if got is None:
+                    continue
+                best_pipe = got[0]
+                placement = [list(zip(support, ns)) for _ in range(pp)]
+                out.append((placement, dict(zip(support, got[1]))))
+    return out, exact, visited
+
+
 def _share_placements(t: PlanTables, allowed: list[list[str]], prune: bool = True):
-    """Group-pure placements with uneven shares: ([(placement, shares)], exact).
+    """Group-pure placements with uneven shares: ([(placement, shares)], exact, visited).
 
     For every pair of host groups (a, b) and n_a + n_b = dp pipelines, the best shares come
     from `_pair_shares` (counts the schedule runs only). With `prune` (objectives that rank
@@ -77,16 +206,19 @@ def _share_placements(t: PlanTables, allowed: list[list[str]], prune: bool = Tru
     T(n_a) = (M + sum_g n_g c_g / s_g) / (sum_g n_g / s_g)
     and the visit stops once T(n_a) reaches the best integer pipeline term found: exact for
     every pair. Without it (cost: the group mix changes the price) every n_a is tried up to
-    dp = SHARE_EXHAUSTIVE_DP, a window around the fastest-first split beyond. `exact` says that
-    every group-pure placement was covered (at most two host groups, no window)."""
+    dp = SHARE_EXHAUSTIVE_DP, a window around the fastest-first split beyond. With `prune`,
+    supports of three or more host groups follow (`_support_placements`; `visited`: the
+    splits it priced, the screen's work). `exact` says that every group-pure placement was
+    covered (no window; over three or more host groups, with `prune` and within
+    SHARE_SPLITS_LIMIT)."""
     if t.parallel.zero == 3:
-        return [], True
+        return [], True, 0
     cap = _share_cap(t)
     if cap <= t.m and not t.group_tp:  # per-group TP: equal shares (cap = m) still count
-        return [], True
+        return [], True, 0
     hosts = _share_hosts(t, allowed)
     if len(hosts) < 2:
-        return [], True
+        return [], True, 0
     dp, pp, total = t.parallel.dp, t.pp, t.parallel.dp * t.m
     terms = {g: _share_terms(t, g) for g in hosts}
     schedule = t.parallel.schedule
@@ -95,7 +227,7 @@ def _share_placements(t: PlanTables, allowed: list[list[str]], prune: bool = Tru
         return microbatch_problem(schedule, pp, m) is None
 
     out = []
-    exact = len(hosts) == 2 and (prune or dp <= SHARE_EXHAUSTIVE_DP)
+    exact = prune or (len(hosts) == 2 and dp <= SHARE_EXHAUSTIVE_DP)
     ep = t.parallel.ep or 1
     for a, b in itertools.combinations(hosts, 2):
         (sa, ca), (sb, cb) = terms[a], terms[b]
@@ -134,7 +266,11 @@ def _share_placements(t: PlanTables, allowed: list[list[str]], prune: bool = Tru
             best_pipe = min(best_pipe, pipe)
             placement = [[(a, na), (b, nb)] for _ in range(pp)]
             out.append((placement, {a: got[0], b: got[1]}))
-    return out, exact
+    visited = 0
+    if prune and len(hosts) >= 3:
+        more, exact, visited = _support_placements(t, hosts, terms, cap, runs)
+        out += more
+    return out, exact, visited
 
 
 def _greedy_placements(t: PlanTables, allowed: list[list[str]], order: Sequence[str]):

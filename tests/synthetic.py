@@ -416,6 +416,25 @@ def mixed_cluster(
     )
 
 
+def three_type_cluster(gpus_per_node: int = 4, nodes: tuple[int, int, int] = (1, 1, 1)) -> Cluster:
+    """H100 (NDR), A100-80GB (HDR) and A40 (the GPU table's datasheet figures, HDR) nodes at one
+    site: three speeds, so uneven shares over all three groups can pay."""
+    from meshplan.ir.hardware import gpu_spec
+
+    h, a, c = nodes
+    return Cluster(
+        name=f"{h}h100+{a}a100+{c}a40",
+        groups=(
+            DeviceGroup("h100", H100, h, gpus_per_node, "nvlink4", "ib-ndr", nics_per_node=4),
+            DeviceGroup("a100", A100, a, gpus_per_node, "nvlink3", "ib-hdr", nics_per_node=4),
+            DeviceGroup(
+                "a40", gpu_spec("A40"), c, gpus_per_node, "nvlink3", "ib-hdr", nics_per_node=4
+            ),
+        ),
+        links=(NVLINK4, NVLINK3, IB_NDR, IB_HDR),
+    )
+
+
 def two_node_sizes_cluster() -> Cluster:
     """8 A100-40GB in one NVLink node beside 2 nodes of 2 H100s: a TP of 4 fits only the
     A100 node, the H100 nodes take at most 2 (where per-group TP degrees pay)."""

@@ -19,7 +19,12 @@ from meshplan.solver_bounds import _multi_group_bound, _split_free_bound
 from meshplan.solver_candidates import enumerate_candidates
 
 from tests.planner.test_solver import _best_hetero, _placements, _share_placements
-from tests.synthetic import mixed_cluster, transformer_graph, two_node_sizes_cluster
+from tests.synthetic import (
+    mixed_cluster,
+    three_type_cluster,
+    transformer_graph,
+    two_node_sizes_cluster,
+)
 
 _CHUNKED = (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE)
 
@@ -75,6 +80,8 @@ CASES = [
         16,
     ),
     ("per-group TP", two_node_sizes_cluster, None, 8),
+    # three GPU types: lock-step placements and shares over any two or all three groups
+    ("h100+a100+a40", lambda: three_type_cluster(gpus_per_node=2), None, 12),
 ]
 
 

@@ -31,6 +31,7 @@ from tests.synthetic import (
     H100,
     h100_cluster,
     mixed_cluster,
+    three_type_cluster,
     transformer_graph,
     two_node_sizes_cluster,
 )
@@ -81,11 +82,14 @@ def _share_placements(tables, cap):
             continue
         if any(n % p.ep for _, n in used):  # an ep group must sit inside one group
             continue
-        for ms in itertools.product(range(1, total + 1), repeat=len(used)):
+        for head in itertools.product(range(1, total + 1), repeat=len(used) - 1):
+            rest = total - sum(n * k for (_, n), k in zip(used, head))
+            if rest < used[-1][1] or rest % used[-1][1]:
+                continue  # the last group's count is what the others leave
+            ms = (*head, rest // used[-1][1])
             if any(microbatch_problem(p.schedule, pp, k) for k in ms):
                 continue  # a count the schedule cannot run
-            if sum(n * k for (_, n), k in zip(used, ms)) == total:
-                yield [list(used) for _ in range(pp)], {g: k for (g, _), k in zip(used, ms)}
+            yield [list(used) for _ in range(pp)], {g: k for (g, _), k in zip(used, ms)}
 
 
 def _cps(seq_len):
@@ -400,6 +404,32 @@ def test_solver_matches_exhaustive_search_with_pipelines(
     assert result.parallel.pp == pp
     assert result.prediction.step_time_s <= best * 1.01, (result.parallel, best_p, best_pl)
     assert result.prediction.step_time_s >= best * (1 - 1e-6)
+
+
+@pytest.mark.parametrize(
+    "global_batch, squeeze, pinned",
+    [
+        (48, None, Parallel(tp=1, dp=6)),  # six pipelines: all three groups, shares
+        (24, None, Parallel(tp=1, dp=3, pp=2)),
+        (60, (1.5, 0.8, 1.0), Parallel(tp=1, dp=6)),  # memory-tight: recompute, ZeRO
+        (60, (2.0, 0.9, 1.2), Parallel(tp=1, dp=6)),
+        (24, None, Parallel(tp=1)),
+    ],
+)
+def test_solver_matches_exhaustive_search_on_three_groups(global_batch, squeeze, pinned):
+    """H100, A100 and A40 pairs of GPUs (`three_type_cluster`), TP pinned to 1 (the exhaustive
+    enumeration holds lock-step placements and uneven shares over any groups, not step 2b's
+    pipelines that change degree): the plan is proven optimal and prices as the exhaustive
+    best, shares over all three groups included."""
+    graph = transformer_graph(3, 512, 8, 8, 2048, 8000, 1024, 1)
+    cluster = three_type_cluster(gpus_per_node=2)
+    if squeeze:
+        cluster = _squeezed(graph, cluster, squeeze)
+    best, best_p, best_pl = brute_force(graph, cluster, global_batch, pinned)
+    assert best_p is not None
+    result = solve(graph, cluster, pinned, global_batch=global_batch, time_limit_s=20)
+    assert result.prediction.fits and result.status == "optimal"
+    assert result.prediction.step_time_s == pytest.approx(best, rel=1e-9), (best_p, best_pl)
 
 
 def test_pinned_fields_are_honoured_and_optimal_among_the_rest():

@@ -165,7 +165,9 @@ def test_solve_returns_a_chain_through_three_groups_where_it_wins(monkeypatch):
 
     monkeypatch.setattr(layouts_mod, "chains", lambda *a, **k: iter(()))
     without = solve(graph, cluster, PINS, global_batch=GLOBAL_BATCH, dtype="float32")
-    assert got.prediction.step_time_s < without.prediction.step_time_s * 0.9
+    # 1.07x: the best plan without chains runs tp-4 pipelines in all three groups at 11 / 9 / 3
+    # micro-batches (uneven shares over three groups, session 31; 1.19x before them)
+    assert got.prediction.step_time_s < without.prediction.step_time_s * 0.95
 
 
 def test_pins_the_runtime_cannot_run_leave_the_chains_empty(family):

@@ -25,6 +25,7 @@ from meshplan.solver_screen import _ScreenMemo
 
 from tests.planner.test_multi_group_bound import mixed_cluster, transformer_graph
 from tests.planner.test_solver import _placements, _share_placements
+from tests.synthetic import three_type_cluster
 
 
 @pytest.mark.parametrize(
@@ -35,11 +36,15 @@ from tests.planner.test_solver import _placements, _share_placements
         (True, CommOptions(lossless=True), Parallel()),
         (True, None, Parallel(pp=2, schedule="interleaved_1f1b", virtual_stages=2)),
         (True, None, Parallel(cp=2)),
+        ("three types", None, Parallel()),  # shares over all three groups too
     ],
 )
 def test_the_traffic_bound_holds_for_every_placement(wan, comm, pinned):
     graph = transformer_graph(4, 512, 8, 8, 2048, 8000, 1024, 1)
-    cluster = mixed_cluster(2, 2, wan=wan)
+    if wan == "three types":
+        cluster = three_type_cluster(gpus_per_node=2)
+    else:
+        cluster = mixed_cluster(2, 2, wan=wan)
     pricer = pricer_for(graph, cluster, comm=comm)
     memo = _ScreenMemo(
         pricer, graph, 16, _Work.starting_now(1e3), _Scorer(Objective(), cluster), math.inf

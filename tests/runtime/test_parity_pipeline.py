@@ -50,31 +50,32 @@ def _schedule(plan, schedule: str, v: int | None):
     return dataclasses.replace(plan, parallel=p)
 
 
-def two_group_cluster(world: int):
-    """`world` CPU ranks in two device groups ("fast", "slow") of world/2 each."""
+def group_cluster(world: int, names=("fast", "slow")):
+    """`world` CPU ranks in device groups named `names`, world / len(names) ranks each."""
     from meshplan.ir.cluster_io import cluster_from_dict
 
     d = meshplan.Cluster.preset("cpu", gpus=world).to_dict()
-    fast, slow = copy.deepcopy(d["groups"][0]), copy.deepcopy(d["groups"][0])
-    fast.update(name="fast", gpus_per_node=world // 2)
-    slow.update(name="slow", gpus_per_node=world // 2)
-    d["groups"] = [fast, slow]
+    groups = [copy.deepcopy(d["groups"][0]) for _ in names]
+    for g, name in zip(groups, names):
+        g.update(name=name, gpus_per_node=world // len(names))
+    d["groups"] = groups
     return cluster_from_dict(d, source="test")
 
 
 def uneven_plan(world: int, shares: dict[str, int], **parallel):
-    """A plan whose replicas sit half in "fast", half in "slow", with micro-batch shares per
-    group (group-pure pipelines: every stage has one replica per group)."""
-    cluster = two_group_cluster(world)
+    """A plan whose replicas sit evenly in the device groups named by `shares` (e.g. half in
+    "fast", half in "slow"), with micro-batch shares per group (group-pure pipelines: every
+    stage has dp / len(shares) replicas per group)."""
+    cluster = group_cluster(world, tuple(shares))
     plan = meshplan.estimate_plan(graph(), cluster=cluster, parallel=Parallel(**parallel))
     p = plan.parallel
-    per_group = p.dp // 2
+    per_group = p.dp // len(shares)
     stages = tuple(
         StagePlacement(
             s.index,
             s.first_unit,
             s.last_unit,
-            (("fast", per_group), ("slow", per_group)),
+            tuple((g, per_group) for g in shares),
             tuple(shares.items()),
         )
         for s in plan.stages
@@ -152,6 +153,20 @@ def test_schedules_and_uneven_shares_two_ranks():
         _check_p2p(plans[name], results, name)
     for name in ("uneven-dp", "uneven-fsdp-zero2"):
         _check_uneven_dp(plans[name], results, name)
+
+
+def test_uneven_shares_over_three_groups():
+    """Three device groups with three micro-batch counts (the planner's shares over three or
+    more groups, `solver_placements._support_placements`). DDP: ZeRO-1/2 at dp 3 would pad
+    this model's dim-0 shards, which the cost model does not price (docs/runtime.md)."""
+    plans = {
+        "uneven-three-groups": uneven_plan(
+            3, {"a": 3, "b": 2, "c": 1}, dp=3, micro_batch=2, global_batch=12
+        ),
+    }
+    assert replica_microbatches(plans["uneven-three-groups"]) == [3, 2, 1]
+    results = _check(3, plans)
+    _check_uneven_dp(plans["uneven-three-groups"], results, "uneven-three-groups")
 
 
 def test_schedules_and_uneven_shares_four_ranks():
