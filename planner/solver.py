@@ -307,8 +307,9 @@ def _decode(
     assert out.best is not None
     _, pr, placement, shares = out.best
     group_tp = pr.cand.group_tp
-    if shares and all(k == pr.tables.m for k in shares.values()) and not group_tp:
-        shares = None  # equal shares: a lock-step placement
+    # Shares, equal ones too, mean group-pure pipelines, priced as such (`evaluate(...,
+    # shares)`: each pipeline's hand-offs inside its group); dropping equal ones would price a
+    # lock-step placement whose hand-offs may cross groups, not the plan the screen scored.
     order = [g.name for g in cluster.groups]
     stages = []
     for s, (a, b) in enumerate(pr.tables.ranges):

@@ -104,10 +104,13 @@ WORK_COSTS: dict[str, float] = {
     # per group once it checked whole families (session 21; 0.2 s and 5.0e-7 before)
     "filter": 1.0e-7,
     # one split of dp over three or more host groups priced for its shares
-    # (`solver_placements._support_placements`, its numpy enumeration and sort included): not
-    # in the fit above; GPT-Neo-2.7B on 128 A100-40GB + 128 V100-16GB + 128 T4 visited 24,939
-    # splits in 16 calls in 0.186 CPU s (session 31)
-    "share_split": 7.5e-6,
+    # (`solver_placements._support_shares`): not in the fit above; 3,000 splits of dp 192 over
+    # three groups took 31 us each with no plan in hand (session 31), less once one is
+    "share_split": 1.0e-5,
+    # one split enumerated for it (`_splits_over`, `_integer_bounds`, their sort; numpy):
+    # 118,518 splits of dp 640 over three groups of 400 took 0.30 CPU s. GPT-3 2.7B on 128
+    # A100 + 128 V100 + 128 T4 listed 47,682 and priced 3,106 in 0.15 CPU s (session 31)
+    "share_listed": 2.5e-6,
 }
 # CP-SAT deterministic time per work unit. Its unit "is as close as possible to a second"
 # (OR-Tools' SatParameters, `max_deterministic_time`); on the reference machine a

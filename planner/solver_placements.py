@@ -43,8 +43,11 @@ SHARE_EXHAUSTIVE_DP = 64
 SHARE_WINDOW = 8
 # Shares over three or more groups: the splits of dp over all supports of one configuration
 # are enumerated up to this many (numpy, a few ms); past it the rest count as open. Sailor-sized
-# three-type clusters (128 GPUs of each type, pp 1: dp <= 384) have at most C(383, 2) = 73,153.
+# three-type clusters (128 GPUs of each type, pp 1) have at most 12,288 (at dp 192).
 SHARE_SPLITS_LIMIT = 200_000
+# Equal shares (`_equal_share_placements`) are searched over every support of two or more host
+# groups up to this many host groups (2^6 - 7 = 57 supports), over pairs beyond.
+EQUAL_SHARE_HOSTS = 6
 
 
 def _pair_shares(
@@ -83,27 +86,38 @@ def _pair_shares(
     return ma, (total - na * ma) // nb
 
 
-@functools.lru_cache(maxsize=64)  # at most 64 x 200k x 4 groups x 4 bytes (200 MB), typically KBs
-def _splits_over(dp: int, caps: tuple[int, ...], ep: int, limit: int) -> np.ndarray | None:
+def _split_count(dp: int, caps: tuple[int, ...], ep: int) -> float:
+    """How many splits `_splits_over` would list (float: exact below 2^53, enough for a
+    limit): the coefficient of x^(dp / ep) in prod_i (x + ... + x^(caps[i] // ep))."""
+    top = dp // ep
+    poly = np.zeros(top + 1)
+    poly[0] = 1.0
+    for cap in caps:
+        part = np.zeros(min(cap // ep, top) + 1)
+        part[1:] = 1.0
+        poly = np.convolve(poly, part)[: top + 1]
+    return float(poly[top])
+
+
+@functools.lru_cache(maxsize=16)  # at most 16 x 200k splits x groups x 8 bytes
+def _splits_over(dp: int, caps: tuple[int, ...], ep: int) -> np.ndarray:
     """Every split of dp pipelines over len(caps) groups, n_i a multiple of ep in
-    [ep, caps[i]], as the rows of an int32 array in lexicographic order (None when there are
-    more than `limit`)."""
-    rows = np.zeros((1, 0), dtype=np.int32)
-    for i, cap in enumerate(caps[:-1]):
-        room = dp - ep * (len(caps) - 1 - i)  # the groups after this one take at least ep each
+    [ep, caps[i]], as the rows of a read-only int64 array in lexicographic order. Each group's
+    value is drawn only where the groups after it can still take the rest, so no partial row
+    is wasted (ask `_split_count` first: the array has that many rows)."""
+    top, c = dp // ep, [cap // ep for cap in caps]
+    after = np.cumsum([0, *c[::-1]])[::-1]  # after[i]: the most groups i.. can take
+    rows = np.zeros((1, 0), dtype=np.int64)
+    for i in range(len(c) - 1):
         used = rows.sum(axis=1)
-        values = np.arange(ep, min(cap, room) + 1, ep, dtype=np.int32)
-        grown = np.concatenate(
-            [np.repeat(rows, len(values), axis=0), np.tile(values, len(rows))[:, None]], axis=1
-        )
-        rows = grown[np.repeat(used, len(values)) + np.tile(values, len(rows)) <= room]
-        if len(rows) > limit:
-            return None
-    last = dp - rows.sum(axis=1)
-    keep = (last >= ep) & (last <= caps[-1]) & (last % ep == 0)
-    out = np.concatenate([rows[keep], last[keep][:, None]], axis=1)
-    out.setflags(write=False)
-    return out
+        lo = np.maximum(1, top - used - after[i + 1])
+        hi = np.minimum(c[i], top - used - (len(c) - 1 - i))
+        n = np.maximum(hi - lo + 1, 0)
+        offsets = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)
+        rows = np.column_stack([np.repeat(rows, n, axis=0), np.repeat(lo, n) + offsets])
+    rows = np.column_stack([rows, top - rows.sum(axis=1)]) * ep
+    rows.setflags(write=False)
+    return rows
 
 
 def _support_shares(
@@ -116,16 +130,28 @@ def _support_shares(
 ) -> tuple[float, tuple[int, ...]] | None:
     """(pipeline term, m) over integer m_i in [1, cap] that the schedule `runs`, with
     sum_i n_i m_i = total, minimising max_i (s_i m_i + c_i) for terms[i] = (s_i, c_i); None
-    unless some m scores below `best`. Two groups: `_pair_shares`. More: m_0 rises from the
-    continuous crossing point while f_0 stays below the best found, and falls from it while the
-    continuous bound of the others (their shares of the rest) does; the others are solved the
-    same way for each m_0."""
+    unless some m scores below `best`. Two groups: `_pair_shares`. More: with the groups in
+    decreasing n_i, m_0 rises from the continuous crossing point while f_0 stays below the best
+    found, and falls from it while the continuous bound of the others (their shares of the
+    rest) does; the others are solved the same way for each m_0."""
     if len(ns) == 2:
         got = _pair_shares(terms[0], terms[1], ns[0], ns[1], total, cap, runs)
         if got is None:
             return None
         pipe = max(s * m + c for (s, c), m in zip(terms, got))
         return (pipe, got) if pipe < best else None
+    if any(a < b for a, b in zip(ns, ns[1:])):
+        # the group with the most pipelines first: each step of its count moves the others'
+        # share most, so both loops below stop soonest
+        order = sorted(range(len(ns)), key=lambda i: (-ns[i], i))
+        got = _support_shares([terms[i] for i in order], [ns[i] for i in order], total, cap,
+                              runs, best)  # fmt: skip
+        if got is None:
+            return None
+        ms = [0] * len(ns)
+        for i, m in zip(order, got[1]):
+            ms[i] = m
+        return got[0], tuple(ms)
     (s0, c0), n0 = terms[0], ns[0]
     rest_terms, rest_ns = terms[1:], ns[1:]
     lo = max(1, -(-(total - sum(rest_ns) * cap) // n0))
@@ -159,27 +185,50 @@ def _support_shares(
     return out
 
 
+def _integer_bounds(
+    splits: np.ndarray, slopes: np.ndarray, consts: np.ndarray, total: int, cap: int, m: int
+) -> np.ndarray:
+    """Per split (row of n_g), a lower bound on its least pipeline term max_g (s_g m_g + c_g)
+    over integer 1 <= m_g <= cap with sum_g n_g m_g = total: below the least T at which the
+    counts each group can run within T, min(cap, floor((T - c_g) / s_g)), reach `total`
+    (integer, so above the continuous crossing). Bisection between that crossing (or
+    max_g s_g + c_g, every group at least one) and the equal shares' value (m each, feasible),
+    30 halvings for every split at once; the lower end, less a rounding margin, is returned."""
+    lo = (total + splits @ (consts / slopes)) / (splits @ (1.0 / slopes))
+    lo = np.maximum(lo, (slopes + consts).max())
+    hi = np.full(len(splits), (slopes * m + consts).max())
+    lo = np.minimum(lo, hi)
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        runs = np.clip(np.floor((mid[:, None] - consts) / slopes), 0, cap)
+        enough = ((splits * runs).sum(axis=1) >= total) & (runs.min(axis=1) >= 1)
+        hi = np.where(enough, mid, hi)
+        lo = np.where(enough, lo, mid)
+    return lo * (1 - 1e-12)
+
+
 def _support_placements(t: PlanTables, hosts: list[str], terms, cap: int, runs):
     """The improving group-pure share placements over every support of at least three host
     groups, each support searched exactly in bound order (module docstring): ([(placement,
-    shares)], exact, splits visited). Not exact once the supports' splits pass
-    SHARE_SPLITS_LIMIT."""
+    shares)], exact, splits enumerated, splits visited). Not exact once the supports' splits
+    would pass SHARE_SPLITS_LIMIT (those supports are skipped)."""
     dp, pp, total = t.parallel.dp, t.pp, t.parallel.dp * t.m
     ep = t.parallel.ep or 1
-    out, exact, visited, budget = [], True, 0, SHARE_SPLITS_LIMIT
+    out, exact, listed, visited = [], True, 0, 0
     for size in range(3, len(hosts) + 1):
         for support in itertools.combinations(hosts, size):
             caps = tuple(t.replica_capacity[g] // pp for g in support)
-            splits = _splits_over(dp, caps, ep, budget)
-            if splits is None:
+            count = _split_count(dp, caps, ep)
+            if not count:
+                continue
+            if listed + count > SHARE_SPLITS_LIMIT:
                 exact = False
                 continue
-            budget -= len(splits)
-            if not len(splits):
-                continue
+            splits = _splits_over(dp, caps, ep)
+            listed += len(splits)
             slopes = np.array([terms[g][0] for g in support])
             consts = np.array([terms[g][1] for g in support])
-            bounds = (total + splits @ (consts / slopes)) / (splits @ (1.0 / slopes))
+            bounds = _integer_bounds(splits, slopes, consts, total, cap, t.m)
             order = np.lexsort((*splits.T[::-1], bounds))  # bound, then the split: deterministic
             best_pipe = math.inf
             sterms = [terms[g] for g in support]
@@ -194,11 +243,39 @@ def _support_placements(t: PlanTables, hosts: list[str], terms, cap: int, runs):
                 best_pipe = got[0]
                 placement = [list(zip(support, ns)) for _ in range(pp)]
                 out.append((placement, dict(zip(support, got[1]))))
-    return out, exact, visited
+    return out, exact, listed, visited
 
 
-def _share_placements(t: PlanTables, allowed: list[list[str]], prune: bool = True):
-    """Group-pure placements with uneven shares: ([(placement, shares)], exact, visited).
+def _equal_share_placements(t: PlanTables, hosts: list[str]):
+    """Group-pure placements whose replicas all run m micro-batches (`equal_shares`: Sailor's
+    and Metis's runtimes): ([(placement, shares)], exact). With equal counts a support's
+    pipeline term is its slowest group's f_g(m) whatever the split, and its DP traffic and
+    optimizer are the same for every split too (module docstring), so one split per support
+    of two or more host groups covers them all (each group ep pipelines, the rest filled in
+    the cluster's order). Exact up to EQUAL_SHARE_HOSTS host groups; beyond, pairs only."""
+    dp, pp, m = t.parallel.dp, t.pp, t.m
+    ep = t.parallel.ep or 1
+    exact = len(hosts) <= EQUAL_SHARE_HOSTS
+    out = []
+    for size in range(2, len(hosts) + 1 if exact else 3):
+        for support in itertools.combinations(hosts, size):
+            caps = [t.replica_capacity[g] // pp // ep * ep for g in support]
+            if size * ep > dp or min(caps) < ep or sum(caps) < dp:
+                continue
+            ns, left = [ep] * size, dp - size * ep
+            for i, c in enumerate(caps):
+                take = min(left, c - ep)
+                ns[i] += take
+                left -= take
+            out.append(([list(zip(support, ns)) for _ in range(pp)], {g: m for g in support}))
+    return out, exact
+
+
+def _share_placements(
+    t: PlanTables, allowed: list[list[str]], prune: bool = True, equal: bool = False
+):
+    """Group-pure placements with uneven shares: ([(placement, shares)], exact, listed,
+    visited).
 
     For every pair of host groups (a, b) and n_a + n_b = dp pipelines, the best shares come
     from `_pair_shares` (counts the schedule runs only). With `prune` (objectives that rank
@@ -207,18 +284,21 @@ def _share_placements(t: PlanTables, allowed: list[list[str]], prune: bool = Tru
     and the visit stops once T(n_a) reaches the best integer pipeline term found: exact for
     every pair. Without it (cost: the group mix changes the price) every n_a is tried up to
     dp = SHARE_EXHAUSTIVE_DP, a window around the fastest-first split beyond. With `prune`,
-    supports of three or more host groups follow (`_support_placements`; `visited`: the
-    splits it priced, the screen's work). `exact` says that every group-pure placement was
-    covered (no window; over three or more host groups, with `prune` and within
-    SHARE_SPLITS_LIMIT)."""
+    supports of three or more host groups follow (`_support_placements`; `listed` and
+    `visited`: the splits it enumerated and priced, the screen's work). `exact` says that
+    every group-pure placement was covered (no window; over three or more host groups, with
+    `prune` and within SHARE_SPLITS_LIMIT). `equal`: only shares of m micro-batches each
+    (`_equal_share_placements`)."""
     if t.parallel.zero == 3:
-        return [], True, 0
+        return [], True, 0, 0
     cap = _share_cap(t)
     if cap <= t.m and not t.group_tp:  # per-group TP: equal shares (cap = m) still count
-        return [], True, 0
+        return [], True, 0, 0
     hosts = _share_hosts(t, allowed)
     if len(hosts) < 2:
-        return [], True, 0
+        return [], True, 0, 0
+    if equal:
+        return (*_equal_share_placements(t, hosts), 0, 0)
     dp, pp, total = t.parallel.dp, t.pp, t.parallel.dp * t.m
     terms = {g: _share_terms(t, g) for g in hosts}
     schedule = t.parallel.schedule
@@ -266,11 +346,11 @@ def _share_placements(t: PlanTables, allowed: list[list[str]], prune: bool = Tru
             best_pipe = min(best_pipe, pipe)
             placement = [[(a, na), (b, nb)] for _ in range(pp)]
             out.append((placement, {a: got[0], b: got[1]}))
-    visited = 0
+    listed = visited = 0
     if prune and len(hosts) >= 3:
-        more, exact, visited = _support_placements(t, hosts, terms, cap, runs)
+        more, exact, listed, visited = _support_placements(t, hosts, terms, cap, runs)
         out += more
-    return out, exact, visited
+    return out, exact, listed, visited
 
 
 def _greedy_placements(t: PlanTables, allowed: list[list[str]], order: Sequence[str]):

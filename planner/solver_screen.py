@@ -577,12 +577,13 @@ def _price(memo: _ScreenMemo, pair: _Pair, best: float) -> _Priced | None:
     if pr.greedy_placement is not None:
         pr.best = (pr.greedy_score, pr.greedy_placement, None)
     if share_lower < (pr.best[0] if pr.best else math.inf) * (1 - 1e-9):
-        options, exact, visited = _share_placements(t, allowed, prune=not scorer.cost)
+        options, exact, listed, visited = _share_placements(
+            t, allowed, prune=not scorer.cost, equal=scorer.equal_shares
+        )
         work.charge("placement", len(options))
-        if visited:
+        if listed:
+            work.charge("share_listed", listed)
             work.charge("share_split", visited)
-        if scorer.equal_shares:  # only the options whose replicas all run m micro-batches
-            options = [(pl, sh) for pl, sh in options if set(sh.values()) == {t.m}]
         for pl, shares in options:
             sc = scorer.score(c, evaluate(t, pl, shares).step_time_s, pl)
             if pr.best is None or sc < pr.best[0] * (1 - 1e-12):

@@ -16,7 +16,7 @@ import random
 import pytest
 from meshplan.cost_model import evaluate, hetero_tables, plan_tables, predict, pricer_for
 from meshplan.cost_model.memory import in_flight_microbatches
-from meshplan.ir import Parallel, Recompute, microbatch_problem
+from meshplan.ir import Cluster, DeviceGroup, GroupLink, Parallel, Recompute, microbatch_problem
 from meshplan.passes.partition import (
     chunk_layout_problem,
     compositions,
@@ -29,6 +29,9 @@ from meshplan.solver import InfeasibleError, micro_batch_options, solve
 from tests.synthetic import (
     A100_40,
     H100,
+    IB_NDR,
+    NVLINK4,
+    WAN,
     h100_cluster,
     mixed_cluster,
     three_type_cluster,
@@ -116,11 +119,11 @@ def _chunked_split(sched, v, n_layers, pp):
     return rank_layers(n_layers, pp, v, sched == "zero_bubble")
 
 
-def brute_force(graph, cluster, global_batch, pinned=None):
+def brute_force(graph, cluster, global_batch, pinned=None, equal_shares=False):
     """(best step time, its Parallel, its placement) over every configuration (tp, cp, ep, pp,
     dp, micro-batch, ZeRO, recompute, schedule and virtual stages), every layer split (all of
     them for 1F1B, the even one for interleaved 1F1B and ZB-V) and every placement (lock-step, and
-    group-pure with uneven micro-batch shares)."""
+    group-pure with uneven micro-batch shares; `equal_shares`: only shares of m each)."""
     pinned = pinned or Parallel()
     info, pricer = graph.info, pricer_for(graph, cluster)
     n_layers = len(graph.layer_units)
@@ -179,13 +182,15 @@ def brute_force(graph, cluster, global_batch, pinned=None):
                                 if step < best[0]:
                                     best = (step, p, pl)
                             for pl, shares in _share_placements(t, cap):
+                                if equal_shares and set(shares.values()) != {m}:
+                                    continue
                                 step = evaluate(t, pl, shares).step_time_s
                                 if step < best[0]:
                                     best = (step, p, (pl, shares))
-    return _per_group_tp(graph, cluster, global_batch, pinned, pricer, best)
+    return _per_group_tp(graph, cluster, global_batch, pinned, pricer, best, equal_shares)
 
 
-def _per_group_tp(graph, cluster, global_batch, pinned, pricer, best):
+def _per_group_tp(graph, cluster, global_batch, pinned, pricer, best, equal_shares=False):
     """Per-group TP: for every pair of groups and tp_a != tp_b (ZeRO-0, no EP, tp unpinned),
     n_a + n_b = dp group-pure pipelines (n_a, n_b >= 1) with shares m_a, m_b: any when the
     schedule's in-flight depth is saturated at m, else only m_a = m_b = m."""
@@ -238,11 +243,11 @@ def _per_group_tp(graph, cluster, global_batch, pinned, pricer, best):
                                 t = hetero_tables(
                                     pricer, p, stages_of(graph, split), {a.name: ta, b.name: tb}
                                 )
-                                best = _best_hetero(t, cap, best)
+                                best = _best_hetero(t, cap, best, equal_shares)
     return best
 
 
-def _best_hetero(t, cap, best):
+def _best_hetero(t, cap, best, equal_shares=False):
     p, pp, m = t.parallel, t.pp, t.m
     a, b = t.groups
     if not all(t.fits[s][g] for s in range(pp) for g in (a, b)):
@@ -261,7 +266,7 @@ def _best_hetero(t, cap, best):
         pl = [[(a, na), (b, nb)] for _ in range(pp)]
         options = (
             [(ma, (total - na * ma) // nb) for ma in range(1, total) if (total - na * ma) % nb == 0]
-            if saturated
+            if saturated and not equal_shares
             else [(m, m)]
         )
         for ma, mb_ in options:
@@ -407,22 +412,26 @@ def test_solver_matches_exhaustive_search_with_pipelines(
 
 
 @pytest.mark.parametrize(
-    "global_batch, squeeze, pinned",
+    "global_batch, squeeze, pinned, per_node",
     [
-        (48, None, Parallel(tp=1, dp=6)),  # six pipelines: all three groups, shares
-        (24, None, Parallel(tp=1, dp=3, pp=2)),
-        (60, (1.5, 0.8, 1.0), Parallel(tp=1, dp=6)),  # memory-tight: recompute, ZeRO
-        (60, (2.0, 0.9, 1.2), Parallel(tp=1, dp=6)),
-        (24, None, Parallel(tp=1)),
+        (48, None, Parallel(tp=1, dp=6), 2),  # six pipelines: all three groups, shares
+        (24, None, Parallel(tp=1, dp=3, pp=2), 2),
+        (60, (1.5, 0.8, 1.0), Parallel(tp=1, dp=6), 2),  # memory-tight: recompute, ZeRO
+        (60, (2.0, 0.9, 1.2), Parallel(tp=1, dp=6), 2),
+        (24, None, Parallel(tp=1), 2),
+        # four GPUs a group: several splits of dp over the three groups, searched in bound order
+        (36, None, Parallel(tp=1, dp=9), 4),
+        (72, None, Parallel(tp=1, dp=9), 4),
+        (40, None, Parallel(tp=1, dp=10), 4),
     ],
 )
-def test_solver_matches_exhaustive_search_on_three_groups(global_batch, squeeze, pinned):
-    """H100, A100 and A40 pairs of GPUs (`three_type_cluster`), TP pinned to 1 (the exhaustive
-    enumeration holds lock-step placements and uneven shares over any groups, not step 2b's
-    pipelines that change degree): the plan is proven optimal and prices as the exhaustive
-    best, shares over all three groups included."""
+def test_solver_matches_exhaustive_search_on_three_groups(global_batch, squeeze, pinned, per_node):
+    """H100, A100 and A40 nodes of 2 or 4 GPUs (`three_type_cluster`), TP pinned to 1 (the
+    exhaustive enumeration holds lock-step placements and uneven shares over any groups, not
+    step 2b's pipelines that change degree): the plan is proven optimal and prices as the
+    exhaustive best, shares over all three groups included."""
     graph = transformer_graph(3, 512, 8, 8, 2048, 8000, 1024, 1)
-    cluster = three_type_cluster(gpus_per_node=2)
+    cluster = three_type_cluster(gpus_per_node=per_node)
     if squeeze:
         cluster = _squeezed(graph, cluster, squeeze)
     best, best_p, best_pl = brute_force(graph, cluster, global_batch, pinned)
@@ -430,6 +439,54 @@ def test_solver_matches_exhaustive_search_on_three_groups(global_batch, squeeze,
     result = solve(graph, cluster, pinned, global_batch=global_batch, time_limit_s=20)
     assert result.prediction.fits and result.status == "optimal"
     assert result.prediction.step_time_s == pytest.approx(best, rel=1e-9), (best_p, best_pl)
+
+
+def _three_sites():
+    """Three groups of 2 GPUs at three sites joined by a WAN, at 1.0 / 0.9 / 0.8 of an H100's
+    speed: a pipeline's hand-offs across groups cross the WAN."""
+
+    def slower(f, name):
+        return dataclasses.replace(
+            H100,
+            name=name,
+            peak_flops=tuple((k, v * f) for k, v in H100.peak_flops),
+            hbm_bandwidth=H100.hbm_bandwidth * f,
+        )
+
+    def group(name, gpu, site):
+        return DeviceGroup(name, gpu, 1, 2, "nvlink4", "ib-ndr", nics_per_node=8, site=site)
+
+    return Cluster(
+        name="three-sites",
+        groups=(
+            group("x", H100, "a"),
+            group("y", slower(0.9, "H100-0.9"), "b"),
+            group("z", slower(0.8, "H100-0.8"), "c"),
+        ),
+        links=(NVLINK4, IB_NDR, WAN),
+        group_links=tuple(GroupLink(a, b, "wan-100g") for a, b in ("ab", "ac", "bc")),
+    )
+
+
+@pytest.mark.parametrize("equal_shares", [True, False])
+def test_equal_shares_are_searched_and_priced_as_group_pure_pipelines(equal_shares):
+    """Sailor's runtime (`equal_shares`: every replica runs m micro-batches) on three sites:
+    the plan is the exhaustive best of lock-step placements and group-pure ones with equal
+    shares, and its prediction is the price the search scored. (Before session 31 equal
+    shares were dropped when the plan was written, so the group-pure plan the search chose
+    came back priced as a lock-step one crossing the WAN: 0.275 s against 0.041 s.)"""
+    graph = transformer_graph(4, 1024, 8, 8, 1024, 8000, 1024, 1)
+    cluster = _three_sites()
+    pinned = Parallel(pp=2, tp=1)
+    best, best_p, best_pl = brute_force(graph, cluster, 96, pinned, equal_shares=equal_shares)
+    got = solve(graph, cluster, pinned, global_batch=96, equal_shares=equal_shares)
+    assert got.status == "optimal"
+    assert got.prediction.step_time_s == pytest.approx(best, rel=1e-9), (best_p, best_pl)
+    shares = {dict(st.microbatches).get(g) for st in got.stages for g, _ in st.replicas}
+    if equal_shares:
+        assert shares <= {got.parallel.num_microbatches, None}
+    again = predict(graph, cluster, got.parallel, got.stages)
+    assert again.step_time_s == got.prediction.step_time_s
 
 
 def test_pinned_fields_are_honoured_and_optimal_among_the_rest():

@@ -11,6 +11,7 @@ import math
 import random
 
 import meshplan.solver_placements as placements_mod
+import numpy as np
 import pytest
 from meshplan.cost_model import evaluate, plan_tables, pricer_for
 from meshplan.ir import Parallel
@@ -19,7 +20,9 @@ from meshplan.solver import solve
 from meshplan.solver_candidates import enumerate_candidates
 from meshplan.solver_objective import Objective, _Scorer, _Work
 from meshplan.solver_placements import (
+    _integer_bounds,
     _share_placements,
+    _split_count,
     _splits_over,
     _support_shares,
 )
@@ -30,22 +33,18 @@ from tests.planner.test_solver_chains import _three_groups as chain_groups
 from tests.synthetic import three_type_cluster, transformer_graph
 
 
-@pytest.mark.parametrize(
-    "dp, caps, ep",
-    [
-        (6, (4, 4, 4), 1),
-        (12, (3, 8, 12), 1),
-        (12, (12, 12, 12), 2),
-        (9, (2, 2, 2, 9), 1),
-        (4, (1, 1, 1), 1),
-    ],
-)
-def test_splits_are_every_composition_within_the_capacities(dp, caps, ep):
-    want = [n for n in itertools.product(*(range(ep, c + 1, ep) for c in caps)) if sum(n) == dp]
-    got = _splits_over(dp, caps, ep, 10**6)
-    assert [tuple(r) for r in got.tolist()] == want  # lexicographic, as documented
-    if len(want) > 1:
-        assert _splits_over(dp, caps, ep, 1) is None  # more than the limit: none
+def test_splits_are_every_composition_within_the_capacities():
+    """`_split_count` and `_splits_over` against itertools on 300 random (dp, capacities, ep)
+    over 3-5 groups, empty and single-split cases included."""
+    rng = random.Random(5)
+    for _ in range(300):
+        k, ep = rng.choice([3, 3, 4, 5]), rng.choice([1, 1, 2, 3])
+        caps = tuple(rng.randint(0, 12) for _ in range(k))
+        dp = ep * rng.randint(1, 14)
+        want = [n for n in itertools.product(*(range(ep, c + 1, ep) for c in caps)) if sum(n) == dp]
+        assert _split_count(dp, caps, ep) == len(want), (dp, caps, ep)
+        if want:  # lexicographic, as documented
+            assert [tuple(r) for r in _splits_over(dp, caps, ep).tolist()] == want
 
 
 def _every_share(terms, ns, total, cap, runs):
@@ -70,14 +69,19 @@ def test_support_shares_are_the_best_integer_shares():
     rules = [lambda m: True, lambda m: m >= 2, lambda m: m % 2 == 0]
     checked = 0
     for _ in range(400):
-        k = rng.choice([3, 3, 4])
-        terms = [(rng.uniform(0.1, 3.0), rng.uniform(0.0, 5.0)) for _ in range(k)]
+        k = rng.choice([3, 3, 4, 5])
+        if rng.random() < 0.3:  # integer terms: ties between share vectors
+            terms = [(rng.randint(1, 3), rng.randint(0, 4)) for _ in range(k)]
+        else:
+            terms = [(rng.uniform(0.1, 3.0), rng.uniform(0.0, 5.0)) for _ in range(k)]
         ns = [rng.randint(1, 4) for _ in range(k)]
-        total = sum(ns) * rng.randint(1, 6) + rng.randint(0, 5)
+        # five groups: small totals, the oracle enumerates total^4 vectors
+        total = sum(ns) * rng.randint(1, 6 if k < 5 else 2) + rng.randint(0, 5)
         cap = rng.choice([1 << 30, 3, 8])
         runs = rng.choice(rules)
         want = _every_share(terms, ns, total, cap, runs)
-        best = rng.choice([math.inf, want * rng.uniform(0.9, 1.1) if math.isfinite(want) else 5.0])
+        finite = math.isfinite(want)
+        best = rng.choice([math.inf, want * rng.uniform(0.9, 1.1) if finite else 5.0, want])
         got = _support_shares(terms, ns, total, cap, runs, best)
         if want >= best:
             assert got is None
@@ -89,6 +93,29 @@ def test_support_shares_are_the_best_integer_shares():
         assert pipe == max(s * m + c for (s, c), m in zip(terms, ms))
         assert pipe == pytest.approx(want, rel=1e-12)
     assert checked > 100
+
+
+def test_integer_bounds_are_below_the_best_integer_shares():
+    """`_integer_bounds` (the order the splits are visited in, and where the visit stops) is
+    at most the enumerated optimum of every split, on 300 random instances whose total is dp
+    m (the search's: equal shares of m are feasible), and above the continuous crossing."""
+    rng = random.Random(7)
+    lifted = 0
+    for _ in range(300):
+        k = rng.choice([3, 3, 4])
+        terms = [(rng.uniform(0.1, 3.0), rng.uniform(0.0, 5.0)) for _ in range(k)]
+        ns = [rng.randint(1, 4) for _ in range(k)]
+        m = rng.randint(1, 5)
+        total, cap = sum(ns) * m, rng.choice([1 << 30, m, m + 2])
+        want = _every_share(terms, ns, total, cap, lambda _: True)
+        slopes, consts = np.array([s for s, _ in terms]), np.array([c for _, c in terms])
+        got = _integer_bounds(np.array([ns]), slopes, consts, total, cap, m)[0]
+        assert got <= want
+        crossing = (total + sum(n * c / s for (s, c), n in zip(terms, ns))) / sum(
+            n / s for (s, _), n in zip(terms, ns)
+        )
+        lifted += got > crossing * (1 + 1e-6)
+    assert lifted > 150  # the integer bound is tighter than the crossing for most
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +144,7 @@ def test_share_placements_over_three_groups_find_the_best(three):
             if not every:
                 continue
             allowed = [[g for g in t.groups if t.fits[s][g]] for s in range(t.pp)]
-            options, exact, _ = _share_placements(t, allowed)
+            options, exact, *_ = _share_placements(t, allowed)
             assert exact
             want = min(evaluate(t, pl, sh).step_time_s for pl, sh in every)
             got = min(evaluate(t, pl, sh).step_time_s for pl, sh in options)
@@ -142,7 +169,7 @@ def test_solve_is_optimal_on_three_groups_and_uses_all_three(monkeypatch):
     shares = dict(got.stages[0].microbatches)
     assert shares["a100"] > shares["v100"] > shares["t4"]  # the fastest group the most
 
-    monkeypatch.setattr(placements_mod, "_support_placements", lambda *a: ([], False, 0))
+    monkeypatch.setattr(placements_mod, "_support_placements", lambda *a: ([], False, 0, 0))
     without = solve(graph, cluster, Parallel(), global_batch=32, dtype="float16")
     assert without.status == "feasible"
     assert got.prediction.step_time_s < without.prediction.step_time_s * 0.97

@@ -14,6 +14,7 @@ import math
 import sys
 import textwrap
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import meshplan
 import pytest
@@ -132,10 +133,18 @@ def test_wan_is_named_as_the_bottleneck(graph, tmp_path, two_sites):
     # Data parallelism across the sites: gradient traffic crosses the 10 Gb/s WAN.
     (dp,) = sweep(graph, tmp_path, base=two_sites, parallel=Parallel(dp=16))
     assert dp.bottleneck == "wan-10g" and dp.bottleneck_part == "dp_comm_exposed"
-    # A pipeline across the sites: the boundary activations cross it.
-    (pp,) = sweep(graph, tmp_path, base=two_sites, parallel=Parallel(dp=8, pp=2))
+    # dp 8 x pp 2: each site runs its own pipelines (equal shares, group-pure), so again only
+    # the gradients cross the WAN. (Until session 31 this plan was written without its shares
+    # and priced as pipelines crossing the sites, 0.090 s against the 0.044 s it was chosen at.)
+    (pure,) = sweep(graph, tmp_path, base=two_sites, parallel=Parallel(dp=8, pp=2))
+    assert pure.bottleneck == "wan-10g" and pure.bottleneck_part == "dp_comm_exposed"
+    assert pure.gpus_used == 16 and "pp2" in pure.parallel
+    # One pipeline of 4 stages on two sites of 2 GPUs: its boundary activations cross it.
+    small = tmp_path / "two-small.yaml"
+    small.write_text(Path(two_sites).read_text().replace("gpus_per_node: 8", "gpus_per_node: 2"))
+    (pp,) = sweep(graph, tmp_path, base=str(small), parallel=Parallel(dp=1, pp=4))
     assert pp.bottleneck == "wan-10g" and pp.bottleneck_part == "pp_p2p"
-    assert pp.gpus_used == 16 and "pp2" in pp.parallel
+    assert pp.gpus_used == 4 and "pp4" in pp.parallel
     # Left free, the planner stays on one site: the WAN costs more than the GPUs bring.
     (free,) = sweep(graph, tmp_path, base=two_sites)
     assert free.gpus_used == 8 and free.bottleneck == "compute"

@@ -157,16 +157,20 @@ def test_schedules_and_uneven_shares_two_ranks():
 
 def test_uneven_shares_over_three_groups():
     """Three device groups with three micro-batch counts (the planner's shares over three or
-    more groups, `solver_placements._support_placements`). DDP: ZeRO-1/2 at dp 3 would pad
-    this model's dim-0 shards, which the cost model does not price (docs/runtime.md)."""
-    plans = {
-        "uneven-three-groups": uneven_plan(
-            3, {"a": 3, "b": 2, "c": 1}, dp=3, micro_batch=2, global_batch=12
-        ),
-    }
-    assert replica_microbatches(plans["uneven-three-groups"]) == [3, 2, 1]
-    results = _check(3, plans)
-    _check_uneven_dp(plans["uneven-three-groups"], results, "uneven-three-groups")
+    more groups, `solver_placements._support_placements`), without and with a pipeline (6
+    ranks: dp 3 x pp 2 under 1F1B at 4 / 3 / 2 micro-batches). DDP: ZeRO-1/2 at dp 3 would
+    pad this model's dim-0 shards, which the cost model does not price (docs/runtime.md)."""
+    shares = {"a": 3, "b": 2, "c": 1}
+    plans3 = {"uneven-three-groups": uneven_plan(3, shares, dp=3, micro_batch=2, global_batch=12)}
+    assert replica_microbatches(plans3["uneven-three-groups"]) == [3, 2, 1]
+    results = _check(3, plans3)
+    _check_uneven_dp(plans3["uneven-three-groups"], results, "uneven-three-groups")
+    name = "uneven-three-groups-pp2"
+    plans6 = {name: uneven_plan(6, {"a": 4, "b": 3, "c": 2}, dp=3, pp=2, global_batch=9)}
+    assert replica_microbatches(plans6[name]) == [4, 3, 2]
+    results = _check(6, plans6)
+    _check_uneven_dp(plans6[name], results, name)
+    _check_p2p(plans6[name], results, name)
 
 
 def test_schedules_and_uneven_shares_four_ranks():
