@@ -532,9 +532,12 @@ def layout_search(
         key=lambda item: item[0],
     )  # fmt: skip
     work.charge("layout", cache.bounded)
+    charged = cache.bounded  # chains' grids are bounded as the merge reaches them
     best: tuple[float, Parallel, tuple[StagePlacement, ...]] | None = None
     lowest_open, priced = math.inf, 0
     for bound, _, lay in bounded:
+        work.charge("layout", cache.bounded - charged)
+        charged = cache.bounded
         cut = min(incumbent, best[0] if best else math.inf)
         if bound >= cut * (1 - 1e-9):
             break
@@ -563,6 +566,7 @@ def layout_search(
         priced += 1
         if step is not None and step < cut * (1 - 1e-9):
             best = (step, lay.parallel, stages)
+    work.charge("layout", cache.bounded - charged)
     if best is not None:
         say(
             f"pipelines changing group and tp: {cache.bounded} layouts bounded, {priced} priced, "

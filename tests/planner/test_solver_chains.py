@@ -5,9 +5,11 @@ pruning, every split of a sample priced, and the solver with the family switched
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import meshplan.solver_layouts as layouts_mod
+import numpy as np
 import pytest
 from meshplan.cost_model import predict, pricer_for
 from meshplan.cost_model.simulate import evaluate
@@ -15,8 +17,9 @@ from meshplan.cost_model.tables import layout_tables
 from meshplan.ir import Cluster, DeviceGroup, Parallel, Recompute
 from meshplan.ir.hardware import gpu_spec
 from meshplan.ir.parallel import group_tp_problem
+from meshplan.passes.partition import replica_capacity
 from meshplan.solver import solve
-from meshplan.solver_chains import chains, lifted, split
+from meshplan.solver_chains import _degrees, _grid, _heads, chains, lifted, split
 from meshplan.solver_layouts import _Layouts, layout_search, layouts
 from meshplan.solver_objective import _Work
 
@@ -76,6 +79,49 @@ def test_the_family_holds_every_order_of_three_groups_and_their_degrees(family):
         assert GLOBAL_BATCH % (p.dp * p.micro_batch) == 0
         groups = [ch.on(s)[0][0] for s in range(p.pp)]
         assert groups == [g for g, _, k in ch.runs for _ in range(k)]
+
+
+def test_chains_come_lazily_in_the_order_of_every_chain_sorted(family):
+    """`chains` expands a head's grid only when the search reaches its least bound and
+    merges the grids: the order is that of every head's grid built and sorted up front (the
+    code before session 31), and a search that takes only the first chains bounds a fraction
+    of the grids."""
+    graph, _, pricer, _, every = family
+    eager = _Layouts(graph, pricer)
+    groups = pricer.cluster.groups
+    assert every == sorted(every, key=lambda item: (item[0], item[1]))
+    # the same chains as a head-by-head eager expansion, through the module's own pieces
+    heads = []
+    for dp in {ch.parallel.dp for _, _, ch in every}:
+        n = eager.n_layers
+        opts = [
+            (g, t, min(replica_capacity(g, t) // dp, n - 2))
+            for g in groups
+            for t in _degrees(g, graph)
+        ]
+        opts = [o for o in opts if o[2] >= 1]
+        for mb in {ch.parallel.micro_batch for _, _, ch in every if ch.parallel.dp == dp}:
+            hand = np.array(
+                [
+                    [eager.handoff(a.name, ta, b.name, tb, dp, mb) if a is not b else 0.0
+                     for b, tb, _ in opts]
+                    for a, ta, _ in opts
+                ]
+            )  # fmt: skip
+            heads += _heads(eager, PINS, opts, hand, dp, mb, Recompute.NONE, GLOBAL_BATCH,
+                            False, math.inf)  # fmt: skip
+    built = sorted(
+        (item for _, _, args in heads for item in _grid(eager, PINS, *args, math.inf)),
+        key=lambda item: (item[0], item[1]),
+    )
+    assert [(b, k) for b, k, _ in built] == [(b, k) for b, k, _ in every]
+    # a search that stops after 50 chains bounds a fraction of the grids
+    lazy = _Layouts(graph, pricer)
+    first = list(itertools.islice(
+        chains(lazy, PINS, GLOBAL_BATCH, [Recompute.NONE], False, math.inf), 50
+    ))  # fmt: skip
+    assert first == every[:50]
+    assert lazy.bounded < eager.bounded / 2, (lazy.bounded, eager.bounded)
 
 
 def test_no_chain_on_fewer_than_three_groups():
