@@ -118,24 +118,29 @@ def test_integer_bounds_are_below_the_best_integer_shares():
     assert lifted > 150  # the integer bound is tighter than the crossing for most
 
 
-@pytest.fixture(scope="module")
-def three():
+@pytest.mark.parametrize(
+    "per_node, global_batch, least_dp, searched",
+    [
+        (2, 48, 3, 0),  # pairs of GPUs: two groups hold at most 4 pipelines
+        (4, 72, 5, 50),  # four a group: several splits per support, visited in bound order
+    ],
+)
+def test_share_placements_over_three_groups_find_the_best(
+    per_node, global_batch, least_dp, searched
+):
+    """For every configuration of a small H100 + A100-80GB + A40 cluster with room for
+    shares, the best of `_share_placements`' options prices exactly as the best of every
+    group-pure placement (pairs and triples of groups), and the search says it is exact."""
     graph = transformer_graph(4, 1024, 8, 8, 4096, 8000, 1024, 1)
-    cluster = three_type_cluster(gpus_per_node=2)  # two groups hold at most 4 pipelines
-    return graph, cluster, pricer_for(graph, cluster)
-
-
-def test_share_placements_over_three_groups_find_the_best(three):
-    """For every configuration of a small three-type cluster with room for shares, the best of
-    `_share_placements`' options prices exactly as the best of every group-pure placement
-    (pairs and triples of groups), and the search says it is exact."""
-    graph, cluster, pricer = three
+    cluster = three_type_cluster(gpus_per_node=per_node)
+    pricer = pricer_for(graph, cluster)
     memo = _ScreenMemo(
-        pricer, graph, 48, _Work.starting_now(1e3), _Scorer(Objective(), cluster), math.inf
-    )
-    checked = triples = 0
-    for c in enumerate_candidates(graph, cluster, Parallel(), 48):
-        if c.group_tp or c.dp < 3:
+        pricer, graph, global_batch, _Work.starting_now(1e3), _Scorer(Objective(), cluster),
+        math.inf,
+    )  # fmt: skip
+    checked = triples = several = 0
+    for c in enumerate_candidates(graph, cluster, Parallel(), global_batch):
+        if c.group_tp or c.dp < least_dp:
             continue  # three groups need three pipelines
         for split in memo.splits(c)[:2]:
             t = plan_tables(pricer, c.parallel(), stages_of(graph, split), memo.groups(c))
@@ -144,16 +149,18 @@ def test_share_placements_over_three_groups_find_the_best(three):
             if not every:
                 continue
             allowed = [[g for g in t.groups if t.fits[s][g]] for s in range(t.pp)]
-            options, exact, *_ = _share_placements(t, allowed)
+            options, exact, listed, _ = _share_placements(t, allowed)
             assert exact
             want = min(evaluate(t, pl, sh).step_time_s for pl, sh in every)
             got = min(evaluate(t, pl, sh).step_time_s for pl, sh in options)
             assert got == pytest.approx(want, rel=1e-12), (c.describe(), split)
             checked += 1
+            several += listed > 1
             best = min(every, key=lambda o: evaluate(t, o[0], o[1]).step_time_s)
             triples += len(best[1]) == 3
     assert checked > 20
     assert triples > 3  # all three groups win somewhere: the search is not only pairs'
+    assert several >= searched
 
 
 def test_solve_is_optimal_on_three_groups_and_uses_all_three(monkeypatch):
