@@ -127,6 +127,11 @@ class SolverInfo:
     objective: str = "throughput"
 
 
+# `explain` suggests a larger budget when a plan's proven gap is at least this (session 31:
+# Llama 3 70B on 32 A100-40GB + 32 V100-16GB + 32 T4 over 25 GbE, gap 98.6% at the default
+# budget, is 46x faster at `--time-limit 60`).
+UNPROVEN_GAP_HINT = 0.10
+
 COMM_METHODS = ("raw", "lossless", "int8")
 _DECISION_KEYS = ("group", "collective", "tensor", "method", "raw_s", "lossless_s", "int8_s")
 _DECISION_KEYS += ("ratio", "chunks", "reason")
@@ -453,6 +458,12 @@ class Plan:
             f"  solver: {self.solver.status}, gap {self.solver.gap * 100:.2f}%, "
             f"{self.solver.candidates} configurations priced"
         )
+        if self.solver.status == "feasible" and self.solver.gap >= UNPROVEN_GAP_HINT:
+            lines.append(
+                "  note: not proven optimal: the best plan may take as little as "
+                f"{1 - self.solver.gap:.0%} of this step time; a larger --time-limit "
+                "(time_limit_s) searches further"
+            )
         return "\n".join(lines)
 
 

@@ -1,5 +1,6 @@
 """Plan JSON v1: canonical bytes, round trip, atomic writes, and one-line rejections."""
 
+import dataclasses
 import json
 
 import meshplan
@@ -57,6 +58,20 @@ def test_explain_names_mesh_stages_memory_and_time(plan):
     text = plan.explain()
     for needle in ("degrees", "stage 0", "GiB", "predicted: step", "solver"):
         assert needle in text
+
+
+def test_explain_suggests_a_larger_budget_for_a_wide_gap(plan):
+    """A plan the search could not prove within 10% of the best says so and names the knob;
+    an optimal plan, or a small gap, adds nothing."""
+    hint = "a larger --time-limit"
+    assert hint not in plan.explain()
+    cases = (("feasible", 0.5, True), ("feasible", 0.02, False), ("optimal", 0.0, False))
+    for status, gap, shown in cases:
+        solver = dataclasses.replace(plan.solver, status=status, gap=gap)
+        other = dataclasses.replace(plan, solver=solver)
+        assert (hint in other.explain()) is shown, (status, gap)
+        if shown:
+            assert "as little as 50% of this step time" in other.explain()
 
 
 def _write(tmp_path, data):
