@@ -115,13 +115,24 @@ def chains(
     builds the rest. (Until session 31 every chain below `below` was built up front: with a
     poor incumbent, Llama 3 70B on 32 A100 + 32 V100 + 32 T4 spent minutes there, outside
     the work budget.)"""
+    return _in_order(
+        costs, pinned, all_heads(costs, pinned, global_batch, recomputes, sp, below), below
+    )
+
+
+def all_heads(
+    costs, pinned: Parallel, global_batch: int, recomputes: Sequence[Recompute], sp: bool,
+    below: float,
+) -> list[tuple]:  # fmt: skip
+    """Every head of `chains` whose least bound is below `below`, as (least bound, order,
+    arguments of `_grid`), unsorted (none where `chains` has none)."""
     p, graph, n = pinned, costs.graph, costs.n_layers
     groups = costs.pricer.cluster.groups
     if len(groups) < 3 or n < 3 or not pins_allow(p):
-        return iter(())
+        return []
     every = [(g, t) for g in groups for t in _degrees(g, graph)]
     most = max(replica_capacity(g, t) for g, t in every)
-    heads: list[tuple] = []
+    out: list[tuple] = []
     for dp in [p.dp] if p.dp is not None else _divisors_upto(global_batch, most):
         if global_batch % dp:
             continue
@@ -141,21 +152,21 @@ def chains(
             hand = np.array([[costs.handoff(a.name, ta, b.name, tb, dp, mb) if a is not b else 0.0
                               for b, tb, _ in options] for a, ta, _ in options])  # fmt: skip
             for rc in recomputes:
-                heads += _heads(costs, p, options, hand, dp, mb, rc, global_batch, sp, below)
-    return _in_order(costs, p, heads, below)
+                out += _heads(costs, p, options, hand, dp, mb, rc, global_batch, sp, below)
+    return out
 
 
-def _in_order(costs, p, heads, below) -> Iterator[tuple[float, tuple, Chain]]:
-    """The chains of `heads` ((least bound, order, arguments of `_grid`)) in (bound, sort key)
+def _in_order(costs, p, todo, below) -> Iterator[tuple[float, tuple, Chain]]:
+    """The chains of `todo` ((least bound, order, arguments of `_grid`)) in (bound, sort key)
     order: a head's grid is expanded once its least bound is at most the smallest bound
     waiting (every chain of a head bounds at least its head's least), and each grid yields
     its chains one at a time (a k-way merge)."""
-    heapq.heapify(heads)
+    heapq.heapify(todo)
     waiting: list[tuple[float, tuple, int, Chain, Iterator]] = []
-    while heads or waiting:
+    while todo or waiting:
         # (a head's least bound sums differently from its grid's: the slack keeps ties in order)
-        while heads and (not waiting or heads[0][0] <= waiting[0][0] * (1 + 1e-12)):
-            _, order, args = heapq.heappop(heads)
+        while todo and (not waiting or todo[0][0] <= waiting[0][0] * (1 + 1e-12)):
+            _, order, args = heapq.heappop(todo)
             grid = _grid(costs, p, *args, below)
             first = next(grid, None)
             if first is not None:
@@ -338,4 +349,4 @@ def split(costs, chain: Chain, most: float = math.inf) -> tuple[int, ...] | None
     return found
 
 
-__all__ = ["Chain", "chains", "lifted", "slowest_limit", "split"]
+__all__ = ["Chain", "all_heads", "chains", "lifted", "slowest_limit", "split"]

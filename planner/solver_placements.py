@@ -200,8 +200,8 @@ def _integer_bounds(
     lo = np.minimum(lo, hi)
     for _ in range(30):
         mid = (lo + hi) / 2
-        runs = np.clip(np.floor((mid[:, None] - consts) / slopes), 0, cap)
-        enough = ((splits * runs).sum(axis=1) >= total) & (runs.min(axis=1) >= 1)
+        counts = np.clip(np.floor((mid[:, None] - consts) / slopes), 0, cap)
+        enough = ((splits * counts).sum(axis=1) >= total) & (counts.min(axis=1) >= 1)
         hi = np.where(enough, mid, hi)
         lo = np.where(enough, lo, mid)
     return lo * (1 - 1e-12)

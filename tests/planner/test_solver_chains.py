@@ -9,7 +9,6 @@ import itertools
 import math
 
 import meshplan.solver_layouts as layouts_mod
-import numpy as np
 import pytest
 from meshplan.cost_model import predict, pricer_for
 from meshplan.cost_model.simulate import evaluate
@@ -17,9 +16,8 @@ from meshplan.cost_model.tables import layout_tables
 from meshplan.ir import Cluster, DeviceGroup, Parallel, Recompute
 from meshplan.ir.hardware import gpu_spec
 from meshplan.ir.parallel import group_tp_problem
-from meshplan.passes.partition import replica_capacity
 from meshplan.solver import solve
-from meshplan.solver_chains import _degrees, _grid, _heads, chains, lifted, split
+from meshplan.solver_chains import _grid, all_heads, chains, lifted, split
 from meshplan.solver_layouts import _Layouts, layout_search, layouts
 from meshplan.solver_objective import _Work
 
@@ -88,28 +86,9 @@ def test_chains_come_lazily_in_the_order_of_every_chain_sorted(family):
     of the grids."""
     graph, _, pricer, _, every = family
     eager = _Layouts(graph, pricer)
-    groups = pricer.cluster.groups
     assert every == sorted(every, key=lambda item: (item[0], item[1]))
-    # the same chains as a head-by-head eager expansion, through the module's own pieces
-    heads = []
-    for dp in {ch.parallel.dp for _, _, ch in every}:
-        n = eager.n_layers
-        opts = [
-            (g, t, min(replica_capacity(g, t) // dp, n - 2))
-            for g in groups
-            for t in _degrees(g, graph)
-        ]
-        opts = [o for o in opts if o[2] >= 1]
-        for mb in {ch.parallel.micro_batch for _, _, ch in every if ch.parallel.dp == dp}:
-            hand = np.array(
-                [
-                    [eager.handoff(a.name, ta, b.name, tb, dp, mb) if a is not b else 0.0
-                     for b, tb, _ in opts]
-                    for a, ta, _ in opts
-                ]
-            )  # fmt: skip
-            heads += _heads(eager, PINS, opts, hand, dp, mb, Recompute.NONE, GLOBAL_BATCH,
-                            False, math.inf)  # fmt: skip
+    # the same chains as every head's grid built at once and sorted (the code before)
+    heads = all_heads(eager, PINS, GLOBAL_BATCH, [Recompute.NONE], False, math.inf)
     built = sorted(
         (item for _, _, args in heads for item in _grid(eager, PINS, *args, math.inf)),
         key=lambda item: (item[0], item[1]),
