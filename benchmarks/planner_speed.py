@@ -16,6 +16,9 @@ machine; each must also be optimal):
   on 128 A100-40GB + 128 V100-16GB + 128 T4, nodes of 4 with one 50 Gb/s Ethernet NIC
   (Sailor's network), and Llama-3-8B on 32 each of H100, A100-80GB, V100-16GB and T4 over
   InfiniBand HDR                                                     budget 10
+- Memory-tight (no issue target; must be optimal): Llama-3-70B on 32 A100-40GB + 32 V100-16GB
+  + 32 T4, nodes of 4 with one 25 Gb/s Ethernet NIC, where the V100 and T4 groups cannot
+  hold the model's states by themselves                             budget 10
 
 Tracing (fake tensors, once per model) is timed apart from the solve. The budget is the
 solver's deterministic work (`time_limit_s`), kept from earlier sessions so the plans stay
@@ -57,23 +60,25 @@ def mixed(gpus: int):
     )
 
 
-def more_types(kinds: int):
-    """kinds = 3: 32 nodes each of 4 A100-40GB, 4 V100-16GB and 4 T4, one 50 Gb/s Ethernet NIC
-    per node (vs_sailor.py's network); kinds = 4: 4 DGX H100, 4 DGX A100, 8 nodes of 4
-    V100-16GB and 8 of 4 T4, InfiniBand HDR between nodes."""
+def more_types(kinds: int, nodes: int = 32, gbits: int = 50):
+    """kinds = 3: `nodes` nodes each of 4 A100-40GB, 4 V100-16GB and 4 T4, one `gbits` Gb/s
+    Ethernet NIC per node (default: vs_sailor.py's network); kinds = 4: 4 DGX H100, 4 DGX
+    A100, 8 nodes of 4 V100-16GB and 8 of 4 T4, InfiniBand HDR between nodes."""
     from meshplan.ir import Cluster, DeviceGroup, LinkKind, LinkTier
     from meshplan.ir.hardware import DEFAULT_EFFICIENCY, DEFAULT_LATENCY, gpu_spec, link_tier
 
     if kinds == 3:
         eth = LinkKind.ETHERNET
-        net = LinkTier("eth-50g", eth, 50e9 / 8, DEFAULT_LATENCY[eth], DEFAULT_EFFICIENCY[eth])
+        net = LinkTier(
+            f"eth-{gbits}g", eth, gbits * 1e9 / 8, DEFAULT_LATENCY[eth], DEFAULT_EFFICIENCY[eth]
+        )
         groups = (
-            DeviceGroup("a100", gpu_spec("A100-40GB"), 32, 4, "nvlink3", net.name),
-            DeviceGroup("v100", gpu_spec("V100-16GB"), 32, 4, "nvlink2", net.name),
-            DeviceGroup("t4", gpu_spec("T4"), 32, 4, "nvlink2", net.name),
+            DeviceGroup("a100", gpu_spec("A100-40GB"), nodes, 4, "nvlink3", net.name),
+            DeviceGroup("v100", gpu_spec("V100-16GB"), nodes, 4, "nvlink2", net.name),
+            DeviceGroup("t4", gpu_spec("T4"), nodes, 4, "nvlink2", net.name),
         )
         return Cluster(
-            "a100+v100+t4-384", groups, (link_tier("nvlink3"), link_tier("nvlink2"), net)
+            f"a100+v100+t4-{12 * nodes}", groups, (link_tier("nvlink3"), link_tier("nvlink2"), net)
         )
     groups = (
         DeviceGroup("h100", gpu_spec("H100"), 4, 8, "nvlink4", "ib-hdr"),
@@ -99,6 +104,14 @@ SCENARIOS = [
     ("deepseek-moe-16b on 4096 H100+A100", "deepseek-moe-16b", lambda: mixed(4096), 60.0, 20.0),
     ("gpt3-2.7b on 384 A100+V100+T4", "gpt3-2.7b", lambda: more_types(3), 10.0, None),
     ("llama3-8b on 128 of four types", "llama3-8b", lambda: more_types(4), 10.0, None),
+    # memory-tight: only A100-40GB group can hold the model's states alone (1.24 TB of them)
+    (
+        "llama3-70b on 96 A100-40GB+V100+T4",
+        "llama3-70b",
+        lambda: more_types(3, nodes=8, gbits=25),
+        10.0,
+        None,
+    ),
 ]
 
 

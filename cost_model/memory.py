@@ -47,7 +47,7 @@ output). Both are checked against torch's own allocation profile of a CPU traini
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from meshplan.ir import Block, OpKind, Recompute
@@ -120,6 +120,39 @@ def state_bytes_per_param(
     if zero == 3:
         return w / d, g / d, o / d
     raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero!r}")
+
+
+def summed_states(
+    dense: float, expert: float, *, shards: int, ep: int, zero: int, precision: Precision = MIXED
+) -> float:
+    """Bytes of model states that the ranks of a configuration hold between them, whatever the
+    split into stages and the TP degree: every parameter's states are held by its `shards`
+    (dp * cp) data-parallel copies at the per-rank bytes of `state_bytes_per_param` (expert
+    states by shards / ep copies, as `stage_memory` shards them). A replicated parameter
+    (norm weights under TP) counts once: a lower bound."""
+
+    def copies(d: int) -> float:  # one parameter's state bytes over its d copies
+        return d * sum(state_bytes_per_param(zero, d, precision))
+
+    return dense * copies(max(1, shards)) + expert * copies(max(1, shards // max(1, ep)))
+
+
+def least_peak(states: float, ranks: int) -> float:
+    """A lower bound on the largest peak (`StageMemory.peak`) of `ranks` ranks that hold
+    `states` bytes of model states between them (`summed_states`): some rank holds the
+    average, and its peak adds the allocator margin and the context (activations only add).
+    A cheap first check before the per-stage one: a configuration whose bound passes every
+    GPU it may use fits on none."""
+    return (1 + ALLOCATOR_MARGIN) * states / max(1, ranks) + CONTEXT_BYTES
+
+
+def holds_states(states: float, ranks: Iterable[tuple[int, float]]) -> bool:
+    """Whether ranks of these capacities ((count, bytes per rank) pairs) can hold `states`
+    bytes of model states between them (`summed_states`), each rank's peak with the allocator
+    margin and the context within its capacity: `least_peak` for ranks of unequal memory. A
+    necessary condition of any split fitting."""
+    room = sum(n * (capacity - CONTEXT_BYTES) for n, capacity in ranks)
+    return (1 + ALLOCATOR_MARGIN) * states <= room
 
 
 @dataclass(frozen=True, slots=True)

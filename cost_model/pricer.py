@@ -179,6 +179,7 @@ class Pricer(
         self._block_time: dict[tuple, StageTime] = {}
         self._compute_times: dict[tuple, tuple[float, float, float]] = {}
         self._mem: dict[tuple, StageMemory] = {}
+        self._model_params: tuple[float, float] | None = None  # `model_params`
         self._cross: dict[tuple, CrossPath] = {}
         self._sync: dict[tuple, float] = {}  # step_sync_time's SP gradient part
         self._dp_single: dict[tuple, list] = {}  # dp_single_choices, by what prices them
@@ -351,6 +352,16 @@ class Pricer(
         )
 
     # -- per stage composition (group-independent) ---------------------------------------------
+    def model_params(self) -> tuple[float, float]:
+        """(dense, expert) parameters of the whole model as the memory model counts them (a
+        replicated parameter once; `memory.least_peak`), computed once."""
+        if self._model_params is None:
+            comp = self.costs.composition(0, len(self.costs.unit_keys))
+            mems = [(self.costs.facts[k].memory, n) for k, n in comp]
+            dense = sum(n * (m.params_tp + m.params_rep) for m, n in mems)
+            self._model_params = (dense, sum(n * m.params_expert for m, n in mems))
+        return self._model_params
+
     def stage_memory(
         self,
         comp: Composition,

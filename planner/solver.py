@@ -90,6 +90,7 @@ from dataclasses import dataclass, field
 
 from meshplan.cost_model.compression import CommOptions
 from meshplan.cost_model.engine import EAGER, Engine
+from meshplan.cost_model.memory import holds_states, summed_states
 from meshplan.cost_model.pricer import Pricer, compute_dtype, pricer_for
 from meshplan.cost_model.simulate import evaluate, predict
 from meshplan.ir import (
@@ -658,7 +659,15 @@ def _single_group_seed(
         table = dict(g.gpu.peak_flops)
         return g.num_gpus * table.get(peak_dtype, table["float32"])
 
+    # The least model states any configuration holds (ZeRO-3: each parameter's once)
+    pricer = pricer_for(graph, cluster, dtype, comm, engine)
+    least = summed_states(
+        *pricer.model_params(), shards=1, ep=1, zero=3, precision=pricer.precision
+    )
     for g in sorted(cluster.groups, key=lambda g: -peak(g)):  # ties: cluster order
+        work.charge("aggregate")
+        if not holds_states(least, [(g.num_gpus, g.gpu.memory_bytes)]):
+            continue  # the whole group cannot hold the model's states: no plan inside it
         sub = dataclasses.replace(cluster, name=f"{cluster.name}/{g.name}", groups=(g,))
         sub = dataclasses.replace(sub, group_links=())
         own = _one_group(cands, g) if shared else None

@@ -2,6 +2,10 @@
 every placement of a configuration c or a (configuration, split) pair (c, l), so the screen
 can visit pairs in bound order and stop once the bound passes the best plan.
 
+Memory, before any stage is built:
+    `_least_peak`           c, every split and placement: the model's states over c's ranks,
+                            averaged (`memory.least_peak`); passing the largest GPU c may use,
+                            c fits nowhere, and the per-stage check below is not needed
 Before any table (memory ignored, the groups' replica capacity respected):
     `_split_free_bound`     c, every split: stage times add over units, so S >= S_min (every unit
                             on its fastest group) and U >= S / pp; with shares `_share_rate_bound`
@@ -31,7 +35,7 @@ from dataclasses import dataclass
 
 from meshplan.cost_model.compression import MEASURED_RATIO, CommOptions, int8_gradient_ratio
 from meshplan.cost_model.dp_traffic import CrossTraffic
-from meshplan.cost_model.memory import in_flight_microbatches
+from meshplan.cost_model.memory import in_flight_microbatches, least_peak, summed_states
 from meshplan.cost_model.pricer import OVERLAP_EFFICIENCY, Pricer
 from meshplan.cost_model.tables import PlanTables
 from meshplan.passes.partition import replica_capacity
@@ -42,6 +46,18 @@ from .solver_candidates import Candidate, Family, priced
 def _stage_memory(pricer, comp, c):
     """Memory of one stage made of `comp` under candidate `c` (all of c's memory knobs)."""
     return pricer.stage_memory(comp, c.stage_of(), dp=c.dp, zero=c.zero)
+
+
+def _least_peak(pricer: Pricer, c: Candidate, tp: int | None = None) -> float:
+    """A lower bound on the peak memory of c's fullest rank over every split and placement
+    (`memory.least_peak` of the whole model's states over c's dp cp tp pp ranks; `tp`: a
+    group's own degree under per-group TP); a few multiplications, no stage built."""
+    dense, expert = pricer.model_params()
+    shards = c.dp * c.cp
+    states = summed_states(
+        dense, expert, shards=shards, ep=c.ep, zero=c.zero, precision=pricer.precision
+    )
+    return least_peak(states, shards * (tp or c.tp) * c.pp)
 
 
 def _prefix_time(times: dict[str, float], capacity: dict[str, int], need: int) -> float:

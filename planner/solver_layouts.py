@@ -73,7 +73,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from meshplan.cost_model.memory import in_flight_microbatches
+from meshplan.cost_model.memory import holds_states, in_flight_microbatches, summed_states
 from meshplan.cost_model.pricer import OVERLAP_EFFICIENCY, Pricer
 from meshplan.cost_model.simulate import evaluate, predict
 from meshplan.cost_model.tables import _dp_window, layout_tables
@@ -313,6 +313,20 @@ class _Layouts:
             if kinds[u.block].kind == "layer"
         )
 
+    def may_hold(self, lay: Layout | Chain) -> bool:
+        """Whether `lay`'s ranks, each at its GPU's capacity, can hold the model's states
+        between them at all (`memory.holds_states`; ZeRO-0, as the family runs). When not, no
+        split of it fits and it is not searched."""
+        p, pricer = lay.parallel, self.pricer
+        dense, expert = pricer.model_params()
+        states = summed_states(
+            dense, expert, shards=p.dp * p.cp, ep=p.ep, zero=0, precision=pricer.precision
+        )
+        ranks = [
+            (reps * t * p.cp, self.capacity[g]) for s in range(p.pp) for g, reps, t in lay.on(s)
+        ]
+        return holds_states(states, ranks)
+
     def per_layer(self, group: str, cfg: StageConfig) -> float:
         """tau: the least time of one layer (any layer block) on a rank of `group` under
         `cfg`; a stage's time is the sum of its blocks' (`Pricer.stage_time`), so k layers
@@ -544,6 +558,9 @@ def layout_search(
         if work.exhausted():
             lowest_open = bound
             break
+        work.charge("aggregate", lay.parallel.pp / 4)
+        if not cache.may_hold(lay):
+            continue  # no split fits
         # Every split's step also carries its first stage's exposed gradient traffic, and its
         # slowest stage holds whole layers.
         chain = isinstance(lay, Chain)

@@ -46,6 +46,7 @@ from .solver_bounds import (
     _free_hosts,
     _free_terms,
     _free_value,
+    _least_peak,
     _lower_bound,
     _memory_free_bound,
     _multi_group_bound,
@@ -332,7 +333,17 @@ class _ScreenMemo:
         m = self.microbatches(c)
         fits = []
         verdicts: dict[tuple[int, float], bool] = {}
+        # By ZeRO stage: the model's states alone fit nowhere (`fits_nowhere`). Asked only with
+        # a plan in hand: with none, the search may end in a refusal, which names the least
+        # need `_split_free_memory` finds (less than `_least_peak` where ceil(L / pp) layers
+        # hold fewer parameters than the average stage), so it checks as it always did.
+        surely: dict[int, bool] = {}
         for k, (_, _, zero, sched, v) in enumerate(fam.template):
+            if zero not in surely and math.isfinite(best):
+                self.work.charge("aggregate")
+                surely[zero] = self.fits_nowhere(fam.member(k))
+            if surely.get(zero):
+                continue
             self.work.charge("memory")  # one per (zero, schedule, v): each member once
             held = min(
                 in_flight_microbatches(sched.value, s, fam.pp, m, chunks_of(sched, v))
@@ -359,6 +370,17 @@ class _ScreenMemo:
         """Bytes at least of the stage holding ceil(L / pp) layers of c with `in_flight`
         micro-batches (`_split_free_memory`)."""
         return _split_free_memory(self.pricer, c, self.n_layers, self.cache, in_flight)
+
+    def fits_nowhere(self, c: Candidate) -> bool:
+        """Whether c's model states alone pass every GPU c may use, whatever its split
+        (`_least_peak`; per-group TP: some group's view against that group's GPUs)."""
+        if not c.group_tp:
+            top = max(self.pricer.groups[g].gpu.memory_bytes for g in self.groups(c))
+            return _least_peak(self.pricer, c) > top
+        return any(
+            _least_peak(self.pricer, c, t) > self.pricer.groups[g].gpu.memory_bytes
+            for g, t in c.group_tp
+        )
 
     def too_big(self, c: Candidate, need_of: Callable[[Candidate], tuple[int, int]]):
         """(bytes, stage) that c needs where it fits on no GPU it may use, else None;
@@ -689,6 +711,10 @@ class _Screen:
                                 queue, _Queued(max(got[0], family.floor), i, (), unsplit)
                             )
                 case _Unsplit(cand=c, factor=factor, floor=floor):  # expand into its splits
+                    if math.isfinite(self.best):  # with none, see `_ScreenMemo.refined`
+                        work.charge("aggregate")
+                        if memo.fits_nowhere(c):
+                            continue  # no split fits
                     work.charge("memory")
                     need = memo.too_big(c, lambda x: (memo.split_free_memory(x), x.pp - 1))
                     if need is not None:
