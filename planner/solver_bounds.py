@@ -40,7 +40,7 @@ from meshplan.cost_model.pricer import OVERLAP_EFFICIENCY, Pricer
 from meshplan.cost_model.tables import PlanTables
 from meshplan.passes.partition import replica_capacity
 
-from .solver_candidates import Candidate, Family, priced
+from .solver_candidates import Candidate, Family, _tp_of, priced
 
 
 def _stage_memory(pricer, comp, c):
@@ -182,9 +182,38 @@ def _free_terms(
             }
             s_min = sum(n * min(per[(k, g)] for g in groups) for k, n in counts.items())
             whole = {g: sum(n * per[(k, g)] for k, n in counts.items()) for g in groups}
-            got = cache[key] = (s_min, whole)
+            got = cache[key] = (s_min, whole, per, counts)  # the last two: `_cost_floor`
         cache[raw] = got
     return raw, got[0], got[1]
+
+
+def _cost_floor(
+    pricer: Pricer,
+    c: Candidate | Family,
+    groups: Sequence[str],
+    m: int,
+    price: Mapping[str, float],
+    cache: dict,
+) -> float:
+    """Objective "cost": a score bound of c (a candidate, or a family: its members share what
+    this reads) over every split and placement, memory ignored. A plan costs its step time
+    times the price of the GPUs it holds (`_Scorer.score`), and every rank of a stage is busy
+    for each micro-batch its replica runs, so a replica running m_j micro-batches keeps its
+    stage's ranks for at least m_j u_s of the step; the m_j of a stage's replicas sum to dp m
+    (equal or uneven shares alike), and a stage's time adds over its units. So the score is
+    at least dp m sum over units of min_g (price_g tp_g cp t_g(unit)): every unit on the group
+    where its work is cheapest (`price` per GPU-second). The step-time bound times the
+    cheapest price (`_Scorer.factor`) pairs the fastest group's time with the cheapest
+    group's price, which differ on a mixed cluster; this one does not."""
+    raw, _, _ = _free_terms(pricer, c, groups, cache)
+    key = ("cost-floor", raw, c.dp, m)
+    got = cache.get(key)
+    if got is None:
+        per, counts = cache[raw][2:]
+        rate = {g: price[g] * _tp_of(c.tp, c.group_tp, g) * c.cp for g in groups}
+        cheapest = sum(n * min(rate[g] * per[(k, g)] for g in groups) for k, n in counts.items())
+        got = cache[key] = c.dp * m * cheapest
+    return got
 
 
 def _free_hosts(
@@ -692,20 +721,22 @@ def _lower_bound(t: PlanTables, allowed: list[list[str]]) -> float:
     """A lower bound on `evaluate(t, placement)` over every lock-step placement that respects
     memory and capacity: stage times by `_stage_bound`, boundaries, DP traffic and optimizer
     at their cheapest allowed group (pair)."""
-    pp, m, v = t.pp, t.m, t.chunks
+    pp, m = t.pp, t.m
     stage_times = [{g: t.time[s][g].total for g in allowed[s]} for s in range(pp)]
     big_u, total = _stage_bound(stage_times, [1] * pp, t.replica_capacity, t.parallel.dp)
+    return _pipeline_bound(big_u, total, m, t.fill) + _lock_extra(t, allowed)
+
+
+def _lock_extra(t: PlanTables, allowed: list[list[str]]) -> float:
+    """What `_lower_bound` adds to the pipeline term of every lock-step placement: the bubble
+    units, the hand-offs, DP traffic and optimizer at their cheapest allowed group (pair)."""
+    pp, m, v = t.pp, t.m, t.chunks
     p2p = max(
         (min(t.p2p[s][(a, b)] for a in allowed[s] for b in allowed[s + 1]) for s in range(pp - 1)),
         default=0.0,
     )
     z = max(min(t.bubble_unit(s, g) for g in allowed[s]) for s in range(pp))
-    return (
-        _pipeline_bound(big_u, total, m, t.fill)
-        + (pp - 1) * z
-        + (m * v + pp - 1) * p2p
-        + _exposed_and_optimizer(t, allowed)
-    )
+    return (pp - 1) * z + (m * v + pp - 1) * p2p + _exposed_and_optimizer(t, allowed)
 
 
 def _share_hosts(t: PlanTables, allowed: list[list[str]]) -> list[str]:
@@ -752,4 +783,10 @@ def _share_bound(t: PlanTables, allowed: list[list[str]]) -> float:
     if rate <= 0:
         return math.inf
     fill = min(terms[g][1] for g in hosts)
-    return t.parallel.dp * t.m / rate + fill + _exposed_and_optimizer(t, allowed, t.pp)
+    return t.parallel.dp * t.m / rate + fill + _share_extra(t, allowed)
+
+
+def _share_extra(t: PlanTables, allowed: list[list[str]]) -> float:
+    """What `_share_bound` adds to the pipeline term of every group-pure placement: DP traffic
+    and optimizer, every stage's replicas spanning the groups."""
+    return _exposed_and_optimizer(t, allowed, t.pp)

@@ -42,16 +42,19 @@ from meshplan.passes.partition import replica_capacity, stages_of
 
 from .solver_bounds import (
     _capacities,
+    _cost_floor,
     _free_bound,
     _free_hosts,
     _free_terms,
     _free_value,
     _least_peak,
+    _lock_extra,
     _lower_bound,
     _memory_free_bound,
     _multi_group_bound,
     _pipeline_bound,
     _share_bound,
+    _share_extra,
     _split_free_memory,
     _stage_memory,
 )
@@ -258,7 +261,44 @@ class _ScreenMemo:
         if _beyond(lb, self.limit):
             return None
         factor = self.factor(f)
-        return lb * factor, factor
+        return max(lb * factor, self.cost_floor(f)), factor
+
+    def cost_table_floor(
+        self,
+        c: Candidate,
+        t: PlanTables,
+        allowed: list[list[str]],
+        extra: Callable[[PlanTables, list[list[str]]], float],
+    ) -> float:
+        """Objective "cost": a score bound of the pair over the placements whose step is at
+        least their pipeline term plus `extra(t, allowed)` (`_lock_extra` or `_share_extra`);
+        0 otherwise. `_cost_floor`'s argument over the pair's own stages (each on the groups
+        it fits in), with the pipeline fill: a replica running m_j micro-batches holds its
+        stage's GPUs for at least m_j u_s + fill (S - u_s) + extra (`_pipeline_bound`:
+        m U + fill (S - U) rises with U, as m >= 1 >= fill), S - u_s at least the other
+        stages at their fastest, F_s. So the score is at least
+        dp sum_s (m min_g rate_g u_s,g + (fill F_s + extra) min_g rate_g), rate_g the price of
+        a replica-stage's GPUs on g."""
+        if not self.scorer.cost:
+            return 0.0
+        self.work.charge("bound")
+        price, m, pp = self.scorer.price, self.microbatches(c), t.pp
+        rates = [{g: price[g] * c.tp_of(g) * c.cp for g in allowed[s]} for s in range(pp)]
+        fastest = [min(t.time[s][g].total for g in allowed[s]) for s in range(pp)]
+        total, more = sum(fastest), extra(t, allowed)
+        return c.dp * sum(
+            m * min(r * t.time[s][g].total for g, r in rates[s].items())
+            + (c.fill * (total - fastest[s]) + more) * min(rates[s].values())
+            for s in range(pp)
+        )
+
+    def cost_floor(self, c: Candidate | Family) -> float:
+        """Objective "cost": `_cost_floor` of c (a score, not a step time); 0 otherwise."""
+        if not self.scorer.cost:
+            return 0.0
+        return _cost_floor(
+            self.pricer, c, self.groups(c), self.microbatches(c), self.scorer.price, self.cache
+        )
 
     def family_bounds(self, families: Sequence[Family]) -> list[tuple[float, Family]]:
         """(bound x factor, family) of every family whose loosest member may win, in order:
@@ -290,7 +330,7 @@ class _ScreenMemo:
             lb = _free_value(s_min, hosts, pp, f.dp, m, fill, zero, bool(f.group_tp))
             if _beyond(lb, limit):
                 continue
-            out.append((lb * self.factor(f), f))
+            out.append((max(lb * self.factor(f), self.cost_floor(f)), f))
         return out
 
     def refined(self, family: _Family, bound: float, best: float) -> float:
@@ -584,8 +624,14 @@ def _price(memo: _ScreenMemo, pair: _Pair, best: float) -> _Priced | None:
     if any(not a for a in allowed):
         return None
     # per-group TP: group-pure pipelines only (no lock-step placement)
-    lock_lower = math.inf if c.group_tp else max(_lower_bound(t, allowed) * factor, pair.floor)
-    share_lower = max(_share_bound(t, allowed) * factor, pair.floor)
+    lock_lower = share_lower = math.inf
+    if not c.group_tp:
+        lock_lower = max(_lower_bound(t, allowed) * factor, pair.floor)
+        lock_lower = max(lock_lower, memo.cost_table_floor(c, t, allowed, _lock_extra))
+    share = _share_bound(t, allowed)
+    if math.isfinite(share):
+        share_lower = max(share * factor, pair.floor)
+        share_lower = max(share_lower, memo.cost_table_floor(c, t, allowed, _share_extra))
     lower = min(lock_lower, share_lower)
     if lower > best * (1 + 1e-9):
         return None
@@ -649,7 +695,10 @@ class _Screen:
     ) -> None:
         self.pricer, self.global_batch, self.work, self.limit = pricer, global_batch, work, limit
         memo = _ScreenMemo(pricer, graph, global_batch, work, scorer, limit, single_floor)
-        queue = [_Queued(b, f.first, (), _Family(f)) for b, f in memo.family_bounds(families)]
+        queue = [
+            _Queued(b, f.first, (), _Family(f, floor=memo.cost_floor(f)))
+            for b, f in memo.family_bounds(families)
+        ]
         # Megatron-style warm starts go first (bound -1): a strong incumbent early prunes the
         # rest.
         top_memory = max(g.gpu.memory_bytes for g in pricer.cluster.groups)

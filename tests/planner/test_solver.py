@@ -119,11 +119,14 @@ def _chunked_split(sched, v, n_layers, pp):
     return rank_layers(n_layers, pp, v, sched == "zero_bubble")
 
 
-def brute_force(graph, cluster, global_batch, pinned=None, equal_shares=False):
+def brute_force(graph, cluster, global_batch, pinned=None, equal_shares=False, score=None):
     """(best step time, its Parallel, its placement) over every configuration (tp, cp, ep, pp,
     dp, micro-batch, ZeRO, recompute, schedule and virtual stages), every layer split (all of
     them for 1F1B, the even one for interleaved 1F1B and ZB-V) and every placement (lock-step, and
-    group-pure with uneven micro-batch shares; `equal_shares`: only shares of m each)."""
+    group-pure with uneven micro-batch shares; `equal_shares`: only shares of m each).
+    `score(parallel, step, placement, {group: tp} or {})`: what is minimised instead of the
+    step time (and returned first)."""
+    score = score or (lambda p, step, pl, tps: step)
     pinned = pinned or Parallel()
     info, pricer = graph.info, pricer_for(graph, cluster)
     n_layers = len(graph.layer_units)
@@ -178,19 +181,22 @@ def brute_force(graph, cluster, global_batch, pinned=None, equal_shares=False):
                         for split in splits:
                             t = plan_tables(pricer, p, stages_of(graph, split))
                             for pl in _placements(t, cap):
-                                step = evaluate(t, pl).step_time_s
-                                if step < best[0]:
-                                    best = (step, p, pl)
+                                value = score(p, evaluate(t, pl).step_time_s, pl, {})
+                                if value < best[0]:
+                                    best = (value, p, pl)
                             for pl, shares in _share_placements(t, cap):
                                 if equal_shares and set(shares.values()) != {m}:
                                     continue
                                 step = evaluate(t, pl, shares).step_time_s
-                                if step < best[0]:
-                                    best = (step, p, (pl, shares))
-    return _per_group_tp(graph, cluster, global_batch, pinned, pricer, best, equal_shares)
+                                value = score(p, step, pl, {})
+                                if value < best[0]:
+                                    best = (value, p, (pl, shares))
+    return _per_group_tp(graph, cluster, global_batch, pinned, pricer, best, equal_shares, score)
 
 
-def _per_group_tp(graph, cluster, global_batch, pinned, pricer, best, equal_shares=False):
+def _per_group_tp(
+    graph, cluster, global_batch, pinned, pricer, best, equal_shares=False, score=None
+):
     """Per-group TP: for every pair of groups and tp_a != tp_b (ZeRO-0, no EP, tp unpinned),
     n_a + n_b = dp group-pure pipelines (n_a, n_b >= 1) with shares m_a, m_b: any when the
     schedule's in-flight depth is saturated at m, else only m_a = m_b = m."""
@@ -243,11 +249,11 @@ def _per_group_tp(graph, cluster, global_batch, pinned, pricer, best, equal_shar
                                 t = hetero_tables(
                                     pricer, p, stages_of(graph, split), {a.name: ta, b.name: tb}
                                 )
-                                best = _best_hetero(t, cap, best, equal_shares)
+                                best = _best_hetero(t, cap, best, equal_shares, score)
     return best
 
 
-def _best_hetero(t, cap, best, equal_shares=False):
+def _best_hetero(t, cap, best, equal_shares=False, score=None):
     p, pp, m = t.parallel, t.pp, t.m
     a, b = t.groups
     if not all(t.fits[s][g] for s in range(pp) for g in (a, b)):
@@ -273,8 +279,9 @@ def _best_hetero(t, cap, best, equal_shares=False):
             if mb_ < 1 or any(microbatch_problem(p.schedule, pp, k) for k in (ma, mb_)):
                 continue
             step = evaluate(t, pl, {a: ma, b: mb_}).step_time_s
-            if step < best[0]:
-                best = (step, p, (pl, {a: ma, b: mb_}, t.group_tp))
+            value = step if score is None else score(p, step, pl, dict(t.group_tp))
+            if value < best[0]:
+                best = (value, p, (pl, {a: ma, b: mb_}, t.group_tp))
     return best
 
 
