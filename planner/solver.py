@@ -139,7 +139,7 @@ from .solver_objective import (
     _Work,
     rarer_collections,
 )
-from .solver_placements import SHARE_EXHAUSTIVE_DP, SHARE_WINDOW, _pair_shares
+from .solver_placements import _pair_shares
 from .solver_screen import MIN_SCREEN_EXTENSION, _needs_model, _Priced, _Screen
 from .solver_splits import EXHAUSTIVE_SPLITS
 
@@ -156,8 +156,6 @@ __all__ = [
     "MAX_VIRTUAL_STAGES",
     "MIN_CP_TOKENS",
     "OBJECTIVES",
-    "SHARE_EXHAUSTIVE_DP",
-    "SHARE_WINDOW",
     "UNITS_PER_STEP",
     "WALL_CLOCK_NOTE",
     "WALL_SAFETY_FACTOR",

@@ -8,10 +8,10 @@ run group-pure pipelines, n_g pipelines wholly inside group g, each running m_g 
 sum_g n_g m_g = dp m (`StagePlacement.microbatches`). Each group's pipeline term is
 f_g(m_g) = m_g (U_g + v P_g) + (S_g - U_g) / v + (pp - 1) P_g and the step takes the max over
 groups (`cost_model.simulate.evaluate`). For every pair of host groups and every split
-n_a + n_b = dp (a window around the fastest-first split when dp > SHARE_EXHAUSTIVE_DP) the
-best integer shares are found exactly: f_a rises and f_b falls with m_a, so the optimum is the
-feasible m_a nearest the crossing point on either side. The shares never raise a stage's
-in-flight activations (m_g stays where the schedule's warm-up depth is already saturated).
+n_a + n_b = dp the best integer shares are found exactly: f_a rises and f_b falls with m_a,
+so the optimum is the feasible m_a nearest the crossing point on either side. The shares
+never raise a stage's in-flight activations (m_g stays where the schedule's warm-up depth
+is already saturated).
 
 Three or more host groups at once (session 31): for every set of at least three host groups
 (a support) and every split of dp over it (`_splits_over`: each group at least one pipeline),
@@ -21,6 +21,10 @@ rest solved the same way down to a pair). Within a support the DP traffic and th
 are the same for every split (every stage's replicas span the support's groups), so the
 pipeline term alone ranks them and the visit stops once the bound reaches the best found:
 exact for every support while its splits number at most SHARE_SPLITS_LIMIT.
+
+Objective "cost" (session 32): the group mix changes the price, so every support of two or
+more host groups gives its (pipeline term, price) frontier (`_frontier_placements`); before,
+pairs were tried up to dp 64 (a window beyond) and larger supports not at all.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 from meshplan.cost_model.tables import PlanTables
@@ -37,10 +41,6 @@ from meshplan.ir import microbatch_problem
 from .solver_bounds import _share_cap, _share_hosts, _share_terms
 from .solver_splits import _take_replicas
 
-# Uneven DP shares: every split of dp pipelines over two groups is tried up to this dp, a
-# window of SHARE_WINDOW splits around the fastest-first one beyond it.
-SHARE_EXHAUSTIVE_DP = 64
-SHARE_WINDOW = 8
 # Shares over three or more groups: the splits of dp over all supports of one configuration
 # are enumerated up to this many (numpy, a few ms); past it the rest count as open. Sailor-sized
 # three-type clusters (128 GPUs of each type, pp 1) have at most 12,288 (at dp 192).
@@ -246,6 +246,52 @@ def _support_placements(t: PlanTables, hosts: list[str], terms, cap: int, runs):
     return out, exact, listed, visited
 
 
+def _frontier_placements(t: PlanTables, hosts: list[str], terms, cap: int, runs, rates):
+    """Objective "cost": the group-pure share placements that may be cheapest, over every
+    support of two or more host groups: ([(placement, shares)], exact, splits enumerated,
+    splits visited). A plan's score is its step time times its GPUs' price, and within a
+    support the step is the pipeline term plus the same DP traffic and optimizer for every
+    split (module docstring), while the price is sum_g n_g rates[g] (per stage). So the
+    cheapest split lies on the support's frontier: no split at most as expensive has a
+    smaller pipeline term. The splits are visited by price (then bound, then the split) and
+    solved exactly (`_support_shares`) only where their integer bound is below the least
+    pipeline term of the cheaper ones; each that lowers it is kept. Exact while the splits
+    number at most SHARE_SPLITS_LIMIT (more: those supports are skipped)."""
+    dp, pp, total = t.parallel.dp, t.pp, t.parallel.dp * t.m
+    ep = t.parallel.ep or 1
+    out, exact, listed, visited = [], True, 0, 0
+    for size in range(2, len(hosts) + 1):
+        for support in itertools.combinations(hosts, size):
+            caps = tuple(t.replica_capacity[g] // pp for g in support)
+            count = _split_count(dp, caps, ep)
+            if not count:
+                continue
+            if listed + count > SHARE_SPLITS_LIMIT:
+                exact = False
+                continue
+            splits = _splits_over(dp, caps, ep)
+            listed += len(splits)
+            slopes = np.array([terms[g][0] for g in support])
+            consts = np.array([terms[g][1] for g in support])
+            bounds = _integer_bounds(splits, slopes, consts, total, cap, t.m)
+            price = splits @ np.array([rates[g] for g in support])
+            order = np.lexsort((*splits.T[::-1], bounds, price))
+            sterms = [terms[g] for g in support]
+            best_pipe = math.inf
+            for i, bound in zip(order.tolist(), bounds[order].tolist(), strict=True):
+                if bound >= best_pipe * (1 - 1e-12):
+                    continue  # a split no dearer is at least as fast
+                visited += 1
+                ns = splits[i].tolist()
+                got = _support_shares(sterms, ns, total, cap, runs, best_pipe)
+                if got is None:
+                    continue
+                best_pipe = got[0]
+                placement = [list(zip(support, ns)) for _ in range(pp)]
+                out.append((placement, dict(zip(support, got[1]))))
+    return out, exact, listed, visited
+
+
 def _equal_share_placements(t: PlanTables, hosts: list[str]):
     """Group-pure placements whose replicas all run m micro-batches (`equal_shares`: Sailor's
     and Metis's runtimes): ([(placement, shares)], exact). With equal counts a support's
@@ -272,22 +318,24 @@ def _equal_share_placements(t: PlanTables, hosts: list[str]):
 
 
 def _share_placements(
-    t: PlanTables, allowed: list[list[str]], prune: bool = True, equal: bool = False
+    t: PlanTables,
+    allowed: list[list[str]],
+    rates: Mapping[str, float] | None = None,
+    equal: bool = False,
 ):
     """Group-pure placements with uneven shares: ([(placement, shares)], exact, listed,
     visited).
 
     For every pair of host groups (a, b) and n_a + n_b = dp pipelines, the best shares come
-    from `_pair_shares` (counts the schedule runs only). With `prune` (objectives that rank
-    by step time) the n_a are visited in order of their continuous bound
-    T(n_a) = (M + sum_g n_g c_g / s_g) / (sum_g n_g / s_g)
-    and the visit stops once T(n_a) reaches the best integer pipeline term found: exact for
-    every pair. Without it (cost: the group mix changes the price) every n_a is tried up to
-    dp = SHARE_EXHAUSTIVE_DP, a window around the fastest-first split beyond. With `prune`,
-    supports of three or more host groups follow (`_support_placements`; `listed` and
-    `visited`: the splits it enumerated and priced, the screen's work). `exact` says that
-    every group-pure placement was covered (no window; over three or more host groups, with
-    `prune` and within SHARE_SPLITS_LIMIT). `equal`: only shares of m micro-batches each
+    from `_pair_shares` (counts the schedule runs only), the n_a visited in order of their
+    continuous bound T(n_a) = (M + sum_g n_g c_g / s_g) / (sum_g n_g / s_g); the visit stops
+    once T(n_a) reaches the best integer pipeline term found: exact for every pair. Supports
+    of three or more host groups follow (`_support_placements`; `listed` and `visited`: the
+    splits it enumerated and priced, the screen's work). `exact` says that every group-pure
+    placement was covered (over three or more host groups, within SHARE_SPLITS_LIMIT).
+    `rates` (objective "cost": the price per second of a replica-stage's GPUs on each group):
+    the group mix changes the price, so every support's (pipeline term, price) frontier
+    instead (`_frontier_placements`). `equal`: only shares of m micro-batches each
     (`_equal_share_placements`)."""
     if t.parallel.zero == 3:
         return [], True, 0, 0
@@ -306,8 +354,9 @@ def _share_placements(
     def runs(m: int) -> bool:
         return microbatch_problem(schedule, pp, m) is None
 
+    if rates is not None:
+        return _frontier_placements(t, hosts, terms, cap, runs, rates)
     out = []
-    exact = prune or (len(hosts) == 2 and dp <= SHARE_EXHAUSTIVE_DP)
     ep = t.parallel.ep or 1
     for a, b in itertools.combinations(hosts, 2):
         (sa, ca), (sb, cb) = terms[a], terms[b]
@@ -315,39 +364,32 @@ def _share_placements(
         lo, hi = max(1, dp - rb), min(dp - 1, ra)
         if lo > hi:
             continue
-        if prune:
-            order = sorted(
-                range(lo, hi + 1),
-                key=lambda na: (
-                    (total + na * ca / sa + (dp - na) * cb / sb) / (na / sa + (dp - na) / sb),
-                    na,
-                ),
-            )
-        elif dp <= SHARE_EXHAUSTIVE_DP:
-            order = list(range(lo, hi + 1))
-        else:
-            centre = hi if sa <= sb else lo
-            order = list(range(max(lo, centre - SHARE_WINDOW), min(hi, centre + SHARE_WINDOW) + 1))
+        order = sorted(
+            range(lo, hi + 1),
+            key=lambda na: (
+                (total + na * ca / sa + (dp - na) * cb / sb) / (na / sa + (dp - na) / sb),
+                na,
+            ),
+        )
         best_pipe = math.inf
         for na in order:
             nb = dp - na
             if na % ep:  # an ep group's all-to-alls need one share: inside one group
                 continue
-            if prune:
-                bound = (total + na * ca / sa + nb * cb / sb) / (na / sa + nb / sb)
-                if bound >= best_pipe * (1 - 1e-12):
-                    break
+            bound = (total + na * ca / sa + nb * cb / sb) / (na / sa + nb / sb)
+            if bound >= best_pipe * (1 - 1e-12):
+                break
             got = _pair_shares(terms[a], terms[b], na, nb, total, cap, runs)
             if got is None:
                 continue
             pipe = max(sa * got[0] + ca, sb * got[1] + cb)
-            if prune and pipe >= best_pipe:
+            if pipe >= best_pipe:
                 continue
-            best_pipe = min(best_pipe, pipe)
+            best_pipe = pipe
             placement = [[(a, na), (b, nb)] for _ in range(pp)]
             out.append((placement, {a: got[0], b: got[1]}))
-    listed = visited = 0
-    if prune and len(hosts) >= 3:
+    exact, listed, visited = True, 0, 0
+    if len(hosts) >= 3:
         more, exact, listed, visited = _support_placements(t, hosts, terms, cap, runs)
         out += more
     return out, exact, listed, visited

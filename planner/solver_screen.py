@@ -23,6 +23,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 from meshplan.cost_model.graph_costs import Composition
 from meshplan.cost_model.memory import in_flight_microbatches
 from meshplan.cost_model.pricer import OVERLAP_EFFICIENCY, Pricer
@@ -55,6 +56,8 @@ from .solver_bounds import (
     _pipeline_bound,
     _share_bound,
     _share_extra,
+    _share_hosts,
+    _share_terms,
     _split_free_memory,
     _stage_memory,
 )
@@ -263,34 +266,59 @@ class _ScreenMemo:
         factor = self.factor(f)
         return max(lb * factor, self.cost_floor(f)), factor
 
-    def cost_table_floor(
-        self,
-        c: Candidate,
-        t: PlanTables,
-        allowed: list[list[str]],
-        extra: Callable[[PlanTables, list[list[str]]], float],
-    ) -> float:
-        """Objective "cost": a score bound of the pair over the placements whose step is at
-        least their pipeline term plus `extra(t, allowed)` (`_lock_extra` or `_share_extra`);
-        0 otherwise. `_cost_floor`'s argument over the pair's own stages (each on the groups
-        it fits in), with the pipeline fill: a replica running m_j micro-batches holds its
-        stage's GPUs for at least m_j u_s + fill (S - u_s) + extra (`_pipeline_bound`:
-        m U + fill (S - U) rises with U, as m >= 1 >= fill), S - u_s at least the other
-        stages at their fastest, F_s. So the score is at least
-        dp sum_s (m min_g rate_g u_s,g + (fill F_s + extra) min_g rate_g), rate_g the price of
-        a replica-stage's GPUs on g."""
+    def cost_lock_floor(self, c: Candidate, t: PlanTables, allowed: list[list[str]]) -> float:
+        """Objective "cost": a score bound of the pair's lock-step placements (0 for other
+        objectives). Every GPU of the plan is held for the whole step, and a lock-step step
+        is at least m U + fill (S - U) + `_lock_extra` with U the slowest stage (`_lower_bound`;
+        S - U at least S_min - U, S_min the stages at their fastest). With U the time of one
+        (stage, group) cell, every stage runs on groups no slower than U, so its dp replicas
+        cost at least dp times the cheapest such group's rate (a replica-stage's GPUs' price
+        per second): the least of (m U + fill max(0, S_min - U) + extra) dp sum_s rate_s(U)
+        over every cell's U bounds every lock-step placement."""
         if not self.scorer.cost:
             return 0.0
         self.work.charge("bound")
-        price, m, pp = self.scorer.price, self.microbatches(c), t.pp
-        rates = [{g: price[g] * c.tp_of(g) * c.cp for g in allowed[s]} for s in range(pp)]
-        fastest = [min(t.time[s][g].total for g in allowed[s]) for s in range(pp)]
-        total, more = sum(fastest), extra(t, allowed)
-        return c.dp * sum(
-            m * min(r * t.time[s][g].total for g, r in rates[s].items())
-            + (c.fill * (total - fastest[s]) + more) * min(rates[s].values())
-            for s in range(pp)
+        times, rates = self._cost_cells(c, t, allowed)
+        fastest = times.min(axis=1)
+        cuts = np.unique(times[np.isfinite(times)])
+        cuts = cuts[cuts >= fastest.max()]  # every stage has some group at most this slow
+        cheapest = np.where(times[None] <= cuts[:, None, None], rates, np.inf).min(axis=2)
+        spent = c.dp * cheapest.sum(axis=1)
+        m, fill, more = self.microbatches(c), c.fill, _lock_extra(t, allowed)
+        steps = m * cuts + fill * np.maximum(0.0, fastest.sum() - cuts) + more
+        return float((steps * spent).min())
+
+    def cost_share_floor(self, c: Candidate, t: PlanTables, allowed: list[list[str]]) -> float:
+        """Objective "cost": a score bound of the pair's group-pure share placements (0 for
+        other objectives). A pipeline wholly in group g running m_j micro-batches takes at
+        least f_g(m_j) = slope_g m_j + const_g (`_share_terms`) plus `_share_extra` of the step,
+        and holds pp replica-stages of g for all of it; the m_j sum to dp m, so the score is at
+        least dp m min_g (pp rate_g slope_g) + dp min_g (pp rate_g (const_g + extra)) over the
+        host groups."""
+        if not self.scorer.cost:
+            return 0.0
+        self.work.charge("bound")
+        hosts = _share_hosts(t, allowed)
+        if not hosts:
+            return math.inf
+        price, pp, more = self.scorer.price, t.pp, _share_extra(t, allowed)
+        rate = {g: pp * price[g] * c.tp_of(g) * c.cp for g in hosts}
+        terms = {g: _share_terms(t, g) for g in hosts}
+        m = self.microbatches(c)
+        return c.dp * (
+            m * min(rate[g] * terms[g][0] for g in hosts)
+            + min(rate[g] * (terms[g][1] + more) for g in hosts)
         )
+
+    def _cost_cells(self, c: Candidate, t: PlanTables, allowed: list[list[str]]):
+        """(stage x group times, infinite where the stage does not fit; each group's rate)."""
+        price, groups = self.scorer.price, list(t.groups)
+        times = np.array(
+            [[t.time[s][g].total if g in allowed[s] else np.inf for g in groups]
+             for s in range(t.pp)]
+        )  # fmt: skip
+        rates = np.array([price[g] * c.tp_of(g) * c.cp for g in groups])
+        return times, rates
 
     def cost_floor(self, c: Candidate | Family) -> float:
         """Objective "cost": `_cost_floor` of c (a score, not a step time); 0 otherwise."""
@@ -627,11 +655,10 @@ def _price(memo: _ScreenMemo, pair: _Pair, best: float) -> _Priced | None:
     lock_lower = share_lower = math.inf
     if not c.group_tp:
         lock_lower = max(_lower_bound(t, allowed) * factor, pair.floor)
-        lock_lower = max(lock_lower, memo.cost_table_floor(c, t, allowed, _lock_extra))
+        lock_lower = max(lock_lower, memo.cost_lock_floor(c, t, allowed))
     share = _share_bound(t, allowed)
     if math.isfinite(share):
-        share_lower = max(share * factor, pair.floor)
-        share_lower = max(share_lower, memo.cost_table_floor(c, t, allowed, _share_extra))
+        share_lower = max(share * factor, pair.floor, memo.cost_share_floor(c, t, allowed))
     lower = min(lock_lower, share_lower)
     if lower > best * (1 + 1e-9):
         return None
@@ -645,8 +672,11 @@ def _price(memo: _ScreenMemo, pair: _Pair, best: float) -> _Priced | None:
     if pr.greedy_placement is not None:
         pr.best = (pr.greedy_score, pr.greedy_placement, None)
     if share_lower < (pr.best[0] if pr.best else math.inf) * (1 - 1e-9):
+        rates = None  # cost: what a replica-stage's GPUs cost per second on each group
+        if scorer.cost:
+            rates = {g: scorer.price[g] * c.tp_of(g) * c.cp for g in t.groups}
         options, exact, listed, visited = _share_placements(
-            t, allowed, prune=not scorer.cost, equal=scorer.equal_shares
+            t, allowed, rates, equal=scorer.equal_shares
         )
         work.charge("placement", len(options))
         if listed:

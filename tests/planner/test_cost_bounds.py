@@ -1,7 +1,8 @@
 """Objective "cost" (dollars per token): the score bounds of the screen. A plan costs its step
 time times the price of the GPUs it holds; the bounds charge every stage's work on the group
 where it is cheapest (`solver_bounds._cost_floor`, `_ScreenMemo.cost_table_floor`) instead of
-the fastest group's time at the cheapest group's price. Oracles: the score of every placement
+the fastest group's time at the cheapest group's price, and the share placements of every
+support of host groups on its (pipeline term, price) frontier. Oracles: the score of every placement
 of every (configuration, split) of small priced clusters, and the exhaustive search
 (`test_solver.brute_force` minimising the same score)."""
 
@@ -16,7 +17,6 @@ from meshplan.cost_model import evaluate, hetero_tables, plan_tables, pricer_for
 from meshplan.ir import Parallel
 from meshplan.passes.partition import compositions, replica_capacity, stages_of
 from meshplan.solver import solve
-from meshplan.solver_bounds import _lock_extra, _share_extra
 from meshplan.solver_candidates import enumerate_families
 from meshplan.solver_objective import Objective, _Scorer, _Work
 from meshplan.solver_screen import _ScreenMemo
@@ -67,7 +67,8 @@ CASES = [
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_cost_floors_are_below_every_placement(case):
     """Every placement's score (lock-step and uneven shares, per-group TP included) is at
-    least the pair's table floor, and at least its configuration's split-free floor."""
+    least the pair's floor for its kind (`cost_lock_floor`, `cost_share_floor`), and at
+    least its configuration's split-free floor (`cost_floor`)."""
     make_graph, make_cluster, gb = CASES[case]
     graph, cluster = make_graph(), make_cluster()
     pricer, scorer, memo = _memo(graph, cluster, gb)
@@ -94,8 +95,8 @@ def test_cost_floors_are_below_every_placement(case):
                 allowed = [[g for g in t.groups if t.fits[s][g]] for s in range(t.pp)]
                 if any(not a for a in allowed):
                     continue
-                lock = memo.cost_table_floor(c, t, allowed, _lock_extra)
-                share = memo.cost_table_floor(c, t, allowed, _share_extra)
+                lock = memo.cost_lock_floor(c, t, allowed)
+                share = memo.cost_share_floor(c, t, allowed)
                 scores = []
                 if not tps:
                     for pl in _placements(t, cap):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 import meshplan.solver as solver_mod
 import meshplan.solver_layouts as layouts_mod
@@ -22,6 +23,8 @@ from meshplan.solver import InfeasibleError, solve
 from meshplan.solver_bounds import _least_peak
 from meshplan.solver_candidates import enumerate_families
 from meshplan.solver_layouts import _Layouts, layouts
+from meshplan.solver_objective import Objective, _Scorer, _Work
+from meshplan.solver_screen import _ScreenMemo
 
 from tests.cost_model.test_stage_tp_layouts import NVLINK2, V100_16
 from tests.synthetic import A100_40, IB_HDR, NVLINK3, transformer_graph
@@ -151,3 +154,88 @@ def test_search_and_refusal_unchanged_without_the_check(monkeypatch):
     assert with_check.stages == without.stages
     assert with_check.prediction.step_time_s == without.prediction.step_time_s
     assert refusal == refusal_without
+
+
+def test_fits_nowhere_only_where_no_split_fits_on_any_gpu_it_may_use():
+    """`_ScreenMemo.fits_nowhere` against the memory model: wherever it says so, the fullest
+    stage of every split passes the memory of every group the configuration may use (each
+    group's own degree under per-group TP, where either group failing rules it out). It
+    fires often, and some configurations fit the A100-40GB only: compared with the V100's
+    16 GB instead of the largest GPU, it would refuse those. A 4-layer 8192-wide model
+    (3.9B parameters) on 4 A100-40GB + 8 V100-16GB."""
+    graph = transformer_graph(4, 8192, 64, 8, 28672, 32000, 2048, 1, "float16")
+    cluster = _tight_cluster()
+    pricer = pricer_for(graph, cluster)
+    memo = _ScreenMemo(
+        pricer, graph, 32, _Work.starting_now(1e9), _Scorer(Objective(), cluster), math.inf
+    )
+    memory = {g.name: g.gpu.memory_bytes for g in cluster.groups}
+    fired = big_only = 0
+    for fam in enumerate_families(graph, cluster, Parallel(), 32):
+        for _, c in fam.members:
+            views = [(g, c.view(g)) for g, _ in c.group_tp] or [(g, c) for g in memo.groups(c)]
+            fits = {}
+            for g, v in views:
+                fullest = min(
+                    max(
+                        pricer.stage_memory(
+                            pricer.costs.composition(a, b), v.stage_of(), dp=v.dp, zero=v.zero
+                        ).peak(1)[0]
+                        for a, b in split
+                    )
+                    for split in _compositions(graph, v.pp)
+                )
+                fits[g] = fullest <= memory[g]
+            possible = all(fits.values()) if c.group_tp else any(fits.values())
+            if memo.fits_nowhere(c):
+                fired += 1
+                assert not possible, c
+            elif not c.group_tp and fits.get("a100") and not fits.get("v100"):
+                big_only += 1
+    assert fired > 50 and big_only > 0
+
+
+def test_single_group_seed_skips_exactly_the_groups_that_cannot_hold_the_model():
+    """On 4 A100-40GB + 4 V100-16GB with the 5.2B model: the V100 group alone cannot hold
+    its states (its own search finds nothing), the A100 group can (its own search finds a
+    plan), and the seed is that group's plan."""
+    from meshplan.solver import _single_group_seed
+    from meshplan.solver_objective import _Work as Work
+
+    graph = transformer_graph(24, 4096, 32, 32, 4 * 4096, 50257, 2048, 1, "float16")
+    cluster = _tight_cluster(v100_nodes=1)
+    for g in cluster.groups:
+        alone = dataclasses.replace(cluster, groups=(g,))
+        if g.name == "v100":
+            with pytest.raises(InfeasibleError):
+                solve(graph, alone, Parallel(), global_batch=32)
+        else:
+            assert solve(graph, alone, Parallel(), global_batch=32).status == "optimal"
+    seed, floor = _single_group_seed(
+        graph, cluster, Parallel(), 32, Work.starting_now(60), "float16"
+    )
+    assert seed is not None and math.isfinite(floor)
+    assert {g for st in seed.stages for g, _ in st.replicas} == {"a100"}
+
+
+def test_chains_turned_away_have_no_split_that_fits():
+    """Three groups (step 2b's chains, `Chain`): every chain `may_hold` turns away has no
+    split that fits (`solver_chains.split`), on 4 A100-40GB + 8 V100-16GB + 8 T4 with a
+    12-layer 6144-wide model in fp32 (5.8B parameters, 93 GB of states a replica), and some
+    are turned away."""
+    from meshplan.solver_chains import chains
+    from meshplan.solver_chains import split as chain_split
+
+    from tests.planner.test_solver_chains import GLOBAL_BATCH, PINS, _three_groups
+
+    _, cluster = _three_groups()
+    graph = transformer_graph(12, 6144, 48, 48, 4 * 6144, 50257, 2048, 1)
+    cache = _Layouts(graph, pricer_for(graph, cluster, "float32"))
+    held = refused = 0
+    for _, _, chain in chains(cache, PINS, GLOBAL_BATCH, [Recompute.NONE], False, math.inf):
+        if cache.may_hold(chain):
+            held += 1
+        else:
+            refused += 1
+            assert chain_split(cache, chain) is None, chain
+    assert refused > 0 and held > 0

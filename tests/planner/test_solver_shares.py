@@ -163,6 +163,51 @@ def test_share_placements_over_three_groups_find_the_best(
     assert several >= searched
 
 
+@pytest.mark.parametrize(
+    "per_node, global_batch", [(2, 48), pytest.param(4, 72, marks=pytest.mark.slow)]
+)
+def test_cost_share_placements_find_the_cheapest(per_node, global_batch):
+    """Objective "cost" (`rates`: each group's price per second of a replica-stage's GPUs):
+    the cheapest of `_share_placements`' options (every support's (pipeline term, price)
+    frontier) scores exactly as the cheapest of every group-pure placement, over pairs and
+    triples of groups, at prices where the fastest group is dearest per token and where it is
+    cheapest."""
+    graph = transformer_graph(4, 1024, 8, 8, 4096, 8000, 1024, 1)
+    cluster = three_type_cluster(gpus_per_node=per_node)
+    pricer = pricer_for(graph, cluster)
+    memo = _ScreenMemo(
+        pricer, graph, global_batch, _Work.starting_now(1e3), _Scorer(Objective(), cluster),
+        math.inf,
+    )  # fmt: skip
+    checked = wider = 0
+    for prices in ({"h100": 9.0, "a100": 2.0, "a40": 0.6}, {"h100": 2.0, "a100": 1.9, "a40": 1.6}):
+        for c in enumerate_candidates(graph, cluster, Parallel(), global_batch):
+            if c.group_tp or c.dp < 3:
+                continue
+            rates = {g: prices[g] * c.tp * c.cp for g in prices}
+            for split in memo.splits(c)[:1]:
+                t = plan_tables(pricer, c.parallel(), stages_of(graph, split), memo.groups(c))
+                cap = {g: replica_capacity(pricer.groups[g], c.tp, c.cp) for g in t.groups}
+                every = list(every_share_placement(t, cap))
+                if not every:
+                    continue
+
+                def score(option):
+                    pl, sh = option
+                    price = sum(rates[g] * n for reps in pl for g, n in reps)
+                    return evaluate(t, pl, sh).step_time_s * price
+
+                allowed = [[g for g in t.groups if t.fits[s][g]] for s in range(t.pp)]
+                options, exact, _, _ = _share_placements(t, allowed, rates)
+                assert exact
+                want = min(every, key=score)
+                assert min(map(score, options)) == pytest.approx(score(want), rel=1e-12)
+                checked += 1
+                wider += len(want[1]) == 3
+    assert checked > 20
+    assert wider > 0  # a triple of groups is cheapest somewhere
+
+
 def test_solve_is_optimal_on_three_groups_and_uses_all_three(monkeypatch):
     """The whole search on 4 A100 + 8 V100 + 8 T4 in fp16 (tests/planner/test_solver_chains.py's
     cluster): the plan runs group-pure pipelines in all three groups with three micro-batch
