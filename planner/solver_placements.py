@@ -399,8 +399,10 @@ def _greedy_placements(t: PlanTables, allowed: list[list[str]], order: Sequence[
     """Warm-start placements: (1) rank order over the groups as listed, fastest first and
     slowest first (as the splits of `_splits` assume); (2) heaviest stage first, each into its
     fastest group that can hold all its replicas, else split fastest first; (3) everything in
-    one group when that group holds it all."""
+    one group when that group holds it all. `order`: the cluster's groups; those the tables
+    do not price (too small for a replica of tp x cp GPUs) are left out."""
     dp, pp = t.parallel.dp, t.pp
+    order = [g for g in order if g in t.groups]
 
     def fill(stage_order, group_order_of):
         free = dict(t.replica_capacity)

@@ -538,6 +538,18 @@ def test_infeasible_memory_names_the_bytes_needed_and_available():
     assert short == pytest.approx(needed - 80.0, abs=0.11)
 
 
+def test_replicas_too_wide_for_one_group_are_placed_on_the_others():
+    """Pinned tp 4 x cp 2 on H100 (one node of 4) + A100 and A40 (two nodes each): a replica
+    needs 8 GPUs, which only the two-node groups hold, so the plan uses those. Until session
+    32 the warm start sorted every group of the cluster by its stage times, and the tables
+    price only the groups that can hold a replica: a KeyError traceback."""
+    graph = transformer_graph(4, 1024, 8, 8, 4096, 32000, 4096, 1)
+    cluster = three_type_cluster(4, (1, 2, 2))
+    r = solve(graph, cluster, Parallel(tp=4, cp=2), global_batch=16)
+    assert (r.parallel.tp, r.parallel.cp) == (4, 2)
+    assert "h100" not in {g for st in r.stages for g, _ in st.replicas}
+
+
 def test_infeasible_capacity_names_the_gpus_needed_and_available():
     # without a pipeline the model fits in memory only on the H100s, and there are too few
     graph = transformer_graph(64, 8192, 64, 8, 32768, 32000, 4096, 1)
