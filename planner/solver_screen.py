@@ -44,6 +44,7 @@ from meshplan.passes.partition import replica_capacity, stages_of
 from .solver_bounds import (
     _capacities,
     _cost_floor,
+    _distinct_stage_times,
     _free_bound,
     _free_hosts,
     _free_terms,
@@ -309,6 +310,44 @@ class _ScreenMemo:
             m * min(rate[g] * terms[g][0] for g in hosts)
             + min(rate[g] * (terms[g][1] + more) for g in hosts)
         )
+
+    def cost_pair_floor(self, c: Candidate, split: tuple[int, ...]) -> float:
+        """Objective "cost": `cost_lock_floor` and `cost_share_floor` before the pair's tables
+        (0 for other objectives): over its distinct stages' times on every group c may use
+        (`_distinct_stage_times`, memory ignored), without the hand-offs, DP traffic and
+        optimizer; the lesser of the two kinds."""
+        if not self.scorer.cost:
+            return 0.0
+        key = ("cost-pair", *self._split_key(c)[:-1], split)
+        got = self._split_terms.get(key)
+        if got is not None:
+            return got
+        self.work.charge("bound")
+        groups = self.groups(c)
+        stage_times, counts, per_group = _distinct_stage_times(
+            self.pricer, c, self.ranges(split), groups, self.cache
+        )
+        price, m = self.scorer.price, self.microbatches(c)
+        rates = np.array([price[g] * c.tp_of(g) * c.cp for g in groups])
+        lock = math.inf
+        if not c.group_tp:
+            times = np.array([[st.get(g, np.inf) for g in groups] for st in stage_times])
+            weights = np.array(counts, dtype=float)
+            fastest = times.min(axis=1)
+            cuts = np.unique(times[np.isfinite(times)])
+            cuts = cuts[cuts >= fastest.max()]
+            cheapest = np.where(times[None] <= cuts[:, None, None], rates, np.inf).min(axis=2)
+            steps = m * cuts + c.fill * np.maximum(0.0, weights @ fastest - cuts)
+            lock = float((steps * c.dp * (cheapest @ weights)).min())
+        share = math.inf
+        if c.zero <= 2:
+            pp_rates = {g: c.pp * r for g, r in zip(groups, rates.tolist(), strict=True)}
+            share = c.dp * (
+                m * min(pp_rates[g] * u for g, (u, _) in per_group.items())
+                + c.fill * min(pp_rates[g] * (s - u) for g, (u, s) in per_group.items())
+            )
+        got = self._split_terms[key] = min(lock, share)
+        return got
 
     def _cost_cells(self, c: Candidate, t: PlanTables, allowed: list[list[str]]):
         """(stage x group times, infinite where the stage does not fit; each group's rate)."""
@@ -805,7 +844,7 @@ class _Screen:
                             continue
                         self.pairs += 1
                         pair = _Pair(c, split, factor, floor)
-                        bound = max(lb * factor, floor)
+                        bound = max(lb * factor, floor, memo.cost_pair_floor(c, split))
                         heapq.heappush(queue, _Queued(bound, entry.index, split, pair))
                 case _Pair(cand=c, split=split) as pair:  # price it
                     if (c, split) in self.done:
@@ -818,7 +857,7 @@ class _Screen:
                         lb = memo.pair_bound_with_traffic(c, split, enough)
                         if _beyond(lb, self.limit):
                             continue  # min_gpus: past the target step time
-                        again = max(lb * pair.factor, pair.floor)
+                        again = max(lb * pair.factor, pair.floor, memo.cost_pair_floor(c, split))
                         if again > entry.bound * (1 + 1e-9):
                             pair = dataclasses.replace(pair, refined=True)
                             heapq.heappush(queue, _Queued(again, entry.index, split, pair))
