@@ -201,6 +201,7 @@ class _Outcome:
     models: int
     smallest: tuple | None
     kept: list[_Priced] = field(default_factory=list)
+    turned_away: bool = False  # the states check turned a configuration away (`_Screen`)
 
 
 def _search(
@@ -214,6 +215,7 @@ def _search(
     limit: float = math.inf,
     incumbent: float = math.inf,
     single_floor: float = 0.0,
+    states_check: bool = True,
 ) -> _Outcome:
     """Steps 2-3 of the module docstring over the candidates of `cands`: screen, then
     placement models, until `work` is spent. `incumbent`: the score of a plan known from elsewhere
@@ -224,8 +226,9 @@ def _search(
     screen goes on until it has found some plan (or shown that none fits), and when it stopped
     at its share with work left after the models, both go on, two thirds at a time."""
     screen = _Screen(
-        pricer, graph, cands, global_batch, work, scorer, limit, say, incumbent, single_floor
-    )
+        pricer, graph, cands, global_batch, work, scorer, limit, say, incumbent, single_floor,
+        states_check,
+    )  # fmt: skip
     best: tuple[float, _Priced, Placement, dict | None] | None = None
 
     def better(score: float, pr: _Priced) -> bool:
@@ -284,8 +287,9 @@ def _search(
             break
     lowest_open = min([cut, *open_bounds])
     return _Outcome(
-        best, lowest_open, screen.pairs, screen.priced, models, screen.smallest, all_kept
-    )
+        best, lowest_open, screen.pairs, screen.priced, models, screen.smallest, all_kept,
+        screen.memo.turned_away,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -441,12 +445,15 @@ def _solve_in_groups(
     equal_shares: bool = False,
     candidates: list[Family] | None = None,
     cutoff: float = math.inf,
+    explain: bool = True,
 ) -> SolveResult:
     """The best configuration and placement that fits with every replica inside a device
     group, honouring the fields of `pinned`.
 
     `cutoff` (`_single_group_seed`): the step time of a plan known from elsewhere; only plans
-    faster than it are searched for, and `_NoneFaster` is raised when none is.
+    faster than it are searched for, and `_NoneFaster` is raised when none is. `explain`
+    False: a refusal is a bare InfeasibleError (the seeds discard it), without the second
+    search that names the least memory need.
 
     `comm`: what may be done to traffic (lossless coding, int8 gradients; each collective
     priced at its fastest allowed method, `cost_model.compression`); None: raw traffic.
@@ -556,7 +563,14 @@ def _solve_in_groups(
     if out.best is None and math.isfinite(cutoff):
         raise _NoneFaster(min(out.lowest_open, cutoff), work.spent, work.wall_hit)
     if out.best is None:
-        raise InfeasibleError(_why_nothing_fits(out, cluster))
+        if out.turned_away and explain:
+            # Search again without the states check, so that the refusal names the least
+            # need the per-stage checks find (`_why_nothing_fits`), as it always has.
+            out = _search(
+                pricer, graph, cands, global_batch, work, scorer, say, incumbent=cutoff,
+                single_floor=floor, states_check=False,
+            )  # fmt: skip
+        raise InfeasibleError(_why_nothing_fits(out, cluster) if explain else "no plan fits")
     parallel, stages, prediction = _decode(graph, cluster, out, global_batch, dtype, comm, engine)
     score, pr = out.best[0], out.best[1]
     say(f"priced {out.priced} (configuration, split) pairs, solved {out.models} placement models")
@@ -687,6 +701,7 @@ def _single_group_seed(
                 engine=engine,
                 candidates=own,
                 cutoff=seed.prediction.step_time_s if seed is not None else math.inf,
+                explain=False,
             )
         except _NoneFaster as none:
             work.spent += none.work
@@ -768,6 +783,10 @@ def _min_gpus(
     work.at_least(5.0)
     full = _search(pricer, graph, cands, global_batch, work, scorer, say)
     if full.best is None:
+        if full.turned_away:  # as `_solve_in_groups`: the refusal's least need
+            full = _search(
+                pricer, graph, cands, global_batch, work, scorer, say, states_check=False
+            )
         raise InfeasibleError(_why_nothing_fits(full, pricer.cluster))
     reach = tokens / full.best[0]
     need = objective.target_tokens_per_s

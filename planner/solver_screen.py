@@ -175,6 +175,7 @@ class _ScreenMemo:
         scorer: _Scorer,
         limit: float,
         single_floor: float = 0.0,
+        states_check: bool = True,
     ) -> None:
         self.pricer = pricer
         self.graph = graph
@@ -183,6 +184,11 @@ class _ScreenMemo:
         self.scorer = scorer
         self.limit = limit
         self.single_floor = single_floor
+        # `fits_nowhere` asked before the per-stage memory checks, and whether it turned a
+        # configuration away: a search that ends in a refusal then runs again without it,
+        # to name the least need `_split_free_memory` finds (`solver._solve_in_groups`)
+        self.states_check = states_check
+        self.turned_away = False
         self.order = [g.name for g in pricer.cluster.groups]
         self.n_layers = len(graph.layer_units)
         self.cache: dict = {}
@@ -440,16 +446,14 @@ class _ScreenMemo:
         m = self.microbatches(c)
         fits = []
         verdicts: dict[tuple[int, float], bool] = {}
-        # By ZeRO stage: the model's states alone fit nowhere (`fits_nowhere`). Asked only with
-        # a plan in hand: with none, the search may end in a refusal, which names the least
-        # need `_split_free_memory` finds (less than `_least_peak` where ceil(L / pp) layers
-        # hold fewer parameters than the average stage), so it checks as it always did.
+        # By ZeRO stage: the model's states alone fit nowhere (`fits_nowhere`).
         surely: dict[int, bool] = {}
         for k, (_, _, zero, sched, v) in enumerate(fam.template):
-            if zero not in surely and math.isfinite(best):
+            if zero not in surely and self.states_check:
                 self.work.charge("aggregate")
                 surely[zero] = self.fits_nowhere(fam.member(k))
             if surely.get(zero):
+                self.turned_away = True
                 continue
             self.work.charge("memory")  # one per (zero, schedule, v): each member once
             held = min(
@@ -761,9 +765,13 @@ class _Screen:
         say,
         incumbent: float = math.inf,
         single_floor: float = 0.0,
+        states_check: bool = True,
     ) -> None:
         self.pricer, self.global_batch, self.work, self.limit = pricer, global_batch, work, limit
-        memo = _ScreenMemo(pricer, graph, global_batch, work, scorer, limit, single_floor)
+        memo = _ScreenMemo(
+            pricer, graph, global_batch, work, scorer, limit, single_floor, states_check
+        )
+
         queue = [
             _Queued(b, f.first, (), _Family(f, floor=memo.cost_floor(f)))
             for b, f in memo.family_bounds(families)
@@ -829,9 +837,10 @@ class _Screen:
                                 queue, _Queued(max(got[0], family.floor), i, (), unsplit)
                             )
                 case _Unsplit(cand=c, factor=factor, floor=floor):  # expand into its splits
-                    if math.isfinite(self.best):  # with none, see `_ScreenMemo.refined`
+                    if memo.states_check:
                         work.charge("aggregate")
                         if memo.fits_nowhere(c):
+                            memo.turned_away = True
                             continue  # no split fits
                     work.charge("memory")
                     need = memo.too_big(c, lambda x: (memo.split_free_memory(x), x.pp - 1))
