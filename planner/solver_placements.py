@@ -292,13 +292,17 @@ def _frontier_placements(t: PlanTables, hosts: list[str], terms, cap: int, runs,
     return out, exact, listed, visited
 
 
-def _equal_share_placements(t: PlanTables, hosts: list[str]):
+def _equal_share_placements(
+    t: PlanTables, hosts: list[str], rates: Mapping[str, float] | None = None
+):
     """Group-pure placements whose replicas all run m micro-batches (`equal_shares`: Sailor's
     and Metis's runtimes): ([(placement, shares)], exact). With equal counts a support's
     pipeline term is its slowest group's f_g(m) whatever the split, and its DP traffic and
     optimizer are the same for every split too (module docstring), so one split per support
     of two or more host groups covers them all (each group ep pipelines, the rest filled in
-    the cluster's order). Exact up to EQUAL_SHARE_HOSTS host groups; beyond, pairs only."""
+    the cluster's order; with `rates`, objective "cost", cheapest group first, which makes
+    that split the support's cheapest). Exact up to EQUAL_SHARE_HOSTS host groups; beyond,
+    pairs only."""
     dp, pp, m = t.parallel.dp, t.pp, t.m
     ep = t.parallel.ep or 1
     exact = len(hosts) <= EQUAL_SHARE_HOSTS
@@ -309,8 +313,11 @@ def _equal_share_placements(t: PlanTables, hosts: list[str]):
             if size * ep > dp or min(caps) < ep or sum(caps) < dp:
                 continue
             ns, left = [ep] * size, dp - size * ep
-            for i, c in enumerate(caps):
-                take = min(left, c - ep)
+            fill = range(size)
+            if rates is not None:  # the same pipeline term for every split: the cheapest
+                fill = sorted(fill, key=lambda i: (rates[support[i]], i))
+            for i in fill:
+                take = min(left, caps[i] - ep)
                 ns[i] += take
                 left -= take
             out.append(([list(zip(support, ns)) for _ in range(pp)], {g: m for g in support}))
@@ -346,7 +353,7 @@ def _share_placements(
     if len(hosts) < 2:
         return [], True, 0, 0
     if equal:
-        return (*_equal_share_placements(t, hosts), 0, 0)
+        return (*_equal_share_placements(t, hosts, rates), 0, 0)
     dp, pp, total = t.parallel.dp, t.pp, t.parallel.dp * t.m
     terms = {g: _share_terms(t, g) for g in hosts}
     schedule = t.parallel.schedule

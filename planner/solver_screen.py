@@ -321,10 +321,13 @@ class _ScreenMemo:
         """Objective "cost": `cost_lock_floor` and `cost_share_floor` before the pair's tables
         (0 for other objectives): over its distinct stages' times on every group c may use
         (`_distinct_stage_times`, memory ignored), without the hand-offs, DP traffic and
-        optimizer; the lesser of the two kinds."""
-        if not self.scorer.cost:
+        optimizer; the lesser of the two kinds. 0 under interleaved 1F1B and ZB-V."""
+        if not self.scorer.cost or c.chunks > 1 or c.schedule == Schedule.ZERO_BUBBLE:
+            # chunked schedules: a rank holds its chunk layout (`held`), not the split's
+            # ranges, which these times are of
             return 0.0
-        key = ("cost-pair", *self._split_key(c)[:-1], split)
+        # the value reads c's fill and whether shares apply, which `_split_key` leaves out
+        key = ("cost-pair", *self._split_key(c)[:-1], split, c.fill, c.zero <= 2)
         got = self._split_terms.get(key)
         if got is not None:
             return got

@@ -165,3 +165,48 @@ def test_cost_on_eighty_gpus_of_three_types_at_the_default_budget():
     r = solve(graph, cluster, Parallel(), global_batch=256, objective=Objective("cost"))
     assert r.gap < 0.01
     assert r.objective_value < 6.2e-8
+
+
+def test_pair_floor_is_the_same_asked_fresh_or_after_a_sibling():
+    """`cost_pair_floor` is cached per pair: members of one family that differ in ZeRO stage
+    (whether shares apply) or schedule (its fill) get their own value, the same as a fresh
+    memo gives each (a review found ZeRO-3's value, no shares, served to its ZeRO-2
+    sibling: above that sibling's share placements)."""
+    make_graph, make_cluster, gb = CASES[0]
+    graph, cluster = make_graph(), make_cluster()
+    _, _, shared = _memo(graph, cluster, gb)
+    checked = 0
+    for fam in enumerate_families(graph, cluster, Parallel(), gb):
+        members = [c for _, c in fam.members][::-1]  # ZeRO-3 and chunked ones first
+        for c in members:
+            for split in shared.splits(c)[:2]:
+                fresh = _memo(graph, cluster, gb)[2].cost_pair_floor(c, split)
+                assert shared.cost_pair_floor(c, split) == fresh, (c, split)
+                checked += 1
+    assert checked > 100
+
+
+def test_equal_shares_under_cost_take_the_cheapest_split():
+    """Equal micro-batches per replica (`equal_shares`) and objective cost: every split of a
+    support has the same pipeline term, so the search's one split per support must be its
+    cheapest (a review found the cluster's order taken: 29% dearer)."""
+    from meshplan.solver_placements import _share_placements as search_shares
+
+    graph = transformer_graph(4, 1024, 8, 8, 4096, 32000, 2048, 1)
+    cluster = _priced(mixed_cluster(1, 1, gpus_per_node=4), {"h100": 3.0, "a100": 1.0})
+    pricer = pricer_for(graph, cluster)
+    p = Parallel(dp=3, tp=1, pp=2, cp=1, ep=1, micro_batch=1, global_batch=24, zero=1,
+                 recompute="none", schedule="1f1b", sequence_parallel=False)  # fmt: skip
+    t = plan_tables(pricer, p, stages_of(graph, (2, 2)))
+    rates = {"h100": 3.0, "a100": 1.0}  # $ per GPU-hour: only their ratio matters
+    cap = {g: replica_capacity(pricer.groups[g], 1, 1) for g in t.groups}
+    allowed = [list(t.groups) for _ in range(t.pp)]
+    options, exact, _, _ = search_shares(t, allowed, rates, equal=True)
+
+    def score(option):
+        pl, sh = option
+        return evaluate(t, pl, sh).step_time_s * sum(rates[g] * n for r in pl for g, n in r)
+
+    every = [o for o in _share_placements(t, cap) if set(o[1].values()) == {t.m}]
+    assert exact and every
+    assert min(map(score, options)) == pytest.approx(min(map(score, every)), rel=1e-12)
