@@ -606,18 +606,18 @@ def _split_free_memory(
     return got
 
 
-def _distinct_stage_times(pricer: Pricer, cand: Candidate, ranges, groups, cache: dict):
-    """(per distinct stage: {group: u}, how many stages each, {group: (U_g, S_g)}), memoised
-    in `cache` (dp and ZeRO do not change stage times)."""
+def _distinct_stage_times(pricer: Pricer, cand: Candidate, comps, groups, cache: dict):
+    """(per distinct stage: {group: u}, how many stages each, {group: (U_g, S_g)}) of the
+    pipeline ranks' compositions `comps` (`_ScreenMemo.held`: each rank's chunks under
+    interleaved 1F1B and ZB-V, as the tables price them), memoised in `cache` (dp and ZeRO do
+    not change stage times)."""
     configs = tuple(priced(cand, g) for g in groups)
-    key = ("times", tuple(ranges), tuple(groups), configs)
+    key = ("times", tuple(comps), tuple(groups), configs)
     got = cache.get(key)
     if got is not None:
         return got
-    costs = pricer.costs
     distinct: dict = {}
-    for first, last in ranges:
-        comp = costs.composition(first, last)
+    for comp in comps:
         distinct[comp] = distinct.get(comp, 0) + 1
     stage_times = [
         {g: pricer.stage_time(comp, g, cfg).total for g, cfg in zip(groups, configs)}
@@ -633,12 +633,13 @@ def _distinct_stage_times(pricer: Pricer, cand: Candidate, ranges, groups, cache
 
 
 def _memory_free_bound(
-    pricer: Pricer, cand: Candidate, ranges, groups, cache: dict
+    pricer: Pricer, cand: Candidate, comps, groups, cache: dict
 ) -> tuple[float, float, float, float]:
     """Lower-bound pieces of every placement before any table (memory ignored, capacity
-    respected), over the distinct stages: (U, S) of `_stage_bound` for lock-step placements,
-    and (rate, fill) of `_share_rate_bound` for group-pure pipelines with uneven shares."""
-    stage_times, counts, per_group = _distinct_stage_times(pricer, cand, ranges, groups, cache)
+    respected), over the distinct stages (`comps`: each pipeline rank's composition): (U, S)
+    of `_stage_bound` for lock-step placements, and (rate, fill) of `_share_rate_bound` for
+    group-pure pipelines with uneven shares."""
+    stage_times, counts, per_group = _distinct_stage_times(pricer, cand, comps, groups, cache)
     capacity = _capacities(pricer, cand, groups, cache)
     big_u, total = _stage_bound(stage_times, counts, capacity, cand.dp)
     if cand.group_tp:  # group-pure placements only

@@ -110,19 +110,18 @@ def _megatron_seeds(
     return out[:most]
 
 
-def _largest_stage(pricer: Pricer, c: Candidate, ranges, global_batch: int) -> tuple[int, int]:
-    """(peak bytes, stage) of the stage needing the most memory, without building tables: per
-    distinct stage composition, its first stage holds the most micro-batches."""
+def _largest_stage(pricer: Pricer, c: Candidate, comps, global_batch: int) -> tuple[int, int]:
+    """(peak bytes, stage) of the pipeline rank needing the most memory, without building
+    tables: each rank's composition (`comps`, `_ScreenMemo.held`: its chunks under interleaved
+    1F1B and ZB-V, as the tables price them) with the micro-batches its schedule holds."""
     m = global_batch // (c.dp * c.micro_batch)
     worst, seen = (0, 0), set()
-    for s, (first, last) in enumerate(ranges):
-        comp = pricer.costs.composition(first, last)
-        if comp in seen:
+    for s, comp in enumerate(comps):
+        held = in_flight_microbatches(c.schedule, s, len(comps), m, c.chunks)
+        if (comp, held) in seen:
             continue
-        seen.add(comp)
-        mem = _stage_memory(pricer, comp, c)
-        held = in_flight_microbatches(c.schedule, s, len(ranges), m, c.chunks)
-        peak, _ = mem.peak(held)
+        seen.add((comp, held))
+        peak, _ = _stage_memory(pricer, comp, c).peak(held)
         worst = max(worst, (peak, s))
     return worst
 
@@ -321,20 +320,18 @@ class _ScreenMemo:
         """Objective "cost": `cost_lock_floor` and `cost_share_floor` before the pair's tables
         (0 for other objectives): over its distinct stages' times on every group c may use
         (`_distinct_stage_times`, memory ignored), without the hand-offs, DP traffic and
-        optimizer; the lesser of the two kinds. 0 under interleaved 1F1B and ZB-V."""
-        if not self.scorer.cost or c.chunks > 1 or c.schedule == Schedule.ZERO_BUBBLE:
-            # chunked schedules: a rank holds its chunk layout (`held`), not the split's
-            # ranges, which these times are of
+        optimizer; the lesser of the two kinds."""
+        if not self.scorer.cost:
             return 0.0
         # the value reads c's fill and whether shares apply, which `_split_key` leaves out
-        key = ("cost-pair", *self._split_key(c)[:-1], split, c.fill, c.zero <= 2)
+        key = ("cost-pair", *self._split_key(c), split, c.fill, c.zero <= 2)
         got = self._split_terms.get(key)
         if got is not None:
             return got
         self.work.charge("bound")
         groups = self.groups(c)
         stage_times, counts, per_group = _distinct_stage_times(
-            self.pricer, c, self.ranges(split), groups, self.cache
+            self.pricer, c, self.held(c, split)[1], groups, self.cache
         )
         price, m = self.scorer.price, self.microbatches(c)
         rates = np.array([price[g] * c.tp_of(g) * c.cp for g in groups])
@@ -530,14 +527,14 @@ class _ScreenMemo:
     def _pair_parts(self, c: Candidate, split: tuple[int, ...]) -> tuple[float, float]:
         """(lock-step, shares) parts of `pair_bound` (infinite shares where they do not
         apply)."""
-        ranges = self.ranges(split)
-        # zero does not change stage times, and the bound is linear in m
-        key = (*self._split_key(c)[:-1], split)
+        # zero does not change stage times, and the bound is linear in m; a chunked schedule's
+        # ranks hold its chunk layout (`held`), which the key's schedule and v name
+        key = (*self._split_key(c), split)
         terms = self._split_terms.get(key)
         if terms is None:
             self.work.charge("split")
             terms = self._split_terms[key] = _memory_free_bound(
-                self.pricer, c, ranges, self.groups(c), self.cache
+                self.pricer, c, self.held(c, split)[1], self.groups(c), self.cache
             )
         big_u, total, rate, fill = terms
         m = self.microbatches(c)
@@ -875,10 +872,10 @@ class _Screen:
                             heapq.heappush(queue, _Queued(again, entry.index, split, pair))
                             continue
                     self.done.add((c, split))
-                    ranges = memo.ranges(split)
+                    comps = memo.held(c, split)[1]
                     work.charge("memory")
                     need = memo.too_big(
-                        c, lambda x: _largest_stage(pricer, x, ranges, self.global_batch)
+                        c, lambda x: _largest_stage(pricer, x, comps, self.global_batch)
                     )
                     if need is not None:
                         self.smallest = _smaller(self.smallest, need, c)
