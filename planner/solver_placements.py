@@ -207,15 +207,14 @@ def _integer_bounds(
     return lo * (1 - 1e-12)
 
 
-def _support_placements(t: PlanTables, hosts: list[str], terms, cap: int, runs):
-    """The improving group-pure share placements over every support of at least three host
-    groups, each support searched exactly in bound order (module docstring): ([(placement,
-    shares)], exact, splits enumerated, splits visited). Not exact once the supports' splits
-    would pass SHARE_SPLITS_LIMIT (those supports are skipped)."""
+def _listed_supports(t: PlanTables, hosts: list[str], terms, cap: int, smallest: int):
+    """([(support, its splits, their `_integer_bounds`)], exact, splits listed) for every
+    support of at least `smallest` host groups in size order (`_splits_over`), skipping those
+    whose splits would take the count past SHARE_SPLITS_LIMIT (then not exact)."""
     dp, pp, total = t.parallel.dp, t.pp, t.parallel.dp * t.m
     ep = t.parallel.ep or 1
-    out, exact, listed, visited = [], True, 0, 0
-    for size in range(3, len(hosts) + 1):
+    out, exact, listed = [], True, 0
+    for size in range(smallest, len(hosts) + 1):
         for support in itertools.combinations(hosts, size):
             caps = tuple(t.replica_capacity[g] // pp for g in support)
             count = _split_count(dp, caps, ep)
@@ -228,21 +227,33 @@ def _support_placements(t: PlanTables, hosts: list[str], terms, cap: int, runs):
             listed += len(splits)
             slopes = np.array([terms[g][0] for g in support])
             consts = np.array([terms[g][1] for g in support])
-            bounds = _integer_bounds(splits, slopes, consts, total, cap, t.m)
-            order = np.lexsort((*splits.T[::-1], bounds))  # bound, then the split: deterministic
-            best_pipe = math.inf
-            sterms = [terms[g] for g in support]
-            for i in order.tolist():
-                if bounds[i] >= best_pipe * (1 - 1e-12):
-                    break
-                visited += 1
-                ns = splits[i].tolist()
-                got = _support_shares(sterms, ns, total, cap, runs, best_pipe)
-                if got is None:
-                    continue
-                best_pipe = got[0]
-                placement = [list(zip(support, ns)) for _ in range(pp)]
-                out.append((placement, dict(zip(support, got[1]))))
+            out.append((support, splits, _integer_bounds(splits, slopes, consts, total, cap, t.m)))
+    return out, exact, listed
+
+
+def _support_placements(t: PlanTables, hosts: list[str], terms, cap: int, runs):
+    """The improving group-pure share placements over every support of at least three host
+    groups, each support searched exactly in bound order (module docstring): ([(placement,
+    shares)], exact, splits enumerated, splits visited). Not exact once the supports' splits
+    would pass SHARE_SPLITS_LIMIT (those supports are skipped)."""
+    pp, total = t.pp, t.parallel.dp * t.m
+    supports, exact, listed = _listed_supports(t, hosts, terms, cap, 3)
+    out, visited = [], 0
+    for support, splits, bounds in supports:
+        order = np.lexsort((*splits.T[::-1], bounds))  # bound, then the split: deterministic
+        best_pipe = math.inf
+        sterms = [terms[g] for g in support]
+        for i in order.tolist():
+            if bounds[i] >= best_pipe * (1 - 1e-12):
+                break
+            visited += 1
+            ns = splits[i].tolist()
+            got = _support_shares(sterms, ns, total, cap, runs, best_pipe)
+            if got is None:
+                continue
+            best_pipe = got[0]
+            placement = [list(zip(support, ns)) for _ in range(pp)]
+            out.append((placement, dict(zip(support, got[1]))))
     return out, exact, listed, visited
 
 
@@ -257,38 +268,25 @@ def _frontier_placements(t: PlanTables, hosts: list[str], terms, cap: int, runs,
     solved exactly (`_support_shares`) only where their integer bound is below the least
     pipeline term of the cheaper ones; each that lowers it is kept. Exact while the splits
     number at most SHARE_SPLITS_LIMIT (more: those supports are skipped)."""
-    dp, pp, total = t.parallel.dp, t.pp, t.parallel.dp * t.m
-    ep = t.parallel.ep or 1
-    out, exact, listed, visited = [], True, 0, 0
-    for size in range(2, len(hosts) + 1):
-        for support in itertools.combinations(hosts, size):
-            caps = tuple(t.replica_capacity[g] // pp for g in support)
-            count = _split_count(dp, caps, ep)
-            if not count:
+    pp, total = t.pp, t.parallel.dp * t.m
+    supports, exact, listed = _listed_supports(t, hosts, terms, cap, 2)
+    out, visited = [], 0
+    for support, splits, bounds in supports:
+        price = splits @ np.array([rates[g] for g in support])
+        order = np.lexsort((*splits.T[::-1], bounds, price))
+        sterms = [terms[g] for g in support]
+        best_pipe = math.inf
+        for i, bound in zip(order.tolist(), bounds[order].tolist(), strict=True):
+            if bound >= best_pipe * (1 - 1e-12):
+                continue  # a split no dearer is at least as fast
+            visited += 1
+            ns = splits[i].tolist()
+            got = _support_shares(sterms, ns, total, cap, runs, best_pipe)
+            if got is None:
                 continue
-            if listed + count > SHARE_SPLITS_LIMIT:
-                exact = False
-                continue
-            splits = _splits_over(dp, caps, ep)
-            listed += len(splits)
-            slopes = np.array([terms[g][0] for g in support])
-            consts = np.array([terms[g][1] for g in support])
-            bounds = _integer_bounds(splits, slopes, consts, total, cap, t.m)
-            price = splits @ np.array([rates[g] for g in support])
-            order = np.lexsort((*splits.T[::-1], bounds, price))
-            sterms = [terms[g] for g in support]
-            best_pipe = math.inf
-            for i, bound in zip(order.tolist(), bounds[order].tolist(), strict=True):
-                if bound >= best_pipe * (1 - 1e-12):
-                    continue  # a split no dearer is at least as fast
-                visited += 1
-                ns = splits[i].tolist()
-                got = _support_shares(sterms, ns, total, cap, runs, best_pipe)
-                if got is None:
-                    continue
-                best_pipe = got[0]
-                placement = [list(zip(support, ns)) for _ in range(pp)]
-                out.append((placement, dict(zip(support, got[1]))))
+            best_pipe = got[0]
+            placement = [list(zip(support, ns)) for _ in range(pp)]
+            out.append((placement, dict(zip(support, got[1]))))
     return out, exact, listed, visited
 
 

@@ -38,6 +38,20 @@ def _compositions(graph, pp: int):
         yield stages_of(graph, tuple(b - a for a, b in itertools.pairwise(bounds)))
 
 
+def _least_fullest(pricer, graph, c) -> int:
+    """The memory model's oracle: the least, over every split of the layers, of the peak of
+    the split's fullest stage with one micro-batch in flight (the least any schedule holds)."""
+    return min(
+        max(
+            pricer.stage_memory(
+                pricer.costs.composition(a, b), c.stage_of(), dp=c.dp, zero=c.zero
+            ).peak(1)[0]
+            for a, b in split
+        )
+        for split in _compositions(graph, c.pp)
+    )
+
+
 def _tight_cluster(v100_nodes: int = 2) -> Cluster:
     """One node of 4 A100-40GB beside `v100_nodes` nodes of 4 V100-16GB, one HDR NIC each."""
     return Cluster(
@@ -65,15 +79,7 @@ def test_least_peak_is_below_the_fullest_stage_of_every_split(experts):
             views = [c.view(g) for g, _ in c.group_tp] or [c]
             for v in views:
                 least = _least_peak(pricer, v)
-                fullest = min(
-                    max(
-                        pricer.stage_memory(
-                            pricer.costs.composition(a, b), v.stage_of(), dp=v.dp, zero=v.zero
-                        ).peak(1)[0]
-                        for a, b in split
-                    )
-                    for split in _compositions(graph, v.pp)
-                )
+                fullest = _least_fullest(pricer, graph, v)
                 assert least <= fullest + 16, (v, least, fullest)
                 checked += 1
                 tight += least > 0.9 * fullest
@@ -176,16 +182,7 @@ def test_fits_nowhere_only_where_no_split_fits_on_any_gpu_it_may_use():
             views = [(g, c.view(g)) for g, _ in c.group_tp] or [(g, c) for g in memo.groups(c)]
             fits = {}
             for g, v in views:
-                fullest = min(
-                    max(
-                        pricer.stage_memory(
-                            pricer.costs.composition(a, b), v.stage_of(), dp=v.dp, zero=v.zero
-                        ).peak(1)[0]
-                        for a, b in split
-                    )
-                    for split in _compositions(graph, v.pp)
-                )
-                fits[g] = fullest <= memory[g]
+                fits[g] = _least_fullest(pricer, graph, v) <= memory[g]
             possible = all(fits.values()) if c.group_tp else any(fits.values())
             if memo.fits_nowhere(c):
                 fired += 1

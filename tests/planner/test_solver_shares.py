@@ -118,6 +118,19 @@ def test_integer_bounds_are_below_the_best_integer_shares():
     assert lifted > 150  # the integer bound is tighter than the crossing for most
 
 
+def _three_type_screen(per_node: int, global_batch: int):
+    """(graph, cluster, pricer, screen memo) of a small model on H100 + A100-80GB + A40 nodes
+    of `per_node` GPUs (`three_type_cluster`)."""
+    graph = transformer_graph(4, 1024, 8, 8, 4096, 8000, 1024, 1)
+    cluster = three_type_cluster(gpus_per_node=per_node)
+    pricer = pricer_for(graph, cluster)
+    memo = _ScreenMemo(
+        pricer, graph, global_batch, _Work.starting_now(1e3), _Scorer(Objective(), cluster),
+        math.inf,
+    )  # fmt: skip
+    return graph, cluster, pricer, memo
+
+
 @pytest.mark.parametrize(
     "per_node, global_batch, least_dp, searched",
     [
@@ -131,13 +144,7 @@ def test_share_placements_over_three_groups_find_the_best(
     """For every configuration of a small H100 + A100-80GB + A40 cluster with room for
     shares, the best of `_share_placements`' options prices exactly as the best of every
     group-pure placement (pairs and triples of groups), and the search says it is exact."""
-    graph = transformer_graph(4, 1024, 8, 8, 4096, 8000, 1024, 1)
-    cluster = three_type_cluster(gpus_per_node=per_node)
-    pricer = pricer_for(graph, cluster)
-    memo = _ScreenMemo(
-        pricer, graph, global_batch, _Work.starting_now(1e3), _Scorer(Objective(), cluster),
-        math.inf,
-    )  # fmt: skip
+    graph, cluster, pricer, memo = _three_type_screen(per_node, global_batch)
     checked = triples = several = 0
     for c in enumerate_candidates(graph, cluster, Parallel(), global_batch):
         if c.group_tp or c.dp < least_dp:
@@ -172,13 +179,7 @@ def test_cost_share_placements_find_the_cheapest(per_node, global_batch):
     frontier) scores exactly as the cheapest of every group-pure placement, over pairs and
     triples of groups, at prices where the fastest group is dearest per token and where it is
     cheapest."""
-    graph = transformer_graph(4, 1024, 8, 8, 4096, 8000, 1024, 1)
-    cluster = three_type_cluster(gpus_per_node=per_node)
-    pricer = pricer_for(graph, cluster)
-    memo = _ScreenMemo(
-        pricer, graph, global_batch, _Work.starting_now(1e3), _Scorer(Objective(), cluster),
-        math.inf,
-    )  # fmt: skip
+    graph, cluster, pricer, memo = _three_type_screen(per_node, global_batch)
     checked = wider = 0
     for prices in ({"h100": 9.0, "a100": 2.0, "a40": 0.6}, {"h100": 2.0, "a100": 1.9, "a40": 1.6}):
         for c in enumerate_candidates(graph, cluster, Parallel(), global_batch):
