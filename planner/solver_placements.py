@@ -23,8 +23,9 @@ pipeline term alone ranks them and the visit stops once the bound reaches the be
 exact for every support while its splits number at most SHARE_SPLITS_LIMIT.
 
 Objective "cost" (session 32): the group mix changes the price, so every support of two or
-more host groups gives its (pipeline term, price) frontier (`_frontier_placements`); before,
-pairs were tried up to dp 64 (a window beyond) and larger supports not at all.
+more host groups gives its (pipeline term, price) frontier (`_support_placements` with
+rates); before, pairs were tried up to dp 64 (a window beyond) and larger supports not at
+all.
 """
 
 from __future__ import annotations
@@ -231,53 +232,38 @@ def _listed_supports(t: PlanTables, hosts: list[str], terms, cap: int, smallest:
     return out, exact, listed
 
 
-def _support_placements(t: PlanTables, hosts: list[str], terms, cap: int, runs):
-    """The improving group-pure share placements over every support of at least three host
-    groups, each support searched exactly in bound order (module docstring): ([(placement,
+def _support_placements(
+    t: PlanTables, hosts: list[str], terms, cap: int, runs, rates: Mapping[str, float] | None = None
+):
+    """Group-pure share placements over every support of host groups, each support's splits
+    visited in order and solved exactly (`_support_shares`) only where their integer bound is
+    below the least pipeline term found before them; each that lowers it is kept: ([(placement,
     shares)], exact, splits enumerated, splits visited). Not exact once the supports' splits
-    would pass SHARE_SPLITS_LIMIT (those supports are skipped)."""
+    would pass SHARE_SPLITS_LIMIT (those supports are skipped).
+
+    Throughput (`rates` None): supports of three or more groups (pairs are `_share_placements`'
+    own), visited in bound order, so the first split skipped ends the support's visit (module
+    docstring). Objective "cost" (`rates`: each group's price per second of a replica-stage's
+    GPUs): supports of two or more groups, visited by price (then bound), which keeps each
+    support's (pipeline term, price) frontier. A plan's score is its step time times its
+    GPUs' price, and within a support the step is the pipeline term plus the same DP traffic
+    and optimizer for every split (module docstring), while the price is sum_g n_g rates[g]
+    (per stage); so the cheapest split is on that frontier: no split at most as expensive has a
+    smaller pipeline term."""
     pp, total = t.pp, t.parallel.dp * t.m
-    supports, exact, listed = _listed_supports(t, hosts, terms, cap, 3)
+    supports, exact, listed = _listed_supports(t, hosts, terms, cap, 3 if rates is None else 2)
     out, visited = [], 0
     for support, splits, bounds in supports:
-        order = np.lexsort((*splits.T[::-1], bounds))  # bound, then the split: deterministic
-        best_pipe = math.inf
-        sterms = [terms[g] for g in support]
-        for i in order.tolist():
-            if bounds[i] >= best_pipe * (1 - 1e-12):
-                break
-            visited += 1
-            ns = splits[i].tolist()
-            got = _support_shares(sterms, ns, total, cap, runs, best_pipe)
-            if got is None:
-                continue
-            best_pipe = got[0]
-            placement = [list(zip(support, ns)) for _ in range(pp)]
-            out.append((placement, dict(zip(support, got[1]))))
-    return out, exact, listed, visited
-
-
-def _frontier_placements(t: PlanTables, hosts: list[str], terms, cap: int, runs, rates):
-    """Objective "cost": the group-pure share placements that may be cheapest, over every
-    support of two or more host groups: ([(placement, shares)], exact, splits enumerated,
-    splits visited). A plan's score is its step time times its GPUs' price, and within a
-    support the step is the pipeline term plus the same DP traffic and optimizer for every
-    split (module docstring), while the price is sum_g n_g rates[g] (per stage). So the
-    cheapest split lies on the support's frontier: no split at most as expensive has a
-    smaller pipeline term. The splits are visited by price (then bound, then the split) and
-    solved exactly (`_support_shares`) only where their integer bound is below the least
-    pipeline term of the cheaper ones; each that lowers it is kept. Exact while the splits
-    number at most SHARE_SPLITS_LIMIT (more: those supports are skipped)."""
-    pp, total = t.pp, t.parallel.dp * t.m
-    supports, exact, listed = _listed_supports(t, hosts, terms, cap, 2)
-    out, visited = [], 0
-    for support, splits, bounds in supports:
-        price = splits @ np.array([rates[g] for g in support])
-        order = np.lexsort((*splits.T[::-1], bounds, price))
+        keys = (*splits.T[::-1], bounds)  # then the split: deterministic
+        if rates is not None:
+            keys = (*keys, splits @ np.array([rates[g] for g in support]))
+        order = np.lexsort(keys)
         sterms = [terms[g] for g in support]
         best_pipe = math.inf
         for i, bound in zip(order.tolist(), bounds[order].tolist(), strict=True):
             if bound >= best_pipe * (1 - 1e-12):
+                if rates is None:
+                    break  # bound order: every later split's bound is at least this one's
                 continue  # a split no dearer is at least as fast
             visited += 1
             ns = splits[i].tolist()
@@ -340,7 +326,7 @@ def _share_placements(
     placement was covered (over three or more host groups, within SHARE_SPLITS_LIMIT).
     `rates` (objective "cost": the price per second of a replica-stage's GPUs on each group):
     the group mix changes the price, so every support's (pipeline term, price) frontier
-    instead (`_frontier_placements`). `equal`: only shares of m micro-batches each
+    instead (`_support_placements` with `rates`). `equal`: only shares of m micro-batches each
     (`_equal_share_placements`)."""
     if t.parallel.zero == 3:
         return [], True, 0, 0
@@ -360,7 +346,7 @@ def _share_placements(
         return microbatch_problem(schedule, pp, m) is None
 
     if rates is not None:
-        return _frontier_placements(t, hosts, terms, cap, runs, rates)
+        return _support_placements(t, hosts, terms, cap, runs, rates)
     out = []
     ep = t.parallel.ep or 1
     for a, b in itertools.combinations(hosts, 2):
